@@ -1,0 +1,34 @@
+# The two commands of the quick start: `make demo` and `make test`. Both set everything up.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROTOS := $(wildcard proto/kvroute/v1/*.proto)
+
+.PHONY: setup demo test lint proto bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/kvroute demo
+
+test: setup lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(BIN)/ruff check .
+
+# Regenerate the committed gRPC stubs (tests/test_proto_stubs.py fails when they are stale).
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. \
+		--grpc_python_out=. $(PROTOS)
+
+bench: setup
+	$(BIN)/python bench/routing_decision.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

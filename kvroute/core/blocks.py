@@ -1,0 +1,83 @@
+"""The block-key scheme: token ids -> chained 64-bit keys. One source of truth.
+
+Contract (version 1), shared by every agent and router:
+
+* Only full blocks are keyed. ``block_size`` (default 16) must equal the engine's block size.
+* The chain is seeded from the model name and the cache salt (LoRA adapter name or any
+  caller-chosen salt)::
+
+      seed = xxh3_64(b"kvroute/v1\\x00" + utf8(model) + b"\\x00" + utf8(salt))
+
+* Block ``i`` covers tokens ``[i*B, (i+1)*B)``; each token is a little-endian uint32::
+
+      key_i = xxh3_64(le64(key_{i-1}) + le32(t_0) + ... + le32(t_{B-1})),  key_{-1} = seed
+
+  so a key names a block *and its whole prefix*: equal keys mean equal prefixes.
+* Keys are unsigned 64-bit integers; on the wire (Redis) they are 8 bytes big-endian
+  (see :mod:`kvroute.core.feed`).
+
+Test vectors are in ``tests/core/test_blocks.py`` and ``docs/block-keys.md``.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+DEFAULT_BLOCK_SIZE = 16
+_SEED_DOMAIN = b"kvroute/v1\x00"
+_h64 = xxhash.xxh3_64_intdigest
+
+
+def chain_seed(model: str, salt: str = "") -> int:
+    """The key that precedes block 0 for this model and cache salt."""
+    return _h64(_SEED_DOMAIN + model.encode() + b"\x00" + salt.encode())
+
+
+def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes. Raises OverflowError for ids outside uint32."""
+    arr = array.array("I", token_ids)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHasher:
+    """Computes chained block keys for one (model, salt) with a fixed block size."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    model: str = ""
+    salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+
+    @property
+    def seed(self) -> int:
+        return chain_seed(self.model, self.salt)
+
+    def iter_keys(self, token_ids: Sequence[int], parent: int | None = None) -> Iterator[int]:
+        """Yield the key of every full block, lazily: a caller that stops early hashes no more.
+
+        ``parent`` continues a chain (the key of the block before ``token_ids[0]``).
+        """
+        data = tokens_to_bytes(token_ids)
+        step = self.block_size * 4
+        prev = self.seed if parent is None else parent
+        h = _h64
+        for off in range(0, len(data) - step + 1, step):
+            prev = h(prev.to_bytes(8, "little") + data[off : off + step])
+            yield prev
+
+    def keys(self, token_ids: Sequence[int], parent: int | None = None) -> list[int]:
+        """The keys of every full block of ``token_ids``."""
+        return list(self.iter_keys(token_ids, parent))
+
+    def full_blocks(self, n_tokens: int) -> int:
+        return n_tokens // self.block_size

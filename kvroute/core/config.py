@@ -1,0 +1,115 @@
+"""Service configuration: dataclasses whose fields double as CLI flags and env variables.
+
+Each field's metadata carries its help text; ``--some-field`` on the command line, else
+``KVROUTE_SOME_FIELD`` in the environment, else the field default. One declaration serves
+``--help``, the environment and the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, get_type_hints
+
+from kvroute.core.blocks import DEFAULT_BLOCK_SIZE
+
+ENV_PREFIX = "KVROUTE_"
+T = TypeVar("T")
+
+
+def opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    redis: str = opt("redis://127.0.0.1:6379/0", "Redis URL holding the cache index and heartbeats")
+    model: str = opt("default", "model name: part of every block key and Redis key")
+    block_size: int = opt(DEFAULT_BLOCK_SIZE, "tokens per KV block; must equal the engine's")
+    host: str = opt("127.0.0.1", "address to bind the gRPC server to")
+    port: int = opt(50051, "gRPC port (0 picks a free one)")
+    metrics_port: int = opt(0, "Prometheus /metrics port (0 disables)")
+    log_level: str = opt("info", "log level: debug, info, warning, error")
+    log_json: bool = opt(False, "log one JSON object per line")
+    vocab_size: int = opt(50257, "token ids must be below this")
+    max_prompt_tokens: int = opt(131072, "longest prompt accepted, in tokens")
+    max_new_tokens: int = opt(32768, "largest max_tokens accepted")
+
+
+@dataclass(frozen=True)
+class RouterConfig(CommonConfig):
+    policy: str = opt("kvroute", "routing policy name (see `kvroute policies`)")
+    workers: str = opt("", "static workers, comma-separated id=host:port (heartbeats add more)")
+    tokenizer: str = opt("", "tokenizer for text prompts: '' (token ids only) or 'byte'")
+    poll_interval_s: float = opt(0.5, "seconds between heartbeat scans")
+    connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next")
+    redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts")
+
+
+@dataclass(frozen=True)
+class AgentConfig(CommonConfig):
+    port: int = opt(50061, "gRPC port (0 picks a free one)")
+    engine: str = opt("sim", "engine adapter: sim")
+    worker_id: str = opt("", "this worker's id (default: hostname:port)")
+    advertise: str = opt("", "address routers use to reach this agent (default host:port)")
+    capacity_blocks: int = opt(4096, "KV cache capacity in blocks (sim engine)")
+    max_batch: int = opt(64, "most sequences in the running batch (sim engine)")
+    time_scale: float = opt(1.0, "multiplies the sim engine's modelled latencies")
+    heartbeat_s: float = opt(1.0, "seconds between heartbeats")
+    heartbeat_ttl_s: float = opt(3.0, "heartbeat TTL: a worker silent this long is dead")
+    publish_buffer: int = opt(100000, "cache events buffered while Redis is down before resync")
+    feed_maxlen: int = opt(1000000, "approximate cap on change-feed length (XADD MAXLEN ~)")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, str]) -> None:
+    """One flag per field; the default shown is the environment's value if set."""
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        env_name = ENV_PREFIX + f.name.upper()
+        default = _parse(typ, env[env_name], env_name) if env_name in env else f.default
+        help_text = f"{f.metadata.get('help', '')} (env {env_name}; default: %(default)s)"
+        if typ is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, default=default,
+                                action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, type=typ, default=default,
+                                help=help_text)
+
+
+def _parse(typ: type, raw: str, where: str) -> Any:
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        return typ(raw)
+    except ValueError:
+        raise SystemExit(f"{where}={raw!r} is not a valid {typ.__name__}") from None
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+
+
+def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """Build a config from the environment and keyword overrides (for tests and embedding)."""
+    env = os.environ if env is None else env
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        env_name = ENV_PREFIX + f.name.upper()
+        if env_name in env:
+            values[f.name] = _parse(hints[f.name], env[env_name], env_name)
+    values.update(overrides)
+    return cls(**values)

@@ -1,0 +1,152 @@
+"""The prefix index: block key -> the workers that hold it; longest cached prefix per worker.
+
+Design (the hot path of every routing decision):
+
+* Workers are given small integer *slots*; the holders of a key are one Python int used as a
+  bitmask over slots, so intersecting "who holds every block so far" is one ``&`` whatever
+  the number of workers.
+* ``match`` walks a prompt's keys in order with a running mask of workers that hold the whole
+  prefix so far, and stops at the first key nobody in that mask holds: a cold prompt costs one
+  lookup, and the caller's lazy key iterator hashes no further.
+
+Invariants:
+
+* ``_holders[k]`` is never 0: a key with no holder is deleted.
+* For every slot ``s`` and key ``k``: ``s in _worker_keys[worker(s)]`` iff bit ``s`` of
+  ``_holders[k]`` is set.
+* A slot is reused only after its worker has been removed and all its keys cleared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class PrefixIndex:
+    """Key -> worker bitmask, plus each worker's key set (for removal and snapshots)."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, int] = {}
+        self._slot_of: dict[str, int] = {}
+        self._worker_of_slot: dict[int, str] = {}
+        self._keys_of: dict[str, set[int]] = {}
+        self._free_slots: list[int] = []
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _slot(self, worker: str) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slot_of)
+            self._slot_of[worker] = slot
+            self._worker_of_slot[slot] = worker
+            self._keys_of[worker] = set()
+        return slot
+
+    def workers(self) -> list[str]:
+        return list(self._slot_of)
+
+    def remove_worker(self, worker: str) -> int:
+        """Forget a worker and every key it held. Returns the number of keys dropped."""
+        n = self.clear_worker(worker)
+        slot = self._slot_of.pop(worker, None)
+        if slot is not None:
+            del self._worker_of_slot[slot]
+            del self._keys_of[worker]
+            self._free_slots.append(slot)
+        return n
+
+    def clear_worker(self, worker: str) -> int:
+        """Drop every key of ``worker`` but keep its slot."""
+        keys = self._keys_of.get(worker)
+        if not keys:
+            return 0
+        self._drop(self._slot_of[worker], keys)
+        n = len(keys)
+        keys.clear()
+        return n
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def add(self, worker: str, keys: Iterable[int]) -> None:
+        slot = self._slot(worker)
+        bit = 1 << slot
+        mine = self._keys_of[worker]
+        holders = self._holders
+        for k in keys:
+            holders[k] = holders.get(k, 0) | bit
+            mine.add(k)
+
+    def remove(self, worker: str, keys: Iterable[int]) -> None:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        mine = self._keys_of[worker]
+        present = [k for k in keys if k in mine]
+        mine.difference_update(present)
+        self._drop(slot, present)
+
+    def _drop(self, slot: int, keys: Iterable[int]) -> None:
+        clear = ~(1 << slot)
+        holders = self._holders
+        for k in keys:
+            m = holders.get(k, 0) & clear
+            if m:
+                holders[k] = m
+            else:
+                holders.pop(k, None)
+
+    def replace_worker(self, worker: str, keys: Iterable[int]) -> None:
+        """Set ``worker``'s keys to exactly ``keys`` (a snapshot load)."""
+        self.clear_worker(worker)
+        self.add(worker, keys)
+
+    def count(self, worker: str) -> int:
+        """Keys held by ``worker``."""
+        return len(self._keys_of.get(worker, ()))
+
+    def keys_of(self, worker: str) -> set[int]:
+        return set(self._keys_of.get(worker, ()))
+
+    def __len__(self) -> int:
+        """Distinct keys held by at least one worker."""
+        return len(self._holders)
+
+    def entries(self) -> int:
+        """(key, worker) pairs: the index's size as a count of cached blocks cluster-wide."""
+        return sum(len(s) for s in self._keys_of.values())
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def match(self, keys: Iterable[int]) -> dict[str, int]:
+        """Longest cached prefix per worker, in blocks, for workers holding at least block 0.
+
+        Stops consuming ``keys`` at the first block that no worker still matching holds.
+        """
+        holders = self._holders
+        it = iter(keys)
+        first = next(it, None)
+        if first is None:
+            return {}
+        active = holders.get(first, 0)
+        if not active:
+            return {}
+        result: dict[str, int] = {}
+        depth = 1
+        for k in it:
+            nxt = active & holders.get(k, 0)
+            if nxt != active:
+                self._record(active & ~nxt, depth, result)
+                if not nxt:
+                    return result
+                active = nxt
+            depth += 1
+        self._record(active, depth, result)
+        return result
+
+    def _record(self, mask: int, depth: int, out: dict[str, int]) -> None:
+        names = self._worker_of_slot
+        while mask:
+            low = mask & -mask
+            out[names[low.bit_length() - 1]] = depth
+            mask ^= low

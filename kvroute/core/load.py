@@ -1,0 +1,28 @@
+"""The load view a policy sees: one :class:`WorkerLoad` per candidate worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """How busy one worker is. Every field is a count; 0 means idle or unknown.
+
+    ``inflight`` and ``pending_prefill_tokens`` combine the router's own accounting (exact,
+    immediate) with the agent's heartbeat (cluster-wide, up to one heartbeat old).
+    """
+
+    inflight: int = 0
+    running: int = 0
+    queued: int = 0
+    free_blocks: int = 0
+    capacity_blocks: int = 0
+    pending_prefill_tokens: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0 when the capacity is unknown)."""
+        if self.capacity_blocks <= 0:
+            return 0.0
+        return 1.0 - self.free_blocks / self.capacity_blocks

@@ -1,0 +1,42 @@
+"""Routing policies and their registry. Each policy documents its formula where it is defined."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvroute.core.policies.base import Policy, RouteQuery, Scored, rank_by_cost, tie_break
+from kvroute.core.policies.kvroute_cost import KvrouteCost
+from kvroute.core.policies.simple import LeastLoaded, RoundRobin
+
+DEFAULT_POLICY = "kvroute"
+
+REGISTRY: dict[str, Callable[[], Policy]] = {
+    "kvroute": KvrouteCost,
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+}
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy object by registry name; ValueError names the choices."""
+    try:
+        return REGISTRY[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; choose one of: {', '.join(sorted(REGISTRY))}"
+        ) from None
+
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "REGISTRY",
+    "KvrouteCost",
+    "LeastLoaded",
+    "Policy",
+    "RoundRobin",
+    "RouteQuery",
+    "Scored",
+    "make_policy",
+    "rank_by_cost",
+    "tie_break",
+]

@@ -1,0 +1,1 @@
+"""``kvroute demo``: a self-contained comparison of routing policies on sim workers."""

@@ -1,0 +1,346 @@
+"""``kvroute demo``: Redis + N sim agents + a router per policy, one workload, a comparison.
+
+Each policy gets fresh agents and a fresh router (and an empty Redis), so every policy
+starts from cold caches and sees the very same requests. Progress goes to stderr, results
+(per-request lines, summaries, the comparison) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import grpc
+import redis.asyncio as aioredis
+
+from kvroute.core.policies import REGISTRY
+from kvroute.demo.procs import (
+    Child,
+    ChildError,
+    Children,
+    find_redis_server,
+    wait_redis,
+    wait_serving,
+    wait_until,
+)
+from kvroute.demo.workload import (
+    Request,
+    Result,
+    Summary,
+    Workload,
+    WorkloadSpec,
+    drive,
+    make_workload,
+    summarize,
+)
+from kvroute.v1 import common_pb2, router_pb2_grpc
+
+START_TIMEOUT_S = 30.0  # generous: 2 cores booting five Python processes at once
+REQUEST_TIMEOUT_S = 60.0
+HEARTBEAT = ("--heartbeat-s", "0.5", "--heartbeat-ttl-s", "2")
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    workers: int
+    policies: tuple[str, ...]
+    spec: WorkloadSpec
+    concurrency: int
+    capacity_blocks: int
+    time_scale: float
+    quiet: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DemoOptions:
+        """Validate before anything starts; ValueError explains what is wrong."""
+        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+        unknown = [p for p in policies if p not in REGISTRY]
+        if not policies or unknown:
+            raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; "
+                             f"choose from: {', '.join(sorted(REGISTRY))}")
+        if len(set(policies)) != len(policies):
+            raise ValueError(f"--policies lists a policy twice: {args.policies}")
+        if args.workers < 1 or args.concurrency < 1 or args.capacity_blocks < 1:
+            raise ValueError("--workers, --concurrency and --capacity-blocks must be >= 1")
+        if args.time_scale < 0:
+            raise ValueError("--time-scale must be >= 0")
+        spec = WorkloadSpec(conversations=args.conversations, turns=args.turns,
+                            one_off=args.one_off, seed=args.seed)
+        return cls(args.workers, policies, spec, args.concurrency, args.capacity_blocks,
+                   args.time_scale, args.quiet)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    router: Child
+    agents: list[Child]
+    router_address: str
+    worker_ids: list[str]
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.router, *self.agents]
+
+
+@dataclass(frozen=True)
+class PolicyReport:
+    policy: str
+    summary: Summary
+    wall_s: float
+    worker_ids: list[str]
+
+
+def progress(msg: str) -> None:
+    print(f"==> {msg}", file=sys.stderr, flush=True)
+
+
+# -- starting things ---------------------------------------------------------------------------
+
+async def start_redis(children: Children) -> str:
+    exe = find_redis_server()
+    port = children.free_port()
+    progress(f"starting Redis ({exe}) on 127.0.0.1:{port}")
+    child = children.spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1",
+                                     "--save", "", "--appendonly", "no",
+                                     "--dir", str(children.log_dir)], stop_last=True)
+    url = f"redis://127.0.0.1:{port}/0"
+    await wait_redis(url, child, START_TIMEOUT_S)
+    return url
+
+
+async def flush_redis(url: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+
+
+async def start_cluster(children: Children, policy: str, redis_url: str,
+                        opts: DemoOptions) -> Cluster:
+    progress(f"[{policy}] starting {opts.workers} sim agents and a router")
+    kvroute = [sys.executable, "-m", "kvroute"]
+    agents: list[Child] = []
+    worker_ids: list[str] = []
+    agent_addrs: list[str] = []
+    for i in range(opts.workers):
+        wid, port = f"w{i}", children.free_port()
+        agents.append(children.spawn(f"{policy} agent {wid}", [
+            *kvroute, "agent", "--engine", "sim", "--redis", redis_url, "--port", str(port),
+            "--worker-id", wid, "--capacity-blocks", str(opts.capacity_blocks),
+            "--time-scale", str(opts.time_scale), *HEARTBEAT]))
+        worker_ids.append(wid)
+        agent_addrs.append(f"127.0.0.1:{port}")
+    port = children.free_port()
+    router = children.spawn(f"{policy} router", [
+        *kvroute, "router", "--redis", redis_url, "--port", str(port), "--policy", policy])
+    cluster = Cluster(router, agents, f"127.0.0.1:{port}", worker_ids)
+    # All boot in parallel; waiting in turn costs nothing and fails on the first culprit.
+    for child, addr in zip([*agents, router], [*agent_addrs, cluster.router_address],
+                           strict=True):
+        await wait_serving(addr, child, START_TIMEOUT_S)
+    progress(f"[{policy}] all serving; waiting for the router to see {opts.workers} workers")
+    await wait_router_sees_workers(cluster)
+    return cluster
+
+
+async def wait_router_sees_workers(cluster: Cluster) -> None:
+    """Heartbeats reach the router through Redis: ask for a decision until all are ranked."""
+    want = set(cluster.worker_ids)
+    probe = common_pb2.GenerateRequest(token_ids=list(range(32)))
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        async def sees_all() -> bool:
+            resp = await stub.Route(probe, timeout=1.0)
+            return {c.worker_id for c in resp.candidates} >= want
+
+        await wait_until(sees_all, f"{cluster.router.name} to list workers "
+                         f"{', '.join(sorted(want))}", cluster.children, START_TIMEOUT_S)
+
+
+# -- sending the workload ----------------------------------------------------------------------
+
+async def run_policy(cluster: Cluster, policy: str, workload: Workload,
+                     opts: DemoOptions) -> PolicyReport:
+    label_width = max(len(policy), 11)
+
+    def show(r: Result) -> None:
+        if opts.quiet:
+            return
+        pct = 100 * r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+        print(f"{policy:<{label_width}}  {r.request.label:<17} prompt {r.prompt_tokens:>5} "
+              f"-> {r.worker_id:<4} cached {r.cached_tokens:>5} ({pct:3.0f}%)  "
+              f"ttft {r.ttft_ms:7.1f} ms", flush=True)
+
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        async def send(req: Request) -> Result:
+            msg = common_pb2.GenerateRequest(
+                token_ids=req.prompt, session_id=req.session_id,
+                sampling=common_pb2.SamplingParams(max_tokens=req.max_tokens))
+            t0 = time.perf_counter()
+            ttft_ms: float | None = None
+            reply: list[int] = []
+            worker = ""
+            usage: common_pb2.Usage | None = None
+            try:
+                async for chunk in stub.Generate(msg, timeout=REQUEST_TIMEOUT_S):
+                    if ttft_ms is None:
+                        ttft_ms = (time.perf_counter() - t0) * 1000
+                    worker = chunk.worker_id or worker
+                    reply.extend(chunk.token_ids)
+                    if chunk.HasField("usage"):
+                        usage = chunk.usage
+            except grpc.aio.AioRpcError as exc:
+                raise ChildError(f"[{policy}] {req.label} failed: {exc.code().name} "
+                                 f"{exc.details()}", cluster.router) from exc
+            if usage is None or ttft_ms is None:
+                raise ChildError(f"[{policy}] {req.label}: the stream ended without usage",
+                                 cluster.router)
+            return Result(req, worker, usage.prompt_tokens, usage.cached_tokens, ttft_ms,
+                          tuple(reply))
+
+        progress(f"[{policy}] sending {workload.requests} requests, "
+                 f"{opts.concurrency} in flight")
+        t0 = time.perf_counter()
+        results = await drive(workload, send, opts.concurrency, show)
+        wall_s = time.perf_counter() - t0
+    report = PolicyReport(policy, summarize(results), wall_s, cluster.worker_ids)
+    print_summary(report)
+    return report
+
+
+async def demo(opts: DemoOptions, children: Children) -> list[PolicyReport]:
+    spec = opts.spec
+    workload = make_workload(spec)
+    progress(f"workload (seed {spec.seed}): {spec.conversations} chats x {spec.turns} turns "
+             f"over {spec.system_prompts} shared system prompts + {spec.one_off} one-off = "
+             f"{workload.requests} requests per policy; policies: {', '.join(opts.policies)}")
+    redis_url = await start_redis(children)
+    reports: list[PolicyReport] = []
+    for policy in opts.policies:
+        await flush_redis(redis_url)  # cold caches: nothing left from the previous policy
+        cluster = await start_cluster(children, policy, redis_url, opts)
+        reports.append(await run_policy(cluster, policy, workload, opts))
+        progress(f"[{policy}] stopping its agents and router")
+        children.stop(cluster.children)
+    return reports
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+def print_summary(r: PolicyReport) -> None:
+    s = r.summary
+    per_worker = "  ".join(f"{w} {s.per_worker.get(w, 0)}" for w in r.worker_ids)
+    print(f"\n== {r.policy}: {s.requests} requests in {r.wall_s:.1f} s\n"
+          f"   prefix-hit ratio  {100 * s.hit_ratio:5.1f}%  ({s.cached_tokens:,} of "
+          f"{s.prompt_tokens:,} prompt tokens cached; ceiling {100 * s.reusable_ratio:.1f}%)\n"
+          f"   TTFT              mean {s.ttft_mean_ms:.1f} ms  p99 {s.ttft_p99_ms:.1f} ms\n"
+          f"   requests/worker   {per_worker}", flush=True)
+
+
+def comparison_table(reports: Sequence[PolicyReport]) -> str:
+    """Policies side by side; a kvroute/round_robin column when both ran."""
+    by = {r.policy: r for r in reports}
+    ratio = "kvroute" in by and "round_robin" in by
+    rows: list[tuple[str, list[str], str]] = []
+
+    def row(name: str, fmt: str, get: Callable[[PolicyReport], float]) -> None:
+        values = [get(r) for r in reports]
+        cell = ""
+        if ratio:
+            a, b = get(by["kvroute"]), get(by["round_robin"])
+            cell = f"{a / b:.2f}x" if b else "-"
+        rows.append((name, [fmt.format(v) for v in values], cell))
+
+    row("prefix-hit ratio", "{:.1%}", lambda r: r.summary.hit_ratio)
+    row("  ceiling*", "{:.1%}", lambda r: r.summary.reusable_ratio)
+    row("mean TTFT (ms)", "{:.1f}", lambda r: r.summary.ttft_mean_ms)
+    row("p99 TTFT (ms)", "{:.1f}", lambda r: r.summary.ttft_p99_ms)
+    row("workload time (s)", "{:.1f}", lambda r: r.wall_s)
+    widths = [max(12, len(r.policy)) for r in reports]
+    head = f"{'':<18}" + "".join(f"{r.policy:>{w + 2}}" for r, w in zip(reports, widths,
+                                                                       strict=True))
+    if ratio:
+        head += f"{'kvroute/round_robin':>22}"
+    lines = [head]
+    for name, cells, cell in rows:
+        line = f"{name:<18}" + "".join(f"{c:>{w + 2}}" for c, w in zip(cells, widths,
+                                                                      strict=True))
+        lines.append(line + (f"{cell:>22}" if ratio else ""))
+    lines.append("* share of prompt tokens an earlier request had already computed, on any "
+                 "worker:\n  the best any policy can do (new user messages and one-off "
+                 "prompts never hit)")
+    return "\n".join(lines)
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM takes the same clean-up path as Ctrl-C
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Let clean-up finish even if Ctrl-C is pressed again."""
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    try:
+        opts = DemoOptions.from_args(args)
+    except ValueError as exc:
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 2
+    log_dir = Path(tempfile.mkdtemp(prefix="kvroute-demo-"))
+    children = Children(log_dir)
+    keep_logs = True  # unless it succeeds or the user interrupts it
+    saved_term = signal.signal(signal.SIGTERM, _interrupt)
+    t0 = time.perf_counter()
+    try:
+        reports = asyncio.run(demo(opts, children))
+        print("\n" + comparison_table(reports))
+        progress(f"done in {time.perf_counter() - t0:.1f} s")
+        keep_logs = False
+        return 0
+    except ChildError as exc:
+        print(f"\nkvroute demo failed: {exc}", file=sys.stderr)
+        if exc.child is not None:
+            print(f"--- last lines of {exc.child.log_path} ---\n{exc.child.log_tail()}\n---",
+                  file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping every process", file=sys.stderr)
+        keep_logs = False
+        return 130
+    except BrokenPipeError:
+        # Output piped into e.g. `head`, which has exited: stop quietly, as `cat` would.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        keep_logs = False
+        return 141
+    finally:
+        with _signals_ignored():
+            children.stop_all()
+        signal.signal(signal.SIGTERM, saved_term)
+        if keep_logs:
+            print(f"logs of every process: {log_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)

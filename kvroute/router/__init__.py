@@ -1,0 +1,1 @@
+"""The router service: index mirror, worker registry, load accounting, forwarding, metrics."""

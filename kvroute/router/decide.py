@@ -1,0 +1,81 @@
+"""The routing decision: tokens -> block keys -> index lookup -> policy -> ranked workers."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from kvroute.core.blocks import BlockHasher, tokens_to_bytes
+from kvroute.core.index import PrefixIndex
+from kvroute.core.policies import Policy, RouteQuery, Scored
+from kvroute.router.registry import WorkerRegistry
+
+
+class NoWorkersError(RuntimeError):
+    """No worker is routable (reported as UNAVAILABLE)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ranked: list[Scored]
+    query: RouteQuery
+
+    @property
+    def best(self) -> str:
+        return self.ranked[0].worker
+
+    def cached_tokens(self, worker: str) -> int:
+        return self.query.cached_tokens(worker)
+
+
+class Decider:
+    """Holds one hasher per cache salt; reads the index and loads, never Redis."""
+
+    _MAX_HASHERS = 1024  # bound the per-salt cache; salts are few (LoRA adapters)
+
+    def __init__(self, model: str, block_size: int, policy: Policy) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.policy = policy
+        self._hashers: dict[str, BlockHasher] = {}
+
+    def hasher(self, salt: str) -> BlockHasher:
+        h = self._hashers.get(salt)
+        if h is None:
+            if len(self._hashers) >= self._MAX_HASHERS:
+                self._hashers.clear()
+            h = self._hashers[salt] = BlockHasher(self.block_size, self.model, salt)
+        return h
+
+    def decide(
+        self,
+        tokens: Sequence[int],
+        index: PrefixIndex | None,
+        registry: WorkerRegistry,
+        *,
+        salt: str = "",
+        session_id: str = "",
+    ) -> Decision:
+        """Rank routable workers. ``index=None`` means the index is not trustworthy (Redis
+        down): every match is treated as 0 and load alone decides."""
+        loads = registry.loads
+        if not loads:
+            raise NoWorkersError("no routable workers (none registered, or all down)")
+        hasher = self.hasher(salt)
+        keys = hasher.iter_keys(tokens)
+        first = next(keys, None)
+        matched: dict[str, int] = {}
+        if index is not None and first is not None:
+            raw = index.match(itertools.chain((first,), keys))
+            matched = {w: n for w, n in raw.items() if w in loads and registry.compatible(w)}
+        if session_id:
+            affinity = xxhash.xxh3_64_intdigest(session_id.encode())
+        else:
+            # Shorter than a block: spread by content rather than piling on one worker.
+            affinity = first if first is not None else xxhash.xxh3_64_intdigest(
+                tokens_to_bytes(tokens))
+        query = RouteQuery(len(tokens), self.block_size, matched, loads, affinity)
+        return Decision(self.policy.rank(query), query)

@@ -1,0 +1,95 @@
+"""Prometheus metrics of one router. The service records into them; the core never sees them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvroute.router.mirror import IndexMirror
+
+DECISION_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2.5e-3, 5e-3,
+                    10e-3, 25e-3)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvroute_router_requests", "Requests by RPC and outcome",
+                                ["rpc", "outcome"], registry=r)
+        self.decision_seconds = Histogram(
+            "kvroute_router_decision_seconds",
+            "Routing decision latency (key hashing + index lookup + policy)",
+            buckets=DECISION_BUCKETS, registry=r)
+        self.ttft = Histogram("kvroute_router_ttft_seconds",
+                              "Time to first token seen at the router", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.prompt_tokens = Counter("kvroute_router_prompt_tokens", "Prompt tokens routed",
+                                     registry=r)
+        self.cached_tokens = Counter("kvroute_router_cached_tokens",
+                                     "Prompt tokens the serving worker had cached", registry=r)
+        self.routed = Counter("kvroute_router_routed", "Requests sent to each worker",
+                              ["worker"], registry=r)
+        self.retries = Counter("kvroute_router_retries",
+                               "Requests retried on the next-best worker", registry=r)
+
+    def watch(self, mirror: IndexMirror) -> None:
+        self.registry.register(_MirrorCollector(mirror))
+
+
+class _MirrorCollector(Collector):
+    def __init__(self, mirror: IndexMirror) -> None:
+        self._m = mirror
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        m = self._m
+        st = m.stats
+        yield GaugeMetricFamily("kvroute_router_redis_up",
+                                "1 when the mirror follows Redis; 0 means routing by load alone",
+                                value=int(m.available))
+        yield GaugeMetricFamily("kvroute_router_index_keys", "Distinct block keys in the index",
+                                value=len(m.index))
+        yield GaugeMetricFamily("kvroute_router_index_entries",
+                                "(block, worker) pairs in the index", value=m.index.entries())
+        yield GaugeMetricFamily("kvroute_router_feed_lag_seconds",
+                                "Age of the last change-feed entry when it was applied",
+                                value=st.lag_s)
+        for name, doc, v in (
+            ("kvroute_router_feed_events_applied", "Change-feed events applied",
+             st.events_applied),
+            ("kvroute_router_snapshot_loads", "Per-worker snapshot loads", st.snapshot_loads),
+            ("kvroute_router_feed_gaps", "Gaps or unannounced epochs healed from snapshots",
+             st.gaps),
+            ("kvroute_router_feed_malformed", "Malformed feed entries, snapshots, heartbeats",
+             st.malformed),
+            ("kvroute_router_bootstraps", "Full bootstraps from Redis", st.bootstraps),
+        ):
+            yield GaugeMetricFamily(name, doc, value=v)
+        inflight = GaugeMetricFamily("kvroute_router_worker_inflight",
+                                     "Requests this router has outstanding per worker",
+                                     labels=["worker"])
+        pending = GaugeMetricFamily("kvroute_router_worker_pending_prefill_tokens",
+                                    "Uncached prompt tokens queued per worker", labels=["worker"])
+        blocks = GaugeMetricFamily("kvroute_router_worker_cached_blocks",
+                                   "Blocks the index holds per worker", labels=["worker"])
+        up = GaugeMetricFamily("kvroute_router_worker_routable",
+                               "1 if the worker can be routed to", labels=["worker"])
+        incompatible = GaugeMetricFamily(
+            "kvroute_router_worker_key_mismatch",
+            "1 if the worker's block size or key scheme differs from the router's",
+            labels=["worker"])
+        for info in m.registry.all():
+            w = info.worker_id
+            ld = m.registry.loads.get(w)
+            inflight.add_metric([w], info.inflight)
+            pending.add_metric([w], ld.pending_prefill_tokens if ld else 0)
+            blocks.add_metric([w], m.index.count(w))
+            up.add_metric([w], int(ld is not None))
+            incompatible.add_metric([w], int(not info.compatible))
+        yield from (inflight, pending, blocks, up, incompatible)

@@ -1,0 +1,287 @@
+"""The router's in-memory mirror of the cluster's cache state, fed from Redis.
+
+It bootstraps from every worker's snapshot, then follows the model's change feed. Per worker it
+tracks (epoch, seq): a duplicate is skipped, a gap or an unannounced new epoch reloads that
+worker's snapshot, and ``clear``/``resync`` at seq 1 start a new epoch. Heartbeats are scanned
+on the same loop: new workers join the registry, expired ones leave it and the index.
+
+Routing never waits on any of this: it reads :attr:`index` and :attr:`available`, both
+updated only by this loop. When Redis fails, ``available`` turns False (routing falls back to
+load alone) and the loop reconnects and bootstraps from scratch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from kvroute.core.index import PrefixIndex
+from kvroute.core.redis_conn import REDIS_ERRORS
+from kvroute.core.redis_schema import FeedError, FeedEvent, Heartbeat, Op, RedisKeys, unpack_keys
+from kvroute.router.registry import WorkerRegistry
+
+log = logging.getLogger("kvroute.router.mirror")
+
+_XREAD_COUNT = 1000
+
+
+@dataclass
+class MirrorStats:
+    events_applied: int = 0
+    snapshot_loads: int = 0
+    gaps: int = 0
+    malformed: int = 0
+    bootstraps: int = 0
+    lag_s: float = 0.0
+    last_event_at: float = field(default=0.0)
+
+
+@dataclass
+class _WorkerFeed:
+    epoch: str
+    seq: int
+
+
+class IndexMirror:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RedisKeys,
+        registry: WorkerRegistry,
+        *,
+        poll_interval_s: float = 0.5,
+        retry_s: float = 1.0,
+        prune_after_s: float = 10.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self._r = client
+        self._keys = keys
+        self.registry = registry
+        self.index = PrefixIndex()
+        self.available = False
+        self.stats = MirrorStats()
+        self._feeds: dict[str, _WorkerFeed] = {}
+        self._poll_s = poll_interval_s
+        self._retry_s = retry_s
+        self._on_change = on_change or (lambda: None)
+        self._last_id = b"0-0"
+        self._next_poll = 0.0
+        self._missing_since: dict[str, float] = {}
+        self._prune_after_s = prune_after_s
+        self._stopping = asyncio.Event()
+        self._expire_from = 0.0
+        self.ready = asyncio.Event()  # set after the first successful bootstrap
+
+    async def run(self) -> None:
+        """Follow Redis until :meth:`stop`; on failure degrade, reconnect, bootstrap again."""
+        while not self._stopping.is_set():
+            try:
+                await self._bootstrap()
+                self._set_available(True)
+                while not self._stopping.is_set():
+                    await self._step()
+            except REDIS_ERRORS as exc:
+                if self._stopping.is_set():
+                    break
+                self._set_available(False, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), self._retry_s)
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        """Let ``task`` (running :meth:`run`) finish its current command, then close Redis.
+
+        Cancelling redis-py mid-command can leave a connection waiting out its socket
+        timeout, so the loop is asked to stop between commands and only cancelled if it
+        does not within a bounded time.
+        """
+        self._stopping.set()
+        done, _ = await asyncio.wait([task], timeout=self._poll_s + 1.0)
+        if not done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self._r.aclose()
+
+    def _set_available(self, up: bool, exc: BaseException | None = None) -> None:
+        if up != self.available:
+            if up:
+                log.info("redis reachable; routing by cache", extra={"kv": {
+                    "workers": len(self.registry.loads), "blocks": self.index.entries()}})
+            else:
+                log.warning("redis unreachable; routing by load alone until it is back",
+                            extra={"kv": {"error": exc}})
+        self.available = up
+        if up:
+            self.ready.set()
+        self._on_change()
+
+    # -- bootstrap -------------------------------------------------------------------------
+
+    async def _bootstrap(self) -> None:
+        # Take the feed position first: every event after it is either newer than the
+        # snapshots we load next or a duplicate their seq lets us skip.
+        last = await self._r.xrevrange(self._keys.feed, "+", "-", count=1)
+        self._last_id = last[0][0] if last else b"0-0"
+        self._feeds.clear()
+        self.index = PrefixIndex()
+        # A Redis that restarted empty shows no heartbeats until agents beat again: give
+        # them one TTL before treating silence as death.
+        self._expire_from = time.monotonic() + self.registry.max_ttl_s() + self._poll_s
+        await self._poll_heartbeats()
+        members = await self._r.smembers(self._keys.workers)
+        for raw in members:
+            await self._load_snapshot(raw.decode())
+        self.stats.bootstraps += 1
+        log.info("mirror bootstrapped", extra={"kv": {
+            "workers": len(self._feeds), "blocks": self.index.entries(),
+            "feed_from": self._last_id.decode()}})
+
+    async def _load_snapshot(self, worker: str) -> None:
+        k = self._keys
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hgetall(k.meta(worker))
+        pipe.smembers(k.snapshot(worker))
+        meta, members = await pipe.execute()
+        self.stats.snapshot_loads += 1
+        if not meta:
+            self.index.remove_worker(worker)
+            self._feeds.pop(worker, None)
+            return
+        try:
+            epoch = meta[b"epoch"].decode()
+            seq = int(meta[b"seq"])
+            keys = [unpack_keys(m)[0] for m in members]
+        except (KeyError, ValueError, IndexError) as exc:
+            self.stats.malformed += 1
+            log.error("malformed snapshot; ignoring worker's cache",
+                      extra={"kv": {"worker": worker, "error": exc}})
+            self.index.remove_worker(worker)
+            self._feeds.pop(worker, None)
+            return
+        self.index.replace_worker(worker, keys)
+        self._feeds[worker] = _WorkerFeed(epoch, seq)
+
+    # -- following -------------------------------------------------------------------------
+
+    async def _step(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_poll:
+            await self._poll_heartbeats()
+            self._next_poll = now + self._poll_s
+        block_ms = max(1, int((self._next_poll - time.monotonic()) * 1000))
+        resp = await self._r.xread({self._keys.feed: self._last_id}, count=_XREAD_COUNT,
+                                   block=block_ms)
+        for _stream, entries in resp or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                await self._apply_raw(entry_id, fields)
+        if resp:
+            self._on_change()
+
+    async def _apply_raw(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            ev = FeedEvent.from_fields(fields)
+        except FeedError as exc:
+            self.stats.malformed += 1
+            log.warning("skipping malformed feed entry",
+                        extra={"kv": {"id": entry_id.decode(), "error": exc}})
+            return
+        ms = int(entry_id.split(b"-")[0])
+        self.stats.lag_s = max(0.0, time.time() - ms / 1000)
+        self.stats.last_event_at = time.time()
+        await self.apply(ev)
+
+    async def apply(self, ev: FeedEvent) -> None:
+        """Apply one feed event, healing from the snapshot on a gap or unknown epoch."""
+        feed = self._feeds.get(ev.worker)
+        if feed is None or feed.epoch != ev.epoch:
+            if ev.seq == 1 and ev.op is Op.CLEAR:
+                self.index.clear_worker(ev.worker)
+                self._feeds[ev.worker] = _WorkerFeed(ev.epoch, 1)
+                self.stats.events_applied += 1
+            else:
+                if ev.op is not Op.RESYNC:
+                    self.stats.gaps += 1
+                await self._load_snapshot(ev.worker)
+            return
+        if ev.seq <= feed.seq:
+            return  # already in the snapshot we loaded, or a re-sent batch
+        if ev.seq != feed.seq + 1:
+            self.stats.gaps += 1
+            log.warning("feed gap; reloading snapshot", extra={"kv": {
+                "worker": ev.worker, "expected": feed.seq + 1, "got": ev.seq}})
+            await self._load_snapshot(ev.worker)
+            return
+        if ev.op is Op.STORE:
+            self.index.add(ev.worker, ev.keys)
+        elif ev.op is Op.EVICT:
+            self.index.remove(ev.worker, ev.keys)
+        elif ev.op is Op.CLEAR:
+            self.index.clear_worker(ev.worker)
+        else:  # RESYNC within an epoch is not something agents send; be safe
+            await self._load_snapshot(ev.worker)
+            return
+        feed.seq = ev.seq
+        self.stats.events_applied += 1
+
+    async def _poll_heartbeats(self) -> None:
+        k = self._keys
+        members = [m.decode() for m in await self._r.smembers(k.workers)]
+        raws = await self._r.mget([k.heartbeat(w) for w in members]) if members else []
+        beats: dict[str, Heartbeat] = {}
+        for w, raw in zip(members, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                hb = Heartbeat.from_json(raw)
+            except ValueError as exc:
+                self.stats.malformed += 1
+                log.warning("ignoring malformed heartbeat",
+                            extra={"kv": {"worker": w, "error": exc}})
+                continue
+            if hb.worker_id != w:
+                self.stats.malformed += 1
+                continue
+            beats[w] = hb
+        self.registry.revive_due()
+        added, expired = self.registry.apply_heartbeats(
+            beats, expire=time.monotonic() >= self._expire_from)
+        for w in added:
+            log.info("worker joined", extra={"kv": {"worker": w,
+                                                    "address": beats[w].address}})
+        now = time.monotonic()
+        for w in members:
+            if w in beats:
+                self._missing_since.pop(w, None)
+            else:
+                self._missing_since.setdefault(w, now)
+        # A member without a heartbeat for a while is dead; one that only just registered
+        # may not have sent its first heartbeat yet.
+        gone = [w for w in members
+                if w not in beats and now - self._missing_since[w] >= self._prune_after_s]
+        for w in expired:
+            dropped = self.index.remove_worker(w)
+            self._feeds.pop(w, None)
+            log.warning("worker heartbeat expired; forgetting it",
+                        extra={"kv": {"worker": w, "blocks_dropped": dropped}})
+        if gone:
+            # Prune dead members so the scan stays small. A worker restarting under the same
+            # id re-adds itself on its next heartbeat and resyncs if its snapshot went away.
+            pipe = self._r.pipeline(transaction=True)
+            pipe.srem(k.workers, *gone)
+            for w in gone:
+                pipe.delete(k.snapshot(w), k.meta(w))
+            await pipe.execute()
+            for w in gone:
+                self._missing_since.pop(w, None)
+                if w not in expired:
+                    self.index.remove_worker(w)
+                    self._feeds.pop(w, None)
+        if added or expired:
+            self._on_change()

@@ -1,0 +1,160 @@
+"""Which workers exist, where they are, and how loaded: heartbeats + static list + local counts.
+
+Invariants:
+
+* ``loads`` has exactly one entry per routable worker, rebuilt for a worker whenever its
+  heartbeat or the router's own counters for it change, so the hot path only reads it.
+* A worker learned from heartbeats is forgotten when its heartbeat expires; a static worker
+  is never forgotten, only marked down for ``down_s`` after a failed forward.
+* ``inflight`` and ``pending_prefill`` never go negative (every begin has exactly one end).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvroute.core.load import WorkerLoad
+from kvroute.core.redis_schema import KEY_SCHEME, Heartbeat
+
+log = logging.getLogger("kvroute.router.registry")
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    address: str
+    static: bool = False
+    heartbeat: Heartbeat | None = None
+    down_until: float = 0.0
+    compatible: bool = True
+    inflight: int = 0
+    pending_prefill: int = 0
+    first_seen: float = field(default_factory=time.monotonic)
+
+
+def parse_static(spec: str) -> dict[str, str]:
+    """``id=host:port,id2=host:port`` -> {id: address}; ValueError on a malformed item."""
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        wid, sep, addr = item.partition("=")
+        if not sep or not wid or ":" not in addr:
+            raise ValueError(f"--workers item {item!r} is not id=host:port")
+        out[wid] = addr
+    return out
+
+
+class WorkerRegistry:
+    def __init__(self, static: Mapping[str, str], block_size: int) -> None:
+        self._block_size = block_size
+        self._workers: dict[str, WorkerInfo] = {
+            w: WorkerInfo(w, a, static=True) for w, a in static.items()
+        }
+        self.loads: dict[str, WorkerLoad] = {}
+        for w in self._workers:
+            self._refresh(w)
+
+    def __contains__(self, worker: str) -> bool:
+        return worker in self._workers
+
+    def get(self, worker: str) -> WorkerInfo | None:
+        return self._workers.get(worker)
+
+    def all(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def compatible(self, worker: str) -> bool:
+        info = self._workers.get(worker)
+        return info is not None and info.compatible
+
+    # -- heartbeats ------------------------------------------------------------------------
+
+    def max_ttl_s(self, default: float = 3.0) -> float:
+        ttls = [i.heartbeat.ttl_s for i in self._workers.values() if i.heartbeat is not None]
+        return max(ttls, default=default)
+
+    def apply_heartbeats(self, beats: Mapping[str, Heartbeat], *, expire: bool = True
+                         ) -> tuple[list[str], list[str]]:
+        """Update from one scan of live heartbeats. Returns (added, expired) worker ids.
+
+        ``expire=False`` keeps workers whose heartbeat is missing (just after a reconnect to
+        a Redis that lost its data, before the agents' next heartbeat)."""
+        added: list[str] = []
+        for w, hb in beats.items():
+            info = self._workers.get(w)
+            if info is None:
+                info = self._workers[w] = WorkerInfo(w, hb.address)
+                added.append(w)
+            info.address = hb.address
+            info.heartbeat = hb
+            ok = hb.block_size == self._block_size and hb.key_scheme == KEY_SCHEME
+            if not ok and info.compatible:
+                log.error(
+                    "worker's block keys cannot match ours; routing to it by load only",
+                    extra={"kv": {"worker": w, "its_block_size": hb.block_size,
+                                  "our_block_size": self._block_size,
+                                  "its_scheme": hb.key_scheme, "our_scheme": KEY_SCHEME}})
+            info.compatible = ok
+            self._refresh(w)
+        expired = [w for w, i in self._workers.items()
+                   if expire and not i.static and w not in beats]
+        for w in expired:
+            del self._workers[w]
+            self.loads.pop(w, None)
+        return added, expired
+
+    # -- local accounting ------------------------------------------------------------------
+
+    def begin(self, worker: str, uncached_tokens: int) -> None:
+        info = self._workers.get(worker)
+        if info is not None:
+            info.inflight += 1
+            info.pending_prefill += uncached_tokens
+            self._refresh(worker)
+
+    def first_token(self, worker: str, uncached_tokens: int) -> None:
+        info = self._workers.get(worker)
+        if info is not None:
+            info.pending_prefill = max(0, info.pending_prefill - uncached_tokens)
+            self._refresh(worker)
+
+    def end(self, worker: str) -> None:
+        info = self._workers.get(worker)
+        if info is not None:
+            info.inflight = max(0, info.inflight - 1)
+            self._refresh(worker)
+
+    def mark_down(self, worker: str, down_s: float) -> None:
+        info = self._workers.get(worker)
+        if info is not None:
+            info.down_until = time.monotonic() + down_s
+            self.loads.pop(worker, None)
+
+    def revive_due(self) -> None:
+        """Put workers whose down period ended back into ``loads``."""
+        now = time.monotonic()
+        for w, info in self._workers.items():
+            if w not in self.loads and info.down_until <= now:
+                self._refresh(w)
+
+    def _refresh(self, worker: str) -> None:
+        info = self._workers[worker]
+        if info.down_until > time.monotonic():
+            return
+        hb = info.heartbeat
+        if hb is None:
+            self.loads[worker] = WorkerLoad(inflight=info.inflight,
+                                            pending_prefill_tokens=info.pending_prefill)
+            return
+        # The heartbeat counts every router's traffic but is up to one interval old; our own
+        # counters are exact for our traffic. Take the larger of each.
+        self.loads[worker] = WorkerLoad(
+            inflight=info.inflight,
+            running=hb.running,
+            queued=hb.queued,
+            free_blocks=hb.free_blocks,
+            capacity_blocks=hb.capacity_blocks,
+            pending_prefill_tokens=max(hb.pending_prefill_tokens, info.pending_prefill),
+        )

@@ -1,0 +1,287 @@
+"""The router's gRPC server: validate, decide, forward to the agent, stream back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvroute.core.config import RouterConfig
+from kvroute.core.grpc_util import (
+    add_standard_services,
+    bind,
+    install_signal_handlers,
+    set_serving,
+    start_metrics,
+)
+from kvroute.core.policies import make_policy
+from kvroute.core.redis_conn import connect
+from kvroute.core.redis_schema import RedisKeys
+from kvroute.core.tokenizer import Tokenizer, make_tokenizer
+from kvroute.core.validate import (
+    InvalidRequestError,
+    Limits,
+    check_names,
+    check_sampling,
+    check_tokens,
+)
+from kvroute.router.decide import Decider, Decision, NoWorkersError
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.mirror import IndexMirror
+from kvroute.router.registry import WorkerRegistry, parse_static
+from kvroute.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_agent_pb2_grpc
+
+log = logging.getLogger("kvroute.router")
+
+SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+_DOWN_S = 2.0  # how long a worker that refused a request is skipped
+_MAX_ATTEMPTS = 2  # the chosen worker, then the next-best once
+
+
+class AgentChannels:
+    """One gRPC channel per agent address, opened lazily, closed on shutdown."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, worker_agent_pb2_grpc.WorkerAgentStub]] = {}
+
+    def stub(self, address: str) -> worker_agent_pb2_grpc.WorkerAgentStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            ch = grpc.aio.insecure_channel(address)
+            entry = self._stubs[address] = (ch, worker_agent_pb2_grpc.WorkerAgentStub(ch))
+        return entry[1]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch, _ in self._stubs.values()),
+                             return_exceptions=True)
+        self._stubs.clear()
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, cfg: RouterConfig, decider: Decider, mirror: IndexMirror,
+                 registry: WorkerRegistry, channels: AgentChannels, metrics: RouterMetrics,
+                 tokenizer: Tokenizer | None) -> None:
+        self._cfg = cfg
+        self._decider = decider
+        self._mirror = mirror
+        self._registry = registry
+        self._channels = channels
+        self._m = metrics
+        self._tok = tokenizer
+        self._limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
+
+    # -- shared front half -------------------------------------------------------------------
+
+    def _prompt(self, req: common_pb2.GenerateRequest) -> Sequence[int]:
+        check_names(req, self._cfg.model)
+        if req.token_ids and req.text:
+            raise InvalidRequestError("text", "give token_ids or text, not both")
+        if req.text:
+            if self._tok is None:
+                raise InvalidRequestError("text", "this router has no tokenizer configured "
+                                             "(--tokenizer); send token_ids")
+            tokens: Sequence[int] = self._tok.encode(req.text)
+            check_tokens(tokens, self._limits, "text")
+            return tokens
+        tokens = req.token_ids
+        check_tokens(tokens, self._limits)
+        return tokens
+
+    def _decide(self, tokens: Sequence[int], req: common_pb2.GenerateRequest) -> Decision:
+        t0 = time.perf_counter()
+        self._registry.revive_due()
+        index = self._mirror.index if self._mirror.available else None
+        d = self._decider.decide(tokens, index, self._registry, salt=req.cache_salt,
+                                 session_id=req.session_id)
+        self._m.decision_seconds.observe(time.perf_counter() - t0)
+        return d
+
+    # -- RPCs ------------------------------------------------------------------------------
+
+    async def Route(  # noqa: N802 - gRPC method name
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouteResponse:
+        try:
+            tokens = self._prompt(request)
+            d = self._decide(tokens, request)
+        except InvalidRequestError as exc:
+            self._m.requests.labels("Route", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NoWorkersError as exc:
+            self._m.requests.labels("Route", "unavailable").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._m.requests.labels("Route", "ok").inc()
+        resp = router_pb2.RouteResponse(
+            request_id=request.request_id or uuid.uuid4().hex, worker_id=d.best,
+            cached_tokens=d.cached_tokens(d.best), prompt_tokens=len(tokens),
+            policy=self._decider.policy.name, degraded=not self._mirror.available,
+        )
+        for s in d.ranked:
+            info = self._registry.get(s.worker)
+            resp.candidates.add(worker_id=s.worker, address=info.address if info else "",
+                                cached_tokens=d.cached_tokens(s.worker), cost=s.cost)
+        resp.address = resp.candidates[0].address
+        return resp
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        t0 = time.perf_counter()
+        try:
+            tokens = self._prompt(request)
+            check_sampling(request, self._limits)
+            d = self._decide(tokens, request)
+        except InvalidRequestError as exc:
+            self._m.requests.labels("Generate", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NoWorkersError as exc:
+            self._m.requests.labels("Generate", "unavailable").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+        rid = request.request_id or uuid.uuid4().hex
+        fwd = common_pb2.GenerateRequest()
+        fwd.CopyFrom(request)
+        fwd.request_id = rid
+        if request.text:
+            fwd.ClearField("text")
+            fwd.token_ids.extend(tokens)
+        decode_text = bool(request.text) and self._tok is not None
+        errors: list[str] = []
+        for attempt, cand in enumerate(d.ranked[:_MAX_ATTEMPTS]):
+            w = cand.worker
+            info = self._registry.get(w)
+            if info is None:
+                continue
+            if attempt:
+                self._m.retries.inc()
+            uncached = len(tokens) - d.cached_tokens(w)
+            self._registry.begin(w, uncached)
+            started = False
+            done = False
+            failure: grpc.aio.AioRpcError | None = None
+            call = self._channels.stub(info.address).Generate(fwd)
+            try:
+                async for resp in call:
+                    if not started:
+                        started = True
+                        self._registry.first_token(w, uncached)
+                        self._m.ttft.observe(time.perf_counter() - t0)
+                        self._m.routed.labels(w).inc()
+                        resp.ttft_ms = (time.perf_counter() - t0) * 1000
+                    if decode_text and resp.token_ids:
+                        resp.text = self._tok.decode(resp.token_ids)  # type: ignore[union-attr]
+                    if resp.HasField("usage"):
+                        self._m.prompt_tokens.inc(resp.usage.prompt_tokens)
+                        self._m.cached_tokens.inc(resp.usage.cached_tokens)
+                    yield resp
+                done = True
+            except grpc.aio.AioRpcError as exc:
+                failure = exc
+            finally:
+                # Every begin() gets its end(), however the attempt ended (the client may
+                # cancel or close the stream at any await or yield).
+                if not started:
+                    self._registry.first_token(w, uncached)
+                self._registry.end(w)
+                if not done and failure is None:
+                    call.cancel()
+                    self._m.requests.labels("Generate", "cancelled").inc()
+            if done:
+                self._m.requests.labels("Generate", "ok").inc()
+                return
+            assert failure is not None
+            if started:
+                # Tokens already reached the client: a retry would repeat them.
+                self._m.requests.labels("Generate", "failed_midstream").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"worker {w} failed mid-stream: {failure.details()}")
+            if failure.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED):
+                self._m.requests.labels("Generate", "rejected").inc()
+                await context.abort(failure.code(), f"worker {w}: {failure.details()}")
+            errors.append(f"{w}: {failure.code().name} {failure.details()}")
+            log.warning("agent failed before first token; trying next-best",
+                        extra={"kv": {"worker": w, "request": rid,
+                                      "code": failure.code().name,
+                                      "details": failure.details()}})
+            self._registry.mark_down(w, _DOWN_S)
+        self._m.requests.labels("Generate", "unavailable").inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            "no worker could serve the request: " + "; ".join(errors))
+
+
+class RouterApp:
+    """The router: mirror + registry + gRPC server + metrics. Start, then stop."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        try:
+            static = parse_static(cfg.workers)
+            policy = make_policy(cfg.policy)
+            self._tok = make_tokenizer(cfg.tokenizer)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        self.registry = WorkerRegistry(static, cfg.block_size)
+        self.metrics = RouterMetrics()
+        self.mirror = IndexMirror(connect(cfg.redis, block_timeout_s=cfg.poll_interval_s),
+                                  RedisKeys(cfg.model), self.registry,
+                                  poll_interval_s=cfg.poll_interval_s,
+                                  retry_s=cfg.redis_retry_s)
+        self.decider = Decider(cfg.model, cfg.block_size, policy)
+        self.channels = AgentChannels()
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._mirror_task: asyncio.Task[None] | None = None
+        self._metrics_http: Any = None
+
+    async def start(self, *, wait_for_redis_s: float = 0.0) -> int:
+        cfg = self.cfg
+        self.metrics.watch(self.mirror)
+        self._mirror_task = asyncio.create_task(self.mirror.run(), name="index-mirror")
+        if wait_for_redis_s > 0:
+            try:
+                await asyncio.wait_for(self.mirror.ready.wait(), wait_for_redis_s)
+            except TimeoutError:
+                log.warning("redis not reachable at start; routing by load alone for now")
+        server = grpc.aio.server()
+        self.port = bind(server, cfg.host, cfg.port)
+        router_pb2_grpc.add_RouterServicer_to_server(
+            RouterService(cfg, self.decider, self.mirror, self.registry, self.channels,
+                          self.metrics, self._tok), server)
+        self._health = add_standard_services(server, [SERVICE])
+        await server.start()
+        self._server = server
+        await set_serving(self._health, [SERVICE], True)
+        self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, self.metrics.registry)
+        log.info("router serving", extra={"kv": {
+            "port": self.port, "policy": cfg.policy, "model": cfg.model,
+            "block_size": cfg.block_size, "redis": cfg.redis,
+            "metrics_port": cfg.metrics_port or "off"}})
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._health is not None:
+            await set_serving(self._health, [SERVICE], False)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._mirror_task is not None:
+            await self.mirror.stop(self._mirror_task)
+        await self.channels.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        log.info("router stopped")
+
+
+async def run_router(cfg: RouterConfig) -> None:
+    app = RouterApp(cfg)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    await app.start(wait_for_redis_s=3.0)
+    await stop.wait()
+    await app.stop()

@@ -1,0 +1,1 @@
+"""The worker agent: the sidecar beside each inference engine."""

@@ -1,0 +1,1 @@
+"""Engine adapters the agent drives: sim (more to come: tiny, vllm)."""

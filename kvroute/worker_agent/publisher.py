@@ -1,0 +1,271 @@
+"""Publishes an engine's cache state to Redis: change feed, snapshot and heartbeat.
+
+Invariants:
+
+* Events reach Redis in the order the engine emitted them, each feed entry with the next
+  ``seq`` of the current ``epoch``; the snapshot and meta change in the same transaction.
+* An event leaves the pending buffer only after its transaction succeeded; a failed write is
+  retried, never dropped (a retry after an ambiguous failure re-sends the same seqs, which
+  readers ignore as duplicates).
+* When the buffer overflows, or Redis has lost our state (restart without persistence), the
+  agent starts a new epoch and rewrites its whole snapshot from the engine (``op=resync``):
+  buffered events are subsumed by that snapshot, so nothing is lost, only re-sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from kvroute.core.redis_conn import REDIS_ERRORS
+from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
+from kvroute.worker_agent.engines.base import CacheEvent
+
+log = logging.getLogger("kvroute.agent.publisher")
+
+_SADD_CHUNK = 10000  # keys per SADD: bounds one command's size on a big resync
+
+
+def new_epoch() -> str:
+    """Unique per agent start or resync: millisecond time plus randomness."""
+    return f"{int(time.time() * 1000):x}-{os.urandom(4).hex()}"
+
+
+@dataclass
+class PublisherStats:
+    events_published: int = 0
+    entries_written: int = 0
+    resyncs: int = 0
+    redis_up: bool = False
+    pending: int = 0
+
+
+class CachePublisher:
+    """Feeds one worker's cache events to Redis and heartbeats its load."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RedisKeys,
+        worker_id: str,
+        snapshot: Callable[[], list[int]],
+        heartbeat: Callable[[], Heartbeat],
+        *,
+        heartbeat_s: float = 1.0,
+        heartbeat_ttl_s: float = 3.0,
+        max_pending: int = 100_000,
+        feed_maxlen: int = 1_000_000,
+        max_batch_events: int = 512,
+    ) -> None:
+        self._r = client
+        self._keys = keys
+        self._worker = worker_id
+        self._snapshot = snapshot
+        self._heartbeat = heartbeat
+        self._hb_s = heartbeat_s
+        self._ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
+        self._max_pending = max_pending
+        self._maxlen = feed_maxlen
+        self._max_batch = max_batch_events
+        self._pending: deque[CacheEvent] = deque()
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._needs_resync = True  # the first write declares our epoch
+        self._synced = False  # True while Redis holds our current epoch's snapshot
+        self.epoch = new_epoch()
+        self.seq = 0
+        self.stats = PublisherStats()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- engine side (synchronous, called from the engine's listener) ----------------------
+
+    def on_event(self, event: CacheEvent) -> None:
+        if self._needs_resync:
+            return  # the coming resync reads the engine's state directly
+        if len(self._pending) >= self._max_pending:
+            log.warning("publish buffer full; will resync from a fresh snapshot",
+                        extra={"kv": {"pending": len(self._pending)}})
+            self._pending.clear()
+            self._needs_resync = True
+        else:
+            self._pending.append(event)
+        self.stats.pending = len(self._pending)
+        self._wake.set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._wake.set()  # declare our epoch at once
+        self._tasks = [
+            asyncio.create_task(self._feed_loop(), name="publisher-feed"),
+            asyncio.create_task(self._heartbeat_loop(), name="publisher-heartbeat"),
+        ]
+
+    async def stop(self, *, deregister: bool = True) -> None:
+        """Flush what is pending (best effort), then stop. A clean stop removes our
+        heartbeat so routers forget us at once instead of after the TTL.
+
+        The loops are asked to stop between Redis commands (cancelling redis-py mid-command
+        can leave a connection waiting out its socket timeout) and cancelled only if they
+        do not within a bounded time."""
+        self._stopping.set()
+        self._wake.set()
+        if self._tasks:
+            _, late = await asyncio.wait(self._tasks, timeout=3.0)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.flush(), timeout=2.0)
+            if deregister:
+                await self._r.delete(self._keys.heartbeat(self._worker))
+        except (TimeoutError, *REDIS_ERRORS):
+            pass
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self._r.aclose()
+
+    async def _feed_loop(self) -> None:
+        backoff = 0.05
+        while not self._stopping.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            if self._stopping.is_set():
+                break
+            await asyncio.sleep(0.002)  # let a burst of engine events coalesce
+            try:
+                while await self.flush():
+                    pass
+                backoff = 0.05
+            except REDIS_ERRORS as exc:
+                self._set_up(False, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), backoff)
+                backoff = min(backoff * 2, 2.0)
+                self._wake.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self._beat()
+                self._set_up(True)
+            except REDIS_ERRORS as exc:
+                self._set_up(False, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._hb_s)
+
+    def _set_up(self, up: bool, exc: BaseException | None = None) -> None:
+        if up != self.stats.redis_up:
+            if up:
+                log.info("redis reachable", extra={"kv": {"worker": self._worker}})
+            else:
+                log.warning("redis unreachable; buffering cache events",
+                            extra={"kv": {"worker": self._worker, "error": exc}})
+        self.stats.redis_up = up
+
+    async def _beat(self) -> None:
+        hb = self._heartbeat()
+        # The epoch we expect Redis to hold; None while a resync is in flight. Compared
+        # after the round trip, so a resync completing meanwhile is not mistaken for loss.
+        expected = self.epoch if self._synced else None
+        k = self._keys
+        pipe = self._r.pipeline(transaction=True)
+        pipe.set(k.heartbeat(self._worker), hb.to_json(), px=self._ttl_ms)
+        pipe.sadd(k.workers, self._worker)
+        pipe.hget(k.meta(self._worker), "epoch")
+        _, _, epoch = await pipe.execute()
+        if (expected is not None and expected == self.epoch and self._synced
+                and (epoch is None or epoch.decode() != expected)):
+            # Redis lost our snapshot (restart, flush, failover): rewrite it whole.
+            log.warning("snapshot missing in redis; resyncing",
+                        extra={"kv": {"worker": self._worker}})
+            self._synced = False
+            self._needs_resync = True
+            self._wake.set()
+
+    # -- writing ---------------------------------------------------------------------------
+
+    async def flush(self) -> bool:
+        """Write one batch. Returns True if more work remains."""
+        if self._needs_resync:
+            await self._resync()
+            return bool(self._pending)
+        if not self._pending:
+            return False
+        batch = [self._pending[i] for i in range(min(self._max_batch, len(self._pending)))]
+        entries = _coalesce(batch)
+        k = self._keys
+        pipe = self._r.pipeline(transaction=True)
+        seq = self.seq
+        for op, keys in entries:
+            seq += 1
+            ev = FeedEvent(self._worker, self.epoch, seq, op, tuple(keys))
+            pipe.xadd(k.feed, ev.to_fields(), maxlen=self._maxlen, approximate=True)
+            if op is Op.CLEAR:
+                pipe.delete(k.snapshot(self._worker))
+            elif keys:
+                members = [pack_keys((x,)) for x in keys]
+                if op is Op.STORE:
+                    pipe.sadd(k.snapshot(self._worker), *members)
+                else:
+                    pipe.srem(k.snapshot(self._worker), *members)
+        pipe.hset(k.meta(self._worker), mapping={"epoch": self.epoch, "seq": seq})
+        await pipe.execute()
+        # Success: only now do the events leave the buffer.
+        for _ in batch:
+            self._pending.popleft()
+        self.seq = seq
+        self.stats.events_published += len(batch)
+        self.stats.entries_written += len(entries)
+        self.stats.pending = len(self._pending)
+        self._set_up(True)
+        return bool(self._pending)
+
+    async def _resync(self) -> None:
+        # Read the engine's state and drop the buffer in one synchronous step: every buffered
+        # event is already reflected in this snapshot.
+        keys = self._snapshot()
+        self._pending.clear()
+        self._needs_resync = False  # events from here on queue behind this snapshot
+        self._synced = False  # until this snapshot is in Redis
+        epoch = new_epoch()
+        op = Op.RESYNC if keys else Op.CLEAR
+        k = self._keys
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(k.snapshot(self._worker))
+        for i in range(0, len(keys), _SADD_CHUNK):
+            chunk = keys[i : i + _SADD_CHUNK]
+            pipe.sadd(k.snapshot(self._worker), *(pack_keys((x,)) for x in chunk))
+        pipe.hset(k.meta(self._worker), mapping={"epoch": epoch, "seq": 1})
+        pipe.sadd(k.workers, self._worker)
+        ev = FeedEvent(self._worker, epoch, 1, op)
+        pipe.xadd(k.feed, ev.to_fields(), maxlen=self._maxlen, approximate=True)
+        try:
+            await pipe.execute()
+        except REDIS_ERRORS:
+            self._needs_resync = True
+            raise
+        self.epoch, self.seq = epoch, 1
+        self._synced = True
+        self.stats.resyncs += 1
+        self._set_up(True)
+        log.info("published snapshot", extra={"kv": {"worker": self._worker, "epoch": epoch,
+                                                     "blocks": len(keys), "op": op.value}})
+
+
+def _coalesce(events: list[CacheEvent]) -> list[tuple[Op, list[int]]]:
+    """Merge runs of same-op events into one feed entry each (order preserved)."""
+    out: list[tuple[Op, list[int]]] = []
+    for ev in events:
+        if out and out[-1][0] is ev.op and ev.op in (Op.STORE, Op.EVICT):
+            out[-1][1].extend(ev.keys)
+        else:
+            out.append((ev.op, list(ev.keys)))
+    return out

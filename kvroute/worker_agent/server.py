@@ -1,0 +1,201 @@
+"""The agent's gRPC server: runs requests on the engine, publishes its cache state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from kvroute.core.config import AgentConfig
+from kvroute.core.grpc_util import (
+    add_standard_services,
+    bind,
+    install_signal_handlers,
+    set_serving,
+    start_metrics,
+)
+from kvroute.core.redis_conn import connect
+from kvroute.core.redis_schema import Heartbeat, RedisKeys, check_name
+from kvroute.core.validate import (
+    InvalidRequestError,
+    Limits,
+    check_names,
+    check_sampling,
+    check_tokens,
+)
+from kvroute.v1 import common_pb2, worker_agent_pb2, worker_agent_pb2_grpc
+from kvroute.worker_agent.engines.base import Engine, EngineError, EngineRequest
+from kvroute.worker_agent.metrics import AgentMetrics
+from kvroute.worker_agent.publisher import CachePublisher
+
+log = logging.getLogger("kvroute.agent")
+
+SERVICE = worker_agent_pb2.DESCRIPTOR.services_by_name["WorkerAgent"].full_name
+_FINISH = {"length": common_pb2.FINISH_REASON_LENGTH, "stop": common_pb2.FINISH_REASON_STOP}
+
+
+def make_engine(cfg: AgentConfig) -> Engine:
+    if cfg.engine == "sim":
+        from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
+
+        return SimEngine(SimConfig(
+            capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size, model=cfg.model,
+            vocab_size=cfg.vocab_size, max_batch=cfg.max_batch, time_scale=cfg.time_scale,
+        ))
+    raise SystemExit(f"unknown engine {cfg.engine!r}; available: sim")
+
+
+class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
+    def __init__(self, worker_id: str, model: str, engine: Engine, limits: Limits,
+                 metrics: AgentMetrics) -> None:
+        self._worker = worker_id
+        self._model = model
+        self._engine = engine
+        self._limits = limits
+        self._m = metrics
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        t0 = time.perf_counter()
+        try:
+            check_names(request, self._model)
+            if request.text and not request.token_ids:
+                raise InvalidRequestError(
+                    "text", "the agent takes token ids; send text to the router")
+            max_tokens = check_sampling(request, self._limits)
+            check_tokens(request.token_ids, self._limits)
+        except InvalidRequestError as exc:
+            self._m.requests.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id or f"{self._worker}-{time.monotonic_ns():x}"
+        ereq = EngineRequest(
+            request_id=rid, token_ids=list(request.token_ids), max_tokens=max_tokens,
+            cache_salt=request.cache_salt, seed=request.sampling.seed,
+            stop_token_ids=frozenset(request.sampling.stop_token_ids),
+        )
+        n_out = 0
+        cached = 0
+        try:
+            async for chunk in self._engine.generate(ereq):
+                resp = common_pb2.GenerateResponse(
+                    request_id=rid, worker_id=self._worker, cached_tokens=chunk.cached_tokens,
+                    token_ids=chunk.token_ids,
+                )
+                if n_out == 0:
+                    cached = chunk.cached_tokens
+                    ttft = time.perf_counter() - t0
+                    resp.ttft_ms = ttft * 1000
+                    self._m.ttft.observe(ttft)
+                n_out += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    resp.finish_reason = _FINISH.get(chunk.finish_reason,
+                                                     common_pb2.FINISH_REASON_UNSPECIFIED)
+                    resp.usage.CopyFrom(common_pb2.Usage(
+                        prompt_tokens=len(ereq.token_ids), completion_tokens=n_out,
+                        cached_tokens=cached))
+                yield resp
+        except EngineError as exc:
+            self._m.requests.labels("engine_error").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {exc}")
+        except asyncio.CancelledError:
+            self._m.requests.labels("cancelled").inc()
+            raise
+        self._m.requests.labels("ok").inc()
+        self._m.prompt_tokens.inc(len(ereq.token_ids))
+        self._m.cached_tokens.inc(cached)
+        self._m.generated_tokens.inc(n_out)
+
+    async def GetLoad(  # noqa: N802 - gRPC method name
+        self, request: worker_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerLoad:
+        ld = self._engine.load()
+        return common_pb2.WorkerLoad(
+            worker_id=self._worker, running=ld.running, queued=ld.queued,
+            free_blocks=ld.free_blocks, capacity_blocks=ld.capacity_blocks,
+            pending_prefill_tokens=ld.pending_prefill_tokens,
+        )
+
+
+class AgentApp:
+    """One agent: engine + gRPC server + Redis publisher + metrics. Start, then stop."""
+
+    def __init__(self, cfg: AgentConfig, engine: Engine | None = None) -> None:
+        self.cfg = cfg
+        self.engine = engine if engine is not None else make_engine(cfg)
+        self.port = 0
+        self.worker_id = cfg.worker_id
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._metrics_http: Any = None
+        self.publisher: CachePublisher | None = None
+
+    async def start(self) -> int:
+        cfg = self.cfg
+        server = grpc.aio.server()
+        self.port = bind(server, cfg.host, cfg.port)
+        self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{self.port}"
+        check_name("worker id", self.worker_id)
+        advertise = cfg.advertise or f"{cfg.host}:{self.port}"
+        metrics = AgentMetrics(self.worker_id)
+        limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        worker_agent_pb2_grpc.add_WorkerAgentServicer_to_server(
+            AgentService(self.worker_id, cfg.model, self.engine, limits, metrics), server)
+        self._health = add_standard_services(server, [SERVICE])
+        engine = self.engine
+
+        def heartbeat() -> Heartbeat:
+            ld = engine.load()
+            return Heartbeat(
+                worker_id=self.worker_id, address=advertise, epoch=pub.epoch,
+                running=ld.running, queued=ld.queued, free_blocks=ld.free_blocks,
+                capacity_blocks=ld.capacity_blocks,
+                pending_prefill_tokens=ld.pending_prefill_tokens, block_size=cfg.block_size,
+                ttl_s=cfg.heartbeat_ttl_s,
+            )
+
+        pub = CachePublisher(
+            connect(cfg.redis), RedisKeys(cfg.model), self.worker_id, engine.cached_keys,
+            heartbeat, heartbeat_s=cfg.heartbeat_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
+            max_pending=cfg.publish_buffer, feed_maxlen=cfg.feed_maxlen,
+        )
+        self.publisher = pub
+        engine.add_listener(pub.on_event)
+        metrics.watch(engine, pub)
+        await engine.start()
+        await pub.start()
+        await server.start()
+        self._server = server
+        await set_serving(self._health, [SERVICE], True)
+        self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, metrics.registry)
+        log.info("agent serving", extra={"kv": {
+            "worker": self.worker_id, "address": advertise, "engine": cfg.engine,
+            "model": cfg.model, "block_size": cfg.block_size, "epoch": pub.epoch,
+            "metrics_port": cfg.metrics_port or "off"}})
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._health is not None:
+            await set_serving(self._health, [SERVICE], False)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self.publisher is not None:
+            await self.publisher.stop()
+        await self.engine.stop()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        log.info("agent stopped", extra={"kv": {"worker": self.worker_id}})
+
+
+async def run_agent(cfg: AgentConfig) -> None:
+    app = AgentApp(cfg)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    await app.start()
+    await stop.wait()
+    await app.stop()

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvroute.core.config import AgentConfig, RouterConfig, add_arguments, from_env, from_namespace
+
+
+def test_flags_env_and_defaults() -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p, RouterConfig, {"KVROUTE_POLICY": "round_robin", "KVROUTE_LOG_JSON": "yes"})
+    cfg = from_namespace(RouterConfig, p.parse_args(["--port", "7", "--block-size", "32"]))
+    assert (cfg.port, cfg.block_size, cfg.policy, cfg.log_json) == (7, 32, "round_robin", True)
+    # A flag beats the environment.
+    cfg = from_namespace(RouterConfig, p.parse_args(["--policy", "kvroute"]))
+    assert cfg.policy == "kvroute"
+
+
+def test_bad_env_value_is_a_clear_error() -> None:
+    with pytest.raises(SystemExit, match="KVROUTE_PORT"):
+        from_env(AgentConfig, {"KVROUTE_PORT": "eighty"})
+
+
+def test_from_env_with_overrides() -> None:
+    cfg = from_env(AgentConfig, {"KVROUTE_CAPACITY_BLOCKS": "10"}, worker_id="w")
+    assert (cfg.capacity_blocks, cfg.worker_id, cfg.port) == (10, "w", 50061)

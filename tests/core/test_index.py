@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import random
+
+from kvroute.core.index import PrefixIndex
+
+
+def test_longest_prefix_per_worker() -> None:
+    idx = PrefixIndex()
+    idx.add("a", [1, 2, 3, 4])
+    idx.add("b", [1, 2])
+    idx.add("c", [9])
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert idx.match([1, 7]) == {"a": 1, "b": 1}
+    assert idx.match([9, 1]) == {"c": 1}
+    assert idx.match([5]) == {}
+    assert idx.match([]) == {}
+
+
+def test_a_hole_ends_the_prefix() -> None:
+    idx = PrefixIndex()
+    idx.add("a", [1, 3])  # block 2 evicted: only the first block is a usable prefix
+    assert idx.match([1, 2, 3]) == {"a": 1}
+
+
+def test_match_stops_consuming_at_first_miss() -> None:
+    idx = PrefixIndex()
+    idx.add("a", [1, 2])
+    consumed = []
+
+    def keys():
+        for k in [1, 2, 3, 4, 5]:
+            consumed.append(k)
+            yield k
+
+    assert idx.match(keys()) == {"a": 2}
+    assert consumed == [1, 2, 3]
+
+
+def test_remove_and_clear() -> None:
+    idx = PrefixIndex()
+    idx.add("a", [1, 2, 3])
+    idx.add("b", [1, 2, 3])
+    idx.remove("a", [3, 99])
+    assert idx.match([1, 2, 3]) == {"a": 2, "b": 3}
+    assert idx.clear_worker("b") == 3
+    assert idx.match([1, 2, 3]) == {"a": 2}
+    assert len(idx) == 2
+    assert idx.remove_worker("a") == 2
+    assert len(idx) == 0 and idx.entries() == 0
+    assert idx.workers() == ["b"]
+
+
+def test_slots_are_reused_without_leaking_keys() -> None:
+    idx = PrefixIndex()
+    idx.add("a", [1])
+    idx.remove_worker("a")
+    idx.add("z", [2])  # takes a's slot
+    assert idx.match([1]) == {}
+    assert idx.match([2]) == {"z": 1}
+
+
+def test_replace_worker_is_a_snapshot_load() -> None:
+    idx = PrefixIndex()
+    idx.add("a", [1, 2, 3])
+    idx.replace_worker("a", [7, 8])
+    assert idx.keys_of("a") == {7, 8}
+    assert idx.match([1]) == {}
+
+
+def test_against_a_naive_model() -> None:
+    rng = random.Random(3)
+    idx = PrefixIndex()
+    naive: dict[str, set[int]] = {}
+    workers = [f"w{i}" for i in range(70)]  # more than 64 slots: bitmasks past one word
+    for _ in range(3000):
+        w = rng.choice(workers)
+        keys = [rng.randrange(40) for _ in range(rng.randrange(1, 6))]
+        op = rng.random()
+        if op < 0.6:
+            idx.add(w, keys)
+            naive.setdefault(w, set()).update(keys)
+        elif op < 0.9:
+            idx.remove(w, keys)
+            naive.get(w, set()).difference_update(keys)
+        elif op < 0.95:
+            idx.clear_worker(w)
+            naive.pop(w, None)
+        else:
+            idx.remove_worker(w)
+            naive.pop(w, None)
+        query = [rng.randrange(40) for _ in range(6)]
+        expect = {}
+        for name, ks in naive.items():
+            n = 0
+            while n < len(query) and query[n] in ks:
+                n += 1
+            if n:
+                expect[name] = n
+        assert idx.match(query) == expect
+    assert idx.entries() == sum(len(s) for s in naive.values())

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import pytest
+
+from kvroute.core.load import WorkerLoad
+from kvroute.core.policies import KvrouteCost, LeastLoaded, RoundRobin, RouteQuery, make_policy
+
+
+def q(matched: dict[str, int], loads: dict[str, WorkerLoad], prompt: int = 1024,
+      affinity: int = 1) -> RouteQuery:
+    return RouteQuery(prompt, 16, matched, loads, affinity)
+
+
+IDLE = WorkerLoad()
+
+
+def test_kvroute_prefers_longest_prefix_when_idle() -> None:
+    r = KvrouteCost().rank(q({"a": 10, "b": 40}, {"a": IDLE, "b": IDLE, "c": IDLE}))
+    assert r[0].worker == "b"
+    assert r[0].cost == 1024 - 40 * 16
+
+
+def test_kvroute_leaves_a_hot_worker_when_its_queue_outweighs_the_hit() -> None:
+    busy = WorkerLoad(pending_prefill_tokens=5000, running=4)
+    r = KvrouteCost().rank(q({"a": 60}, {"a": busy, "b": IDLE}))
+    assert r[0].worker == "b"
+    light = WorkerLoad(pending_prefill_tokens=100)
+    assert KvrouteCost().rank(q({"a": 60}, {"a": light, "b": IDLE}))[0].worker == "a"
+
+
+def test_kvroute_counts_inflight_before_heartbeats_report_it() -> None:
+    r = KvrouteCost().rank(q({}, {"a": WorkerLoad(inflight=3), "b": IDLE}))
+    assert r[0].worker == "b"
+
+
+def test_cached_tokens_never_exceed_the_prompt() -> None:
+    query = q({"a": 100}, {"a": IDLE}, prompt=50)
+    assert query.cached_tokens("a") == 50
+    assert KvrouteCost().rank(query)[0].cost == 0
+
+
+def test_ties_follow_affinity_stably() -> None:
+    loads = {f"w{i}": IDLE for i in range(8)}
+    first = {KvrouteCost().rank(q({}, loads, affinity=a))[0].worker for a in range(64)}
+    assert len(first) > 4  # different prefixes spread over workers
+    same = {KvrouteCost().rank(q({}, loads, affinity=99))[0].worker for _ in range(5)}
+    assert len(same) == 1  # the same prefix sticks
+
+
+def test_round_robin_cycles_and_ranks_everyone() -> None:
+    rr = RoundRobin()
+    loads = {"a": IDLE, "b": IDLE, "c": IDLE}
+    firsts = [rr.rank(q({"c": 64}, loads))[0].worker for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert sorted(s.worker for s in rr.rank(q({}, loads))) == ["a", "b", "c"]
+
+
+def test_least_loaded() -> None:
+    loads = {"a": WorkerLoad(running=3), "b": WorkerLoad(queued=1), "c": WorkerLoad(inflight=2)}
+    assert [s.worker for s in LeastLoaded().rank(q({"a": 64}, loads))] == ["b", "c", "a"]
+
+
+def test_registry() -> None:
+    assert make_policy("kvroute").name == "kvroute"
+    with pytest.raises(ValueError, match="round_robin"):
+        make_policy("nope")
+
+
+def test_every_policy_ranks_every_worker() -> None:
+    from kvroute.core.policies import REGISTRY
+
+    loads = {f"w{i}": WorkerLoad(running=i) for i in range(5)}
+    for name in REGISTRY:
+        ranked = make_policy(name).rank(q({"w3": 8}, loads))
+        assert sorted(s.worker for s in ranked) == sorted(loads), name

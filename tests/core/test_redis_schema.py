@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+
+from kvroute.core.redis_schema import (
+    FeedError,
+    FeedEvent,
+    Heartbeat,
+    Op,
+    RedisKeys,
+    pack_keys,
+    unpack_keys,
+)
+
+
+def test_all_keys_of_a_model_share_one_hash_tag() -> None:
+    k = RedisKeys("meta-llama/Llama-3-8B")
+    names = [k.feed, k.workers, k.snapshot("w1"), k.meta("w1"), k.heartbeat("w1")]
+    tags = {n[n.index("{") + 1 : n.index("}")] for n in names}
+    assert tags == {"meta-llama/Llama-3-8B"}
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x{y}", "a\nb", "z" * 201])
+def test_bad_names_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="model"):
+        RedisKeys(bad)
+
+
+def test_feed_event_round_trip() -> None:
+    ev = FeedEvent("w1", "e1", 7, Op.STORE, (1, 2**64 - 1))
+    fields = {k.encode(): (v if isinstance(v, bytes) else str(v).encode())
+              for k, v in ev.to_fields().items()}
+    assert FeedEvent.from_fields(fields) == ev
+
+
+@pytest.mark.parametrize("fields", [
+    {b"w": b"w", b"e": b"e", b"s": b"x", b"op": b"store"},
+    {b"w": b"w", b"e": b"e", b"s": b"1", b"op": b"explode"},
+    {b"w": b"w", b"e": b"e", b"s": b"0", b"op": b"store"},
+    {b"w": b"w", b"e": b"e", b"s": b"1", b"op": b"store", b"k": b"123"},
+    {b"e": b"e", b"s": b"1", b"op": b"store"},
+])
+def test_malformed_feed_entries_are_named(fields: dict[bytes, bytes]) -> None:
+    with pytest.raises(FeedError):
+        FeedEvent.from_fields(fields)
+
+
+def test_key_packing() -> None:
+    keys = [0, 1, 2**63, 2**64 - 1]
+    assert unpack_keys(pack_keys(keys)) == keys
+    with pytest.raises(ValueError):
+        unpack_keys(b"1234567")
+
+
+def test_heartbeat_validation() -> None:
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", running=2)
+    assert Heartbeat.from_json(hb.to_json()) == hb
+    with pytest.raises(ValueError, match="JSON"):
+        Heartbeat.from_json("{")
+    with pytest.raises(ValueError, match="running"):
+        Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e","running":-1}')
+    with pytest.raises(ValueError, match="address"):
+        Heartbeat.from_json('{"worker_id":"w","address":"","epoch":"e"}')
+    with pytest.raises(ValueError, match="lacks"):
+        Heartbeat.from_json('{"worker_id":"w"}')

@@ -1,0 +1,117 @@
+"""`kvroute demo` end to end as a subprocess: it runs, compares, and leaves nothing behind.
+
+The demo runs in its own session; its children (Redis, agents, routers) inherit it, so any
+process still in that session afterwards is a leak.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+
+TINY = ["--conversations", "3", "--turns", "2", "--one-off", "2"]
+
+
+def _session_members(sid: int) -> list[str]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        fields = stat.rsplit(")", 1)[1].split()
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            out.append(f"{entry.name} {stat.split(' ', 1)[1][:60]}")
+    return out
+
+
+def _assert_no_leftovers(sid: int) -> None:
+    deadline = time.monotonic() + 2.0  # reparented zombies are reaped by init shortly
+    while (left := _session_members(sid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
+
+
+def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "kvroute", "demo", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    """Test safety net only: the demo itself must not need this."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_tiny_demo_compares_both_policies_and_cleans_up() -> None:
+    proc = _demo(*TINY, "--quiet")
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    for policy in ("kvroute", "round_robin"):
+        assert re.search(rf"^== {policy}: 8 requests in [\d.]+ s$", out, re.M), out
+    assert out.count("prefix-hit ratio") == 3  # two summaries and the comparison
+    assert "kvroute/round_robin" in out
+    assert "conv 00 turn" not in out  # --quiet: no per-request lines
+    assert "starting Redis" in err and "[round_robin] sending 8 requests" in err
+    _assert_no_leftovers(proc.pid)
+
+
+def test_sigterm_midway_stops_every_child() -> None:
+    proc = _demo(*TINY, "--policies", "kvroute")
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # wait until the cluster is up and serving requests
+            if "sending" in line:
+                break
+        else:
+            pytest.fail("the demo never started sending")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode in (0, 130), err  # 0 if the tiny workload won the race
+    _assert_no_leftovers(proc.pid)
+
+
+def test_child_failing_to_start_is_reported_with_its_log() -> None:
+    # Every child parses KVROUTE_LOG_LEVEL and exits at once on a bad value.
+    proc = _demo(*TINY, env={"KVROUTE_LOG_LEVEL": "bogus"})
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 1, err
+    assert "kvroute demo failed:" in err and "exited with code" in err
+    assert "unknown log level" in err  # the tail of the child's log
+    m = re.search(r"logs of every process: (\S+)", err)
+    assert m and Path(m.group(1)).is_dir()
+    shutil.rmtree(m.group(1))
+    _assert_no_leftovers(proc.pid)
+
+
+def test_unknown_policy_fails_before_starting_anything() -> None:
+    proc = _demo("--policies", "kvroute,nope")
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 2
+    assert "unknown policy nope" in err

@@ -1,0 +1,185 @@
+"""End to end over a real redis-server and real gRPC servers on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import grpc
+import pytest
+
+from kvroute.core.blocks import BlockHasher
+from tests.support import AgentProc, generate, route, wait_for
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50257) for _ in range(n)]
+
+
+def keys_of(tokens: list[int]) -> set[int]:
+    return set(BlockHasher(16, "default").keys(tokens))
+
+
+async def test_shared_prefix_lands_on_the_same_worker_with_cache_hits(cluster) -> None:
+    for i in range(4):
+        await cluster.agent(f"w{i}")
+    router = await cluster.router()
+    await wait_for(lambda: len(router.registry.loads) == 4, what="4 workers registered")
+    system = prompt(2048, 1)
+    first = await generate(router.port, system + prompt(100, 2))
+    w = first[0].worker_id
+    assert first[0].cached_tokens == 0
+    # The agent's store events reach the router's mirror through Redis.
+    await wait_for(lambda: router.mirror.index.count(w) >= 2048 // 16, what="feed applied")
+    second = await generate(router.port, system + prompt(300, 3))
+    assert second[0].worker_id == w
+    assert second[0].cached_tokens >= 2048
+    assert second[-1].usage.cached_tokens == second[0].cached_tokens
+    assert all(r.worker_id == w for r in second)
+
+
+async def test_router_started_after_agents_routes_by_cache_at_once(cluster) -> None:
+    a = await cluster.agent("a")
+    await cluster.agent("b")
+    tokens = prompt(1024, 5)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
+        from kvroute.v1 import common_pb2, worker_agent_pb2_grpc
+
+        req = common_pb2.GenerateRequest(token_ids=tokens,
+                                         sampling=common_pb2.SamplingParams(max_tokens=2))
+        [r async for r in worker_agent_pb2_grpc.WorkerAgentStub(ch).Generate(req)]
+    await wait_for(lambda: a.publisher.stats.pending == 0 and a.publisher.seq >= 2,
+                   what="agent published")
+    router = await cluster.router()  # bootstraps from snapshots
+    assert router.mirror.index.count("a") >= 1024 // 16 - 1
+    out = await generate(router.port, tokens + prompt(40, 6))
+    assert out[0].worker_id == "a"
+    assert out[0].cached_tokens >= 1008
+
+
+async def test_malformed_requests_get_invalid_argument(cluster) -> None:
+    await cluster.agent("a")
+    router = await cluster.router(max_prompt_tokens=1000)
+    cases = {
+        "token_ids": dict(tokens=[]),
+        "sampling.max_tokens": dict(tokens=[1, 2], max_tokens=0),
+        "out of range": dict(tokens=[1, 50257]),
+        "exceeds the limit": dict(tokens=[1] * 1001),
+        "no tokenizer": dict(text="hello"),
+        "model": dict(tokens=[1], model="other-model"),
+    }
+    for needle, kw in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(router.port, kw.pop("tokens", None), **kw)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
+        assert needle in err.value.details(), err.value.details()
+
+
+async def test_text_prompts_with_a_tokenizer(cluster) -> None:
+    await cluster.agent("a")
+    router = await cluster.router(tokenizer="byte")
+    out = await generate(router.port, text="hello world " * 10, max_tokens=3)
+    assert out[-1].usage.prompt_tokens == 120
+    assert sum(len(r.token_ids) for r in out) == 3
+
+
+async def test_killed_worker_leaves_routing_and_index(cluster) -> None:
+    a = AgentProc(cluster.redis.url, "doomed")
+    b = AgentProc(cluster.redis.url, "survivor")
+    a.start()
+    b.start()
+    try:
+        router = await cluster.router()
+        await wait_for(lambda: {"doomed", "survivor"} <= set(router.registry.loads), 20,
+                       "both subprocess agents registered")
+        tokens = prompt(640, 7)
+        # Warm the doomed worker through the router so its blocks enter the index.
+        served = None
+        for i in range(8):
+            out = await generate(router.port, prompt(640, 100 + i))
+            if out[0].worker_id == "doomed":
+                served = out
+                tokens = None
+                break
+        assert served is not None, "round of requests never reached 'doomed'"
+        await wait_for(lambda: router.mirror.index.count("doomed") > 0, what="doomed indexed")
+        a.kill(signal.SIGKILL)
+        await wait_for(lambda: "doomed" not in router.registry.loads, 10,
+                       "heartbeat expiry")
+        assert router.mirror.index.count("doomed") == 0
+        assert "doomed" not in router.mirror.index.workers()
+        r = await route(router.port, prompt(100, 8))
+        assert [c.worker_id for c in r.candidates] == ["survivor"]
+        assert tokens is None
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_agent_restart_leaves_no_stale_blocks(cluster) -> None:
+    a = AgentProc(cluster.redis.url, "phoenix")
+    a.start()
+    try:
+        router = await cluster.router()
+        await wait_for(lambda: "phoenix" in router.registry.loads, 20, "agent registered")
+        await generate(router.port, prompt(800, 9))
+        await wait_for(lambda: router.mirror.index.count("phoenix") >= 49, what="indexed")
+        old = router.mirror.index.keys_of("phoenix")
+        a.kill(signal.SIGKILL)
+        a.start()  # same id, same port, before its heartbeat expires: a new epoch
+        await wait_for(lambda: router.mirror.index.count("phoenix") == 0, 20,
+                       "the new epoch's clear reached the mirror")
+        out = await generate(router.port, prompt(320, 10))
+        assert out[0].worker_id == "phoenix" and out[0].cached_tokens == 0
+        await wait_for(lambda: router.mirror.index.count("phoenix") >= 20, what="new blocks")
+        assert not (router.mirror.index.keys_of("phoenix") & old)
+    finally:
+        a.stop()
+
+
+async def test_redis_restart_mid_run_loses_no_request(cluster) -> None:
+    for i in range(2):
+        await cluster.agent(f"w{i}")
+    router = await cluster.router()
+    await wait_for(lambda: len(router.registry.loads) == 2, what="workers registered")
+    system = prompt(512, 11)
+    results: list[object] = []
+    errors: list[BaseException] = []
+
+    async def client(n: int) -> None:
+        for i in range(n):
+            try:
+                out = await generate(router.port, system + prompt(64, 1000 * n + i))
+                results.append(out)
+            except grpc.aio.AioRpcError as exc:
+                errors.append(exc)
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(client(60))
+    await asyncio.sleep(0.2)
+    cluster.redis.stop()
+    await wait_for(lambda: not router.mirror.available, what="router noticed redis down")
+    await asyncio.sleep(0.3)  # requests keep flowing, routed by load alone
+    cluster.redis.start()
+    await wait_for(lambda: router.mirror.available, 10, "router resynced")
+    await task
+    assert not errors
+    assert len(results) == 60
+    assert all(out[-1].HasField("usage") for out in results)
+    # The agents notice the empty Redis and republish; the router's mirror heals.
+    await wait_for(lambda: router.mirror.index.count("w0") + router.mirror.index.count("w1")
+                   >= 512 // 16, 10, "snapshots republished after the restart")
+
+
+async def test_failed_agent_is_retried_on_the_next_best_worker(cluster) -> None:
+    from tests.support import free_port
+
+    await cluster.agent("live")
+    dead = f"dead=127.0.0.1:{free_port()}"
+    router = await cluster.router(workers=dead, policy="round_robin")
+    await wait_for(lambda: len(router.registry.loads) == 2, what="both workers known")
+    outs = [await generate(router.port, prompt(64, 20 + i)) for i in range(4)]
+    assert all(o[0].worker_id == "live" for o in outs)
+    assert router.metrics.retries._value.get() >= 1

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import pytest
+
+from kvroute.core.redis_schema import Heartbeat
+from kvroute.router.registry import WorkerRegistry, parse_static
+
+
+def test_parse_static() -> None:
+    assert parse_static("a=h:1, b=h:2") == {"a": "h:1", "b": "h:2"}
+    assert parse_static("") == {}
+    with pytest.raises(ValueError, match="id=host:port"):
+        parse_static("a=nohostport")
+
+
+def test_heartbeat_load_merges_with_local_counts() -> None:
+    reg = WorkerRegistry({}, 16)
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", running=5,
+                                         pending_prefill_tokens=100)})
+    reg.begin("w", 700)
+    ld = reg.loads["w"]
+    assert (ld.inflight, ld.running, ld.pending_prefill_tokens) == (1, 5, 700)
+    reg.first_token("w", 700)
+    reg.end("w")
+    assert reg.loads["w"].pending_prefill_tokens == 100
+    assert reg.loads["w"].inflight == 0
+
+
+def test_expiry_spares_static_workers_and_can_be_suspended() -> None:
+    reg = WorkerRegistry({"s": "h:9"}, 16)
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})
+    assert reg.apply_heartbeats({}, expire=False) == ([], [])
+    assert set(reg.loads) == {"s", "w"}
+    assert reg.apply_heartbeats({}) == ([], ["w"])
+    assert set(reg.loads) == {"s"}
+
+
+def test_mark_down_then_revive() -> None:
+    reg = WorkerRegistry({"s": "h:9"}, 16)
+    reg.mark_down("s", 0.0)
+    assert "s" not in reg.loads
+    reg.revive_due()
+    assert "s" in reg.loads

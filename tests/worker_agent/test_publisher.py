@@ -1,0 +1,116 @@
+"""The agent's publisher against a real redis-server and a real SimEngine."""
+
+from __future__ import annotations
+
+import random
+
+from kvroute.core.redis_conn import connect
+from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, unpack_keys
+from kvroute.worker_agent.engines.base import EngineRequest
+from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
+from kvroute.worker_agent.publisher import CachePublisher
+from tests.support import wait_for
+
+KEYS = RedisKeys("default")
+
+
+def make(redis_url: str, capacity: int = 256, **kw: object) -> tuple[SimEngine, CachePublisher]:
+    engine = SimEngine(SimConfig(capacity_blocks=capacity, model="default", time_scale=0.0))
+    pub = CachePublisher(
+        connect(redis_url), KEYS, "w1", engine.cached_keys,
+        lambda: Heartbeat("w1", "127.0.0.1:1", pub.epoch), heartbeat_s=0.05,
+        heartbeat_ttl_s=1.0, **kw)  # type: ignore[arg-type]
+    engine.add_listener(pub.on_event)
+    return engine, pub
+
+
+async def run(engine: SimEngine, n_tokens: int, seed: int) -> None:
+    rng = random.Random(seed)
+    req = EngineRequest(f"r{seed}", [rng.randrange(50000) for _ in range(n_tokens)], 4)
+    [c async for c in engine.generate(req)]
+
+
+def snapshot(client, worker: str = "w1") -> set[int]:
+    return {unpack_keys(m)[0] for m in client.smembers(KEYS.snapshot(worker))}
+
+
+def feed(client) -> list[FeedEvent]:
+    return [FeedEvent.from_fields(f) for _, f in client.xrange(KEYS.feed)]
+
+
+async def test_feed_and_snapshot_follow_the_engine(redis_server) -> None:
+    engine, pub = make(redis_server.url, capacity=64)
+    await engine.start()
+    await pub.start()
+    client = redis_server.client()
+    try:
+        await wait_for(lambda: pub.seq == 1, what="first epoch declared")
+        for i in range(12):  # 12 x 20 blocks through a 64-block cache: evictions happen
+            await run(engine, 320, i)
+        await wait_for(lambda: pub.stats.pending == 0 and snapshot(client)
+                       == set(engine.cached_keys()), what="snapshot equals engine state")
+        events = feed(client)
+        assert events[0].op is Op.CLEAR and events[0].seq == 1
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert {e.epoch for e in events} == {pub.epoch}
+        assert any(e.op is Op.EVICT for e in events)
+        # Replaying the feed gives exactly the snapshot.
+        state: set[int] = set()
+        for e in events:
+            if e.op is Op.STORE:
+                state |= set(e.keys)
+            elif e.op is Op.EVICT:
+                state -= set(e.keys)
+        assert state == snapshot(client)
+        meta = client.hgetall(KEYS.meta("w1"))
+        assert int(meta[b"seq"]) == events[-1].seq
+        await wait_for(lambda: Heartbeat.from_json(client.get(KEYS.heartbeat("w1"))).epoch
+                       == pub.epoch, what="heartbeat names the current epoch")
+        assert client.pttl(KEYS.heartbeat("w1")) > 0
+    finally:
+        await pub.stop()
+        await engine.stop()
+    assert client.get(KEYS.heartbeat("w1")) is None  # a clean stop deregisters
+
+
+async def test_overflow_while_redis_is_down_resyncs_with_nothing_lost(redis_server) -> None:
+    engine, pub = make(redis_server.url, max_pending=3)
+    await engine.start()
+    await pub.start()
+    client = redis_server.client()
+    try:
+        await wait_for(lambda: pub.seq == 1, what="first epoch declared")
+        first_epoch = pub.epoch
+        redis_server.stop()
+        for i in range(6):
+            await run(engine, 64, i)
+        await wait_for(lambda: not pub.stats.redis_up, what="publisher saw redis down")
+        redis_server.start()
+        client = redis_server.client()
+        await wait_for(lambda: pub.epoch != first_epoch and pub.stats.pending == 0, 10,
+                       "resync after the outage")
+        await wait_for(lambda: snapshot(client) == set(engine.cached_keys()), 10,
+                       "snapshot equals engine state")
+        assert len(snapshot(client)) == 6 * 4
+    finally:
+        await pub.stop()
+        await engine.stop()
+
+
+async def test_lost_snapshot_is_rewritten_under_a_new_epoch(redis_server) -> None:
+    engine, pub = make(redis_server.url)
+    await engine.start()
+    await pub.start()
+    client = redis_server.client()
+    try:
+        await run(engine, 160, 1)
+        await wait_for(lambda: len(snapshot(client)) == 10, what="published")
+        old = pub.epoch
+        client.flushall()
+        await wait_for(lambda: len(snapshot(client)) == 10 and pub.epoch != old, 10,
+                       "snapshot rewritten")
+        events = feed(client)
+        assert events[0].op is Op.RESYNC and events[0].epoch == pub.epoch
+    finally:
+        await pub.stop()
+        await engine.stop()
