@@ -47,12 +47,17 @@ class RouterConfig(CommonConfig):
     poll_interval_s: float = opt(0.5, "seconds between heartbeat scans")
     connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next")
     redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts")
+    discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
+    k8s_namespace: str = opt("", "kubernetes discovery: namespace (default: the pod's own)")
+    k8s_selector: str = opt("app.kubernetes.io/component=worker",
+                            "kubernetes discovery: label selector of worker pods")
+    k8s_port: int = opt(50061, "kubernetes discovery: agent gRPC port on worker pods")
 
 
 @dataclass(frozen=True)
 class AgentConfig(CommonConfig):
     port: int = opt(50061, "gRPC port (0 picks a free one)")
-    engine: str = opt("sim", "engine adapter: sim")
+    engine: str = opt("sim", "engine adapter: sim, tiny or vllm")
     worker_id: str = opt("", "this worker's id (default: hostname:port)")
     advertise: str = opt("", "address routers use to reach this agent (default host:port)")
     capacity_blocks: int = opt(4096, "KV cache capacity in blocks (sim engine)")
@@ -62,6 +67,17 @@ class AgentConfig(CommonConfig):
     heartbeat_ttl_s: float = opt(3.0, "heartbeat TTL: a worker silent this long is dead")
     publish_buffer: int = opt(100000, "cache events buffered while Redis is down before resync")
     feed_maxlen: int = opt(1000000, "approximate cap on change-feed length (XADD MAXLEN ~)")
+    # -- engine tiny
+    tiny_layers: int = opt(2, "tiny engine: transformer layers")
+    tiny_dim: int = opt(64, "tiny engine: model width")
+    tiny_seed: int = opt(0, "tiny engine: weight initialisation seed")
+    tokenizer: str = opt("byte", "tiny engine tokenizer: byte or gpt2")
+    # -- engine vllm
+    vllm_url: str = opt("http://127.0.0.1:8000", "vllm engine: OpenAI-compatible HTTP base URL")
+    vllm_model: str = opt("", "vllm engine: served model name (default: --model)")
+    vllm_events: str = opt("tcp://127.0.0.1:5557", "vllm engine: KV-events ZMQ PUB endpoint")
+    vllm_replay: str = opt("", "vllm engine: KV-events ZMQ replay (ROUTER) endpoint, optional")
+    vllm_topic: str = opt("", "vllm engine: KV-events topic to subscribe to ('' = all)")
 
 
 def _flag(name: str) -> str:

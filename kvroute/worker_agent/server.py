@@ -40,6 +40,7 @@ _FINISH = {"length": common_pb2.FINISH_REASON_LENGTH, "stop": common_pb2.FINISH_
 
 
 def make_engine(cfg: AgentConfig) -> Engine:
+    """The engine named by ``--engine``. Each engine module offers ``from_agent_config``."""
     if cfg.engine == "sim":
         from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
 
@@ -47,7 +48,15 @@ def make_engine(cfg: AgentConfig) -> Engine:
             capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size, model=cfg.model,
             vocab_size=cfg.vocab_size, max_batch=cfg.max_batch, time_scale=cfg.time_scale,
         ))
-    raise SystemExit(f"unknown engine {cfg.engine!r}; available: sim")
+    if cfg.engine == "tiny":
+        from kvroute.worker_agent.engines import tiny
+
+        return tiny.from_agent_config(cfg)
+    if cfg.engine == "vllm":
+        from kvroute.worker_agent.engines import vllm
+
+        return vllm.from_agent_config(cfg)
+    raise SystemExit(f"unknown engine {cfg.engine!r}; choose sim, tiny or vllm")
 
 
 class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
