@@ -11,6 +11,7 @@ class WorkerLoad:
 
     ``inflight`` and ``pending_prefill_tokens`` combine the router's own accounting (exact,
     immediate) with the agent's heartbeat (cluster-wide, up to one heartbeat old).
+    ``cached_blocks`` is the size of the worker's prefix cache as the router's index sees it.
     """
 
     inflight: int = 0
@@ -19,6 +20,7 @@ class WorkerLoad:
     free_blocks: int = 0
     capacity_blocks: int = 0
     pending_prefill_tokens: int = 0
+    cached_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:

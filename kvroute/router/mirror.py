@@ -177,25 +177,32 @@ class IndexMirror:
         block_ms = max(1, int((self._next_poll - time.monotonic()) * 1000))
         resp = await self._r.xread({self._keys.feed: self._last_id}, count=_XREAD_COUNT,
                                    block=block_ms)
+        touched: set[str] = set()
         for _stream, entries in resp or ():
             for entry_id, fields in entries:
                 self._last_id = entry_id
-                await self._apply_raw(entry_id, fields)
+                worker = await self._apply_raw(entry_id, fields)
+                if worker:
+                    touched.add(worker)
+        for w in touched:
+            self.registry.set_cached_blocks(w, self.index.count(w))
         if resp:
             self._on_change()
 
-    async def _apply_raw(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _apply_raw(self, entry_id: bytes, fields: dict[bytes, bytes]) -> str | None:
+        """Apply one stream entry; returns the worker it was about (None if malformed)."""
         try:
             ev = FeedEvent.from_fields(fields)
         except FeedError as exc:
             self.stats.malformed += 1
             log.warning("skipping malformed feed entry",
                         extra={"kv": {"id": entry_id.decode(), "error": exc}})
-            return
+            return None
         ms = int(entry_id.split(b"-")[0])
         self.stats.lag_s = max(0.0, time.time() - ms / 1000)
         self.stats.last_event_at = time.time()
         await self.apply(ev)
+        return ev.worker
 
     async def apply(self, ev: FeedEvent) -> None:
         """Apply one feed event, healing from the snapshot on a gap or unknown epoch."""

@@ -32,6 +32,7 @@ class WorkerInfo:
     compatible: bool = True
     inflight: int = 0
     pending_prefill: int = 0
+    cached_blocks: int = 0
     first_seen: float = field(default_factory=time.monotonic)
 
 
@@ -126,6 +127,12 @@ class WorkerRegistry:
             info.inflight = max(0, info.inflight - 1)
             self._refresh(worker)
 
+    def set_cached_blocks(self, worker: str, n: int) -> None:
+        info = self._workers.get(worker)
+        if info is not None and info.cached_blocks != n:
+            info.cached_blocks = n
+            self._refresh(worker)
+
     def mark_down(self, worker: str, down_s: float) -> None:
         info = self._workers.get(worker)
         if info is not None:
@@ -146,7 +153,8 @@ class WorkerRegistry:
         hb = info.heartbeat
         if hb is None:
             self.loads[worker] = WorkerLoad(inflight=info.inflight,
-                                            pending_prefill_tokens=info.pending_prefill)
+                                            pending_prefill_tokens=info.pending_prefill,
+                                            cached_blocks=info.cached_blocks)
             return
         # The heartbeat counts every router's traffic but is up to one interval old; our own
         # counters are exact for our traffic. Take the larger of each.
@@ -157,4 +165,5 @@ class WorkerRegistry:
             free_blocks=hb.free_blocks,
             capacity_blocks=hb.capacity_blocks,
             pending_prefill_tokens=max(hb.pending_prefill_tokens, info.pending_prefill),
+            cached_blocks=info.cached_blocks,
         )
