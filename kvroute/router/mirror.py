@@ -137,6 +137,8 @@ class IndexMirror:
         members = await self._r.smembers(self._keys.workers)
         for raw in members:
             await self._load_snapshot(raw.decode())
+        for w in self.index.workers():
+            self.registry.set_cached_blocks(w, self.index.count(w))
         self.stats.bootstraps += 1
         log.info("mirror bootstrapped", extra={"kv": {
             "workers": len(self._feeds), "blocks": self.index.entries(),
