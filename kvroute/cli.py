@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no per-request lines: only the summaries (progress still on stderr)")
     d.add_argument("--seed", type=int, default=7, help="workload seed")
     sub.add_parser("policies", help="list routing policies with their formulas")
+    rp = sub.add_parser("replay", help="replay a trace through every policy on a simulated "
+                        "cluster", formatter_class=fmt)
+    from simulations.cli import add_arguments as add_replay_arguments
+
+    add_replay_arguments(rp)
     return p
 
 
@@ -58,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc = (type(factory()).__doc__ or "").strip()
             print(f"{name}\n    " + doc.replace("\n", "\n    ") + "\n")
         return 0
+    if args.command == "replay":
+        from simulations.cli import run as run_replay
+
+        return run_replay(args)
     if args.command == "demo":
         from kvroute.demo.run import run_demo
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
 
 from kvroute.core.blocks import BlockHasher, tokens_to_bytes
 from kvroute.core.index import PrefixIndex
+from kvroute.core.load import WorkerLoad
 from kvroute.core.policies import Policy, RouteQuery, Scored
 from kvroute.router.registry import WorkerRegistry
 
@@ -67,15 +68,32 @@ class Decider:
         hasher = self.hasher(salt)
         keys = hasher.iter_keys(tokens)
         first = next(keys, None)
-        matched: dict[str, int] = {}
-        if index is not None and first is not None:
-            raw = index.match(itertools.chain((first,), keys))
-            matched = {w: n for w, n in raw.items() if w in loads and registry.compatible(w)}
         if session_id:
             affinity = xxhash.xxh3_64_intdigest(session_id.encode())
         else:
             # Shorter than a block: spread by content rather than piling on one worker.
             affinity = first if first is not None else xxhash.xxh3_64_intdigest(
                 tokens_to_bytes(tokens))
-        query = RouteQuery(len(tokens), self.block_size, matched, loads, affinity)
-        return Decision(self.policy.rank(query), query)
+        chain = itertools.chain((first,), keys) if first is not None else ()
+        return rank_request(self.policy, index, chain, len(tokens), self.block_size, loads,
+                            affinity, registry.compatible)
+
+
+def rank_request(
+    policy: Policy,
+    index: PrefixIndex | None,
+    keys: Iterable[int],
+    prompt_tokens: int,
+    block_size: int,
+    loads: Mapping[str, WorkerLoad],
+    affinity: int,
+    compatible: Callable[[str], bool] | None = None,
+) -> Decision:
+    """Index lookup + policy: the part of a decision the router and the replay simulator
+    share. Matches of workers not in ``loads`` (or not ``compatible``) are dropped."""
+    matched: dict[str, int] = {}
+    if index is not None:
+        matched = {w: n for w, n in index.match(keys).items()
+                   if w in loads and (compatible is None or compatible(w))}
+    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity)
+    return Decision(policy.rank(query), query)

@@ -1,0 +1,1 @@
+"""Replay simulator: real traces through the router's own policies on a simulated cluster."""

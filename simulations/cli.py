@@ -1,0 +1,179 @@
+"""``kvroute replay``: replay a trace through every policy and report which wins."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvroute.core.policies import REGISTRY, Policy
+from simulations.costmodel import CostModel
+from simulations.metrics import (
+    PolicyMetrics,
+    capacity_rps,
+    global_lru_hits,
+    hit_ratio,
+    infinite_cache_hits,
+    measure,
+)
+from simulations.replay import ClusterSpec, Replayer, ReplayResult
+from simulations.trace import Trace, TraceError, load
+
+SWEEP_LOADS = (0.5, 0.65, 0.8, 0.95)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace file: Mooncake JSONL (hash_ids) or JSONL with token_ids")
+    p.add_argument("--workers", type=int, default=16, help="simulated workers")
+    p.add_argument("--capacity-blocks", type=int, default=0,
+                   help="KV blocks per worker (default: 480k tokens' worth, an A100-80GB "
+                        "serving Llama-3.1-8B)")
+    p.add_argument("--policies", default="all",
+                   help=f"comma-separated, or 'all': {', '.join(sorted(REGISTRY))}")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--rate-scale", type=float, default=1.0,
+                      help="replay this many times faster than recorded")
+    rate.add_argument("--load", type=float, default=None,
+                      help="replay at this fraction of the cluster's capacity (overrides "
+                           "--rate-scale)")
+    rate.add_argument("--sweep", action="store_true",
+                      help=f"replay at loads {', '.join(map(str, SWEEP_LOADS))} and plot TTFT "
+                           "against load")
+    p.add_argument("--propagation-ms", type=float, default=50.0,
+                   help="delay before the router sees a cache event (agent -> Redis -> router)")
+    p.add_argument("--token-block-size", type=int, default=16,
+                   help="block size for traces given as token_ids")
+    p.add_argument("--tile", type=int, default=1,
+                   help="repeat the trace this many times back to back (speed tests)")
+    p.add_argument("--seed", type=int, default=0, help="seed for randomised policies")
+    p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write results.json, results.csv and PNG plots here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def make_policies(names: str, seed: int) -> list[Callable[[], Policy]]:
+    chosen = sorted(REGISTRY) if names == "all" else [n.strip() for n in names.split(",")
+                                                        if n.strip()]
+    unknown = [n for n in chosen if n not in REGISTRY]
+    if unknown or not chosen:
+        raise SystemExit(f"unknown policy {', '.join(unknown) or '(none)'}; choose from: "
+                         f"{', '.join(sorted(REGISTRY))} or all")
+
+    def factory(name: str) -> Callable[[], Policy]:
+        def build() -> Policy:
+            try:
+                return REGISTRY[name](seed=seed)  # type: ignore[call-arg]
+            except TypeError:
+                return REGISTRY[name]()
+        return build
+
+    return [factory(n) for n in chosen]
+
+
+def _progress(label: str, total: int, enabled: bool) -> tuple[Callable[[int], None],
+                                                               Callable[[], None]]:
+    if not enabled:
+        return (lambda n: None), (lambda: None)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a plain line per policy is enough without tqdm
+        print(f"  {label} ...", file=sys.stderr, flush=True)
+        return (lambda n: None), (lambda: None)
+    bar = tqdm(total=total, desc=f"{label:<13}", unit="req", leave=False, file=sys.stderr)
+
+    def update(n: int) -> None:
+        bar.update(n - bar.n)
+
+    return update, bar.close
+
+
+def replay_all(trace: Trace, factories: Sequence[Callable[[], Policy]], spec: ClusterSpec,
+               progress: bool) -> tuple[list[ReplayResult], list[PolicyMetrics]]:
+    results, rows = [], []
+    for make in factories:
+        policy = make()
+        update, close = _progress(policy.name, len(trace.requests), progress)
+        t0 = time.perf_counter()
+        res = Replayer(trace, policy, spec, progress=update).run()
+        res.wall_s = time.perf_counter() - t0
+        close()
+        results.append(res)
+        rows.append(measure(res))
+    return results, rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from simulations.report import plot_replay, plot_sweep, table, write_results
+
+    try:
+        trace = load(args.trace, strict=args.strict, token_block_size=args.token_block_size)
+    except TraceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in trace.skipped[:10]:
+        print(f"warning: skipped {line}", file=sys.stderr)
+    if len(trace.skipped) > 10:
+        print(f"warning: ... and {len(trace.skipped) - 10} more malformed lines",
+              file=sys.stderr)
+    if args.tile > 1:
+        trace = trace.tiled(args.tile)
+    if args.workers < 1:
+        raise SystemExit("--workers must be >= 1")
+    cost = CostModel()
+    cap = args.capacity_blocks or 480_000 // trace.block_size
+    spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
+                       propagation_s=args.propagation_ms / 1000, cost=cost)
+    factories = make_policies(args.policies, args.seed)
+    too_big = [i for i, r in enumerate(trace.requests)
+               if r.prompt_tokens + r.output_tokens > cap * trace.block_size]
+    if too_big:
+        raise SystemExit(f"{len(too_big)} requests exceed one worker's KV capacity of "
+                         f"{cap * trace.block_size} tokens (first: #{too_big[0]}); raise "
+                         "--capacity-blocks")
+    bounds = {
+        "global LRU": hit_ratio(trace, global_lru_hits(trace, cap * args.workers)),
+        "infinite cache": hit_ratio(trace, infinite_cache_hits(trace)),
+    }
+    base_rps = len(trace.requests) / max(trace.duration_s, 1e-9)
+    capacity = capacity_rps(trace, args.workers, cap, cost)
+    print(f"trace {trace.source}: {len(trace.requests)} requests over {trace.duration_s:.0f} s "
+          f"({base_rps:.2f} req/s), block {trace.block_size} tokens; cluster: {args.workers} "
+          f"workers x {cap} blocks; capacity ~{capacity:.2f} req/s", flush=True)
+
+    def at(scale: float) -> Trace:
+        return trace.scaled(scale) if scale != 1.0 else trace
+
+    progress = not args.no_progress and sys.stderr.isatty()
+    if args.sweep:
+        sweep: dict[float, list[PolicyMetrics]] = {}
+        for ld in SWEEP_LOADS:
+            scale = ld * capacity / base_rps
+            print(f"\n== load {ld:.0%} of capacity (rate x{scale:.2f})", flush=True)
+            _, rows = replay_all(at(scale), factories, spec, progress)
+            print(table(rows, bounds), flush=True)
+            sweep[ld] = rows
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            for ld, rows in sweep.items():
+                write_results(args.out / f"load_{int(ld * 100)}", rows, bounds,
+                              {"load": ld, "rate_scale": ld * capacity / base_rps})
+            print(f"wrote {plot_sweep(args.out, sweep)}")
+        return 0
+    scale = args.load * capacity / base_rps if args.load is not None else args.rate_scale
+    load_frac = base_rps * scale / capacity
+    print(f"replaying at rate x{scale:.2f} = {load_frac:.0%} of capacity", flush=True)
+    results, rows = replay_all(at(scale), factories, spec, progress)
+    print(table(rows, bounds))
+    print("wall time per policy: " + ", ".join(f"{r.policy} {r.wall_s:.1f}s" for r in rows))
+    if args.out:
+        write_results(args.out, rows, bounds, {
+            "trace": trace.source, "requests": len(trace.requests), "workers": args.workers,
+            "capacity_blocks": cap, "rate_scale": scale, "load": load_frac,
+            "propagation_ms": args.propagation_ms, "seed": args.seed})
+        for path in plot_replay(args.out, results, rows, bounds):
+            print(f"wrote {path}")
+        print(f"wrote {args.out / 'results.json'}, {args.out / 'results.csv'}")
+    return 0

@@ -1,0 +1,174 @@
+"""One simulated worker: the sim engine's paged prefix cache under continuous batching.
+
+The cache is :class:`kvroute.worker_agent.engines.block_pool.BlockPool` -- the very code the
+``sim`` engine runs -- so hits and LRU evictions are the engine's. Time is simulated, not
+slept: the worker runs its iterations lazily up to the time of the next routing decision.
+
+Scheduling, per iteration (as vLLM's scheduler, without preemption):
+
+1. Admit waiting requests FIFO while the batch is under ``max_batch``, the prefill budget of
+   the iteration (``prefill_budget`` new tokens; at least one request) is not spent, and the
+   pool can allocate the request's blocks: its cached prefix blocks are pinned (at most
+   ``(prompt - 1) // B`` of them: one prompt token is always computed) and the rest of
+   ``ceil((prompt + output) / B)`` taken fresh, evicting LRU cached blocks.
+2. The iteration lasts :meth:`CostModel.prefill_s` of every admitted request plus one decode
+   step of the running batch. Admitted requests get their first token at its end and their
+   full prompt blocks are stored in the cache (a cache event); running ones one more token.
+3. A sequence that has produced ``output`` tokens finishes and frees its blocks (they stay
+   cached until evicted).
+
+Stretches of pure decoding with no arrival and no finish are run in one jump.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvroute.core.load import WorkerLoad
+from kvroute.worker_agent.engines.base import CacheEvent
+from kvroute.worker_agent.engines.block_pool import BlockPool
+from simulations.costmodel import CostModel
+
+EventSink = Callable[[float, str, CacheEvent], None]
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """A trace request's life in the cluster."""
+
+    idx: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    keys: tuple[int, ...]
+    worker: str = ""
+    routed_uncached: int = 0  # the router's estimate when it chose the worker
+    cached_tokens: int = 0
+    first_token_s: float = math.nan
+    finished_s: float = math.nan
+    blocks: list[int] = field(default_factory=list)
+    remaining: int = 0
+
+
+class SimWorker:
+    def __init__(self, name: str, capacity_blocks: int, block_size: int, cost: CostModel,
+                 sink: EventSink, *, max_batch: int = 256, prefill_budget: int = 16384) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.cost = cost
+        self.max_batch = max_batch
+        self.prefill_budget = prefill_budget
+        self._sink = sink
+        self._now = 0.0
+        self.pool = BlockPool(capacity_blocks, listener=self._emit)
+        self.t = 0.0  # when the engine is next free to start an iteration
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
+        self.prefill_tokens = 0  # uncached tokens actually prefilled
+        self.busy_s = 0.0
+        self.finished: list[SimRequest] = []
+
+    def _emit(self, ev: CacheEvent) -> None:
+        self._sink(self._now, self.name, ev)
+
+    def load(self, cached_blocks: int) -> WorkerLoad:
+        return WorkerLoad(
+            inflight=len(self.running) + len(self.waiting), running=len(self.running),
+            queued=len(self.waiting), free_blocks=self.pool.free_blocks,
+            capacity_blocks=self.pool.capacity_blocks,
+            pending_prefill_tokens=self.pending_prefill, cached_blocks=cached_blocks)
+
+    def submit(self, req: SimRequest, now: float) -> None:
+        if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:
+            raise ValueError(f"request {req.idx} ({req.prompt_tokens}+{req.output_tokens} "
+                             f"tokens) cannot fit a worker of {self.pool.capacity_blocks} "
+                             f"blocks; raise --capacity-blocks")
+        req.worker = self.name
+        self.pending_prefill += req.routed_uncached
+        if not self.waiting and not self.running:
+            self.t = max(self.t, now)
+        self.waiting.append(req)
+
+    def advance(self, until: float) -> None:
+        """Run every iteration that starts before ``until``."""
+        while (self.waiting or self.running) and self.t < until:
+            if not self._iterate_with_admission():
+                self._decode_stretch(until)
+
+    def _iterate_with_admission(self) -> bool:
+        start = self.t
+        self._now = start
+        admitted: list[SimRequest] = []
+        prefill_s = 0.0
+        budget = self.prefill_budget
+        bs = self.block_size
+        pool = self.pool
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+            r = self.waiting[0]
+            hits = pool.lookup(r.keys[: (r.prompt_tokens - 1) // bs])
+            cached = len(hits) * bs
+            new = r.prompt_tokens - cached
+            if admitted and new > budget:
+                break
+            need = -(-(r.prompt_tokens + r.output_tokens) // bs) - len(hits)
+            if not pool.can_allocate(need, hits):
+                break
+            r.blocks = pool.allocate(need, hits)
+            self.waiting.popleft()
+            self.pending_prefill -= r.routed_uncached
+            r.cached_tokens = cached
+            budget -= new
+            self.prefill_tokens += new
+            prefill_s += self.cost.prefill_s(new, cached)
+            admitted.append(r)
+        if not admitted:
+            return False
+        end = start + prefill_s + self.cost.decode_step_s(len(self.running))
+        self._now = end
+        for r in admitted:
+            n_hit = r.cached_tokens // bs
+            pool.commit(r.blocks[n_hit:len(r.keys)], r.keys[n_hit:])
+            r.first_token_s = end
+            r.remaining = r.output_tokens - 1
+        self._finish_step(end, 1, self.running)
+        self.running.extend(r for r in admitted if not self._done(r, end))
+        self.busy_s += end - start
+        self.t = end
+        return True
+
+    def _decode_stretch(self, until: float) -> None:
+        if not self.running:  # waiting but nothing admissible and nothing to free: stuck
+            raise RuntimeError(f"{self.name}: head request can never be admitted")
+        step = self.cost.decode_step_s(len(self.running))
+        # Nothing changes before the next finish (the queue head cannot be admitted until
+        # one frees blocks or a batch slot; arrivals only join the tail): jump to it, but
+        # not past `until`, so the load the router sees then is exact.
+        k = min(r.remaining for r in self.running)
+        if until != math.inf:
+            k = min(k, max(1, math.ceil((until - self.t) / step)))
+        end = self.t + k * step
+        self._now = end
+        self._finish_step(end, k, self.running)
+        self.busy_s += end - self.t
+        self.t = end
+
+    def _finish_step(self, end: float, k: int, running: list[SimRequest]) -> None:
+        still = []
+        for r in running:
+            r.remaining -= k
+            if not self._done(r, end):
+                still.append(r)
+        running[:] = still
+
+    def _done(self, r: SimRequest, end: float) -> bool:
+        if r.remaining > 0:
+            return False
+        r.finished_s = end
+        self.pool.free(r.blocks)
+        r.blocks = []
+        self.finished.append(r)
+        return True

@@ -1,0 +1,112 @@
+"""What a replay measured, and the hit-ratio bounds it is compared with."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from simulations.costmodel import CostModel
+from simulations.replay import ReplayResult
+from simulations.trace import Trace
+
+
+@dataclass(frozen=True)
+class PolicyMetrics:
+    policy: str
+    requests: int
+    hit_ratio: float  # cached prompt tokens / prompt tokens
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    e2e_mean_s: float
+    e2e_p99_s: float
+    throughput_rps: float  # completed requests per second of simulated time
+    imbalance: float  # max / mean of per-worker prefilled tokens
+    wall_s: float  # how long the replay took on this machine
+
+    def row(self) -> dict[str, float | str | int]:
+        return asdict(self)
+
+
+def measure(res: ReplayResult) -> PolicyMetrics:
+    reqs = res.requests
+    ttft = np.array([r.first_token_s - r.arrival_s for r in reqs])
+    e2e = np.array([r.finished_s - r.arrival_s for r in reqs])
+    if np.isnan(ttft).any() or np.isnan(e2e).any():
+        raise RuntimeError(f"{res.policy}: some requests never completed")
+    prompt = sum(r.prompt_tokens for r in reqs)
+    cached = sum(r.cached_tokens for r in reqs)
+    span = max(r.finished_s for r in reqs) - min(r.arrival_s for r in reqs)
+    prefilled = np.array([w.prefill_tokens for w in res.workers], dtype=float)
+    return PolicyMetrics(
+        policy=res.policy, requests=len(reqs), hit_ratio=cached / prompt,
+        ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p99_s=float(np.percentile(ttft, 99)), e2e_mean_s=float(e2e.mean()),
+        e2e_p99_s=float(np.percentile(e2e, 99)),
+        throughput_rps=len(reqs) / span if span > 0 else math.inf,
+        imbalance=float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0,
+        wall_s=res.wall_s)
+
+
+def _cacheable(prompt_tokens: int, n_keys: int, block_size: int) -> int:
+    # An engine always computes at least one prompt token (see cluster.py).
+    return min(n_keys, (prompt_tokens - 1) // block_size)
+
+
+def _leading_hits(keys: tuple[int, ...], limit: int, held: set[int] | OrderedDict[int, None]
+                  ) -> int:
+    n = 0
+    for k in keys[:limit]:
+        if k not in held:
+            break
+        n += 1
+    return n
+
+
+def infinite_cache_hits(trace: Trace) -> list[int]:
+    """Cached tokens per request if one unbounded cache served every request."""
+    seen: set[int] = set()
+    bs = trace.block_size
+    out = []
+    for r in trace.requests:
+        out.append(_leading_hits(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs),
+                                 seen) * bs)
+        seen.update(r.keys)
+    return out
+
+
+def global_lru_hits(trace: Trace, capacity_blocks: int) -> list[int]:
+    """Cached tokens per request with one LRU cache holding the whole cluster's capacity: a
+    reference point (no routing pools capacity better, though LRU is not optimal)."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    bs = trace.block_size
+    out = []
+    for r in trace.requests:
+        out.append(_leading_hits(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs),
+                                 lru) * bs)
+        for k in r.keys:
+            lru[k] = None
+            lru.move_to_end(k)
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return out
+
+
+def hit_ratio(trace: Trace, hits: list[int]) -> float:
+    return sum(hits) / sum(r.prompt_tokens for r in trace.requests)
+
+
+def capacity_rps(trace: Trace, workers: int, capacity_blocks: int, cost: CostModel,
+                 typical_batch: int = 16) -> float:
+    """Requests per second the cluster sustains on this trace's mix, if it reached the
+    global-LRU reference hit ratio: ``workers / mean(service_s)``, where a request's service
+    is the prefill of its uncached tokens plus its output tokens at the marginal decode cost
+    of a ``typical_batch``-sequence batch. Loads (``--sweep``) are fractions of this."""
+    hits = global_lru_hits(trace, workers * capacity_blocks)
+    per_token_decode = cost.decode_per_seq_s + cost.decode_base_s / typical_batch
+    total = sum(cost.prefill_s(r.prompt_tokens - h, h) + r.output_tokens * per_token_decode
+                for r, h in zip(trace.requests, hits, strict=True))
+    return workers / (total / len(trace.requests))

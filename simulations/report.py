@@ -1,0 +1,124 @@
+"""Reporting a replay: the table on the terminal, results.json / results.csv, PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from simulations.metrics import PolicyMetrics
+from simulations.replay import ReplayResult
+
+
+def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
+    head = (f"{'policy':<13} {'hit':>6} {'TTFT mean':>9} {'p50':>7} {'p99':>8} "
+            f"{'E2E mean':>8} {'p99':>8} {'req/s':>6} {'imbal':>6} {'wall':>6}")
+    lines = [head, "-" * len(head)]
+    best = min(r.ttft_mean_s for r in rows)
+    for r in sorted(rows, key=lambda r: r.ttft_mean_s):
+        mark = " *" if r.ttft_mean_s == best else ""
+        lines.append(
+            f"{r.policy:<13} {r.hit_ratio:>6.1%} {r.ttft_mean_s:>8.2f}s {r.ttft_p50_s:>6.2f}s "
+            f"{r.ttft_p99_s:>7.2f}s {r.e2e_mean_s:>7.2f}s {r.e2e_p99_s:>7.2f}s "
+            f"{r.throughput_rps:>6.2f} {r.imbalance:>6.2f} {r.wall_s:>5.1f}s{mark}")
+    lines.append("bounds on the hit ratio: " + ", ".join(
+        f"{k} {v:.1%}" for k, v in bounds.items()))
+    return "\n".join(lines)
+
+
+def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, float],
+                  meta: dict[str, object]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": meta, "bounds": bounds, "policies": [r.row() for r in rows]}
+    (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[*rows[0].row(), "rate_scale", "load"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r.row(), "rate_scale": meta.get("rate_scale"),
+                        "load": meta.get("load")})
+
+
+def _plt():  # returns the matplotlib.pyplot module
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plots need matplotlib: pip install 'kvroute[sim]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_replay(out: Path, results: Sequence[ReplayResult], rows: Sequence[PolicyMetrics],
+                bounds: dict[str, float]) -> list[Path]:
+    """TTFT CDF per policy, hit ratio per policy against the bounds, load over time."""
+    plt = _plt()
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for res in results:
+        ttft = np.sort([r.first_token_s - r.arrival_s for r in res.requests])
+        ax.plot(ttft, np.linspace(0, 1, len(ttft)), label=res.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out / "ttft_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r.policy for r in rows]
+    ax.bar(names, [r.hit_ratio for r in rows], color="tab:blue")
+    for (label, v), style in zip(bounds.items(), ("--", ":"), strict=False):
+        ax.axhline(v, linestyle=style, color="k", label=f"{label} {v:.1%}")
+    ax.set_ylabel("prefix-hit ratio (tokens)")
+    ax.set_title("Hit ratio per policy against the bounds")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out / "hit_ratio.png"))
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(7, 1.6 * len(results) + 1),
+                             sharex=True, squeeze=False)
+    for ax, res in zip(axes[:, 0], results, strict=True):
+        if res.load_samples:
+            t = np.array([s[0] for s in res.load_samples])
+            loads = np.array([s[1] for s in res.load_samples])
+            ax.plot(t - t[0], loads, linewidth=0.6)
+        ax.set_ylabel(res.policy, fontsize=8)
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.suptitle("Outstanding requests per worker over time")
+    paths.append(_save(fig, out / "load_over_time.png"))
+    return paths
+
+
+def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]]) -> Path:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    loads = sorted(sweep)
+    for name in [r.policy for r in sweep[loads[0]]]:
+        mean = [next(r for r in sweep[ld] if r.policy == name).ttft_mean_s for ld in loads]
+        p99 = [next(r for r in sweep[ld] if r.policy == name).ttft_p99_s for ld in loads]
+        a1.plot(loads, mean, marker="o", label=name)
+        a2.plot(loads, p99, marker="o", label=name)
+    for ax, title in ((a1, "mean TTFT"), (a2, "p99 TTFT")):
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (fraction of cluster capacity)")
+        ax.set_ylabel("seconds")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    a1.legend(fontsize=8)
+    return _save(fig, out / "sweep_ttft.png")
+
+
+def _save(fig, path: Path) -> Path:  # fig: a matplotlib Figure
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,183 @@
+"""Traces: loading request traces into :class:`Trace`, with every bad line reported.
+
+Two JSONL formats, one object per line:
+
+* **Mooncake** (``kvcache-ai/Mooncake`` FAST'25 traces): ``timestamp`` (ms), ``input_length``,
+  ``output_length``, ``hash_ids`` -- one id per ``block_size``-token block (default 512; an
+  optional ``block_size`` field overrides it, as our generators write), where the id at
+  position i stands for the whole prefix up to block i; the last block may be partial, so
+  ``len(hash_ids) == ceil(input_length / block_size)``.
+* **Tokens**: ``timestamp`` (ms), ``token_ids`` (the prompt), ``output_length``; keys are
+  kvroute's chained block keys (:class:`kvroute.core.blocks.BlockHasher`) at ``block_size``.
+
+Either way a request becomes the keys of its *full* prompt blocks -- exactly what an engine
+caches -- so the simulator and the router see the same units.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from kvroute.core.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
+
+MOONCAKE_BLOCK = 512
+
+
+class TraceError(ValueError):
+    """A malformed trace line; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    keys: tuple[int, ...]  # keys of the full prompt blocks, in order
+
+    @property
+    def affinity(self) -> int:
+        return self.keys[0] if self.keys else 0
+
+
+@dataclass
+class Trace:
+    requests: list[TraceRequest]
+    block_size: int
+    source: str = ""
+    skipped: list[str] = field(default_factory=list)  # "file:line: reason" of bad lines
+
+    @property
+    def duration_s(self) -> float:
+        if not self.requests:
+            return 0.0
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s
+
+    def scaled(self, rate_scale: float) -> Trace:
+        """The same requests arriving ``rate_scale`` times faster (2.0 = twice the rate)."""
+        if rate_scale <= 0:
+            raise ValueError(f"rate scale must be > 0, got {rate_scale}")
+        t0 = self.requests[0].arrival_s if self.requests else 0.0
+        reqs = [TraceRequest(t0 + (r.arrival_s - t0) / rate_scale, r.prompt_tokens,
+                             r.output_tokens, r.keys) for r in self.requests]
+        return Trace(reqs, self.block_size, self.source, self.skipped)
+
+    def tiled(self, copies: int) -> Trace:
+        """``copies`` back-to-back repetitions with distinct keys (for speed tests)."""
+        reqs = list(self.requests)
+        span = self.duration_s + 1.0
+        for c in range(1, copies):
+            salt = c * 0x9E3779B97F4A7C15
+            reqs += [TraceRequest(r.arrival_s + c * span, r.prompt_tokens, r.output_tokens,
+                                  tuple((k ^ salt) & 0xFFFFFFFFFFFFFFFF for k in r.keys))
+                     for r in self.requests]
+        return Trace(reqs, self.block_size, self.source)
+
+
+def _hash_id_key(hash_id: int) -> int:
+    # Spread ids over 64 bits so they never collide with chained token keys in one index.
+    return xxhash.xxh3_64_intdigest(hash_id.to_bytes(8, "little", signed=True), 0x6D6F6F6E)
+
+
+def _int(obj: dict, name: str, minimum: int = 0) -> int:
+    v = obj.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def parse_line(obj: object, default_block: int, hasher: BlockHasher | None
+               ) -> tuple[TraceRequest, int]:
+    """One record -> (request, its block size). ValueError says what is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    ts = obj.get("timestamp")
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or ts < 0 or math.isnan(ts):
+        raise ValueError(f"timestamp must be a number >= 0 (ms), got {ts!r}")
+    out = _int(obj, "output_length", 0)
+    if "hash_ids" in obj:
+        length = _int(obj, "input_length", 1)
+        bs = obj.get("block_size", default_block)
+        if not isinstance(bs, int) or bs <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {bs!r}")
+        ids = obj["hash_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise ValueError("hash_ids must be a list of integers")
+        if len(ids) != math.ceil(length / bs):
+            raise ValueError(f"{len(ids)} hash_ids for input_length {length} at block size "
+                             f"{bs} (expected {math.ceil(length / bs)})")
+        keys = tuple(_hash_id_key(i) for i in ids[: length // bs])
+        return TraceRequest(ts / 1000.0, length, out, keys), bs
+    if "token_ids" in obj:
+        toks = obj["token_ids"]
+        if not isinstance(toks, list) or not toks or not all(
+                isinstance(t, int) and 0 <= t < 2**32 for t in toks):
+            raise ValueError("token_ids must be a non-empty list of uint32 token ids")
+        assert hasher is not None
+        return TraceRequest(ts / 1000.0, len(toks), out, tuple(hasher.keys(toks))), \
+            hasher.block_size
+    raise ValueError("needs hash_ids (Mooncake format) or token_ids")
+
+
+def load(path: str | Path, *, strict: bool = False, token_block_size: int = DEFAULT_BLOCK_SIZE,
+         model: str = "default") -> Trace:
+    """Load a trace file. Bad lines are skipped and listed in ``Trace.skipped``, or with
+    ``strict`` the first one raises :class:`TraceError`. Requests are sorted by arrival."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse(lines, source=str(path), strict=strict, token_block_size=token_block_size,
+                 model=model)
+
+
+def parse(lines: Iterable[str], *, source: str = "<trace>", strict: bool = False,
+          token_block_size: int = DEFAULT_BLOCK_SIZE, model: str = "default") -> Trace:
+    hasher = BlockHasher(token_block_size, model)
+    reqs: list[TraceRequest] = []
+    skipped: list[str] = []
+    block_size: int | None = None
+    for lineno, line in _numbered(lines):
+        try:
+            req, bs = parse_line(json.loads(line), MOONCAKE_BLOCK, hasher)
+            if block_size is None:
+                block_size = bs
+            elif bs != block_size:
+                raise ValueError(f"block size {bs} differs from the trace's {block_size}")
+        except (ValueError, json.JSONDecodeError) as exc:
+            where = f"{source}:{lineno}: {exc}"
+            if strict:
+                raise TraceError(where) from None
+            skipped.append(where)
+            continue
+        reqs.append(req)
+    if not reqs:
+        raise TraceError(f"{source}: no valid requests"
+                         + (f" (first problem: {skipped[0]})" if skipped else ""))
+    reqs.sort(key=lambda r: r.arrival_s)
+    return Trace(reqs, block_size or MOONCAKE_BLOCK, source, skipped)
+
+
+def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
+    for i, line in enumerate(lines, 1):
+        if line.strip():
+            yield i, line
+
+
+def expand_tokens(hash_ids: list[int], input_length: int, block_size: int = MOONCAKE_BLOCK,
+                  vocab_size: int = 50257) -> list[int]:
+    """Token ids for a Mooncake record, for engines that need real tokens: each hash id
+    becomes a fixed pseudo-random block (the same id always gives the same tokens), cut to
+    ``input_length``. Requests sharing leading ids then share leading tokens exactly."""
+    out: list[int] = []
+    for h in hash_ids:
+        seed = h.to_bytes(8, "little", signed=True)
+        out.extend(xxhash.xxh3_64_intdigest(seed + i.to_bytes(4, "little")) % vocab_size
+                   for i in range(block_size))
+    return out[:input_length]

@@ -1,0 +1,126 @@
+"""The replay simulator on the shared Mooncake trace and on small hand-made traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvroute.core.policies import REGISTRY, make_policy
+from simulations.metrics import (
+    global_lru_hits,
+    hit_ratio,
+    infinite_cache_hits,
+    measure,
+)
+from simulations.replay import ClusterSpec, Replayer
+from simulations.trace import Trace, TraceError, load, parse
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
+    "mooncake_synthetic_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Trace:
+    if not SHARED.exists():
+        pytest.fail(f"the shared trace is missing at {SHARED}")
+    return load(SHARED)
+
+
+def test_shared_trace_known_figures(mooncake: Trace) -> None:
+    assert len(mooncake.requests) == 3993
+    assert mooncake.block_size == 512
+    assert not mooncake.skipped
+    # README of the trace: 65% of prompt tokens are prefix hits with an infinite cache.
+    assert hit_ratio(mooncake, infinite_cache_hits(mooncake)) == pytest.approx(0.65, abs=0.005)
+    assert sum(r.prompt_tokens for r in mooncake.requests) / 3993 == pytest.approx(15325, abs=1)
+
+
+def test_malformed_lines_are_reported_with_their_line_numbers() -> None:
+    good = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 2,
+                       "hash_ids": [1, 2]})
+    lines = [good, "{nope", json.dumps({"timestamp": 5, "input_length": 600,
+                                        "output_length": 1, "hash_ids": [1]}), "",
+             json.dumps({"timestamp": -1, "token_ids": [1]})]
+    tr = parse(lines, source="t.jsonl")
+    assert len(tr.requests) == 1
+    assert [s.split(":")[1] for s in tr.skipped] == ["2", "3", "5"]
+    assert "expected 2" in tr.skipped[1]
+    with pytest.raises(TraceError, match=r"t.jsonl:2:"):
+        parse(lines, source="t.jsonl", strict=True)
+
+
+def test_token_traces_use_the_router_block_keys() -> None:
+    from kvroute.core.blocks import BlockHasher
+
+    toks = list(range(40))
+    tr = parse([json.dumps({"timestamp": 0, "token_ids": toks, "output_length": 3})])
+    assert tr.block_size == 16
+    assert list(tr.requests[0].keys) == BlockHasher(16, "default").keys(toks)
+
+
+def head(trace: Trace, n: int, scale: float) -> Trace:
+    return Trace(trace.requests[:n], trace.block_size, trace.source).scaled(scale)
+
+
+def run(trace: Trace, policy: str, **spec: object):
+    return Replayer(trace, make_policy(policy), ClusterSpec(**spec)).run()  # type: ignore[arg-type]
+
+
+def test_deterministic_for_a_seed(mooncake: Trace) -> None:
+    tr = head(mooncake, 600, 2.0)
+    from simulations.cli import make_policies
+
+    for name in ("kvroute", "random"):
+        a = [Replayer(tr, make_policies(name, 7)[0](), ClusterSpec(workers=4)).run()
+             for _ in range(2)]
+        assert [(r.worker, r.first_token_s, r.finished_s) for r in a[0].requests] == \
+               [(r.worker, r.first_token_s, r.finished_s) for r in a[1].requests]
+
+
+def test_conservation(mooncake: Trace) -> None:
+    tr = head(mooncake, 800, 2.0)
+    res = run(tr, "kvroute", workers=4, capacity_blocks=600)
+    assert sum(len(w.finished) for w in res.workers) == len(tr.requests)
+    assert len({id(r) for w in res.workers for r in w.finished}) == len(tr.requests)
+    for r in res.requests:
+        assert r.arrival_s <= r.first_token_s <= r.finished_s
+    prompt = sum(r.prompt_tokens for r in res.requests)
+    assert sum(w.prefill_tokens for w in res.workers) + sum(
+        r.cached_tokens for r in res.requests) == prompt
+    for w in res.workers:  # every block back in the pool: nothing leaked
+        assert w.pool.free_blocks == w.pool.capacity_blocks
+
+
+def test_hit_ratio_never_exceeds_the_infinite_cache_bound(mooncake: Trace) -> None:
+    tr = head(mooncake, 800, 1.0)
+    bound = hit_ratio(tr, infinite_cache_hits(tr))
+    for name in sorted(REGISTRY):
+        assert measure(run(tr, name, workers=4)).hit_ratio <= bound + 1e-12, name
+
+
+def test_single_worker_every_policy_agrees(mooncake: Trace) -> None:
+    tr = head(mooncake, 400, 1.0)
+    results = {name: measure(run(tr, name, workers=1)) for name in sorted(REGISTRY)}
+    first = next(iter(results.values()))
+    for name, m in results.items():
+        assert (m.hit_ratio, m.ttft_mean_s, m.e2e_p99_s) == (
+            first.hit_ratio, first.ttft_mean_s, first.e2e_p99_s), name
+    # One worker with the cluster's whole capacity is the global-LRU reference exactly.
+    assert first.hit_ratio == pytest.approx(hit_ratio(tr, global_lru_hits(tr, 937)), abs=0.02)
+
+
+def test_mooncake_ordering_holds_at_high_load(mooncake: Trace) -> None:
+    """FAST'25 (conversation trace): random >> load balancing > cache-aware, in mean TTFT."""
+    tr = head(mooncake, 1500, 2.0)
+    ttft = {name: measure(run(tr, name)).ttft_mean_s
+            for name in ("random", "least_loaded", "kvroute")}
+    assert ttft["random"] > 1.5 * ttft["least_loaded"] > 1.5 * ttft["kvroute"], ttft
+
+
+def test_propagation_delay_is_modelled(mooncake: Trace) -> None:
+    tr = head(mooncake, 600, 1.5)
+    fresh = measure(run(tr, "kvroute", workers=8, propagation_s=0.0)).hit_ratio
+    stale = measure(run(tr, "kvroute", workers=8, propagation_s=30.0)).hit_ratio
+    assert stale < fresh
