@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     from simulations.cli import add_arguments as add_replay_arguments
 
     add_replay_arguments(rp)
+    gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
+                        "fork)", formatter_class=fmt)
+    from simulations.generators import add_arguments as add_gen_arguments
+
+    add_gen_arguments(gp)
     return p
 
 
@@ -63,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc = (type(factory()).__doc__ or "").strip()
             print(f"{name}\n    " + doc.replace("\n", "\n    ") + "\n")
         return 0
+    if args.command == "gen":
+        from simulations.generators import run as run_gen
+
+        return run_gen(args)
     if args.command == "replay":
         from simulations.cli import run as run_replay
 

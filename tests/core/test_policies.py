@@ -15,9 +15,29 @@ IDLE = WorkerLoad()
 
 
 def test_kvroute_prefers_longest_prefix_when_idle() -> None:
-    r = KvrouteCost().rank(q({"a": 10, "b": 40}, {"a": IDLE, "b": IDLE, "c": IDLE}))
-    assert r[0].worker == "b"
-    assert r[0].cost == 1024 - 40 * 16
+    pol = KvrouteCost()
+    r = pol.rank(q({"a": 10, "b": 40}, {"a": IDLE, "b": IDLE, "c": IDLE}))
+    assert [s.worker for s in r] == ["b", "a", "c"]
+    n, c = 1024 - 640, 640  # the formula of the docstring, idle cluster: beta = miss_weight
+    assert r[0].cost == pytest.approx(pol.miss_weight * n * (1 + pol.attn * (c + n / 2)))
+
+
+def test_kvroute_grows_stickier_as_queues_grow() -> None:
+    """The same choice flips from the idle worker to the cache holder when the cluster's
+    queues grow: a miss then delays everyone queued behind it."""
+    holder = WorkerLoad(pending_prefill_tokens=3000, queued=1)
+    other = WorkerLoad(queued=1)
+    calm = q({"a": 32}, {"a": holder, "b": other})
+    assert KvrouteCost().rank(calm)[0].worker == "b"
+    busy = {"a": holder, "b": other, **{f"x{i}": WorkerLoad(queued=8, pending_prefill_tokens=
+                                                            10**6) for i in range(6)}}
+    assert KvrouteCost().rank(q({"a": 32}, busy))[0].worker == "a"
+
+
+def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:
+    full = WorkerLoad(free_blocks=0, capacity_blocks=30000)
+    empty = WorkerLoad(free_blocks=30000, capacity_blocks=30000)
+    assert KvrouteCost().rank(q({"a": 8}, {"a": full, "b": empty}))[0].worker == "b"
 
 
 def test_kvroute_leaves_a_hot_worker_when_its_queue_outweighs_the_hit() -> None:
@@ -36,7 +56,7 @@ def test_kvroute_counts_inflight_before_heartbeats_report_it() -> None:
 def test_cached_tokens_never_exceed_the_prompt() -> None:
     query = q({"a": 100}, {"a": IDLE}, prompt=50)
     assert query.cached_tokens("a") == 50
-    assert KvrouteCost().rank(query)[0].cost == 0
+    assert KvrouteCost().rank(query)[0].cost == 0  # fully cached, idle: nothing to pay
 
 
 def test_ties_follow_affinity_stably() -> None:

@@ -6,6 +6,15 @@ from collections.abc import Callable
 
 from kvroute.core.policies.base import Policy, RouteQuery, Scored, rank_by_cost, tie_break
 from kvroute.core.policies.kvroute_cost import KvrouteCost
+from kvroute.core.policies.peers import (
+    ConsistentHashBoundedLoads,
+    DynamoKvRouter,
+    LlmdPrecisePrefix,
+    MooncakeConductor,
+    PrebleE2,
+    RandomChoice,
+    SglangCacheAware,
+)
 from kvroute.core.policies.simple import LeastLoaded, RoundRobin
 
 DEFAULT_POLICY = "kvroute"
@@ -14,6 +23,13 @@ REGISTRY: dict[str, Callable[[], Policy]] = {
     "kvroute": KvrouteCost,
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
+    "random": RandomChoice,
+    "chwbl": ConsistentHashBoundedLoads,
+    "sglang": SglangCacheAware,
+    "llmd": LlmdPrecisePrefix,
+    "dynamo": DynamoKvRouter,
+    "preble": PrebleE2,
+    "mooncake": MooncakeConductor,
 }
 
 
@@ -30,12 +46,19 @@ def make_policy(name: str) -> Policy:
 __all__ = [
     "DEFAULT_POLICY",
     "REGISTRY",
+    "ConsistentHashBoundedLoads",
+    "DynamoKvRouter",
     "KvrouteCost",
     "LeastLoaded",
+    "LlmdPrecisePrefix",
+    "MooncakeConductor",
     "Policy",
+    "PrebleE2",
+    "RandomChoice",
     "RoundRobin",
     "RouteQuery",
     "Scored",
+    "SglangCacheAware",
     "make_policy",
     "rank_by_cost",
     "tie_break",
