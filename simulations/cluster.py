@@ -71,11 +71,22 @@ class SimWorker:
         self.prefill_tokens = 0  # uncached tokens actually prefilled
         self.busy_s = 0.0
         self.finished: list[SimRequest] = []
+        self._version = 0  # bumped on every state change, to reuse the load view
+        self._load_key: tuple[int, int] | None = None
+        self._load = WorkerLoad()
 
     def _emit(self, ev: CacheEvent) -> None:
         self._sink(self._now, self.name, ev)
 
     def load(self, cached_blocks: int) -> WorkerLoad:
+        """The load view (rebuilt only when the worker or its cached block count changed)."""
+        key = (self._version, cached_blocks)
+        if self._load_key != key:
+            self._load_key = key
+            self._load = self._build_load(cached_blocks)
+        return self._load
+
+    def _build_load(self, cached_blocks: int) -> WorkerLoad:
         return WorkerLoad(
             inflight=len(self.running) + len(self.waiting), running=len(self.running),
             queued=len(self.waiting), free_blocks=self.pool.free_blocks,
@@ -88,6 +99,7 @@ class SimWorker:
                              f"tokens) cannot fit a worker of {self.pool.capacity_blocks} "
                              f"blocks; raise --capacity-blocks")
         req.worker = self.name
+        self._version += 1
         self.pending_prefill += req.routed_uncached
         if not self.waiting and not self.running:
             self.t = max(self.t, now)
@@ -96,6 +108,7 @@ class SimWorker:
     def advance(self, until: float) -> None:
         """Run every iteration that starts before ``until``."""
         while (self.waiting or self.running) and self.t < until:
+            self._version += 1
             if not self._iterate_with_admission():
                 self._decode_stretch(until)
 
