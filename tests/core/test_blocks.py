@@ -80,3 +80,37 @@ def test_bad_input() -> None:
         BlockHasher(0)
     with pytest.raises(OverflowError):
         BlockHasher(4).keys([-1, 0, 0, 0])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_both_paths_give_the_published_keys(native: bool) -> None:
+    from kvroute.core.blocks import NATIVE_AVAILABLE
+
+    if native and not NATIVE_AVAILABLE:
+        pytest.fail("the C chain (kvroute.core._chainhash) was not built; see setup.py")
+    for bs, model, salt, tokens, keys in VECTORS:
+        h = BlockHasher(bs, model, salt, native=native)
+        assert h.keys(tokens) == keys
+        assert list(h.iter_keys(tokens)) == keys
+
+
+def test_native_and_python_agree_on_random_prompts() -> None:
+    import random
+
+    rng = random.Random(5)
+    for _ in range(50):
+        bs = rng.choice([1, 4, 16, 32])
+        toks = [rng.randrange(2**32) for _ in range(rng.randrange(0, 300))]
+        parent = rng.choice([None, rng.getrandbits(64)])
+        py = BlockHasher(bs, "m", "s", native=False)
+        c = BlockHasher(bs, "m", "s")
+        assert c.keys(toks, parent) == py.keys(toks, parent)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bad_tokens_raise_on_both_paths(native: bool) -> None:
+    h = BlockHasher(2, native=native)
+    with pytest.raises(OverflowError):
+        h.keys([1, 2**32])
+    with pytest.raises((OverflowError, TypeError)):
+        h.keys([-1, 0])

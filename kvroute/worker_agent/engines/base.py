@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvroute.core.redis_schema import Op
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+TokenMaskFn = Callable[[int, Sequence[int]], "npt.NDArray[np.bool_] | None"]
+"""``mask_fn(step, generated) -> allowed | None``: called once per output token, before it is
+chosen, with ``step == len(generated)`` and ``generated`` the request's output ids so far.
+``allowed`` is a boolean array of at least the engine's vocabulary size (True = may be chosen;
+entries past the vocabulary are ignored); None means no constraint at this step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +27,11 @@ class EngineRequest:
     cache_salt: str = ""
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    temperature: float = 0.0
+    """0 = greedy; > 0 samples from softmax(logits / temperature), seeded by ``seed``."""
+    mask_fn: TokenMaskFn | None = None
+    """Per-step token mask (constrained decoding), honoured by engines with real logits
+    (tiny); the sim engine has none and ignores it."""
 
 
 @dataclass(frozen=True, slots=True)
