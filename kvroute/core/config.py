@@ -43,7 +43,7 @@ class CommonConfig:
 class RouterConfig(CommonConfig):
     policy: str = opt("kvroute", "routing policy name (see `kvroute policies`)")
     workers: str = opt("", "static workers, comma-separated id=host:port (heartbeats add more)")
-    tokenizer: str = opt("", "tokenizer for text prompts: '' (token ids only) or 'byte'")
+    tokenizer: str = opt("", "tokenizer for text prompts: '' (token ids only), byte or gpt2")
     poll_interval_s: float = opt(0.5, "seconds between heartbeat scans")
     connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next")
     redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts")

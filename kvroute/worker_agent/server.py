@@ -87,6 +87,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
             request_id=rid, token_ids=list(request.token_ids), max_tokens=max_tokens,
             cache_salt=request.cache_salt, seed=request.sampling.seed,
             stop_token_ids=frozenset(request.sampling.stop_token_ids),
+            temperature=request.sampling.temperature,
         )
         n_out = 0
         cached = 0
@@ -152,7 +153,10 @@ class AgentApp:
         check_name("worker id", self.worker_id)
         advertise = cfg.advertise or f"{cfg.host}:{self.port}"
         metrics = AgentMetrics(self.worker_id)
-        limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        # The engine knows its vocabulary (tiny's byte vocab is 258): ids past it are the
+        # caller's mistake (INVALID_ARGUMENT), not an engine failure.
+        vocab = min(cfg.vocab_size, getattr(self.engine, "vocab_size", cfg.vocab_size))
+        limits = Limits(vocab, cfg.max_prompt_tokens, cfg.max_new_tokens)
         worker_agent_pb2_grpc.add_WorkerAgentServicer_to_server(
             AgentService(self.worker_id, cfg.model, self.engine, limits, metrics), server)
         self._health = add_standard_services(server, [SERVICE])
