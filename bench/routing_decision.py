@@ -107,7 +107,7 @@ def main() -> None:
                                   [p for ps in prompts.values() for p in ps], rng)
         build_s = time.perf_counter() - t0
         decider = Decider(MODEL, BLOCK, KvrouteCost())
-        hasher = BlockHasher(BLOCK, MODEL)
+        hasher = BlockHasher(BLOCK, MODEL, native=False)  # the baseline is all Python
         policy = KvrouteCost()
         for n in lengths:
             ps = prompts[n]

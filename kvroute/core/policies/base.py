@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from itertools import groupby
+from typing import NamedTuple, Protocol
 
 import xxhash
 
@@ -35,8 +36,10 @@ class RouteQuery:
         return min(self.matched_blocks.get(worker, 0) * self.block_size, self.prompt_tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class Scored:
+class Scored(NamedTuple):
+    """One ranked worker. A NamedTuple: a ranking builds one per worker per request, and a
+    frozen dataclass costs ~1 us each to construct."""
+
     worker: str
     cost: float
 
@@ -61,20 +64,17 @@ def tie_break(affinity: int, worker: str) -> int:
 def rank_by_cost(query: RouteQuery, costs: Mapping[str, float]) -> list[Scored]:
     """Sort by cost, ties by :func:`tie_break`.
 
-    Only ties need the rendezvous hash, so it is computed for tied workers alone: with many
+    Only tied workers need the rendezvous hash, so it is computed for them alone: with many
     workers and distinct costs the ranking is one float sort.
     """
     order = sorted(costs, key=costs.__getitem__)
-    ranked: list[Scored] = []
-    i, n = 0, len(order)
+    if len(set(costs.values())) == len(order):
+        return [Scored(w, costs[w]) for w in order]
     aff = query.affinity
-    while i < n:
-        c = costs[order[i]]
-        j = i + 1
-        while j < n and costs[order[j]] == c:
-            j += 1
-        group = order[i:j] if j - i == 1 else sorted(order[i:j],
-                                                     key=lambda w: tie_break(aff, w))
-        ranked.extend(Scored(w, c) for w in group)
-        i = j
+    ranked: list[Scored] = []
+    for c, group in groupby(order, key=costs.__getitem__):
+        tied = list(group)
+        if len(tied) > 1:
+            tied.sort(key=lambda w: tie_break(aff, w))
+        ranked.extend(Scored(w, c) for w in tied)
     return ranked

@@ -69,14 +69,19 @@ class KvrouteCost:
         mean_queued = sum(ld.queued for ld in loads.values()) / len(loads)
         beta = self.miss_weight * (1.0 + self.stickiness * mean_queued)
         dw, kw, attn = self.decode_weight, self.kv_weight, self.attn
+        full_miss = beta * p * (1.0 + attn * p / 2)  # most workers match nothing
         costs: dict[str, float] = {}
         for w, ld in loads.items():
-            c = min(matched.get(w, 0) * bs, p)
-            n = p - c
-            costs[w] = (
-                beta * n * (1.0 + attn * (c + n / 2))
-                + ld.pending_prefill_tokens
-                + dw * max(ld.running, ld.inflight)
-                + kw * ld.kv_usage * ld.capacity_blocks * bs
-            )
+            m = matched.get(w)
+            if m:
+                c = min(m * bs, p)
+                n = p - c
+                work = beta * n * (1.0 + attn * (c + n / 2))
+            else:
+                work = full_miss
+            cap = ld.capacity_blocks
+            # kv_usage * capacity tokens, without the division
+            held = (cap - ld.free_blocks) * bs if cap > 0 else 0
+            busy = ld.running if ld.running > ld.inflight else ld.inflight
+            costs[w] = work + ld.pending_prefill_tokens + dw * busy + kw * held
         return rank_by_cost(query, costs)
