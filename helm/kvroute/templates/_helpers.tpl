@@ -1,0 +1,200 @@
+{{/* Names ------------------------------------------------------------------------------ */}}
+
+{{- define "kvroute.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvroute.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Component names stay under 63 characters with their suffix. */}}
+{{- define "kvroute.routerName" -}}{{ include "kvroute.fullname" . | trunc 56 | trimSuffix "-" }}-router{{- end -}}
+{{- define "kvroute.workersName" -}}{{ include "kvroute.fullname" . | trunc 55 | trimSuffix "-" }}-worker{{- end -}}
+{{- define "kvroute.redisName" -}}{{ include "kvroute.fullname" . | trunc 57 | trimSuffix "-" }}-redis{{- end -}}
+
+{{/* Labels ----------------------------------------------------------------------------- */}}
+
+{{- define "kvroute.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "kvroute.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvroute
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "router") */}}
+{{- define "kvroute.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvroute.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvroute.componentLabels" -}}
+{{ include "kvroute.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The label selector the router's Kubernetes discovery watches worker pods with. */}}
+{{- define "kvroute.workerSelector" -}}
+app.kubernetes.io/name={{ include "kvroute.name" . }},app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/component=worker
+{{- end -}}
+
+{{- define "kvroute.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "kvroute.routerServiceAccount" -}}
+{{- if .Values.router.serviceAccount.create -}}
+{{ default (include "kvroute.routerName" .) .Values.router.serviceAccount.name }}
+{{- else -}}
+{{ default "default" .Values.router.serviceAccount.name }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.workerServiceAccount" -}}
+{{- if .Values.workers.serviceAccount.create -}}
+{{ default (include "kvroute.workersName" .) .Values.workers.serviceAccount.name }}
+{{- else -}}
+{{ default "default" .Values.workers.serviceAccount.name }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.servedModelName" -}}
+{{ default .Values.model.name .Values.workers.vllm.servedModelName }}
+{{- end -}}
+
+{{/* Redis ------------------------------------------------------------------------------ */}}
+
+{{- define "kvroute.redisSecretName" -}}
+{{- if eq .Values.redis.mode "builtin" -}}
+{{ default (include "kvroute.redisName" .) .Values.redis.builtin.existingSecret }}
+{{- else -}}
+{{ .Values.redis.external.existingSecret }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.redisSecretKey" -}}
+{{- if eq .Values.redis.mode "builtin" -}}
+{{ .Values.redis.builtin.existingSecretKey }}
+{{- else -}}
+{{ .Values.redis.external.existingSecretKey }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.redisHasPassword" -}}
+{{- if or (eq .Values.redis.mode "builtin") .Values.redis.external.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.redisTlsDir" -}}/etc/kvroute/redis-tls{{- end -}}
+
+{{/* The Redis URL; $(REDIS_PASSWORD) is expanded by the kubelet from the env var before it. */}}
+{{- define "kvroute.redisUrl" -}}
+{{- $v := .Values.redis -}}
+{{- $auth := "" -}}
+{{- if include "kvroute.redisHasPassword" . -}}
+{{- $user := "" -}}
+{{- if eq $v.mode "external" }}{{ $user = $v.external.username }}{{ end -}}
+{{- $auth = printf "%s:$(REDIS_PASSWORD)@" $user -}}
+{{- end -}}
+{{- if eq $v.mode "builtin" -}}
+redis://{{ $auth }}{{ include "kvroute.redisName" . }}:6379/0
+{{- else -}}
+{{- $e := $v.external -}}
+{{- $q := list -}}
+{{- if $e.tls.enabled -}}
+{{- if $e.tls.caSecret }}{{ $q = append $q (printf "ssl_ca_certs=%s/ca/%s" (include "kvroute.redisTlsDir" .) $e.tls.caSecretKey) }}{{ end -}}
+{{- if $e.tls.clientSecret }}{{ $q = append $q (printf "ssl_certfile=%s/client/tls.crt" (include "kvroute.redisTlsDir" .)) }}{{ $q = append $q (printf "ssl_keyfile=%s/client/tls.key" (include "kvroute.redisTlsDir" .)) }}{{ end -}}
+{{- if $e.tls.insecureSkipVerify }}{{ $q = append $q "ssl_cert_reqs=none" }}{{ $q = append $q "ssl_check_hostname=false" }}{{ end -}}
+{{- end -}}
+{{ ternary "rediss" "redis" $e.tls.enabled }}://{{ $auth }}{{ required "redis.mode=external needs redis.external.host" $e.host }}:{{ $e.port }}/{{ $e.db }}{{ if $q }}?{{ join "&" $q }}{{ end }}
+{{- end -}}
+{{- end -}}
+
+{{/* Env entries every kvroute container gets: Redis, model, block size, logging. */}}
+{{- define "kvroute.commonEnv" -}}
+{{- if include "kvroute.redisHasPassword" . }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvroute.redisSecretName" . }}
+      key: {{ include "kvroute.redisSecretKey" . }}
+{{- end }}
+- name: KVROUTE_REDIS
+  value: {{ include "kvroute.redisUrl" . | quote }}
+- name: KVROUTE_MODEL
+  value: {{ .Values.model.name | quote }}
+- name: KVROUTE_BLOCK_SIZE
+  value: {{ .Values.model.blockSize | quote }}
+- name: KVROUTE_LOG_LEVEL
+  value: {{ .Values.logging.level | quote }}
+- name: KVROUTE_LOG_JSON
+  value: {{ .Values.logging.json | quote }}
+{{- end -}}
+
+{{- define "kvroute.redisTlsVolumes" -}}
+{{- $e := .Values.redis.external -}}
+{{- if and (eq .Values.redis.mode "external") $e.tls.enabled -}}
+{{- if $e.tls.caSecret }}
+- name: redis-tls-ca
+  secret:
+    secretName: {{ $e.tls.caSecret }}
+{{- end }}
+{{- if $e.tls.clientSecret }}
+- name: redis-tls-client
+  secret:
+    secretName: {{ $e.tls.clientSecret }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.redisTlsMounts" -}}
+{{- $e := .Values.redis.external -}}
+{{- if and (eq .Values.redis.mode "external") $e.tls.enabled -}}
+{{- if $e.tls.caSecret }}
+- name: redis-tls-ca
+  mountPath: {{ include "kvroute.redisTlsDir" . }}/ca
+  readOnly: true
+{{- end }}
+{{- if $e.tls.clientSecret }}
+- name: redis-tls-client
+  mountPath: {{ include "kvroute.redisTlsDir" . }}/client
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* Fail early on combinations that cannot work. */}}
+{{- define "kvroute.validate" -}}
+{{- if and .Values.redis.external.tls.caSecret (not .Values.redis.external.tls.enabled) -}}
+{{- fail "redis.external.tls.caSecret is set but redis.external.tls.enabled is false" -}}
+{{- end -}}
+{{- if and (eq .Values.workers.mode "vllm") (ne .Values.workers.agent.engine "vllm") -}}
+{{- fail "workers.mode=vllm runs the vllm engine: set workers.agent.engine=vllm or workers.mode=agentOnly" -}}
+{{- end -}}
+{{- if and .Values.router.autoscaling.enabled (gt (int .Values.router.autoscaling.minReplicas) (int .Values.router.autoscaling.maxReplicas)) -}}
+{{- fail "router.autoscaling.minReplicas must not exceed maxReplicas" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,435 @@
+"""The Helm chart: lint, render for every CI values file, validate each manifest against the
+Kubernetes schemas, and check that the rendered parts fit together (the router's selector
+finds the worker pods, flags parse with kvroute's own CLI, RBAC is exactly what discovery
+uses, Redis URLs resolve to the right Secret and Service)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from redis.connection import parse_url
+
+from kvroute.cli import build_parser
+from kvroute.core.config import AgentConfig, RouterConfig, from_env
+from tests.helm.chart import (
+    CHART,
+    CI_VALUES,
+    NAMESPACE,
+    RELEASE,
+    Manifests,
+    container,
+    env_of,
+    expand,
+    flag,
+    leaf_keys,
+    pod_spec,
+    run_helm,
+    selector_matches,
+    template,
+)
+from tests.tools import kubernetes_validate
+
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # no schema offline; checked below instead
+VALUES_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
+
+
+@pytest.fixture(scope="module")
+def rendered(helm: Path) -> dict[str, str]:
+    return {p.name.removesuffix("-values.yaml"): template(helm, p) for p in CI_VALUES}
+
+
+def manifests(rendered: dict[str, str], name: str) -> Manifests:
+    return Manifests.parse(rendered[name])
+
+
+def test_ci_values_files_cover_the_cases() -> None:
+    assert set(VALUES_IDS) >= {"defaults", "external-redis", "agent-only", "everything"}
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=VALUES_IDS)
+def test_lint_strict(helm: Path, values: Path) -> None:
+    proc = run_helm(helm, "lint", "--strict", str(CHART), "-f", str(values), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "[WARNING]" not in out and "[ERROR]" not in out, out
+
+
+@pytest.mark.parametrize("name", VALUES_IDS)
+def test_manifests_validate_strictly(rendered: dict[str, str], name: str,
+                                     tmp_path: Path) -> None:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(rendered[name])
+    proc = subprocess.run([kubernetes_validate(), "--strict", "--quiet", str(path)],
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for line in out.splitlines():
+        # Only the Prometheus Operator's CRDs lack a schema here; anything else is a miss.
+        if line.startswith("WARN"):
+            assert any(f"kind {k} " in line for k in CRD_KINDS), line
+    assert "ERROR" not in out and "FATAL" not in out
+
+
+# -- the router -------------------------------------------------------------------------------
+
+
+def test_router_deployment(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "defaults")
+    dep = m.one("Deployment", "-router")
+    assert dep["spec"]["replicas"] == 2
+    c = container(dep, "router")
+    assert c["livenessProbe"]["grpc"]["port"] == 50051
+    assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": "kvroute.v1.Router"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051,
+                                                                   "metrics": 9100}
+    aff = pod_spec(dep)["affinity"]["podAntiAffinity"]
+    assert "preferredDuringSchedulingIgnoredDuringExecution" in aff
+    pdb = m.one("PodDisruptionBudget", "-router")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= \
+        dep["spec"]["template"]["metadata"]["labels"].items()
+    assert "HorizontalPodAutoscaler" not in m.kinds()
+    svc = m.one("Service", "-router")
+    assert svc["spec"]["ports"][0]["targetPort"] == "grpc"
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert m.one("Service", "-router-metrics")["spec"]["ports"][0]["targetPort"] == "metrics"
+
+
+def test_router_env_is_a_valid_config(rendered: dict[str, str]) -> None:
+    """Every KVROUTE_* variable names a RouterConfig field and parses as its type."""
+    for name in VALUES_IDS:
+        dep = manifests(rendered, name).one("Deployment", "-router")
+        c = container(dep, "router")
+        assert c["command"] == ["kvroute"] and c["args"][0] == "router"
+        build_parser().parse_args(c["args"])
+        env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
+        env = {k: expand(v, {"REDIS_PASSWORD": "pw"}) for k, v in env.items()}
+        fields = {"KVROUTE_" + f.upper() for f in RouterConfig.__dataclass_fields__}
+        unknown = {k for k in env if k.startswith("KVROUTE_")} - fields
+        assert not unknown, f"{name}: env vars that configure nothing: {unknown}"
+        cfg = from_env(RouterConfig, env)
+        assert cfg.host == "0.0.0.0" and cfg.port == 50051 and cfg.metrics_port == 9100
+
+
+def test_discovery_selector_finds_the_worker_pods_and_rbac_is_exact(
+        rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "defaults")
+    dep = m.one("Deployment", "-router")
+    c = container(dep, "router")
+    env = env_of(c)
+    assert env["KVROUTE_DISCOVERY"] == "kubernetes"
+    assert env["KVROUTE_K8S_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    sts = m.one("StatefulSet", "-worker")
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert selector_matches(env["KVROUTE_K8S_SELECTOR"], pod_labels)
+    for other in (m.one("StatefulSet", "-redis"), dep):
+        assert not selector_matches(env["KVROUTE_K8S_SELECTOR"],
+                                    other["spec"]["template"]["metadata"]["labels"])
+    agent_ports = {p["name"]: p["containerPort"] for p in container(sts, "agent")["ports"]}
+    assert int(env["KVROUTE_K8S_PORT"]) == agent_ports["grpc"]
+
+    role = m.one("Role", "-router")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                              "verbs": ["list", "watch"]}]
+    rb = m.one("RoleBinding", "-router")
+    sa = pod_spec(dep)["serviceAccountName"]
+    assert rb["roleRef"]["name"] == role["metadata"]["name"]
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    assert pod_spec(dep)["automountServiceAccountToken"] is True
+    assert pod_spec(sts)["automountServiceAccountToken"] is False
+
+    # With Redis discovery the router gets no API access at all.
+    m2 = manifests(rendered, "agent-only")
+    assert not m2.of("Role") and not m2.of("RoleBinding")
+    assert pod_spec(m2.one("Deployment", "-router"))["automountServiceAccountToken"] is False
+
+
+# -- the workers ------------------------------------------------------------------------------
+
+
+def agent_argv(sts: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    c = container(sts, "agent")
+    env = env_of(c)
+    names = [e["name"] for e in c["env"]]
+    # $(VAR) only expands to variables defined earlier in the list.
+    for ref in ("POD_NAME", "POD_IP", "REDIS_PASSWORD"):
+        if ref in names:
+            assert names.index(ref) < names.index("KVROUTE_REDIS")
+    fake = {"POD_NAME": "rel-kvroute-worker-0", "POD_IP": "10.4.0.7", "POD_NAMESPACE": "kvr",
+            "REDIS_PASSWORD": "pw"}
+    argv = [expand(a, fake) for a in c["args"]]
+    plain = {k: expand(v, fake) for k, v in env.items() if isinstance(v, str)}
+    fields = {"KVROUTE_" + f.upper() for f in AgentConfig.__dataclass_fields__}
+    unknown = {k for k in plain if k.startswith("KVROUTE_")} - fields
+    assert not unknown, f"agent env vars that configure nothing: {unknown}"
+    from_env(AgentConfig, plain)  # every value parses as its field's type
+    return argv, plain
+
+
+def test_vllm_worker_renders_prefix_caching_and_kv_events(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "defaults")
+    sts = m.one("StatefulSet", "-worker")
+    vllm = container(sts, "vllm")
+    args = vllm["args"]
+    assert args[0] == "Qwen/Qwen2.5-7B-Instruct" and vllm["command"] == ["vllm", "serve"]
+    assert "--enable-prefix-caching" in args
+    kv = json.loads(flag(args, "--kv-events-config"))
+    assert kv["enable_kv_cache_events"] is True and kv["publisher"] == "zmq"
+    assert kv["endpoint"] == "tcp://*:5557" and kv["replay_endpoint"] == "tcp://*:5558"
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert vllm["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert {v["name"] for v in pod_spec(sts)["volumes"]} >= {"dshm", "hf-cache"}
+
+    argv, env = agent_argv(sts)
+    ns = build_parser().parse_args(argv)  # kvroute's own CLI accepts every flag
+    assert ns.command == "agent" and ns.engine == "vllm"
+    assert ns.worker_id == "rel-kvroute-worker-0"  # the pod name is the worker id
+    assert ns.advertise == "10.4.0.7:50061"
+    assert ns.vllm_url == "http://127.0.0.1:8000"
+    assert ns.vllm_events == "tcp://127.0.0.1:5557"
+    assert ns.vllm_replay == "tcp://127.0.0.1:5558"
+    assert ns.vllm_topic == kv["topic"]
+    cfg = from_env(AgentConfig, env)
+    # The one block size is rendered into both vLLM and kvroute.
+    assert cfg.block_size == int(flag(args, "--block-size")) == 16
+    router_env = env_of(container(m.one("Deployment", "-router"), "router"))
+    assert router_env["KVROUTE_BLOCK_SIZE"] == env["KVROUTE_BLOCK_SIZE"]
+    assert router_env["KVROUTE_MODEL"] == env["KVROUTE_MODEL"]
+    agent = container(sts, "agent")
+    assert agent["readinessProbe"]["grpc"] == {"port": 50061,
+                                               "service": "kvroute.v1.WorkerAgent"}
+    headless = m.one("Service", "-worker")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+
+
+def test_everything_on_uses_block_size_and_gpu_settings(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "everything")
+    sts = m.one("StatefulSet", "-worker")
+    args = container(sts, "vllm")["args"]
+    assert flag(args, "--block-size") == "32" and flag(args, "--tensor-parallel-size") == "2"
+    assert flag(args, "--max-model-len") == "16384" and flag(args, "--max-num-seqs") == "128"
+    _, env = agent_argv(sts)
+    assert env["KVROUTE_BLOCK_SIZE"] == "32"
+    assert [c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]] == ["hf-cache"]
+    assert "hf-cache" not in {v["name"] for v in pod_spec(sts)["volumes"]}
+    assert env_of(container(sts, "vllm"))["HF_TOKEN"]["secretKeyRef"]["name"] == "hf-token"
+    dep = m.one("Deployment", "-router")
+    assert "replicas" not in dep["spec"]  # the HPA owns it
+    hpa = m.one("HorizontalPodAutoscaler", "-router")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+    assert m.one("PodDisruptionBudget", "-router")["spec"] == {
+        "maxUnavailable": 1, "selector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}}
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in \
+        pod_spec(dep)["affinity"]["podAntiAffinity"]
+
+
+def test_agent_only_mode(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "agent-only")
+    sts = m.one("StatefulSet", "-worker")
+    assert [c["name"] for c in pod_spec(sts)["containers"]] == ["agent"]
+    assert sts["spec"]["replicas"] == 3
+    argv, _ = agent_argv(sts)
+    ns = build_parser().parse_args(argv)
+    assert ns.engine == "vllm"
+    assert ns.vllm_url == "http://rel-kvroute-worker-0.vllm-engines.kvr.svc:8000"
+    assert ns.vllm_events == "tcp://rel-kvroute-worker-0.vllm-engines.kvr.svc:5557"
+    assert "volumes" not in pod_spec(sts)
+    # One router replica: a PDB would block every node drain, so there is none.
+    assert not m.of("PodDisruptionBudget")
+    assert "--capacity-blocks" not in argv  # a sim-engine flag
+
+
+def test_agent_only_sim_engine(helm: Path) -> None:
+    m = Manifests.parse(template(helm, sets=("workers.mode=agentOnly",
+                                             "workers.agent.engine=sim")))
+    argv, _ = agent_argv(m.one("StatefulSet", "-worker"))
+    ns = build_parser().parse_args(argv)
+    assert ns.engine == "sim" and ns.capacity_blocks == 4096 and "--vllm-url" not in argv
+
+
+# -- Redis --------------------------------------------------------------------------------------
+
+
+def test_builtin_redis_with_generated_password(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "defaults")
+    secret = m.one("Secret", "-redis")
+    assert set(secret["data"]) == {"redis-password"}
+    redis_sts = m.one("StatefulSet", "-redis")
+    rc = container(redis_sts, "redis")
+    assert flag(rc["args"], "--requirepass") == "$(REDIS_PASSWORD)"
+    assert env_of(rc)["REDIS_PASSWORD"]["secretKeyRef"] == {
+        "name": secret["metadata"]["name"], "key": "redis-password"}
+    svc = m.one("Service", "-redis")
+    assert svc["spec"]["selector"].items() <= \
+        redis_sts["spec"]["template"]["metadata"]["labels"].items()
+    _, env = agent_argv(m.one("StatefulSet", "-worker"))
+    url = parse_url(env["KVROUTE_REDIS"])
+    assert url["host"] == svc["metadata"]["name"] and url["port"] == 6379
+    assert url["password"] == "pw"  # from the Secret, via $(REDIS_PASSWORD)
+
+
+def test_external_redis_tls_and_secret(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "external-redis")
+    assert not m.of("Secret") and not [s for s in m.of("StatefulSet")
+                                       if s["metadata"]["name"].endswith("-redis")]
+    for obj in (m.one("Deployment", "-router"), m.one("StatefulSet", "-worker")):
+        c = container(obj, "router" if obj["kind"] == "Deployment" else "agent")
+        env = env_of(c)
+        assert env["REDIS_PASSWORD"]["secretKeyRef"] == {"name": "kvroute-redis-auth",
+                                                         "key": "password"}
+        raw = expand(env["KVROUTE_REDIS"], {"REDIS_PASSWORD": "s3cret"})
+        assert raw.startswith("rediss://")
+        url = parse_url(raw)
+        assert (url["host"], url["port"], url["db"]) == ("redis.data.svc.cluster.local", 6380, 2)
+        assert (url["username"], url["password"]) == ("kvroute", "s3cret")
+        mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
+        vols = {v["name"]: v["secret"]["secretName"] for v in pod_spec(obj)["volumes"]
+                if "secret" in v}
+        ca = Path(url["ssl_ca_certs"])
+        assert vols[mounts[str(ca.parent)]] == "redis-ca" and ca.name == "ca.crt"
+        cert = Path(url["ssl_certfile"])
+        assert vols[mounts[str(cert.parent)]] == "kvroute-redis-client-tls"
+
+
+# -- network policy and monitoring -----------------------------------------------------------
+
+
+def test_network_policies(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "everything")
+    pols = {p["metadata"]["name"]: p for p in m.of("NetworkPolicy")}
+    router_labels = m.one("Deployment", "-router")["spec"]["template"]["metadata"]["labels"]
+    worker_labels = m.one("StatefulSet", "-worker")["spec"]["template"]["metadata"]["labels"]
+    redis_labels = m.one("StatefulSet", "-redis")["spec"]["template"]["metadata"]["labels"]
+
+    def allowed(pol: dict[str, Any], port: int, labels: dict[str, str]) -> bool:
+        for rule in pol["spec"]["ingress"]:
+            if port not in [p["port"] for p in rule.get("ports", [])]:
+                continue
+            peers = rule.get("from")
+            if peers is None:
+                return True
+            if any("podSelector" in p and p["podSelector"]["matchLabels"].items()
+                   <= labels.items() for p in peers):
+                return True
+        return False
+
+    workers = pols["kvr-worker"]
+    assert workers["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()
+    assert allowed(workers, 50061, router_labels)
+    assert not allowed(workers, 50061, redis_labels)
+    assert not allowed(workers, 8000, router_labels)  # vLLM stays private to its pod
+    redis = pols["kvr-redis"]
+    assert allowed(redis, 6379, router_labels) and allowed(redis, 6379, worker_labels)
+    assert not allowed(redis, 6379, {"app": "something-else"})
+    router = pols["kvr-router"]
+    assert router["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "gateway"}
+
+
+def test_service_monitors_select_the_metrics_services(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "everything")
+    services = m.of("Service")
+    for sm in m.of("ServiceMonitor"):
+        assert sm["metadata"]["labels"]["release"] == "prometheus"
+        sel = sm["spec"]["selector"]["matchLabels"]
+        hits = [s for s in services if sel.items() <= s["metadata"]["labels"].items()]
+        assert len(hits) == 1, sm["metadata"]["name"]
+        ports = {p["name"] for p in hits[0]["spec"]["ports"]}
+        assert {e["port"] for e in sm["spec"]["endpoints"]} <= ports
+    workers = m.one("ServiceMonitor", "-worker")
+    relabel = workers["spec"]["endpoints"][0]["relabelings"][0]
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_name"]
+    assert relabel["targetLabel"] == "worker"
+
+
+def test_dashboards_ship_as_labelled_configmaps(rendered: dict[str, str]) -> None:
+    m = manifests(rendered, "everything")
+    cms = [c for c in m.of("ConfigMap") if "-dash-" in c["metadata"]["name"]]
+    files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
+    assert sorted(k for c in cms for k in c["data"]) == files and len(files) >= 2
+    for c in cms:
+        assert c["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert c["metadata"]["namespace"] == "monitoring"
+        for name, body in c["data"].items():
+            assert json.loads(body) == json.loads((CHART / "dashboards" / name).read_text())
+    assert not [c for c in manifests(rendered, "defaults").of("ConfigMap")]
+
+
+# -- values: schema, README, NOTES ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("router.replicas=two",), "replicas"),
+    (("router.replica=2",), "replica"),  # a typo is rejected, not ignored
+    (("router.discovery=consul",), "discovery"),
+    (("model.blockSize=0",), "blockSize"),
+    (("workers.mode=sidecar",), "mode"),
+    (("redis.mode=external",), "redis.mode=external needs redis.external.host"),
+    (("workers.agent.engine=sim",), "workers.mode=vllm runs the vllm engine"),
+    (("router.autoscaling.enabled=true", "router.autoscaling.minReplicas=9",
+      "router.autoscaling.maxReplicas=3"), "minReplicas must not exceed maxReplicas"),
+])
+def test_bad_values_are_rejected_with_a_clear_error(helm: Path, sets: tuple[str, ...],
+                                                    message: str) -> None:
+    args = ["template", RELEASE, str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    proc = run_helm(helm, *args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+def test_readme_documents_every_value() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text()
+    documented = set(re.findall(r"^\| `([^`]+)` \|", readme, re.M))
+    missing = [k for k in leaf_keys(values) if k not in documented]
+    assert not missing, f"values not in helm/kvroute/README.md: {missing}"
+    stale = documented - set(leaf_keys(values))
+    assert not stale, f"README documents values that do not exist: {stale}"
+
+
+def test_schema_describes_every_value() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for key in leaf_keys(values):
+        node = schema
+        for part in key.split("."):
+            assert part in node.get("properties", {}), f"{key} missing from the schema"
+            node = node["properties"][part]
+
+
+def render_notes(helm: Path, tmp_path: Path) -> str:
+    """NOTES.txt as `helm install` prints it. `helm install --dry-run` wants a cluster, so
+    a copy of the chart renders NOTES.txt through `tpl` in a throwaway template."""
+    chart = tmp_path / "kvroute"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
+    out = run_helm(helm, "template", RELEASE, str(chart), "--namespace", NAMESPACE,
+                   "--show-only", "templates/zz-notes.yaml").stdout
+    return str(yaml.safe_load(out)["notes"])
+
+
+def test_notes_tell_how_to_send_a_first_request(helm: Path, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path)
+    assert "kubectl -n kvr port-forward svc/rel-kvroute-router 50051:50051" in notes
+    assert "grpcurl -plaintext -d" in notes and "kvroute.v1.Router/Generate" in notes
+    bodies = re.findall(r"-d '(\{.*?\})'", notes)
+    assert len(bodies) == 2
+    from google.protobuf import json_format
+
+    from kvroute.v1 import common_pb2
+
+    for body in bodies:  # each request body is a valid GenerateRequest in JSON
+        req = json_format.ParseDict(json.loads(body), common_pb2.GenerateRequest())
+        assert req.model == "Qwen/Qwen2.5-7B-Instruct"
