@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class _StateCollector(Collector):
         self._engine = engine
         self._pub = publisher
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         load = self._engine.load()
         st = self._pub.stats
         for name, doc, value in (
@@ -61,3 +61,7 @@ class _StateCollector(Collector):
             ("kvroute_agent_feed_seq", "Last feed seq written in this epoch", self._pub.seq),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        # Engines may export their own families (the vllm adapter: frames, replays, resets).
+        extra = getattr(self._engine, "metric_families", None)
+        if extra is not None:
+            yield from extra()

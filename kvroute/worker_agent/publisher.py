@@ -233,6 +233,7 @@ class CachePublisher:
         # event is already reflected in this snapshot.
         keys = self._snapshot()
         self._pending.clear()
+        self.stats.pending = 0  # else the pending gauge keeps the pre-resync count
         self._needs_resync = False  # events from here on queue behind this snapshot
         self._synced = False  # until this snapshot is in Redis
         epoch = new_epoch()

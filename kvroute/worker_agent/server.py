@@ -97,8 +97,10 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
                     request_id=rid, worker_id=self._worker, cached_tokens=chunk.cached_tokens,
                     token_ids=chunk.token_ids,
                 )
+                # An engine may refine its first estimate (vLLM reports the exact figure on
+                # the last chunk): the usage carries the latest.
+                cached = chunk.cached_tokens
                 if n_out == 0:
-                    cached = chunk.cached_tokens
                     ttft = time.perf_counter() - t0
                     resp.ttft_ms = ttft * 1000
                     self._m.ttft.observe(ttft)

@@ -37,7 +37,10 @@ class EngineRequest:
 @dataclass(frozen=True, slots=True)
 class TokenChunk:
     """New tokens of one request. ``cached_tokens`` is the prompt's cache hit (constant per
-    request); ``finish_reason`` is "length" or "stop" on the last chunk, else None."""
+    request); ``finish_reason`` is "length" or "stop" on the last chunk, else None.
+
+    An engine that learns the exact hit only at the end (vllm: the usage chunk) carries its
+    prediction on the earlier chunks and the engine's own figure on the last one."""
 
     token_ids: tuple[int, ...]
     cached_tokens: int
@@ -70,6 +73,9 @@ class EngineError(RuntimeError):
 
 
 class Engine(Protocol):
+    """Optional: ``metric_families() -> Iterable[prometheus Metric]``, which the agent's
+    /metrics exports alongside its own (the vllm adapter's frame and replay counters)."""
+
     block_size: int
     model: str
 

@@ -1,0 +1,284 @@
+"""vLLM block hashes -> kvroute block keys, and which keys the engine holds right now.
+
+vLLM's own block hash (SHA-256 of a pickle, or a seeded 64-bit hash) is never reproduced:
+each ``BlockStored`` carries the token ids of its blocks, and the key of block ``i`` is
+``xxh3_64(key_{i-1} || tokens_i)`` (docs/block-keys.md), continuing from the kvroute key the
+parent block's engine hash maps to. The map is kept for removals and for children.
+
+Residency is counted per ``(engine hash, group_idx, medium)``: hybrid models emit one event per
+KV-cache group with the *same* hashes, and offloading tiers (medium CPU, ...) hold copies, so a
+removal from one group or tier must not drop a block another still holds. A kvroute key is
+published (``Op.STORE``) when its first residency appears and withdrawn (``Op.EVICT``) when the
+last one goes; re-stores (vLLM re-reports reused blocks) are idempotent.
+
+Cache salt (what seeds the chain at a root block, ``parent_block_hash is None``):
+
+* ``lora_name`` None, or equal to the served model name (the agent serves one vLLM model, which
+  may itself be a LoRA adapter): salt = the ``cache_salt`` string vLLM lists in the first
+  block's ``extra_keys`` (``""`` if none), i.e. exactly what the router computes from
+  ``GenerateRequest.cache_salt``.
+* any other LoRA adapter, multimodal identifiers or prompt-embedding digests in a block's
+  ``extra_keys``: the block (and every block chained after it) is **opaque**: it is tracked,
+  so removals and children resolve, but never published, because no kvroute request (token ids
+  only, served model only) can hit it. Releases before ``lora_name`` existed mark any
+  ``lora_id`` opaque.
+* releases before ``extra_keys`` existed carry no cache salt: salted blocks get the unsalted
+  key (the router may over-predict a hit for an unsalted prompt; the engine still isolates).
+
+A block whose parent hash is unknown (learned after a gap that replay could not heal) gets the
+marker UNKNOWN: tracked, not published, upgraded when vLLM stores it again from a known parent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvroute.core.blocks import BlockHasher
+from kvroute.core.redis_schema import Op
+from kvroute.worker_agent.engines.base import CacheEvent
+from kvroute.worker_agent.engines.vllm.wire import Cleared, EngineHash, Event, Removed, Stored
+
+log = logging.getLogger("kvroute.agent.vllm")
+
+OPAQUE = -1  # no kvroute request can hit it (other LoRA, multimodal, prompt embeds)
+UNKNOWN = -2  # its parent chain is unknown (learned after an unhealed gap)
+_DEFAULT_MEDIUM = "GPU"
+
+
+@dataclass
+class BlockMapStats:
+    stored_blocks: int = 0  # residencies added
+    removed_blocks: int = 0  # residencies dropped
+    duplicate_stores: int = 0  # residency already held (vLLM re-reporting reused blocks)
+    unknown_parent: int = 0  # blocks stored under a parent we never saw (UNKNOWN)
+    unknown_removals: int = 0  # removal of a residency we never saw
+    opaque_blocks: int = 0  # blocks stored that no kvroute request can hit
+    block_size_mismatch: int = 0  # blocks of an event whose block_size is not ours (skipped)
+    key_conflicts: int = 0  # one engine hash, two different computed keys (kept the first)
+    clears: int = 0
+
+
+class _Entry:
+    """One engine hash: its kvroute key (or OPAQUE/UNKNOWN) and how many residencies."""
+
+    __slots__ = ("key", "refs")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.refs = 0
+
+
+class BlockMap:
+    """Applies decoded vLLM events; emits kvroute :class:`CacheEvent` s for the changes."""
+
+    def __init__(self, block_size: int, model: str, served_model: str = "") -> None:
+        self.block_size = block_size
+        self.model = model
+        self.served_model = served_model or model
+        self.stats = BlockMapStats()
+        self._entries: dict[EngineHash, _Entry] = {}
+        self._resident: set[tuple[EngineHash, int, str]] = set()
+        self._key_refs: dict[int, int] = {}  # published key -> residencies mapping to it
+        self._hashers: dict[str, BlockHasher] = {}
+        self._warned_sizes: set[tuple[int, int]] = set()
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def cached_keys(self) -> list[int]:
+        return list(self._key_refs)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._key_refs
+
+    def longest_prefix(self, keys: Iterable[int]) -> int:
+        """How many leading keys are cached (the engine would hit that many blocks)."""
+        n = 0
+        for k in keys:
+            if k not in self._key_refs:
+                break
+            n += 1
+        return n
+
+    @property
+    def cached_count(self) -> int:
+        return len(self._key_refs)
+
+    @property
+    def engine_hashes(self) -> int:
+        return len(self._entries)
+
+    def hasher(self, salt: str = "") -> BlockHasher:
+        h = self._hashers.get(salt)
+        if h is None:
+            if len(self._hashers) > 1024:  # salts can be per-user: keep the cache bounded
+                self._hashers.clear()
+            h = self._hashers[salt] = BlockHasher(self.block_size, self.model, salt)
+        return h
+
+    # -- updates -----------------------------------------------------------------------------
+
+    def apply(self, ev: Event, out: list[CacheEvent]) -> None:
+        if isinstance(ev, Stored):
+            self._store(ev, out)
+        elif isinstance(ev, Removed):
+            self._remove(ev, out)
+        elif isinstance(ev, Cleared):
+            self.clear(out)
+
+    def clear(self, out: list[CacheEvent]) -> None:
+        self._entries.clear()
+        self._resident.clear()
+        self._key_refs.clear()
+        self.stats.clears += 1
+        out.append(CacheEvent(Op.CLEAR))
+
+    def _store(self, ev: Stored, out: list[CacheEvent]) -> None:
+        st = self.stats
+        n = len(ev.block_hashes)
+        if ev.block_size != self.block_size:
+            st.block_size_mismatch += n
+            group = ev.group_idx or 0
+            if (group, ev.block_size) not in self._warned_sizes:
+                self._warned_sizes.add((group, ev.block_size))
+                # Hybrid models publish other groups at other granularities: expected there.
+                # If no group matches, nothing is ever published: say so loudly.
+                level = logging.WARNING if st.stored_blocks else logging.ERROR
+                log.log(level, "skipping vLLM blocks of another block size; if no group "
+                        "matches, set the agent's --block-size to vLLM's", extra={"kv": {
+                            "group_idx": group, "event_block_size": ev.block_size,
+                            "agent_block_size": self.block_size}})
+            return
+        keys = self._keys_for(ev)
+        group = ev.group_idx or 0
+        medium = ev.medium or _DEFAULT_MEDIUM
+        entries, resident, key_refs = self._entries, self._resident, self._key_refs
+        new: list[int] = []
+        for h, key in zip(ev.block_hashes, keys, strict=True):
+            ent = entries.get(h)
+            if ent is None:
+                ent = entries[h] = _Entry(key)
+            elif ent.key != key and key >= 0:
+                if ent.key < 0:
+                    # Upgrade UNKNOWN/OPAQUE -> a real key: every residency now counts.
+                    ent.key = key
+                    if ent.refs:
+                        c = key_refs.get(key, 0)
+                        key_refs[key] = c + ent.refs
+                        if c == 0:
+                            new.append(key)
+                else:
+                    st.key_conflicts += 1
+            r = (h, group, medium)
+            if r in resident:
+                st.duplicate_stores += 1
+                continue
+            resident.add(r)
+            ent.refs += 1
+            st.stored_blocks += 1
+            if ent.key >= 0:
+                c = key_refs.get(ent.key, 0)
+                key_refs[ent.key] = c + 1
+                if c == 0:
+                    new.append(ent.key)
+            elif ent.key == OPAQUE:
+                st.opaque_blocks += 1
+        if new:
+            out.append(CacheEvent(Op.STORE, tuple(new)))
+
+    def _remove(self, ev: Removed, out: list[CacheEvent]) -> None:
+        st = self.stats
+        group = ev.group_idx or 0
+        medium = ev.medium or _DEFAULT_MEDIUM
+        entries, resident, key_refs = self._entries, self._resident, self._key_refs
+        gone: list[int] = []
+        for h in ev.block_hashes:
+            r = (h, group, medium)
+            if r not in resident:
+                st.unknown_removals += 1
+                continue
+            resident.discard(r)
+            st.removed_blocks += 1
+            ent = entries[h]
+            ent.refs -= 1
+            if ent.key >= 0:
+                c = key_refs[ent.key] - 1
+                if c:
+                    key_refs[ent.key] = c
+                else:
+                    del key_refs[ent.key]
+                    gone.append(ent.key)
+            if ent.refs == 0:
+                del entries[h]
+        if gone:
+            out.append(CacheEvent(Op.EVICT, tuple(gone)))
+
+    # -- key computation ---------------------------------------------------------------------
+
+    def _keys_for(self, ev: Stored) -> list[int]:
+        """One kvroute key (or OPAQUE/UNKNOWN) per block of a BlockStored event."""
+        n = len(ev.block_hashes)
+        if ev.parent is None:
+            salt = self._root_salt(ev)
+            if salt is None:
+                return [OPAQUE] * n
+            hasher, parent = self.hasher(salt), None
+        else:
+            ent = self._entries.get(ev.parent)
+            if ent is None or ent.key == UNKNOWN:
+                self.stats.unknown_parent += n
+                return [UNKNOWN] * n
+            if ent.key == OPAQUE:
+                return [OPAQUE] * n
+            if not self._lora_ok(ev):
+                return [OPAQUE] * n
+            hasher, parent = self.hasher(), ent.key
+        # Blocks carrying multimodal / prompt-embedding keys break the chain from there on.
+        cut = n
+        if ev.extra_keys is not None:
+            for i, ek in enumerate(ev.extra_keys):
+                if not self._plain_extra(ek, ev.lora_name, first=(i == 0 and ev.parent is None)):
+                    cut = i
+                    break
+        if cut == 0:
+            return [OPAQUE] * n
+        tokens = ev.token_ids if cut == n else ev.token_ids[: cut * self.block_size]
+        keys = hasher.keys(tokens, parent)
+        return keys + [OPAQUE] * (n - cut)
+
+    def _lora_ok(self, ev: Stored) -> bool:
+        if ev.lora_name is not None:
+            return ev.lora_name == self.served_model
+        return ev.lora_id is None
+
+    def _root_salt(self, ev: Stored) -> str | None:
+        """The cache salt seeding a root block's chain; None if the block is opaque."""
+        if not self._lora_ok(ev):
+            return None
+        if not ev.extra_keys or not ev.extra_keys[0]:
+            return ""
+        skip_lora = ev.lora_name is not None
+        for item in ev.extra_keys[0]:
+            if isinstance(item, str):
+                if skip_lora and item == ev.lora_name:
+                    skip_lora = False  # the LoRA name precedes the cache salt
+                    continue
+                return item
+        return ""
+
+    @staticmethod
+    def _plain_extra(ek: object, lora_name: str | None, *, first: bool) -> bool:
+        """True if a block's extra keys hold only what kvroute's key models: the served
+        LoRA's name and, on the first block, the cache salt (both strings)."""
+        if ek is None:
+            return True
+        if not isinstance(ek, list | tuple):
+            return False
+        strings = 0
+        for item in ek:
+            if not isinstance(item, str):
+                return False  # (mm_identifier, offset) pairs, prompt-embedding digests
+            if item != lora_name:
+                strings += 1
+        return strings <= (1 if first else 0)

@@ -1,0 +1,261 @@
+"""``VllmEngine``: the agent's adapter for a vLLM server (see the package doc)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvroute.worker_agent.engines.base import (
+    CacheEvent,
+    CacheListener,
+    EngineError,
+    EngineLoad,
+    EngineRequest,
+    TokenChunk,
+)
+from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
+from kvroute.worker_agent.engines.vllm.openai import CompletionsClient
+from kvroute.worker_agent.engines.vllm.prom import MetricsPoller
+from kvroute.worker_agent.engines.vllm.subscriber import (
+    BatchSink,
+    EventSubscriber,
+    SubscriberConfig,
+)
+from kvroute.worker_agent.engines.vllm.wire import Batch
+
+log = logging.getLogger("kvroute.agent.vllm")
+
+_FINISH = {"length": "length", "stop": "stop"}
+REPORT_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True, slots=True)
+class VllmConfig:
+    url: str = "http://127.0.0.1:8000"
+    """vLLM's OpenAI-compatible server."""
+    model: str = "default"
+    """kvroute model name: seeds the block keys (must match the routers')."""
+    served_model: str = ""
+    """The ``model`` sent to vLLM (default: ``model``)."""
+    block_size: int = 16
+    events: str = "tcp://127.0.0.1:5557"
+    replay: str = ""
+    topic: str = ""
+    capacity_blocks: int = 4096
+    """Used for load only when /metrics lacks ``vllm:cache_config_info``."""
+    metrics_interval_s: float = 0.5
+    replay_timeout_s: float = 1.0
+    probe_s: float = 1.0
+    report_reused: str = "auto"
+    """Ask vLLM to re-report reused prefix blocks (``kv_cache_report_mode=full``): ``auto``
+    while the cache view is incomplete (started late or reset), ``always`` or ``never``."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if self.report_reused not in REPORT_MODES:
+            raise ValueError(f"report_reused must be one of {REPORT_MODES}")
+
+
+@dataclass
+class _Inflight:
+    prompt_len: int
+    predicted_cached: int
+    started: bool = False  # first token received
+
+
+class VllmEngine(BatchSink):
+    """Implements the :class:`~kvroute.worker_agent.engines.base.Engine` protocol."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.model = config.model
+        self.served_model = config.served_model or config.model
+        self.blocks = BlockMap(config.block_size, config.model, self.served_model)
+        self.events = EventSubscriber(
+            SubscriberConfig(config.events, config.replay, config.topic,
+                             replay_timeout_s=config.replay_timeout_s, probe_s=config.probe_s),
+            self)
+        self.client = CompletionsClient(config.url, self.served_model)
+        self.metrics = MetricsPoller(config.url, config.metrics_interval_s)
+        self._listeners: list[CacheListener] = []
+        self._inflight: dict[int, _Inflight] = {}
+        self._next_id = 0
+        self._started = False
+
+    # -- Engine protocol ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        # httpx logs every request at INFO: with /metrics polled twice a second that drowns
+        # the agent's own log.
+        logging.getLogger("httpx").setLevel(max(logging.WARNING,
+                                                logging.getLogger("httpx").level))
+        await self.events.start()
+        await self.metrics.start()
+        log.info("following vLLM", extra={"kv": {
+            "url": self.config.url, "events": self.config.events,
+            "replay": self.config.replay or "off", "served_model": self.served_model,
+            "block_size": self.block_size}})
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        await self.events.stop()
+        await self.metrics.stop()
+        await self.client.aclose()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        if not self._started:
+            raise EngineError("engine not started")
+        prompt = list(request.token_ids)
+        n = len(prompt)
+        if n == 0:
+            raise EngineError(f"request {request.request_id}: empty prompt")
+        if request.mask_fn is not None:
+            # Masks are computed per step in-process; vLLM only takes whole grammars
+            # (structured outputs), which the controller runtime must send instead.
+            raise EngineError("the vllm engine cannot apply per-step token masks")
+        # What vLLM will most likely hit: the cached prefix, short of the last token (vLLM
+        # always computes at least one). Exact figure: vLLM's usage, on the last chunk.
+        hit_cap = (n - 1) // self.block_size * self.block_size
+        try:
+            keys = self.blocks.hasher(request.cache_salt).keys(prompt[:hit_cap])
+        except OverflowError as exc:
+            raise EngineError(f"request {request.request_id}: token id out of range") from exc
+        predicted = self.blocks.longest_prefix(keys) * self.block_size
+        rid = self._next_id
+        self._next_id += 1
+        state = self._inflight[rid] = _Inflight(n, predicted)
+        held: TokenChunk | None = None
+        try:
+            async for c in self.client.stream(
+                    request.request_id, token_ids=prompt, max_tokens=request.max_tokens,
+                    temperature=request.temperature, seed=request.seed,
+                    stop_token_ids=request.stop_token_ids, cache_salt=request.cache_salt,
+                    report_reused=self._report_reused()):
+                if c.usage:
+                    # vLLM's exact hit arrives after the finish chunk: put it on the last one.
+                    if held is not None and c.cached_tokens is not None:
+                        held = TokenChunk(held.token_ids, c.cached_tokens, held.finish_reason)
+                    continue
+                if held is not None:
+                    raise EngineError("vllm sent tokens after the finish reason")
+                if c.finish_reason is not None:
+                    reason = _FINISH.get(c.finish_reason)
+                    if reason is None:
+                        raise EngineError(f"vllm finished with {c.finish_reason!r}")
+                    held = TokenChunk(c.token_ids, predicted, reason)
+                    state.started = True
+                    continue
+                if c.token_ids:
+                    state.started = True
+                    yield TokenChunk(c.token_ids, predicted)
+            if held is None:
+                raise EngineError("vllm stream ended without a finish reason")
+            yield held
+        finally:
+            del self._inflight[rid]
+
+    def load(self) -> EngineLoad:
+        m = self.metrics.load
+        capacity = m.num_gpu_blocks or self.config.capacity_blocks
+        free = capacity if m.kv_usage is None else round(capacity * (1.0 - m.kv_usage))
+        decoding = prefill = 0
+        for st in self._inflight.values():
+            if st.started:
+                decoding += 1
+            else:
+                prefill += st.prompt_len - st.predicted_cached
+        # /metrics is up to one poll old; our own requests are counted at once.
+        return EngineLoad(
+            running=max(m.running, decoding), queued=m.waiting, free_blocks=free,
+            capacity_blocks=capacity, pending_prefill_tokens=prefill)
+
+    def cached_keys(self) -> list[int]:
+        return self.blocks.cached_keys()
+
+    def add_listener(self, listener: CacheListener) -> None:
+        self._listeners.append(listener)
+
+    # -- BatchSink (called by the subscriber, on the event loop) -----------------------------
+
+    def apply_batch(self, seq: int, batch: Batch) -> None:
+        out: list[CacheEvent] = []
+        apply = self.blocks.apply
+        for ev in batch.events:
+            apply(ev, out)
+        for ce in out:
+            self._emit(ce)
+
+    def reset_view(self, reason: str) -> None:
+        log.warning("cache view reset: clearing this worker's published blocks; they are "
+                    "re-learned as vLLM stores them again", extra={"kv": {"reason": reason}})
+        out: list[CacheEvent] = []
+        self.blocks.clear(out)
+        for ce in out:
+            self._emit(ce)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _report_reused(self) -> bool:
+        mode = self.config.report_reused
+        return mode == "always" or (mode == "auto" and not self.events.stats.complete)
+
+    def _emit(self, event: CacheEvent) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("cache listener failed", extra={"kv": {"op": event.op.value}})
+
+    def metric_families(self) -> Iterator[Metric]:
+        """Adapter counters for the agent's /metrics (see kvroute.worker_agent.metrics)."""
+        s, b, m = self.events.stats, self.blocks.stats, self.metrics.stats
+        p = "kvroute_agent_vllm_"
+        rej = CounterMetricFamily(p + "frames_rejected", "KV-event frames rejected, by reason",
+                                  labels=["reason"])
+        for reason, n in sorted(s.rejected.items()):
+            rej.add_metric([reason], n)
+        yield rej
+        skipped = CounterMetricFamily(p + "blocks_skipped",
+                                      "vLLM blocks not published, by reason", labels=["reason"])
+        for reason, n in (("block_size", b.block_size_mismatch),
+                          ("unknown_parent", b.unknown_parent), ("opaque", b.opaque_blocks),
+                          ("unknown_removal", b.unknown_removals),
+                          ("key_conflict", b.key_conflicts)):
+            skipped.add_metric([reason], n)
+        yield skipped
+        for name, doc, value in (
+            ("frames", "Live KV-event frames received", s.frames),
+            ("batches", "KV-event batches applied (live or replayed)", s.batches),
+            ("events", "KV events applied", s.events),
+            ("unknown_events", "KV events of an unknown type skipped", s.unknown_events),
+            ("duplicates", "Live batches already applied from a replay", s.duplicates),
+            ("replayed_batches", "Batches applied from the replay socket", s.replayed_batches),
+            ("gaps_healed", "Seq gaps healed from the replay socket", s.gaps_healed),
+            ("replay_failures", "Replay requests unanswered or cut short", s.replay_failures),
+            ("view_resets", "Cache-view resets (CLEAR, then re-learn): new epochs", s.resets),
+            ("publisher_restarts", "vLLM event-publisher restarts detected", s.restarts),
+            ("metrics_errors", "Failed polls of vLLM's /metrics", m.errors),
+        ):
+            yield CounterMetricFamily(p + name, doc, value=value)
+        for name, doc, value in (
+            ("last_seq", "Last KV-event seq applied", s.last_seq),
+            ("view_complete", "1 if the cache view covers vLLM's whole event history",
+             int(s.complete)),
+            ("engine_hashes", "vLLM block hashes tracked", self.blocks.engine_hashes),
+            ("cached_keys", "kvroute block keys published as cached", self.blocks.cached_count),
+            ("metrics_up", "1 if the last poll of vLLM's /metrics succeeded", int(m.up)),
+            ("metrics_age_seconds", "Seconds since the last good /metrics poll",
+             time.monotonic() - m.last_ok if m.last_ok else -1.0),
+        ):
+            yield GaugeMetricFamily(p + name, doc, value=value)

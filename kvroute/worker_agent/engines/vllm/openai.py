@@ -1,0 +1,194 @@
+"""Streaming ``/v1/completions`` against vLLM's OpenAI-compatible server, token ids in and out.
+
+Request (checked against vLLM 0.33.0's ``CompletionRequest``)::
+
+    {"model": M, "prompt": [token ids], "max_tokens": n, "temperature": t, "stream": true,
+     "stream_options": {"include_usage": true}, "return_token_ids": true,
+     "seed": s (if set), "stop_token_ids": [...] (if any), "cache_salt": salt (if any),
+     "vllm_xargs": {"kv_cache_report_mode": "full"} (when asked to re-report reused blocks)}
+
+* Token ids back: ``return_token_ids`` (vLLM >= 0.10.2) puts the delta ids in
+  ``choices[0].token_ids`` of every chunk. A server that ignores it (older vLLM) is detected
+  on the first chunk; the client then switches, once and for good, to ``logprobs: 0`` +
+  ``return_tokens_as_token_ids`` (``"token_id:123"`` strings) and re-sends the request (safe:
+  nothing was yielded yet).
+* ``cached_tokens``: vLLM reports it only in the final usage chunk
+  (``usage.prompt_tokens_details.cached_tokens``), after the chunk with the finish reason, and
+  only when started with ``--enable-prompt-tokens-details``. :class:`Chunk` carries it on the
+  last chunk when present; the engine holds the finish chunk back until the usage arrives.
+* Errors: HTTP >= 400, a streamed ``{"error": ...}`` object, or a stream that ends without a
+  finish reason raise :class:`~kvroute.worker_agent.engines.base.EngineError`. Closing the
+  iterator closes the connection, and vLLM aborts the request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvroute.worker_agent.engines.base import EngineError
+
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    cached_tokens: int | None = None  # from the usage chunk (last)
+    prompt_tokens: int | None = None
+    usage: bool = False  # the final usage chunk
+
+
+class _NoTokenIdsError(Exception):
+    """The server ignored ``return_token_ids``."""
+
+
+class CompletionsClient:
+    def __init__(self, base_url: str, model: str, *, connect_timeout_s: float = 5.0,
+                 read_timeout_s: float = 600.0) -> None:
+        self.model = model
+        self.token_mode = "token_ids"  # or "logprobs" (older vLLM)
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def body(self, token_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
+             seed: int = 0, stop_token_ids: frozenset[int] = frozenset(), cache_salt: str = "",
+             report_reused: bool = False) -> dict[str, Any]:
+        b: dict[str, Any] = {
+            "model": self.model, "prompt": token_ids, "max_tokens": max_tokens,
+            "temperature": temperature,  # 0 = greedy, as in EngineRequest
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self.token_mode == "token_ids":
+            b["return_token_ids"] = True
+        else:
+            b["logprobs"] = 0
+            b["return_tokens_as_token_ids"] = True
+        if seed:
+            b["seed"] = seed
+        if stop_token_ids:
+            b["stop_token_ids"] = sorted(stop_token_ids)
+        if cache_salt:
+            b["cache_salt"] = cache_salt
+        if report_reused:
+            b["vllm_xargs"] = {"kv_cache_report_mode": "full"}
+        return b
+
+    async def stream(self, request_id: str, **kw: Any) -> AsyncIterator[Chunk]:
+        """Chunks of one completion; see the module doc."""
+        for attempt in range(2):
+            body = self.body(**kw)
+            try:
+                async for chunk in self._stream_once(request_id, body, first_try=attempt == 0):
+                    yield chunk
+                return
+            except _NoTokenIdsError:
+                self.token_mode = "logprobs"  # and retry: nothing was yielded yet
+        raise EngineError("vllm returned no token ids")  # pragma: no cover - loop returns
+
+    async def _stream_once(self, request_id: str, body: dict[str, Any], *, first_try: bool
+                           ) -> AsyncIterator[Chunk]:
+        headers = {"X-Request-Id": request_id, "Accept": "text/event-stream"}
+        yielded = False
+        finished = False
+        try:
+            async with self._http.stream("POST", "/v1/completions", json=body,
+                                         headers=headers) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    raise EngineError(f"vllm HTTP {resp.status_code}: {_error_text(text)}")
+                async for data in _sse_data(resp):
+                    if data == "[DONE]":
+                        break
+                    chunk = self._parse(data, probe=first_try and not yielded)
+                    if chunk is None:
+                        continue
+                    finished = finished or chunk.finish_reason is not None
+                    yielded = True
+                    yield chunk
+        except httpx.HTTPError as exc:
+            raise EngineError(f"vllm request failed: {type(exc).__name__}: {exc}") from exc
+        if not finished:
+            raise EngineError("vllm stream ended without a finish reason")
+
+    def _parse(self, data: str, *, probe: bool) -> Chunk | None:
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise EngineError(f"vllm sent a non-JSON stream chunk: {data[:200]!r}") from exc
+        if not isinstance(obj, dict):
+            raise EngineError(f"vllm sent an unexpected stream chunk: {data[:200]!r}")
+        if "error" in obj or obj.get("object") == "error":
+            err = obj.get("error", obj)
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            raise EngineError(f"vllm error: {msg}")
+        choices = obj.get("choices") or []
+        usage = obj.get("usage")
+        if not choices:
+            if isinstance(usage, dict):
+                details = usage.get("prompt_tokens_details") or {}
+                cached = details.get("cached_tokens") if isinstance(details, dict) else None
+                return Chunk((), None, cached if isinstance(cached, int) else None,
+                             usage.get("prompt_tokens"), usage=True)
+            return None
+        ch = choices[0]
+        finish = ch.get("finish_reason")
+        if self.token_mode == "token_ids":
+            ids = ch.get("token_ids")
+            if ids is None:
+                if probe and (ch.get("text") or finish is not None):
+                    raise _NoTokenIdsError()
+                ids = []
+        else:
+            lp = ch.get("logprobs") or {}
+            ids = [_token_id(t) for t in (lp.get("tokens") or [])]
+        return Chunk(tuple(ids), finish)
+
+
+def _token_id(tok: str) -> int:
+    if not isinstance(tok, str) or not tok.startswith(_TOKEN_ID_PREFIX):
+        raise EngineError(f"vllm logprobs token {tok!r} is not token_id:N")
+    return int(tok[len(_TOKEN_ID_PREFIX):])
+
+
+def _error_text(text: str) -> str:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:300]
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:300]
+        if "message" in obj:
+            return str(obj["message"])[:300]
+    return text[:300]
+
+
+async def _sse_data(resp: httpx.Response) -> AsyncIterator[str]:
+    """The ``data`` of each server-sent event (multi-line data joined with newlines)."""
+    buf: list[str] = []
+    async for line in resp.aiter_lines():
+        if not line:
+            if buf:
+                yield "\n".join(buf)
+                buf = []
+            continue
+        if line.startswith(":"):
+            continue  # comment / keep-alive
+        name, _, value = line.partition(":")
+        if name == "data":
+            buf.append(value[1:] if value.startswith(" ") else value)
+    if buf:
+        yield "\n".join(buf)

@@ -1,0 +1,144 @@
+"""Fixtures: vLLM's KV-event sources (from the wheel, cached) and the fake vLLM server."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import free_port
+from tests.worker_agent.vllm.vllm_wire import REPO, load_kv_events, vllm_sources
+
+
+@pytest.fixture(scope="session")
+def vllm_src() -> Path:
+    try:
+        return vllm_sources()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def kv_events(vllm_src: Path) -> ModuleType:
+    """vLLM's own ``vllm/distributed/kv_events.py``, executed from the wheel."""
+    return load_kv_events(vllm_src)
+
+
+@dataclass
+class FakeVllmProc:
+    """The fake vLLM server subprocess (tests/worker_agent/vllm/fake_vllm.py), by PID."""
+
+    vllm_src: Path
+    args: list[str] = field(default_factory=list)
+    http_port: int = field(default_factory=free_port)
+    events_port: int = field(default_factory=free_port)
+    upstream_port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def events(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def start(self) -> None:
+        fd, path = tempfile.mkstemp(prefix="fake-vllm-", suffix=".log")
+        self.log = Path(path)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.worker_agent.vllm.fake_vllm",
+             "--http-port", str(self.http_port), "--events-port", str(self.events_port),
+             "--upstream-port", str(self.upstream_port), "--replay-port", str(self.replay_port),
+             "--vllm-src", str(self.vllm_src), *self.args],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=fd,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        os.close(fd)
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if sel.select(0.1):
+                line = self.proc.stdout.readline().decode()
+                if line.startswith("READY "):
+                    json.loads(line[6:])
+                    return
+            if self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"fake vLLM did not start: {self.log_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+
+    def log_text(self) -> str:
+        return self.log.read_text() if self.log and self.log.exists() else ""
+
+    # -- control (test-only endpoints) -------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/control/state").json()
+
+    def truth(self) -> set[int]:
+        return set(self.state()["keys"])
+
+    def drop(self, seqs: list[int] | None = None, next_n: int = 0) -> None:
+        httpx.post(self.url + "/control/drop", json={"seqs": seqs or [], "next": next_n})
+
+    def inject(self, frames: list[bytes]) -> None:
+        httpx.post(self.url + "/control/inject", json={"frames": [f.hex() for f in frames]})
+
+    def evict(self, n: int) -> int:
+        return httpx.post(self.url + "/control/evict", json={"n": n}).json()["evicted"]
+
+    def reset_prefix_cache(self) -> int:
+        return httpx.post(self.url + "/reset_prefix_cache").status_code
+
+
+@pytest.fixture
+def fake_vllm(vllm_src: Path) -> Iterator[Callable[..., FakeVllmProc]]:
+    """``start(*args)`` launches a fake vLLM; every one is stopped at the end of the test."""
+    procs: list[FakeVllmProc] = []
+
+    def start(*args: str) -> FakeVllmProc:
+        p = FakeVllmProc(vllm_src, list(args))
+        p.start()
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+        if p.log is not None:
+            with contextlib.suppress(OSError):
+                p.log.unlink()

@@ -1,0 +1,437 @@
+"""A stand-in vLLM server speaking vLLM's real wire protocols, run as a subprocess by tests.
+
+* **KV events:** vLLM's own ``ZmqEventPublisher`` (executed from the vLLM wheel, see
+  :mod:`vllm_wire`) publishes ``KVEventBatch`` es of vLLM's own ``BlockStored`` /
+  ``BlockRemoved`` / ``AllBlocksCleared`` structs, and serves its ROUTER replay socket. Its
+  PUB socket connects to a :class:`~vllm_wire.FrameForwarder` in this process, which the
+  agent subscribes to and tests use to drop or inject frames.
+* **Prefix cache:** paged, modelled on vLLM v1's ``BlockPool``: block hashes chained over the
+  parent's hash (SHA-256 of a pickle, bytes; or the low 64 bits as int, like
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), cache salt in the first block's extra keys,
+  reference counts, an LRU of free cached blocks, eviction events, cache hits capped to keep
+  one prompt token computed, reused blocks re-reported with ``kv_cache_report_mode=full``.
+* **HTTP:** ``POST /v1/completions`` with ``stream: true`` (SSE chunks shaped like vLLM
+  0.33's ``CompletionStreamResponse``, final usage chunk with
+  ``prompt_tokens_details.cached_tokens``), ``GET /metrics`` (vLLM's metric names),
+  ``POST /reset_prefix_cache``; and, for tests only, ``/control/*``: ``state`` (the cached
+  blocks as kvroute keys, computed independently of the agent), ``drop``, ``inject``,
+  ``evict``.
+
+Run: ``python -m tests.worker_agent.vllm.fake_vllm --http-port P --events-port E ...``; it
+prints one line ``READY {json}`` when serving and stops on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvroute.core.blocks import BlockHasher
+from tests.worker_agent.vllm.vllm_wire import FrameForwarder, load_kv_events, vllm_sources
+
+NONE_HASH = hashlib.sha256(b"vllm-none-hash").digest()
+MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class _Block:
+    hash: bytes
+    key: int  # kvroute key: the test oracle, never sent to the agent
+    refs: int = 0
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    salt: str
+    report_full: bool
+    seed: int
+    stop: frozenset[int]
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks so far
+    keys: list[int] = field(default_factory=list)
+    pinned: list[bytes] = field(default_factory=list)  # cached blocks this request holds
+    uncached: int = 0  # allocated blocks not (yet) in the cache
+    cached_tokens: int = 0
+    out: list[int] = field(default_factory=list)
+
+
+class FakeVllm:
+    def __init__(self, args: argparse.Namespace, kv: Any, fwd: FrameForwarder) -> None:
+        self.a = args
+        self.kv = kv
+        self.fwd = fwd
+        self.bs = args.block_size
+        self.publisher = kv.ZmqEventPublisher(
+            data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{args.upstream_port}",
+            replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}",
+            buffer_steps=args.buffer_steps, topic=args.topic)
+        self.cached: dict[bytes, _Block] = {}
+        self.free_lru: OrderedDict[bytes, None] = OrderedDict()  # refs == 0, oldest first
+        self.uncached = 0
+        self.running = 0
+        self.waiting = 0
+        self.published = 0
+        self.pending: list[Any] = []  # events of the current step
+        self.next_rid = 0
+
+    # -- cache -------------------------------------------------------------------------------
+
+    def ext(self, h: bytes) -> bytes | int:
+        return int.from_bytes(h, "big") & MASK64 if self.a.int_hashes else h
+
+    def block_hash(self, parent: bytes | None, tokens: list[int], salt: str, first: bool
+                   ) -> bytes:
+        extra = (("cache_salt", salt),) if (first and salt) else None
+        return hashlib.sha256(pickle.dumps((parent or NONE_HASH, tuple(tokens), extra),
+                                           protocol=5)).digest()
+
+    def flush(self) -> None:
+        """Publish this step's events as one batch, as vLLM's scheduler does per step."""
+        if self.pending:
+            self.publisher.publish(self.kv.KVEventBatch(ts=time.time(), events=self.pending))
+            self.pending = []
+            self.published += 1
+
+    def used(self) -> int:
+        return len(self.cached) + self.uncached
+
+    def evict_one(self) -> bool:
+        if not self.free_lru:
+            return False
+        h, _ = self.free_lru.popitem(last=False)
+        del self.cached[h]
+        self.pending.append(self.kv.BlockRemoved(block_hashes=[self.ext(h)], medium="GPU",
+                                                 group_idx=0))
+        return True
+
+    def admit(self, r: _Req) -> bool:
+        n, bs = len(r.prompt), self.bs
+        hasher = BlockHasher(bs, self.a.kvroute_model, r.salt)
+        r.keys = hasher.keys(r.prompt)
+        r.hashes = []
+        parent = None
+        for i in range(n // bs):
+            parent = self.block_hash(parent, r.prompt[i * bs:(i + 1) * bs], r.salt, i == 0)
+            r.hashes.append(parent)
+        hit = 0
+        for h in r.hashes[: (n - 1) // bs]:
+            if h not in self.cached:
+                break
+            hit += 1
+        # Pin the hits before allocating (vLLM's touch()), so eviction cannot take them.
+        for h in r.hashes[:hit]:
+            b = self.cached[h]
+            if b.refs == 0:
+                self.free_lru.pop(h, None)
+            b.refs += 1
+            r.pinned.append(h)
+        need = -(-(n + r.max_tokens - 1) // bs) - hit
+        while self.used() + need > self.a.capacity:
+            if not self.evict_one():
+                self.release(r)
+                self.flush()
+                return False
+        r.uncached = need
+        self.uncached += need
+        r.cached_tokens = hit * bs
+        if hit and r.report_full:
+            self.pending.append(self._stored(r, 0, hit, None))
+        return True
+
+    def _stored(self, r: _Req, lo: int, hi: int, parent: bytes | None) -> Any:
+        bs = self.bs
+        extra = [([r.salt] if (i == 0 and r.salt) else None) for i in range(lo, hi)]
+        return self.kv.BlockStored(
+            block_hashes=[self.ext(h) for h in r.hashes[lo:hi]],
+            parent_block_hash=self.ext(parent) if parent is not None else None,
+            token_ids=r.prompt[lo * bs:hi * bs],
+            block_size=bs, lora_id=None, medium="GPU", lora_name=None,
+            extra_keys=extra if any(e is not None for e in extra) else None, group_idx=0)
+
+    def commit(self, r: _Req, tokens: list[int], computed: int) -> None:
+        """Cache every block fully covered by computed KV (vLLM's cache_full_blocks)."""
+        bs = self.bs
+        full = computed // bs
+        have = len(r.pinned)
+        if full <= have:
+            return
+        while len(r.hashes) < full:
+            i = len(r.hashes)
+            parent = r.hashes[-1] if r.hashes else None
+            r.hashes.append(self.block_hash(parent, tokens[i * bs:(i + 1) * bs], r.salt, i == 0))
+        if len(r.keys) < full:
+            hasher = BlockHasher(bs, self.a.kvroute_model, r.salt)
+            r.keys = hasher.keys(tokens[: full * bs])
+        new_lo = None
+        for i in range(have, full):
+            h = r.hashes[i]
+            b = self.cached.get(h)
+            if b is None:
+                self.cached[h] = _Block(h, r.keys[i], refs=1)
+                self.uncached -= 1
+                r.uncached -= 1
+                if new_lo is None:
+                    new_lo = i
+            else:  # committed meanwhile by another request: share it
+                if b.refs == 0:
+                    self.free_lru.pop(h, None)
+                b.refs += 1
+            r.pinned.append(h)
+        if new_lo is not None:
+            parent = r.hashes[new_lo - 1] if new_lo else None
+            bsz = self.bs
+            self.pending.append(self.kv.BlockStored(
+                block_hashes=[self.ext(h) for h in r.hashes[new_lo:full]],
+                parent_block_hash=self.ext(parent) if parent is not None else None,
+                token_ids=tokens[new_lo * bsz: full * bsz], block_size=bsz, lora_id=None,
+                medium="GPU", lora_name=None,
+                extra_keys=[[r.salt]] + [None] * (full - 1) if (new_lo == 0 and r.salt)
+                else None,
+                group_idx=0))
+
+    def release(self, r: _Req) -> None:
+        for h in reversed(r.pinned):  # vLLM frees tail blocks first: they are evicted first
+            b = self.cached[h]
+            b.refs -= 1
+            if b.refs == 0:
+                self.free_lru[h] = None
+        r.pinned = []
+        self.uncached -= r.uncached
+        r.uncached = 0
+
+    def reset_prefix_cache(self) -> bool:
+        if any(b.refs for b in self.cached.values()):
+            return False
+        self.cached.clear()
+        self.free_lru.clear()
+        self.pending.append(self.kv.AllBlocksCleared())
+        self.flush()
+        return True
+
+    def truth(self) -> list[int]:
+        return [b.key for b in self.cached.values()]
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(self, body: dict[str, Any], write: Any) -> None:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            raise ValueError("prompt must be a non-empty list of token ids")
+        xargs = body.get("vllm_xargs") or {}
+        r = _Req(rid=f"cmpl-{self.next_rid}", prompt=list(prompt),
+                 max_tokens=int(body.get("max_tokens") or 16), salt=body.get("cache_salt") or "",
+                 report_full=xargs.get("kv_cache_report_mode") == "full",
+                 seed=int(body.get("seed") or 0),
+                 stop=frozenset(body.get("stop_token_ids") or ()))
+        self.next_rid += 1
+        token_ids = bool(body.get("return_token_ids")) and not self.a.no_return_token_ids
+        as_ids = body.get("logprobs") is not None and body.get("return_tokens_as_token_ids")
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.waiting += 1
+        try:
+            while not self.admit(r):
+                await asyncio.sleep(self.a.step_s or 0.001)
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        created = int(time.time())
+        out = r.out
+        finish = None
+        try:
+            base = (sum(r.prompt) * 31 + r.seed) % self.a.vocab
+            for t in range(r.max_tokens):
+                await asyncio.sleep(self.a.step_s)
+                tok = (base + 7919 * t) % self.a.vocab
+                out.append(tok)
+                self.commit(r, r.prompt + out, len(r.prompt) + len(out) - 1)
+                self.flush()
+                if tok in r.stop:
+                    finish = "stop"
+                elif len(out) == r.max_tokens:
+                    finish = "length"
+                choice: dict[str, Any] = {"index": 0, "text": f" t{tok}", "logprobs": None,
+                                          "finish_reason": finish, "stop_reason":
+                                          tok if finish == "stop" else None}
+                if token_ids:
+                    choice["prompt_token_ids"] = r.prompt if t == 0 else None
+                    choice["token_ids"] = [tok]
+                if as_ids:
+                    choice["logprobs"] = {"text_offset": [0], "token_logprobs": [-0.5],
+                                          "tokens": [f"token_id:{tok}"], "top_logprobs": [None]}
+                await write({"id": r.rid, "object": "text_completion", "created": created,
+                             "model": body.get("model"), "choices": [choice]})
+                if finish:
+                    break
+            if usage:
+                u: dict[str, Any] = {"prompt_tokens": len(r.prompt),
+                                     "total_tokens": len(r.prompt) + len(out),
+                                     "completion_tokens": len(out)}
+                if self.a.prompt_tokens_details:
+                    u["prompt_tokens_details"] = {"cached_tokens": r.cached_tokens}
+                await write({"id": r.rid, "object": "text_completion", "created": created,
+                             "model": body.get("model"), "choices": [], "usage": u})
+        finally:
+            self.running -= 1
+            self.release(r)
+            self.flush()
+
+    def metrics(self) -> str:
+        m = f'engine="0",model_name="{self.a.model}"'
+        # As vLLM: cached blocks nobody uses are free (evictable), so not "used".
+        usage = (self.used() - len(self.free_lru)) / self.a.capacity
+        usage_name = "vllm:gpu_cache_usage_perc" if self.a.old_metrics else \
+            "vllm:kv_cache_usage_perc"
+        return (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{m}}} {float(self.running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{m}}} {float(self.waiting)}\n"
+            f"# HELP {usage_name} KV-cache usage. 1 means 100 percent usage.\n"
+            f"# TYPE {usage_name} gauge\n"
+            f"{usage_name}{{{m}}} {usage}\n"
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{self.bs}",enable_prefix_caching="True",'
+            f'engine="0",num_gpu_blocks="{self.a.capacity}"}} 1.0\n'
+        )
+
+
+# -- a minimal HTTP/1.1 server (Connection: close; SSE as chunked transfer) -------------------
+
+
+async def _respond(w: asyncio.StreamWriter, status: int, body: bytes,
+                   ctype: str = "application/json") -> None:
+    w.write(f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n".encode() + body)
+    await w.drain()
+
+
+async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    try:
+        line = await r.readline()
+        if not line:
+            return
+        method, path, _ = line.decode().split(" ", 2)
+        headers: dict[str, str] = {}
+        while (h := await r.readline()) not in (b"\r\n", b"\n", b""):
+            k, _, v = h.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        raw = await r.readexactly(int(headers.get("content-length", "0")))
+        body = json.loads(raw) if raw else {}
+        if method == "GET" and path == "/metrics":
+            await _respond(w, 200, fake.metrics().encode(), "text/plain; version=0.0.4")
+        elif method == "POST" and path == "/v1/completions":
+            await _completions(fake, body, w)
+        elif method == "POST" and path == "/reset_prefix_cache":
+            ok = fake.reset_prefix_cache()
+            await _respond(w, 200 if ok else 400, b"{}")
+        elif method == "GET" and path == "/control/state":
+            await _respond(w, 200, json.dumps({
+                "keys": fake.truth(), "published": fake.published,
+                "forwarded": fake.fwd.forwarded, "dropped": fake.fwd.dropped}).encode())
+        elif method == "POST" and path == "/control/drop":
+            fake.fwd.drop(body.get("seqs", ()), int(body.get("next", 0)))
+            await _respond(w, 200, b"{}")
+        elif method == "POST" and path == "/control/inject":
+            fake.fwd.inject([bytes.fromhex(x) for x in body["frames"]])
+            await _respond(w, 200, b"{}")
+        elif method == "POST" and path == "/control/evict":
+            n = 0
+            while n < int(body.get("n", 1)) and fake.evict_one():
+                n += 1
+            fake.flush()
+            await _respond(w, 200, json.dumps({"evicted": n}).encode())
+        else:
+            await _respond(w, 404, b'{"error": "not found"}')
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            w.close()
+
+
+async def _completions(fake: FakeVllm, body: dict[str, Any], w: asyncio.StreamWriter) -> None:
+    if not body.get("stream"):
+        await _respond(w, 400, b'{"error": {"message": "this fake only streams"}}')
+        return
+    if not isinstance(body.get("prompt"), list) or not body["prompt"]:
+        await _respond(w, 400, json.dumps({"error": {"message": "prompt must be token ids",
+                                                     "type": "BadRequestError"}}).encode())
+        return
+    w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+
+    async def send(text: str) -> None:
+        data = text.encode()
+        w.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await w.drain()
+
+    async def write(obj: dict[str, Any]) -> None:
+        await send(f"data: {json.dumps(obj)}\n\n")
+
+    await fake.generate(body, write)
+    await send("data: [DONE]\n\n")
+    w.write(b"0\r\n\r\n")
+    await w.drain()
+
+
+async def main(args: argparse.Namespace) -> None:
+    kv = load_kv_events(Path(args.vllm_src) if args.vllm_src else vllm_sources())
+    fwd = FrameForwarder(f"tcp://127.0.0.1:{args.upstream_port}",
+                         f"tcp://127.0.0.1:{args.events_port}")
+    fake = FakeVllm(args, kv, fwd)
+    server = await asyncio.start_server(lambda r, w: handle(fake, r, w), "127.0.0.1",
+                                        args.http_port)
+    await asyncio.sleep(0.2)  # let vLLM's PUB finish connecting to the forwarder
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print("READY " + json.dumps({"pid": os.getpid()}), flush=True)
+    await stop.wait()
+    server.close()
+    fake.publisher.shutdown()
+    fwd.close()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--http-port", type=int, required=True)
+    ap.add_argument("--events-port", type=int, required=True, help="the agent subscribes here")
+    ap.add_argument("--upstream-port", type=int, required=True, help="vLLM PUB -> forwarder")
+    ap.add_argument("--replay-port", type=int, required=True)
+    ap.add_argument("--topic", default="")
+    ap.add_argument("--model", default="fake-model", help="served model name")
+    ap.add_argument("--kvroute-model", default="default", help="for the kvroute-key oracle")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--capacity", type=int, default=256, help="KV blocks")
+    ap.add_argument("--buffer-steps", type=int, default=10_000)
+    ap.add_argument("--step-s", type=float, default=0.001)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--int-hashes", action="store_true")
+    ap.add_argument("--no-return-token-ids", action="store_true", help="act as vLLM < 0.10.2")
+    ap.add_argument("--old-metrics", action="store_true", help="vllm:gpu_cache_usage_perc")
+    ap.add_argument("--no-prompt-tokens-details", dest="prompt_tokens_details",
+                    action="store_false")
+    ap.add_argument("--vllm-src", default="")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args(sys.argv[1:])))

@@ -1,0 +1,92 @@
+"""vLLM block hashes -> kvroute keys: chaining, salts, residency, removals, clears."""
+
+from __future__ import annotations
+
+import array
+
+from kvroute.core.blocks import BlockHasher
+from kvroute.core.redis_schema import Op
+from kvroute.worker_agent.engines.base import CacheEvent
+from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
+from kvroute.worker_agent.engines.vllm.wire import Cleared, Removed, Stored
+
+B = 4
+TOKS = list(range(1, 17))  # 4 blocks of 4
+KEYS = BlockHasher(B, "m").keys(TOKS)
+
+
+def stored(hashes: list, parent=None, tokens=None, **kw) -> Stored:
+    toks = tokens if tokens is not None else TOKS[: len(hashes) * B]
+    return Stored(hashes, parent, array.array("I", toks), kw.pop("block_size", B), **kw)
+
+
+def run(m: BlockMap, *events) -> list[CacheEvent]:
+    out: list[CacheEvent] = []
+    for e in events:
+        m.apply(e, out)
+    return out
+
+
+def test_chains_continue_from_the_parents_key_for_int_and_bytes_hashes() -> None:
+    m = BlockMap(B, "m")
+    out = run(m, stored([b"h0", b"h1"]), stored([7, 8], parent=b"h1", tokens=TOKS[8:16]))
+    assert out == [CacheEvent(Op.STORE, tuple(KEYS[:2])), CacheEvent(Op.STORE, tuple(KEYS[2:]))]
+    assert sorted(m.cached_keys()) == sorted(KEYS)
+    assert m.longest_prefix(KEYS) == 4
+    out = run(m, Removed([8]), Removed([b"h0"]))
+    assert out == [CacheEvent(Op.EVICT, (KEYS[3],)), CacheEvent(Op.EVICT, (KEYS[0],))]
+
+
+def test_cache_salt_from_extra_keys_seeds_the_chain() -> None:
+    m = BlockMap(B, "m")
+    run(m, stored([1, 2], extra_keys=[["user-7"], None]))
+    assert m.cached_keys() == BlockHasher(B, "m", "user-7").keys(TOKS[:8])
+    # The served model may itself be a LoRA adapter: its name precedes the salt.
+    m = BlockMap(B, "m", served_model="adapter")
+    run(m, stored([1, 2], lora_name="adapter", lora_id=3,
+                  extra_keys=[["adapter", "user-7"], ["adapter"]]))
+    assert m.cached_keys() == BlockHasher(B, "m", "user-7").keys(TOKS[:8])
+
+
+def test_blocks_no_kvroute_request_can_hit_are_tracked_but_never_published() -> None:
+    m = BlockMap(B, "m", served_model="base")
+    out = run(m,
+              stored([1, 2], lora_name="other", lora_id=1),  # another LoRA adapter
+              stored([3], parent=2, tokens=TOKS[8:12], lora_name="other", lora_id=1),
+              stored([4, 5], extra_keys=[None, [["img-hash", 0]]]),  # multimodal from block 1
+              stored([6], lora_id=9))  # old layout: an adapter we cannot name
+    assert out == [CacheEvent(Op.STORE, (KEYS[0],))]  # only block 0 of the multimodal event
+    assert m.stats.opaque_blocks == 5 and m.stats.unknown_parent == 0
+    assert run(m, Removed([1, 2, 3, 5, 6])) == []
+    assert m.stats.unknown_removals == 0 and m.engine_hashes == 1
+
+
+def test_residency_per_group_and_medium_and_idempotent_restores() -> None:
+    m = BlockMap(B, "m")
+    out = run(m, stored([1], group_idx=0), stored([1], group_idx=1),
+              stored([1], medium="CPU"), stored([1], group_idx=0))
+    assert out == [CacheEvent(Op.STORE, (KEYS[0],))]
+    assert m.stats.duplicate_stores == 1
+    assert run(m, Removed([1], group_idx=1), Removed([1], medium="GPU")) == []
+    assert run(m, Removed([1], medium="CPU")) == [CacheEvent(Op.EVICT, (KEYS[0],))]
+    assert m.cached_keys() == [] and m.engine_hashes == 0
+
+
+def test_unknown_parents_are_withheld_until_restored_from_a_known_chain() -> None:
+    m = BlockMap(B, "m")
+    assert run(m, stored([3], parent=2, tokens=TOKS[8:12])) == []
+    assert m.stats.unknown_parent == 1
+    # vLLM re-reports the reused prefix from block 0 (kv_cache_report_mode=full): learned.
+    out = run(m, stored([1, 2, 3]))
+    assert out == [CacheEvent(Op.STORE, (KEYS[0], KEYS[1], KEYS[2]))]
+    assert run(m, Removed([3])) == [CacheEvent(Op.EVICT, (KEYS[2],))]
+
+
+def test_other_block_sizes_are_skipped_and_clears_drop_everything() -> None:
+    m = BlockMap(B, "m")
+    assert run(m, stored([1], block_size=8, tokens=TOKS[:8])) == []
+    assert m.stats.block_size_mismatch == 1
+    run(m, stored([1, 2]))
+    assert run(m, Cleared()) == [CacheEvent(Op.CLEAR)]
+    assert m.cached_keys() == [] and m.engine_hashes == 0
+    assert run(m, Removed([1])) == [] and m.stats.unknown_removals == 1
