@@ -72,6 +72,14 @@ class AgentConfig(CommonConfig):
     tiny_dim: int = opt(64, "tiny engine: model width")
     tiny_seed: int = opt(0, "tiny engine: weight initialisation seed")
     tokenizer: str = opt("byte", "tiny engine tokenizer: byte or gpt2")
+    # -- controller programs (limits checked before any engine work)
+    max_program_fanout: int = opt(16, "programs: most branches a program may have at once")
+    max_program_tokens: int = opt(16384, "programs: most tokens generated or fast-forwarded, "
+                                  "over all branches")
+    max_program_steps: int = opt(256, "programs: most steps, counting sub-programs")
+    max_grammar_bytes: int = opt(65536, "programs: largest constraint (schema, regex, lark, "
+                                 "choices) in bytes")
+    grammar_compile_timeout_s: float = opt(2.0, "programs: seconds to compile one constraint")
     # -- engine vllm
     vllm_url: str = opt("http://127.0.0.1:8000", "vllm engine: OpenAI-compatible HTTP base URL")
     vllm_model: str = opt("", "vllm engine: served model name (default: --model)")

@@ -24,9 +24,11 @@ class Limits:
 
 
 def check_sampling(req: common_pb2.GenerateRequest, limits: Limits) -> int:
-    """Return max_tokens after checking the sampling fields."""
+    """Return max_tokens after checking the sampling fields (0 only with a program)."""
     s = req.sampling
-    if not req.HasField("sampling") or s.max_tokens <= 0:
+    if req.HasField("program") and s.max_tokens == 0:
+        pass  # a program's gen steps carry their own max_tokens (checked by the agent)
+    elif not req.HasField("sampling") or s.max_tokens <= 0:
         raise InvalidRequestError("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
     if s.max_tokens > limits.max_new_tokens:
         raise InvalidRequestError("sampling.max_tokens",

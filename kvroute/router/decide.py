@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ class NoWorkersError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    ranked: list[Scored]
+    ranked: Sequence[Scored]
     query: RouteQuery
 
     @property
@@ -65,17 +64,15 @@ class Decider:
         loads = registry.loads
         if not loads:
             raise NoWorkersError("no routable workers (none registered, or all down)")
-        hasher = self.hasher(salt)
-        keys = hasher.iter_keys(tokens)
-        first = next(keys, None)
+        keys = self.hasher(salt).keys(tokens)
+        first = keys[0] if keys else None
         if session_id:
             affinity = xxhash.xxh3_64_intdigest(session_id.encode())
         else:
             # Shorter than a block: spread by content rather than piling on one worker.
             affinity = first if first is not None else xxhash.xxh3_64_intdigest(
                 tokens_to_bytes(tokens))
-        chain = itertools.chain((first,), keys) if first is not None else ()
-        return rank_request(self.policy, index, chain, len(tokens), self.block_size, loads,
+        return rank_request(self.policy, index, keys, len(tokens), self.block_size, loads,
                             affinity, registry.compatible)
 
 

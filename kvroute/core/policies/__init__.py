@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvroute.core.policies.base import Policy, RouteQuery, Scored, rank_by_cost, tie_break
+from kvroute.core.policies.base import (
+    Policy,
+    Ranking,
+    RouteQuery,
+    Scored,
+    rank_by_cost,
+    tie_break,
+)
 from kvroute.core.policies.kvroute_cost import KvrouteCost
 from kvroute.core.policies.peers import (
     ConsistentHashBoundedLoads,
@@ -55,6 +62,7 @@ __all__ = [
     "Policy",
     "PrebleE2",
     "RandomChoice",
+    "Ranking",
     "RoundRobin",
     "RouteQuery",
     "Scored",

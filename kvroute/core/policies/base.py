@@ -7,10 +7,9 @@ very same policy objects.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import groupby
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, overload
 
 import xxhash
 
@@ -44,12 +43,46 @@ class Scored(NamedTuple):
     cost: float
 
 
+class Ranking(Sequence[Scored]):
+    """Workers best first, with their costs; :class:`Scored` items are made on access.
+
+    A router reads one or two entries per request (the choice, and the next-best for a
+    retry), so building a Scored for each of 128 workers would be most of the ranking's
+    cost."""
+
+    __slots__ = ("_costs", "_order")
+
+    def __init__(self, order: list[str], costs: list[float]) -> None:
+        self._order = order
+        self._costs = costs
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @overload
+    def __getitem__(self, i: int) -> Scored: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Scored]: ...
+
+    def __getitem__(self, i: int | slice) -> Scored | list[Scored]:
+        if isinstance(i, slice):
+            return list(map(Scored, self._order[i], self._costs[i]))
+        return Scored(self._order[i], self._costs[i])
+
+    def __iter__(self) -> Iterator[Scored]:
+        return map(Scored, self._order, self._costs)
+
+    def workers(self) -> list[str]:
+        return list(self._order)
+
+
 class Policy(Protocol):
     """Ranks candidate workers, best first. Must rank every worker in ``query.loads``."""
 
     name: str
 
-    def rank(self, query: RouteQuery) -> list[Scored]: ...
+    def rank(self, query: RouteQuery) -> Sequence[Scored]: ...
 
 
 def tie_break(affinity: int, worker: str) -> int:
@@ -61,20 +94,24 @@ def tie_break(affinity: int, worker: str) -> int:
     return xxhash.xxh3_64_intdigest(worker.encode(), affinity & 0xFFFFFFFFFFFFFFFF)
 
 
-def rank_by_cost(query: RouteQuery, costs: Mapping[str, float]) -> list[Scored]:
+def rank_by_cost(query: RouteQuery, costs: Mapping[str, float]) -> Ranking:
     """Sort by cost, ties by :func:`tie_break`.
 
     Only tied workers need the rendezvous hash, so it is computed for them alone: with many
     workers and distinct costs the ranking is one float sort.
     """
     order = sorted(costs, key=costs.__getitem__)
-    if len(set(costs.values())) == len(order):
-        return [Scored(w, costs[w]) for w in order]
-    aff = query.affinity
-    ranked: list[Scored] = []
-    for c, group in groupby(order, key=costs.__getitem__):
-        tied = list(group)
-        if len(tied) > 1:
-            tied.sort(key=lambda w: tie_break(aff, w))
-        ranked.extend(Scored(w, c) for w in tied)
-    return ranked
+    vals = list(map(costs.__getitem__, order))
+    n = len(order)
+    if len(set(vals)) != n:
+        aff = query.affinity
+        i = 0
+        while i < n:
+            j = i + 1
+            v = vals[i]
+            while j < n and vals[j] == v:
+                j += 1
+            if j - i > 1:
+                order[i:j] = sorted(order[i:j], key=lambda w: tie_break(aff, w))
+            i = j
+    return Ranking(order, vals)

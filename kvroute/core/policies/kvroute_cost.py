@@ -3,6 +3,7 @@ everyone else."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost
@@ -59,7 +60,7 @@ class KvrouteCost:
     attn: float = 3.3e-5
     name: str = "kvroute"
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         p = query.prompt_tokens
         bs = query.block_size
         matched = query.matched_blocks
@@ -70,18 +71,16 @@ class KvrouteCost:
         beta = self.miss_weight * (1.0 + self.stickiness * mean_queued)
         dw, kw, attn = self.decode_weight, self.kv_weight, self.attn
         full_miss = beta * p * (1.0 + attn * p / 2)  # most workers match nothing
-        costs: dict[str, float] = {}
-        for w, ld in loads.items():
-            m = matched.get(w)
-            if m:
+        # kw * kv_usage * capacity tokens == kw * blocks held * block size
+        costs = {
+            w: full_miss + ld.pending_prefill_tokens
+            + dw * (ld.running if ld.running > ld.inflight else ld.inflight)
+            + (kw * (ld.capacity_blocks - ld.free_blocks) * bs if ld.capacity_blocks else 0.0)
+            for w, ld in loads.items()
+        }
+        for w, m in matched.items():
+            if w in costs:
                 c = min(m * bs, p)
                 n = p - c
-                work = beta * n * (1.0 + attn * (c + n / 2))
-            else:
-                work = full_miss
-            cap = ld.capacity_blocks
-            # kv_usage * capacity tokens, without the division
-            held = (cap - ld.free_blocks) * bs if cap > 0 else 0
-            busy = ld.running if ld.running > ld.inflight else ld.inflight
-            costs[w] = work + ld.pending_prefill_tokens + dw * busy + kw * held
+                costs[w] += beta * n * (1.0 + attn * (c + n / 2)) - full_miss
         return rank_by_cost(query, costs)

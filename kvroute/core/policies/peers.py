@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -75,7 +75,7 @@ class RandomChoice:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         workers = sorted(query.loads)
         self._rng.shuffle(workers)
         return [Scored(w, float(i)) for i, w in enumerate(workers)]
@@ -152,7 +152,7 @@ class ConsistentHashBoundedLoads:
                     break
         return list(seen)
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         order = self.ring_order(query)
         if not order:
             return []
@@ -208,7 +208,7 @@ class SglangCacheAware:
     balance_rel_threshold: float = 1.5
     name: str = "sglang"
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         loads = {w: outstanding(ld) for w, ld in query.loads.items()}
         if not loads:
             return []
@@ -295,7 +295,7 @@ class LlmdPrecisePrefix:
                       + self.queue_weight * queue)
         return out
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         scores = self.scores(query)
         rng = self._rng
         # One random draw per worker, in name order, so the sequence depends only on the seed.
@@ -370,7 +370,7 @@ class DynamoKvRouter:
             out[w] = self.prefill_load_scale * prefill + held + prompt_blocks
         return out
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         costs = self.costs(query)
         ranked = rank_by_cost(query, costs)
         if self.temperature <= 0 or len(ranked) < 2:
@@ -415,7 +415,7 @@ class PrebleE2:
 
     name: str = "preble"
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         p = query.prompt_tokens
         cached = {w: query.cached_tokens(w) for w in query.loads}
         if not cached:
@@ -470,7 +470,7 @@ class MooncakeConductor:
 
     name: str = "mooncake"
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         p = query.prompt_tokens
         costs = {w: float(ld.pending_prefill_tokens + p - query.cached_tokens(w))
                  for w, ld in query.loads.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost
@@ -18,7 +19,7 @@ class RoundRobin:
     name: str = "round_robin"
     _next: int = field(default=0, repr=False)
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         workers = sorted(query.loads)
         if not workers:
             return []
@@ -38,7 +39,7 @@ class LeastLoaded:
 
     name: str = "least_loaded"
 
-    def rank(self, query: RouteQuery) -> list[Scored]:
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
         costs = {
             w: float(ld.inflight + ld.running + ld.queued) for w, ld in query.loads.items()
         }
