@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "against load")
     p.add_argument("--propagation-ms", type=float, default=50.0,
                    help="delay before the router sees a cache event (agent -> Redis -> router)")
+    p.add_argument("--predict-ttl-ms", type=float, default=0.0,
+                   help="router predicts a routed prompt's blocks on its worker for this long "
+                        "(0 = off), to keep a burst of siblings together")
     p.add_argument("--token-block-size", type=int, default=16,
                    help="block size for traces given as token_ids")
     p.add_argument("--tile", type=int, default=1,
@@ -125,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     cost = CostModel()
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
-                       propagation_s=args.propagation_ms / 1000, cost=cost)
+                       propagation_s=args.propagation_ms / 1000, cost=cost,
+                       predict_ttl_s=args.predict_ttl_ms / 1000)
     factories = make_policies(args.policies, args.seed)
     too_big = [i for i, r in enumerate(trace.requests)
                if r.prompt_tokens + r.output_tokens > cap * trace.block_size]

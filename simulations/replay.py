@@ -4,9 +4,12 @@ The router side is production code: :class:`kvroute.core.index.PrefixIndex` fed 
 workers' cache events, and :func:`kvroute.router.decide.rank_request` with a policy object
 from :data:`kvroute.core.policies.REGISTRY`. Cache events reach the router's index
 ``propagation_s`` after the engine emitted them (the agent -> Redis -> router path), so
-routing decisions see stale state exactly as a real router does. The load view is the
-router's own accounting (requests outstanding, its estimate of uncached tokens not yet
-prefilled) plus the engine's queue and batch, as an agent's heartbeat reports them.
+routing decisions see stale state exactly as a real router does. With ``predict_ttl_s``
+the router predicts that a routed prompt's blocks will be on its worker until its events
+arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``.
+The load view is the router's own accounting (requests outstanding, its estimate of
+uncached tokens not yet prefilled) plus the engine's queue and batch, as an agent's heartbeat
+reports them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class ClusterSpec:
     max_batch: int = 256
     prefill_budget: int = 16384
     propagation_s: float = 0.05
+    predict_ttl_s: float = 0.0  # > 0: the router predicts a routed prompt's blocks this long
     cost: CostModel = field(default_factory=CostModel)
 
 
@@ -91,12 +95,17 @@ class Replayer:
                 w.advance(now)
             self._apply_visible(now)
             index = self.index
+            ttl = self.spec.predict_ttl_s
+            if ttl > 0:
+                index.expire(now)
             loads = {w.name: w.load(index.count(w.name)) for w in self.workers}
             d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
                              treq.affinity)
             chosen = by_name[d.best]
             req.routed_uncached = req.prompt_tokens - d.cached_tokens(d.best)
             chosen.submit(req, now)
+            if ttl > 0:
+                index.predict(chosen.name, req.keys, now + ttl)
             if now >= next_sample:
                 samples.append((now, [lw.inflight for lw in loads.values()]))
                 next_sample = now + self._sample_every

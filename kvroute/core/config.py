@@ -47,6 +47,8 @@ class RouterConfig(CommonConfig):
     poll_interval_s: float = opt(0.5, "seconds between heartbeat scans")
     connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next")
     redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts")
+    predict_ttl_s: float = opt(0.0, "predict a routed prompt's blocks on its worker for this "
+                               "many seconds until its events arrive (0 = off; see README)")
     discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
     k8s_namespace: str = opt("", "kubernetes discovery: namespace (default: the pod's own)")
     k8s_selector: str = opt("app.kubernetes.io/component=worker",

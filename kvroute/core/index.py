@@ -9,16 +9,23 @@ Design (the hot path of every routing decision):
   prefix so far, and stops at the first key nobody in that mask holds: a cold prompt costs one
   lookup, and the caller's lazy key iterator hashes no further.
 
+* *Predicted* entries (``predict``) stand for blocks a worker is about to store because a
+  request was just routed there, before its engine's events arrive: a burst of siblings then
+  finds the prefix where the first one went. They expire at a deadline unless a real store
+  confirms them.
+
 Invariants:
 
 * ``_holders[k]`` is never 0: a key with no holder is deleted.
-* For every slot ``s`` and key ``k``: ``s in _worker_keys[worker(s)]`` iff bit ``s`` of
-  ``_holders[k]`` is set.
+* For every slot ``s`` and key ``k``: bit ``s`` of ``_holders[k]`` is set iff ``k`` is in
+  ``_keys_of[worker(s)]`` (really stored) or in ``_pred_of[worker(s)]`` (predicted).
+* ``count``, ``keys_of`` and ``entries`` report real keys only.
 * A slot is reused only after its worker has been removed and all its keys cleared.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 
@@ -30,6 +37,8 @@ class PrefixIndex:
         self._slot_of: dict[str, int] = {}
         self._worker_of_slot: dict[int, str] = {}
         self._keys_of: dict[str, set[int]] = {}
+        self._pred_of: dict[str, dict[int, float]] = {}  # worker -> predicted key -> deadline
+        self._pred_heap: list[tuple[float, str, tuple[int, ...]]] = []
         self._free_slots: list[int] = []
 
     # -- workers -------------------------------------------------------------------------
@@ -41,6 +50,7 @@ class PrefixIndex:
             self._slot_of[worker] = slot
             self._worker_of_slot[slot] = worker
             self._keys_of[worker] = set()
+            self._pred_of[worker] = {}
         return slot
 
     def workers(self) -> list[str]:
@@ -51,17 +61,19 @@ class PrefixIndex:
         n = self.clear_worker(worker)
         slot = self._slot_of.pop(worker, None)
         if slot is not None:
+            pred = self._pred_of.pop(worker)
+            self._drop(slot, list(pred), keep=set())
             del self._worker_of_slot[slot]
             del self._keys_of[worker]
             self._free_slots.append(slot)
         return n
 
     def clear_worker(self, worker: str) -> int:
-        """Drop every key of ``worker`` but keep its slot."""
+        """Drop every key ``worker`` really holds (predictions stay) but keep its slot."""
         keys = self._keys_of.get(worker)
         if not keys:
             return 0
-        self._drop(self._slot_of[worker], keys)
+        self._drop(self._slot_of[worker], keys, keep=self._pred_of[worker])
         n = len(keys)
         keys.clear()
         return n
@@ -72,10 +84,14 @@ class PrefixIndex:
         slot = self._slot(worker)
         bit = 1 << slot
         mine = self._keys_of[worker]
+        pred = self._pred_of[worker]
         holders = self._holders
         for k in keys:
             holders[k] = holders.get(k, 0) | bit
             mine.add(k)
+        if pred:
+            for k in mine.intersection(pred):
+                del pred[k]  # confirmed by the engine
 
     def remove(self, worker: str, keys: Iterable[int]) -> None:
         slot = self._slot_of.get(worker)
@@ -84,17 +100,55 @@ class PrefixIndex:
         mine = self._keys_of[worker]
         present = [k for k in keys if k in mine]
         mine.difference_update(present)
-        self._drop(slot, present)
+        self._drop(slot, present, keep=self._pred_of[worker])
 
-    def _drop(self, slot: int, keys: Iterable[int]) -> None:
+    def _drop(self, slot: int, keys: Iterable[int], keep: set[int] | dict[int, float]
+              ) -> None:
+        """Clear ``slot``'s bit on ``keys``, except those in ``keep``."""
         clear = ~(1 << slot)
         holders = self._holders
         for k in keys:
+            if k in keep:
+                continue
             m = holders.get(k, 0) & clear
             if m:
                 holders[k] = m
             else:
                 holders.pop(k, None)
+
+    def predict(self, worker: str, keys: Iterable[int], deadline: float) -> None:
+        """``worker`` is expected to store ``keys`` soon: match them as held until
+        ``deadline`` (on the caller's clock) unless a real store confirms them first."""
+        bit = 1 << self._slot(worker)
+        mine = self._keys_of[worker]
+        pred = self._pred_of[worker]
+        holders = self._holders
+        new = tuple(k for k in keys if k not in mine)
+        for k in new:
+            holders[k] = holders.get(k, 0) | bit
+            pred[k] = deadline
+        if new:
+            heapq.heappush(self._pred_heap, (deadline, worker, new))
+
+    def expire(self, now: float) -> int:
+        """Drop predictions whose deadline has passed. Returns how many were dropped."""
+        heap = self._pred_heap
+        n = 0
+        while heap and heap[0][0] <= now:
+            deadline, worker, keys = heapq.heappop(heap)
+            pred = self._pred_of.get(worker)
+            slot = self._slot_of.get(worker)
+            if pred is None or slot is None:
+                continue
+            stale = [k for k in keys if pred.get(k) == deadline]
+            for k in stale:
+                del pred[k]
+            self._drop(slot, stale, keep=self._keys_of[worker])
+            n += len(stale)
+        return n
+
+    def predicted(self, worker: str) -> int:
+        return len(self._pred_of.get(worker, ()))
 
     def replace_worker(self, worker: str, keys: Iterable[int]) -> None:
         """Set ``worker``'s keys to exactly ``keys`` (a snapshot load)."""

@@ -22,6 +22,7 @@ class NoWorkersError(RuntimeError):
 class Decision:
     ranked: Sequence[Scored]
     query: RouteQuery
+    keys: Sequence[int] = ()  # the prompt's block keys (for predicted index entries)
 
     @property
     def best(self) -> str:
@@ -93,4 +94,4 @@ def rank_request(
         matched = {w: n for w, n in index.match(keys).items()
                    if w in loads and (compatible is None or compatible(w))}
     query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity)
-    return Decision(policy.rank(query), query)
+    return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())

@@ -173,6 +173,7 @@ class IndexMirror:
 
     async def _step(self) -> None:
         now = time.monotonic()
+        self.index.expire(now)  # predicted entries past their deadline (--predict-ttl-s)
         if now >= self._next_poll:
             await self._poll_heartbeats()
             self._next_poll = now + self._poll_s

@@ -158,6 +158,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             info = self._registry.get(w)
             if info is None:
                 continue
+            if self._cfg.predict_ttl_s > 0 and self._mirror.available and d.keys:
+                # Siblings arriving before this request's store events find it here.
+                self._mirror.index.predict(w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
             if attempt:
                 self._m.retries.inc()
             uncached = len(tokens) - d.cached_tokens(w)
@@ -202,7 +205,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"worker {w} failed mid-stream: {failure.details()}")
             if failure.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                  grpc.StatusCode.RESOURCE_EXHAUSTED):
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.FAILED_PRECONDITION,  # e.g. a program
+                                  grpc.StatusCode.UNIMPLEMENTED):       # the engine can't run
                 self._m.requests.labels("Generate", "rejected").inc()
                 await context.abort(failure.code(), f"worker {w}: {failure.details()}")
             errors.append(f"{w}: {failure.code().name} {failure.details()}")

@@ -99,3 +99,42 @@ def test_against_a_naive_model() -> None:
                 expect[name] = n
         assert idx.match(query) == expect
     assert idx.entries() == sum(len(s) for s in naive.values())
+
+
+def test_predictions_match_until_they_expire_or_are_confirmed() -> None:
+    idx = PrefixIndex()
+    idx.add("a", [1])
+    idx.predict("b", [1, 2, 3], deadline=10.0)
+    assert idx.match([1, 2, 3]) == {"a": 1, "b": 3}
+    assert idx.count("b") == 0 and idx.predicted("b") == 3  # real counts stay real
+    idx.add("b", [1, 2])  # the engine stored two of them
+    assert idx.expire(9.0) == 0
+    assert idx.expire(10.0) == 1  # only key 3 was still a prediction
+    assert idx.match([1, 2, 3]) == {"a": 1, "b": 2}
+
+
+def test_predictions_survive_a_real_evict_and_clear_and_vice_versa() -> None:
+    idx = PrefixIndex()
+    idx.add("w", [1, 2])
+    idx.predict("w", [2, 3], deadline=5.0)  # 2 already real: not a prediction
+    assert idx.predicted("w") == 1
+    idx.clear_worker("w")
+    assert idx.match([1]) == {}
+    idx.predict("w", [1], deadline=6.0)
+    idx.remove("w", [1])  # not really held: nothing to remove; prediction stays
+    assert idx.match([1]) == {"w": 1}
+    idx.expire(7.0)
+    assert idx.match([1]) == {} and len(idx) == 0
+    idx.predict("z", [4], deadline=1.0)
+    idx.remove_worker("z")
+    assert idx.match([4]) == {} and idx.expire(2.0) == 0
+
+
+def test_a_later_prediction_extends_the_deadline() -> None:
+    idx = PrefixIndex()
+    idx.predict("w", [1], deadline=1.0)
+    idx.predict("w", [1], deadline=3.0)
+    idx.expire(2.0)
+    assert idx.match([1]) == {"w": 1}
+    idx.expire(3.0)
+    assert idx.match([1]) == {}

@@ -183,3 +183,20 @@ async def test_failed_agent_is_retried_on_the_next_best_worker(cluster) -> None:
     outs = [await generate(router.port, prompt(64, 20 + i)) for i in range(4)]
     assert all(o[0].worker_id == "live" for o in outs)
     assert router.metrics.retries._value.get() >= 1
+
+
+async def test_predicted_entries_keep_a_burst_together(cluster) -> None:
+    """With --predict-ttl-s, a sibling sent before the first request's store events reach
+    the router still goes where the first went."""
+    for i in range(4):
+        await cluster.agent(f"w{i}", time_scale=0.2)  # a visible prefill: events come later
+    router = await cluster.router(predict_ttl_s=5.0)
+    await wait_for(lambda: len(router.registry.loads) == 4, what="4 workers registered")
+    shared = prompt(2048, 40)
+    first = asyncio.create_task(generate(router.port, shared + prompt(32, 41)))
+    await wait_for(lambda: any(router.mirror.index.predicted(w) for w in router.registry.loads),
+                   what="prediction placed")
+    predicted = next(w for w in router.registry.loads if router.mirror.index.predicted(w))
+    r = await route(router.port, shared + prompt(32, 42))
+    assert r.worker_id == predicted and r.cached_tokens >= 2048
+    assert (await first)[0].worker_id == predicted
