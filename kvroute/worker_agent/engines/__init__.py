@@ -1,1 +1,1 @@
-"""Engine adapters the agent drives: sim (more to come: tiny, vllm)."""
+"""Engine adapters the agent drives: sim (no model), tiny (numpy transformer), vllm."""
