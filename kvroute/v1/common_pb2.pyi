@@ -1,3 +1,4 @@
+from kvroute.v1 import program_pb2 as _program_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -31,11 +32,12 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("token_ids", "text", "model", "sampling", "session_id", "request_id", "cache_salt")
+    __slots__ = ("token_ids", "text", "model", "sampling", "program", "session_id", "request_id", "cache_salt")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -43,10 +45,11 @@ class GenerateRequest(_message.Message):
     text: str
     model: str
     sampling: SamplingParams
+    program: _program_pb2.ControllerProgram
     session_id: str
     request_id: str
     cache_salt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., program: _Optional[_Union[_program_pb2.ControllerProgram, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -59,7 +62,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "worker_id", "cached_tokens", "token_ids", "text", "finish_reason", "usage", "ttft_ms")
+    __slots__ = ("request_id", "worker_id", "cached_tokens", "token_ids", "text", "finish_reason", "usage", "ttft_ms", "branch_id", "events", "results")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +71,9 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     cached_tokens: int
@@ -76,7 +82,10 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     usage: Usage
     ttft_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
+    branch_id: str
+    events: _containers.RepeatedCompositeFieldContainer[_program_pb2.ProgramEvent]
+    results: _containers.RepeatedCompositeFieldContainer[_program_pb2.BranchResult]
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., branch_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[_program_pb2.ProgramEvent, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[_program_pb2.BranchResult, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "running", "queued", "free_blocks", "capacity_blocks", "pending_prefill_tokens")

@@ -29,6 +29,7 @@ from kvroute.core.validate import (
     check_tokens,
 )
 from kvroute.v1 import common_pb2, worker_agent_pb2, worker_agent_pb2_grpc
+from kvroute.worker_agent.controller import ProgramError, ProgramLimits, ProgramRuntime
 from kvroute.worker_agent.engines.base import Engine, EngineError, EngineRequest
 from kvroute.worker_agent.metrics import AgentMetrics
 from kvroute.worker_agent.publisher import CachePublisher
@@ -61,12 +62,13 @@ def make_engine(cfg: AgentConfig) -> Engine:
 
 class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
     def __init__(self, worker_id: str, model: str, engine: Engine, limits: Limits,
-                 metrics: AgentMetrics) -> None:
+                 metrics: AgentMetrics, programs: ProgramRuntime | None = None) -> None:
         self._worker = worker_id
         self._model = model
         self._engine = engine
         self._limits = limits
         self._m = metrics
+        self._programs = programs
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -83,6 +85,10 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
             self._m.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id or f"{self._worker}-{time.monotonic_ns():x}"
+        if request.HasField("program"):
+            async for resp in self._run_program(request, rid, context, t0):
+                yield resp
+            return
         ereq = EngineRequest(
             request_id=rid, token_ids=list(request.token_ids), max_tokens=max_tokens,
             cache_salt=request.cache_salt, seed=request.sampling.seed,
@@ -123,6 +129,37 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         self._m.cached_tokens.inc(cached)
         self._m.generated_tokens.inc(n_out)
 
+    async def _run_program(
+        self, request: common_pb2.GenerateRequest, rid: str,
+        context: grpc.aio.ServicerContext, t0: float,
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """A controller program: checked (limits, grammars) before any engine work."""
+        try:
+            if self._programs is None:
+                raise ProgramError(grpc.StatusCode.UNIMPLEMENTED, "program: not enabled")
+            prepared = await self._programs.prepare(request.program)
+        except ProgramError as exc:
+            self._m.requests.labels("invalid").inc()
+            await context.abort(exc.code, str(exc))
+        first = True
+        try:
+            async for resp in self._programs.run(prepared, request, rid):
+                if first and resp.token_ids:
+                    first = False
+                    resp.ttft_ms = (time.perf_counter() - t0) * 1000
+                    self._m.ttft.observe(resp.ttft_ms / 1000)
+                yield resp
+        except ProgramError as exc:
+            self._m.requests.labels("invalid").inc()
+            await context.abort(exc.code, str(exc))
+        except EngineError as exc:
+            self._m.requests.labels("engine_error").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {exc}")
+        except asyncio.CancelledError:
+            self._m.requests.labels("cancelled").inc()
+            raise
+        self._m.requests.labels("ok").inc()
+
     async def GetLoad(  # noqa: N802 - gRPC method name
         self, request: worker_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerLoad:
@@ -159,8 +196,14 @@ class AgentApp:
         # caller's mistake (INVALID_ARGUMENT), not an engine failure.
         vocab = min(cfg.vocab_size, getattr(self.engine, "vocab_size", cfg.vocab_size))
         limits = Limits(vocab, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        programs = ProgramRuntime(self.engine, ProgramLimits(
+            max_fanout=cfg.max_program_fanout, max_tokens=cfg.max_program_tokens,
+            max_steps=cfg.max_program_steps, max_grammar_bytes=cfg.max_grammar_bytes,
+            compile_timeout_s=cfg.grammar_compile_timeout_s,
+            max_new_tokens=cfg.max_new_tokens, vocab_size=vocab), cfg.tokenizer, self.worker_id)
         worker_agent_pb2_grpc.add_WorkerAgentServicer_to_server(
-            AgentService(self.worker_id, cfg.model, self.engine, limits, metrics), server)
+            AgentService(self.worker_id, cfg.model, self.engine, limits, metrics, programs),
+            server)
         self._health = add_standard_services(server, [SERVICE])
         engine = self.engine
 

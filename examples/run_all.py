@@ -1,0 +1,67 @@
+"""Start a local cluster in this process (a redis-server, two `tiny` agents, a router) and
+run every example against it: ``python examples/run_all.py``. Against a cluster you started
+yourself, run each example with ``--router HOST:PORT`` instead."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import best_of_n_json
+import multiple_choice
+import tree_search
+
+from kvroute.core.config import AgentConfig, RouterConfig
+from kvroute.demo.procs import find_redis_server
+from kvroute.router.server import RouterApp
+from kvroute.worker_agent.server import AgentApp
+
+EXAMPLES = (best_of_n_json, multiple_choice, tree_search)
+
+
+async def run_all(router: str) -> None:
+    for ex in EXAMPLES:
+        await ex.main(router)
+        print()
+
+
+async def main() -> None:
+    port = 6390
+    proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    apps: list[AgentApp | RouterApp] = []
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(100):
+            try:
+                redis.Redis(port=port).ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        for wid in ("t0", "t1"):
+            agent = AgentApp(AgentConfig(redis=url, port=0, worker_id=wid, engine="tiny",
+                                         tokenizer="byte", vocab_size=258,
+                                         capacity_blocks=512))
+            await agent.start()
+            apps.append(agent)
+        router = RouterApp(RouterConfig(redis=url, port=0, vocab_size=258, tokenizer="byte"))
+        await router.start(wait_for_redis_s=5.0)
+        apps.append(router)
+        while len(router.registry.loads) < 2:
+            await asyncio.sleep(0.1)
+        await run_all(f"127.0.0.1:{router.port}")
+    finally:
+        for app in reversed(apps):
+            await app.stop(grace_s=0.5)
+        proc.terminate()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,60 @@
+"""Compiling a program's constraints into llguidance matchers, with a time limit.
+
+Each distinct constraint is compiled once per program (``LLMatcher(tokenizer, grammar)``, in
+a thread: llguidance drops the GIL while it builds the lexer) into a *template* matcher in its
+initial state; every gen that uses it starts from ``template.deep_copy()``, which is cheap.
+A compile that runs past ``grammar_compile_timeout_s`` fails the program with
+RESOURCE_EXHAUSTED before any engine work; its thread finishes in the background (llguidance's
+own parser limits bound it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+import llguidance
+import numpy as np
+import numpy.typing as npt
+
+from kvroute.worker_agent.controller.program import ConstraintSpec, ProgramError
+from kvroute.worker_agent.controller.vocab import Vocab
+
+
+def _compile(vocab: Vocab, spec: ConstraintSpec) -> llguidance.LLMatcher:
+    return llguidance.LLMatcher(vocab.ll, spec.grammar, log_level=0)
+
+
+async def compile_constraints(specs: Sequence[ConstraintSpec], vocab: Vocab,
+                              timeout_s: float) -> dict[str, llguidance.LLMatcher]:
+    """Template matchers keyed by grammar text. ProgramError: INVALID_ARGUMENT for a bad
+    grammar, RESOURCE_EXHAUSTED past the time limit."""
+    out: dict[str, llguidance.LLMatcher] = {}
+    for spec in specs:
+        try:
+            m = await asyncio.wait_for(asyncio.to_thread(_compile, vocab, spec), timeout_s)
+        except TimeoutError:
+            raise ProgramError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"grammar_compile_timeout_s: compiling a {spec.kind} constraint took longer "
+                f"than {timeout_s} s") from None
+        if m.is_error():
+            raise ProgramError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"constraint ({spec.kind}): {m.get_error()}")
+        out[spec.grammar] = m
+    return out
+
+
+class MaskBuffer:
+    """One reusable llguidance bitmask and its boolean expansion for a vocabulary of ``n``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.bits = np.full((1, (n + 31) // 32), -1, dtype=np.int32)
+
+    def fill(self, matcher: llguidance.LLMatcher) -> npt.NDArray[np.bool_]:
+        """The matcher's next-token mask as booleans (True = allowed), length ``n``."""
+        row = self.bits[0]
+        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return np.unpackbits(row.view(np.uint8), bitorder="little")[: self.n].view(np.bool_)

@@ -1,0 +1,578 @@
+"""The program runtime in the agent: runs a checked program against a mask-capable engine.
+
+Every engine request is an ordinary :class:`EngineRequest` whose prompt is the branch's whole
+sequence so far, so the engine's prefix cache does the KV work (the AICI "stateless engine"
+design): a fork is N requests sharing the parent's cached prefix; a backtrack or a
+fast-forward just edits the next request's prompt; a grammar-forced run of tokens
+(``compute_ff_tokens``) ends the current request and starts the next with those tokens in the
+prompt (prefilled in one pass instead of decoded one by one).
+
+Per output token of a constrained gen, the engine calls the request's ``mask_fn`` on the
+event loop: it feeds the matcher the tokens generated since its last call, then fills
+llguidance's bitmask (the mask time the benchmark measures). The matcher may run ahead of
+what the consumer has read; after each engine request the branch reconciles it
+(``Branch.sync_matcher``: ``rollback`` or ``consume_tokens``).
+
+Log-probabilities come from the engine's ``logits_observer`` (tiny): the model's raw
+log-softmax (temperature 1, before the mask) of each chosen token. Engines without logits
+(sim) report 0.
+
+Cancellation: everything runs in one task tree (TaskGroups); cancelling the consumer cancels
+every branch, and each branch closes its engine stream (``aclosing``), which frees the
+request's blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvroute.v1 import common_pb2, program_pb2
+from kvroute.worker_agent.controller.branch import Branch, CaptureValue
+from kvroute.worker_agent.controller.grammars import MaskBuffer, compile_constraints
+from kvroute.worker_agent.controller.program import (
+    Backtrack,
+    FastForward,
+    Fork,
+    Gen,
+    Plan,
+    Program,
+    ProgramError,
+    ProgramLimits,
+    Select,
+    SelectMode,
+    check_program,
+)
+from kvroute.worker_agent.controller.vocab import Vocab, make_vocab
+from kvroute.worker_agent.engines.base import Engine, EngineError, EngineRequest
+
+log = logging.getLogger("kvroute.agent.programs")
+
+Ev = program_pb2.ProgramEvent
+PROGRAM_ENGINES = frozenset({"tiny", "sim"})
+"""Engines the runtime drives (per-request prompts + continuous batching)."""
+MASK_ENGINES = frozenset({"tiny"})
+"""Engines that honour ``EngineRequest.mask_fn`` (the sim has no logits and ignores it)."""
+FF_SPLIT_MIN = 2
+"""Forced tokens worth ending an engine request for (one forced token is just decoded)."""
+_END = object()
+
+
+class LogitsTap:
+    """Chains onto ``engine.logits_observer`` and hands each subscribed request's logits to
+    its subscriber (``step -> logits``); other requests pass through untouched."""
+
+    def __init__(self, engine: Any) -> None:
+        self._prev = engine.logits_observer
+        self._subs: dict[str, dict[int, npt.NDArray[np.float32]]] = {}
+        engine.logits_observer = self._observe
+
+    def _observe(self, request_id: str, step: int, logits: npt.NDArray[np.float32]) -> None:
+        if self._prev is not None:
+            self._prev(request_id, step, logits)
+        sub = self._subs.get(request_id)
+        if sub is not None:
+            sub[step] = logits
+
+    @contextlib.contextmanager
+    def subscribe(self, request_id: str) -> Any:
+        pending: dict[int, npt.NDArray[np.float32]] = {}
+        self._subs[request_id] = pending
+        try:
+            yield pending
+        finally:
+            del self._subs[request_id]
+
+
+def token_logprob(logits: npt.NDArray[np.float32] | None, token: int) -> float:
+    if logits is None:
+        return 0.0
+    # float32 throughout: ~4x cheaper than float64 on a 50k vocabulary, ample for ranking.
+    top = logits.max()
+    return float(logits[token] - top - np.log(np.exp(logits - top).sum(dtype=np.float32)))
+
+
+@dataclass(slots=True)
+class _Masker:
+    """``mask_fn`` of one constrained engine request (see module doc)."""
+
+    branch: Branch
+    buf: MaskBuffer
+    consumed: int = 0  # of this request's generated tokens
+    split_at: int | None = None  # step after which the consumer ends the request (ff)
+    mask_times: list[float] | None = None
+
+    def __call__(self, step: int, generated: Sequence[int]) -> npt.NDArray[np.bool_]:
+        t0 = time.perf_counter()
+        b, m = self.branch, self.branch.matcher
+        new = generated[self.consumed:]
+        if new:
+            m.consume_tokens(list(new))
+            self.consumed += len(new)
+            b.m_consumed += len(new)
+        if self.split_at is None and not m.is_stopped() \
+                and len(m.compute_ff_tokens()) >= FF_SPLIT_MIN:
+            self.split_at = step  # this step's token is the first forced one
+        mask = self.buf.fill(m)
+        if self.mask_times is not None:
+            self.mask_times.append(time.perf_counter() - t0)
+        return mask
+
+
+@dataclass(slots=True)
+class ProgramRuntime:
+    """Per agent: checks programs against its limits and runs them on its engine."""
+
+    engine: Engine
+    limits: ProgramLimits
+    tokenizer: str
+    """The agent's ``--tokenizer``; used only when its vocabulary equals the engine's."""
+    worker_id: str
+    mask_times: list[float] | None = None
+    """When set (benchmarks), every mask_fn call appends its duration in seconds."""
+    _vocab: Vocab | None = None
+    _tap: LogitsTap | None = None
+
+    def __post_init__(self) -> None:
+        if hasattr(self.engine, "logits_observer"):
+            self._tap = LogitsTap(self.engine)
+
+    @property
+    def engine_kind(self) -> str:
+        return str(getattr(self.engine, "kind", type(self.engine).__name__))
+
+    async def vocab(self) -> Vocab | None:
+        """The program vocabulary, or None when the tokenizer does not match the engine."""
+        if self._vocab is None:
+            try:
+                from kvroute.core.tokenizer import vocab_size
+
+                if vocab_size(self.tokenizer) != self.limits.vocab_size:
+                    return None
+                self._vocab = await asyncio.to_thread(make_vocab, self.tokenizer)
+            except ValueError:
+                return None
+        return self._vocab
+
+    async def prepare(self, program: program_pb2.ControllerProgram) -> _Prepared:
+        """Check limits and engine support, compile the constraints: all before any engine
+        work. Raises :class:`ProgramError`."""
+        kind = self.engine_kind
+        if kind not in PROGRAM_ENGINES:
+            raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
+                               f"program: controller programs run on the tiny and sim engines; "
+                               f"this agent's engine is {kind}")
+        plan = check_program(program, self.limits)
+        if plan.constraints and kind not in MASK_ENGINES:
+            raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
+                               f"program: constrained gen needs an engine with token masks "
+                               f"(tiny); the {kind} engine has no logits")
+        vocab = await self.vocab() if (plan.constraints or plan.needs_text
+                                       or kind in MASK_ENGINES) else None
+        if vocab is None and (plan.constraints or plan.needs_text):
+            raise ProgramError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"program: constraints, text fast-forwards and stop strings "
+                               f"need --tokenizer with the engine's vocabulary "
+                               f"({self.limits.vocab_size} ids; --tokenizer is "
+                               f"{self.tokenizer!r})")
+        templates = {} if vocab is None else await compile_constraints(
+            plan.constraints, vocab, self.limits.compile_timeout_s)
+        return _Prepared(plan, vocab, templates)
+
+    async def run(self, prepared: _Prepared, request: common_pb2.GenerateRequest,
+                  request_id: str) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Stream the program's responses; ProgramError / EngineError on failure."""
+        run = _Run(self, prepared, request, request_id)
+        task = asyncio.create_task(run.main(), name=f"program:{request_id}")
+        try:
+            while True:
+                item = await run.queue.get()
+                if item is _END:
+                    break
+                yield item
+            await task
+            if run.error is not None:
+                raise run.error
+        finally:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ProgramError, EngineError):
+                await task
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    plan: Plan
+    vocab: Vocab | None
+    templates: dict[str, Any]
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+@dataclass(slots=True)
+class _Run:
+    """One program execution: the branch tree and its response stream."""
+
+    rt: ProgramRuntime
+    prep: _Prepared
+    request: common_pb2.GenerateRequest
+    request_id: str
+    queue: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(256))
+    dropped: list[Branch] = field(default_factory=list)
+    decoded: int = 0
+    n_requests: int = 0
+    error: Exception | None = None
+
+    # -- output ---------------------------------------------------------------------------
+
+    async def emit(self, b: Branch, tokens: Sequence[int] = (),
+                   events: Sequence[program_pb2.ProgramEvent] = ()) -> None:
+        await self.queue.put(common_pb2.GenerateResponse(
+            request_id=self.request_id, worker_id=self.rt.worker_id, branch_id=b.id,
+            cached_tokens=b.last_cached, token_ids=tokens, events=events))
+
+    def text(self, tokens: Sequence[int]) -> str:
+        return self.prep.vocab.decode(tokens) if self.prep.vocab is not None else ""
+
+    def result(self, b: Branch, selected: bool) -> program_pb2.BranchResult:
+        out = program_pb2.BranchResult(
+            branch_id=b.id, token_ids=b.tokens[b.prompt_len:],
+            text=self.text(b.tokens[b.prompt_len:]), logprob=b.logprob, selected=selected,
+            cached_tokens=b.first_cached or 0, engine_requests=b.engine_requests,
+            prefill_tokens=b.prefill_tokens, generated_tokens=b.generated)
+        for name, v in b.variables.items():
+            out.variables[name].CopyFrom(program_pb2.Capture(
+                text=v.text, token_ids=v.token_ids, complete=v.complete))
+        return out
+
+    # -- driver ---------------------------------------------------------------------------
+
+    async def main(self) -> None:
+        """Run the program; always ends the stream with ``_END`` (after storing a failure in
+        ``error``) unless cancelled, when nobody reads the stream any more."""
+        try:
+            await self._main()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.error = exc
+        await self.queue.put(_END)
+
+    async def _main(self) -> None:
+        prompt = list(self.request.token_ids)
+        root = Branch("0", list(prompt), len(prompt))
+        try:
+            live = await self.program([root], self.prep.plan.program)
+        except BaseExceptionGroup as eg:
+            raise _first_error(eg) from None
+        final = common_pb2.GenerateResponse(
+            request_id=self.request_id, worker_id=self.rt.worker_id,
+            cached_tokens=root.first_cached or 0,
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            usage=common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=self.decoded,
+                                   cached_tokens=root.first_cached or 0))
+        final.results.extend([self.result(b, True) for b in live]
+                             + [self.result(b, False) for b in self.dropped])
+        await self.queue.put(final)
+
+    async def program(self, live: list[Branch], steps: Program) -> list[Branch]:
+        """Run ``steps`` in every live branch (concurrently); return the live branches."""
+        for step in steps:
+            if isinstance(step, Fork):
+                groups = await self.each(live, lambda b, s=step: self.fork(b, s))
+                live = [c for g in groups for c in g]
+            elif isinstance(step, Select):
+                live = await self.select(live, step.mode)
+            else:
+                await self.each(live, lambda b, s=step: self.simple(b, s))
+        for b in live:
+            if not b.finished_at:
+                b.mark_finished()
+        return live
+
+    async def each(self, live: list[Branch], fn: Callable[[Branch], Any]) -> list[Any]:
+        if len(live) == 1:
+            return [await fn(live[0])]
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(fn(b)) for b in live]
+        return [t.result() for t in tasks]
+
+    async def simple(self, b: Branch, step: Gen | FastForward | Backtrack) -> None:
+        if isinstance(step, Gen):
+            await self.gen(b, step)
+        elif isinstance(step, FastForward):
+            await self.fast_forward(b, step)
+        else:
+            await self.backtrack(b, step.tokens)
+        b.mark_finished()
+
+    async def select(self, live: list[Branch], mode: SelectMode) -> list[Branch]:
+        if mode == SelectMode.ALL or len(live) <= 1:
+            return live
+        if mode == SelectMode.BEST_LOGPROB:
+            keep = max(live, key=lambda b: b.logprob)  # ties: the first
+        else:
+            keep = min(live, key=lambda b: b.finished_at)
+        for b in live:
+            if b is not keep:
+                self.dropped.append(b)
+                await self.emit(b, events=[Ev(kind=Ev.KIND_DROPPED, reason=mode.name.lower())])
+        await self.emit(keep, events=[Ev(kind=Ev.KIND_SELECTED, reason=mode.name.lower())])
+        return [keep]
+
+    async def fork(self, parent: Branch, step: Fork) -> list[Branch]:
+        if len(step.branches) > 1:
+            await self.warm(parent)
+        children = [parent.child(f"{parent.id}.{i}") for i in range(len(step.branches))]
+        await self.emit(parent, events=[Ev(kind=Ev.KIND_FORKED,
+                                           branch_ids=[c.id for c in children])])
+        if step.select != SelectMode.FIRST_FINISHED:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.program([c], sub))
+                         for c, sub in zip(children, step.branches, strict=True)]
+            live = [b for t in tasks for b in t.result()]
+            return await self.select(live, step.select)
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(self.program([c], sub))
+                     for c, sub in zip(children, step.branches, strict=True)]
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()  # closes their engine streams: blocks freed at once
+        winner = next(t for t in tasks if t in done)
+        for t, c in zip(tasks, children, strict=True):
+            if t is not winner:
+                self.dropped.append(c)
+                await self.emit(c, events=[Ev(kind=Ev.KIND_DROPPED, reason="first_finished")])
+        live = winner.result()
+        for b in live:
+            await self.emit(b, events=[Ev(kind=Ev.KIND_SELECTED, reason="first_finished")])
+        return live
+
+    async def warm(self, b: Branch) -> None:
+        """Make the engine cache ``b``'s full blocks before its children start, so that each
+        child prefills at most its last partial block: children submitted together would
+        otherwise all miss (blocks are shared only once computed). Skipped when the prefix is
+        already cached; else one 1-token request whose token is discarded."""
+        engine: Any = self.rt.engine
+        pool, bs = getattr(engine, "pool", None), getattr(engine, "block_size", 0)
+        full = (len(b.tokens) - 1) // bs if bs else 0
+        if pool is not None and full:
+            from kvroute.core.blocks import BlockHasher
+
+            keys = BlockHasher(bs, engine.model, self.request.cache_salt).keys(b.tokens)
+            if pool.longest_cached_prefix(keys[:full]) >= full:
+                return
+        ereq = EngineRequest(request_id=f"{self.request_id}/{b.id}/warm",
+                             token_ids=list(b.tokens), max_tokens=1,
+                             cache_salt=self.request.cache_salt)
+        async with contextlib.aclosing(engine.generate(ereq)) as stream:
+            async for chunk in stream:
+                b.engine_requests += 1
+                b.prefill_tokens += len(ereq.token_ids) - chunk.cached_tokens
+                b.last_cached = chunk.cached_tokens
+                if b.first_cached is None:
+                    b.first_cached = chunk.cached_tokens
+                break
+
+    # -- simple steps ---------------------------------------------------------------------
+
+    async def fast_forward(self, b: Branch, step: FastForward) -> None:
+        if step.text is not None:
+            assert self.prep.vocab is not None
+            toks = self.prep.vocab.encode(step.text)
+        else:
+            toks = list(step.tokens)
+        events = [Ev(kind=Ev.KIND_FAST_FORWARD, count=len(toks), reason="step")]
+        for t in toks:
+            b.append(t)
+        if b.matcher is not None and not b.sync_matcher():
+            events.append(Ev(kind=Ev.KIND_CONSTRAINT_CLOSED, reason="fast_forward"))
+        await self.emit(b, toks, events)
+
+    async def backtrack(self, b: Branch, k: int) -> None:
+        if k > b.appended:
+            raise ProgramError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"backtrack: {k} tokens on branch {b.id}, which has only "
+                               f"{b.appended} after the prompt")
+        b.truncate(k)
+        events = [Ev(kind=Ev.KIND_BACKTRACK, count=k, reason="step")]
+        if b.matcher is not None and not b.sync_matcher():
+            events.append(Ev(kind=Ev.KIND_CONSTRAINT_CLOSED, reason="backtrack"))
+        await self.emit(b, events=events)
+
+    # -- gen ------------------------------------------------------------------------------
+
+    async def gen(self, b: Branch, g: Gen) -> None:
+        if g.constraint is not None:
+            b.open_constraint(self.prep.templates[g.constraint.grammar].deep_copy())
+        elif g.continue_constraint:
+            if b.matcher is None:
+                raise ProgramError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"gen.continue_constraint: branch {b.id} has no open "
+                                   "constraint")
+        elif b.matcher is not None:
+            b.matcher = None
+            await self.emit(b, events=[Ev(kind=Ev.KIND_CONSTRAINT_CLOSED, reason="gen")])
+        s = _GenState(start=len(b.tokens), remaining=g.max_tokens, stops=g.stop)
+        vocab = self.prep.vocab
+        while s.reason is None:
+            m = b.matcher
+            if m is not None:
+                ff = m.compute_ff_tokens()[: s.remaining]
+                if ff:
+                    m.consume_tokens(ff)
+                    b.m_consumed += len(ff)
+                    for t in ff:
+                        b.append(t)
+                    s.remaining -= len(ff)
+                    await self.emit(b, ff, [Ev(kind=Ev.KIND_FAST_FORWARD, count=len(ff),
+                                               reason="grammar")])
+                    if await self.check_stop(b, s, ff):
+                        break
+                if m.is_stopped():
+                    s.reason = "grammar"
+                    break
+            if s.remaining <= 0:
+                s.reason = "length"
+                break
+            await self.decode(b, g, s, vocab)
+        await self.finish_gen(b, g, s)
+
+    async def decode(self, b: Branch, g: Gen, s: _GenState, vocab: Vocab | None) -> None:
+        """One engine request; sets ``s.reason`` unless it ended for a grammar fast-forward."""
+        req = self.request
+        self.n_requests += 1
+        rid = f"{self.request_id}/{b.id}/{self.n_requests}"
+        # Per branch and request, independent of the request id: reruns are reproducible and
+        # siblings of a fork sample differently.
+        seed = xxhash.xxh3_64_intdigest(
+            f"{req.sampling.seed}/{b.id}/{b.engine_requests}".encode()) & ((1 << 63) - 1) or 1
+        stop_ids = set(req.sampling.stop_token_ids)
+        eos = vocab.eos_token_id if vocab is not None else getattr(self.rt.engine,
+                                                                   "eos_token_id", None)
+        if eos is not None:
+            stop_ids.add(eos)
+        masker = None
+        if b.matcher is not None:
+            assert vocab is not None
+            masker = _Masker(b, MaskBuffer(vocab.size), mask_times=self.rt.mask_times)
+        temperature = g.temperature if g.temperature is not None else req.sampling.temperature
+        ereq = EngineRequest(
+            request_id=rid, token_ids=list(b.tokens), max_tokens=s.remaining,
+            cache_salt=req.cache_salt, seed=seed, stop_token_ids=frozenset(stop_ids),
+            temperature=temperature, mask_fn=masker)
+        tap = self.rt._tap.subscribe(rid) if self.rt._tap is not None \
+            else contextlib.nullcontext({})
+        first = True
+        step = 0
+        with tap as logits:
+            async with contextlib.aclosing(self.rt.engine.generate(ereq)) as stream:
+                async for chunk in stream:
+                    if first:
+                        first = False
+                        b.engine_requests += 1
+                        b.prefill_tokens += len(ereq.token_ids) - chunk.cached_tokens
+                        b.last_cached = chunk.cached_tokens
+                        if b.first_cached is None:
+                            b.first_cached = chunk.cached_tokens
+                    kept: list[int] = []
+                    for tok in chunk.token_ids:
+                        lg = logits.pop(step, None)
+                        at, step = step, step + 1
+                        if tok in stop_ids:
+                            s.reason = "grammar" if b.matcher is not None else "eos"
+                            break
+                        b.append(tok, token_logprob(lg, tok))
+                        b.generated += 1
+                        self.decoded += 1
+                        s.remaining -= 1
+                        kept.append(tok)
+                        if masker is not None and masker.split_at == at:
+                            s.split = True
+                    if kept:
+                        await self.emit(b, kept)
+                        if await self.check_stop(b, s, kept):
+                            break
+                    if s.reason is None and s.remaining <= 0:
+                        s.reason = "length"
+                    if s.reason is not None or s.split or chunk.finish_reason is not None:
+                        break
+        split, s.split = s.split, False
+        if s.reason is None and not split:
+            s.reason = "length"  # the engine's own limit (a prompt near its whole cache)
+        if b.matcher is not None and not b.sync_matcher():
+            raise ProgramError(grpc.StatusCode.INTERNAL,
+                               f"branch {b.id}: the constraint rejected a masked token")
+
+    async def check_stop(self, b: Branch, s: _GenState, new: Sequence[int]) -> bool:
+        """Track the gen's text; on a stop string, drop the tokens from the one where it
+        starts and end the gen (reason "stop")."""
+        if not s.stops or self.prep.vocab is None:
+            return False
+        vocab = self.prep.vocab
+        old = len(s.text)
+        for t in new:
+            s.text += vocab.token_bytes(t)
+            s.ends.append(len(s.text))
+        longest = max(len(x) for x in s.stops)
+        lo = max(0, old - longest + 1)
+        hits = [i for i in (s.text.find(x, lo) for x in s.stops) if i >= 0]
+        if not hits:
+            return False
+        cut = min(hits)
+        keep = bisect.bisect_right(s.ends, cut)
+        drop = len(s.ends) - keep
+        b.truncate(drop)
+        del s.ends[keep:]
+        s.stop_text = bytes(s.text[:cut])
+        s.reason = "stop"
+        if drop:
+            await self.emit(b, events=[Ev(kind=Ev.KIND_BACKTRACK, count=drop, reason="stop")])
+        return True
+
+    async def finish_gen(self, b: Branch, g: Gen, s: _GenState) -> None:
+        if b.matcher is not None and not b.sync_matcher():
+            raise ProgramError(grpc.StatusCode.INTERNAL, f"branch {b.id}: constraint lost")
+        events = [Ev(kind=Ev.KIND_GEN_END, reason=s.reason or "length",
+                     count=len(b.tokens) - s.start)]
+        if g.capture:
+            if b.matcher is not None:
+                ids = tuple(b.tokens[b.region_start:])
+                complete = bool(b.matcher.is_accepting())
+            else:
+                ids = tuple(b.tokens[s.start:])
+                complete = True
+            if s.stop_text is not None and b.matcher is None:
+                text = s.stop_text.decode(errors="replace")
+            else:
+                text = self.text(ids)
+            b.variables[g.capture] = CaptureValue(text, ids, complete)
+            events.append(Ev(kind=Ev.KIND_CAPTURED, name=g.capture, value=text))
+        await self.emit(b, events=events)
+
+
+@dataclass(slots=True)
+class _GenState:
+    start: int
+    remaining: int
+    stops: tuple[bytes, ...]
+    reason: str | None = None
+    split: bool = False
+    text: bytearray = field(default_factory=bytearray)
+    ends: list[int] = field(default_factory=list)
+    stop_text: bytes | None = None
