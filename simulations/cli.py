@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict-ttl-ms", type=float, default=0.0,
                    help="router predicts a routed prompt's blocks on its worker for this long "
                         "(0 = off), to keep a burst of siblings together")
+    p.add_argument("--programs", action="store_true",
+                   help="run requests sharing a `program` id as one controller program: placed "
+                        "once, shared prefix prefilled once, branches beside it")
     p.add_argument("--token-block-size", type=int, default=16,
                    help="block size for traces given as token_ids")
     p.add_argument("--tile", type=int, default=1,
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
                        propagation_s=args.propagation_ms / 1000, cost=cost,
-                       predict_ttl_s=args.predict_ttl_ms / 1000)
+                       predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs)
     factories = make_policies(args.policies, args.seed)
     too_big = [i for i, r in enumerate(trace.requests)
                if r.prompt_tokens + r.output_tokens > cap * trace.block_size]

@@ -17,6 +17,9 @@ Scheduling, per iteration (as vLLM's scheduler, without preemption):
 3. A sequence that has produced ``output`` tokens finishes and frees its blocks (they stay
    cached until evicted).
 
+A request may wait for another's prefill (``after``): the branches of a controller-program
+fork are admitted once the agent has prefilled their shared prefix, so they hit it.
+
 Stretches of pure decoding with no arrival and no finish are run in one jump.
 """
 
@@ -51,6 +54,7 @@ class SimRequest:
     finished_s: float = math.nan
     blocks: list[int] = field(default_factory=list)
     remaining: int = 0
+    after: SimRequest | None = None  # not admitted before this one's prefill has finished
 
 
 class SimWorker:
@@ -122,6 +126,8 @@ class SimWorker:
         pool = self.pool
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             r = self.waiting[0]
+            if r.after is not None and not r.after.first_token_s <= start:
+                break  # a fork branch waits for its program's shared prefix (nan: not yet)
             hits = pool.lookup(r.keys[: (r.prompt_tokens - 1) // bs])
             cached = len(hits) * bs
             new = r.prompt_tokens - cached

@@ -478,7 +478,13 @@ def generate(kind: str, n_requests: int, rate_per_s: float, seed: int = 0,
     (:class:`ChatParams`, :class:`AgentParams`, :class:`RagParams`, :class:`ForkParams`)."""
     reqs = build(kind, n_requests, rate_per_s, seed, block_size, **params)
     t0 = reqs[0].arrival_s if reqs else 0.0
-    return [r.record(block_size, t0) for r in reqs]
+    records = [r.record(block_size, t0) for r in reqs]
+    if kind == "fork":
+        # The siblings of one fork round are one controller program: `kvroute replay
+        # --programs` runs them as the agent would (prefix once, then the branches).
+        for rec, r in zip(records, reqs, strict=True):
+            rec["program"] = f"{r.group}.{r.step}"
+    return records
 
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> int:

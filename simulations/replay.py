@@ -10,6 +10,12 @@ arrive (``PrefixIndex.predict``), as the production router does with ``--predict
 The load view is the router's own accounting (requests outstanding, its estimate of
 uncached tokens not yet prefilled) plus the engine's queue and batch, as an agent's heartbeat
 reports them.
+
+With ``programs``, requests that share a ``program`` id are the branches of one controller
+program, run as kvroute's agent runs them: the router places the program once (by its first
+branch's prompt), the agent prefills the branches' longest common prefix once, then runs
+every branch on the same worker against that cached prefix. Without it, each branch is an
+independent request, routed on its own -- what every peer router does.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class ClusterSpec:
     prefill_budget: int = 16384
     propagation_s: float = 0.05
     predict_ttl_s: float = 0.0  # > 0: the router predicts a routed prompt's blocks this long
+    programs: bool = False  # run forks as controller programs (see Replayer)
     cost: CostModel = field(default_factory=CostModel)
 
 
@@ -82,17 +89,45 @@ class Replayer:
             elif ev.op is Op.CLEAR:
                 index.clear_worker(worker)
 
+    def _programs(self) -> dict[str, tuple[int, ...]]:
+        """Program id -> the keys its branches share (for programs of 2+ branches)."""
+        groups: dict[str, list[tuple[int, ...]]] = {}
+        for r in self.trace.requests:
+            if r.program:
+                groups.setdefault(r.program, []).append(r.keys)
+        out = {}
+        for pid, keysets in groups.items():
+            if len(keysets) < 2:
+                continue
+            n = min(len(k) for k in keysets)
+            first = keysets[0]
+            lcp = 0
+            while lcp < n and all(k[lcp] == first[lcp] for k in keysets):
+                lcp += 1
+            if lcp:
+                out[pid] = first[:lcp]
+        return out
+
     def run(self) -> ReplayResult:
         bs = self.trace.block_size
         by_name = {w.name: w for w in self.workers}
         reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.keys)
                 for i, r in enumerate(self.trace.requests)]
+        programs = self._programs() if self.spec.programs else {}
+        placed: dict[str, tuple[SimWorker, SimRequest]] = {}
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
         for n, (req, treq) in enumerate(zip(reqs, self.trace.requests, strict=True)):
             now = req.arrival_s
             for w in self.workers:
                 w.advance(now)
+            prog = programs.get(treq.program)
+            if prog is not None and treq.program in placed:
+                worker, parent = placed[treq.program]
+                req.after = parent
+                req.routed_uncached = req.prompt_tokens - len(prog) * bs
+                worker.submit(req, now)
+                continue
             self._apply_visible(now)
             index = self.index
             ttl = self.spec.predict_ttl_s
@@ -103,6 +138,14 @@ class Replayer:
                              treq.affinity)
             chosen = by_name[d.best]
             req.routed_uncached = req.prompt_tokens - d.cached_tokens(d.best)
+            if prog is not None:
+                # The agent prefills the branches' shared prefix once (a prefill-only
+                # request), then runs each branch after it.
+                parent = SimRequest(-1, now, len(prog) * bs, 0, prog)
+                parent.routed_uncached = max(0, len(prog) * bs - d.cached_tokens(d.best))
+                chosen.submit(parent, now)
+                placed[treq.program] = (chosen, parent)
+                req.after = parent
             chosen.submit(req, now)
             if ttl > 0:
                 index.predict(chosen.name, req.keys, now + ttl)

@@ -10,6 +10,9 @@ Two JSONL formats, one object per line:
 * **Tokens**: ``timestamp`` (ms), ``token_ids`` (the prompt), ``output_length``; keys are
   kvroute's chained block keys (:class:`kvroute.core.blocks.BlockHasher`) at ``block_size``.
 
+Either format may carry ``program``: requests with the same id are the branches of one
+controller-program fork (written by ``kvroute gen fork``).
+
 Either way a request becomes the keys of its *full* prompt blocks -- exactly what an engine
 caches -- so the simulator and the router see the same units.
 """
@@ -39,6 +42,7 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     keys: tuple[int, ...]  # keys of the full prompt blocks, in order
+    program: str = ""  # requests sharing a program id are the branches of one fork
 
     @property
     def affinity(self) -> int:
@@ -64,7 +68,7 @@ class Trace:
             raise ValueError(f"rate scale must be > 0, got {rate_scale}")
         t0 = self.requests[0].arrival_s if self.requests else 0.0
         reqs = [TraceRequest(t0 + (r.arrival_s - t0) / rate_scale, r.prompt_tokens,
-                             r.output_tokens, r.keys) for r in self.requests]
+                             r.output_tokens, r.keys, r.program) for r in self.requests]
         return Trace(reqs, self.block_size, self.source, self.skipped)
 
     def tiled(self, copies: int) -> Trace:
@@ -74,7 +78,8 @@ class Trace:
         for c in range(1, copies):
             salt = c * 0x9E3779B97F4A7C15
             reqs += [TraceRequest(r.arrival_s + c * span, r.prompt_tokens, r.output_tokens,
-                                  tuple((k ^ salt) & 0xFFFFFFFFFFFFFFFF for k in r.keys))
+                                  tuple((k ^ salt) & 0xFFFFFFFFFFFFFFFF for k in r.keys),
+                                  f"{c}/{r.program}" if r.program else "")
                      for r in self.requests]
         return Trace(reqs, self.block_size, self.source)
 
@@ -100,6 +105,10 @@ def parse_line(obj: object, default_block: int, hasher: BlockHasher | None
     if not isinstance(ts, int | float) or isinstance(ts, bool) or ts < 0 or math.isnan(ts):
         raise ValueError(f"timestamp must be a number >= 0 (ms), got {ts!r}")
     out = _int(obj, "output_length", 0)
+    program = obj.get("program", "")
+    if not isinstance(program, str | int) or isinstance(program, bool):
+        raise ValueError(f"program must be a string or integer id, got {program!r}")
+    program = str(program)
     if "hash_ids" in obj:
         length = _int(obj, "input_length", 1)
         bs = obj.get("block_size", default_block)
@@ -112,15 +121,15 @@ def parse_line(obj: object, default_block: int, hasher: BlockHasher | None
             raise ValueError(f"{len(ids)} hash_ids for input_length {length} at block size "
                              f"{bs} (expected {math.ceil(length / bs)})")
         keys = tuple(_hash_id_key(i) for i in ids[: length // bs])
-        return TraceRequest(ts / 1000.0, length, out, keys), bs
+        return TraceRequest(ts / 1000.0, length, out, keys, program), bs
     if "token_ids" in obj:
         toks = obj["token_ids"]
         if not isinstance(toks, list) or not toks or not all(
                 isinstance(t, int) and 0 <= t < 2**32 for t in toks):
             raise ValueError("token_ids must be a non-empty list of uint32 token ids")
         assert hasher is not None
-        return TraceRequest(ts / 1000.0, len(toks), out, tuple(hasher.keys(toks))), \
-            hasher.block_size
+        return TraceRequest(ts / 1000.0, len(toks), out, tuple(hasher.keys(toks)),
+                            program), hasher.block_size
     raise ValueError("needs hash_ids (Mooncake format) or token_ids")
 
 

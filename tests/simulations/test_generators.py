@@ -47,7 +47,9 @@ def test_records_are_valid_mooncake_lines(kind: str) -> None:
     stamps = [r["timestamp"] for r in recs]
     assert stamps == sorted(stamps)
     for r in recs:
-        assert set(r) == {"timestamp", "input_length", "output_length", "hash_ids", "block_size"}
+        fields = {"timestamp", "input_length", "output_length", "hash_ids", "block_size"}
+        # Fork siblings carry their controller program's id (for `replay --programs`).
+        assert set(r) == (fields | {"program"} if kind == "fork" else fields)
         assert isinstance(r["timestamp"], int)
         assert r["block_size"] == BS
         assert r["input_length"] >= 1 and r["output_length"] >= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,33 @@ def test_propagation_delay_is_modelled(mooncake: Trace) -> None:
     fresh = measure(run(tr, "kvroute", workers=8, propagation_s=0.0)).hit_ratio
     stale = measure(run(tr, "kvroute", workers=8, propagation_s=30.0)).hit_ratio
     assert stale < fresh
+
+
+def test_forks_run_as_programs_prefill_the_shared_prefix_once() -> None:
+    """Controller-program forks (placed once, prefix prefilled once, branches beside it)
+    against the same branches routed as independent requests, as peer routers do."""
+    from simulations.generators import generate
+
+    recs = generate("fork", 240, rate_per_s=20.0, seed=3, block_size=64)
+    tr = parse([json.dumps(r) for r in recs])
+    assert all(r.program for r in tr.requests)
+    indep = Replayer(tr, make_policy("kvroute"), ClusterSpec(workers=4)).run()
+    progs = Replayer(tr, make_policy("kvroute"), ClusterSpec(workers=4, programs=True)).run()
+    prefill = {name: sum(w.prefill_tokens for w in res.workers)
+               for name, res in (("indep", indep), ("progs", progs))}
+    assert prefill["progs"] < 0.5 * prefill["indep"], prefill
+    # Every branch of a program ran on one worker and found the shared prefix cached.
+    by_prog: dict[str, list[int]] = {}
+    for r, t in zip(progs.requests, tr.requests, strict=True):
+        by_prog.setdefault(t.program, []).append(r.idx)
+    for members in by_prog.values():
+        assert len({progs.requests[i].worker for i in members}) == 1
+        keysets = [tr.requests[i].keys for i in members]
+        lcp = 0
+        while all(len(k) > lcp and k[lcp] == keysets[0][lcp] for k in keysets):
+            lcp += 1
+        if len(members) > 1:
+            for i in members:
+                r = progs.requests[i]
+                assert r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64)
+    assert all(math.isfinite(r.finished_s) for r in progs.requests)
