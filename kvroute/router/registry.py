@@ -168,10 +168,12 @@ class WorkerRegistry:
 
     # -- local accounting ------------------------------------------------------------------
 
-    def begin(self, worker: str, uncached_tokens: int) -> None:
+    def begin(self, worker: str, uncached_tokens: int, sequences: int = 1) -> None:
+        """A request was sent to ``worker``; a controller program counts as the number of
+        sequences it can run at once (its fan-out)."""
         info = self._workers.get(worker)
         if info is not None:
-            info.inflight += 1
+            info.inflight += sequences
             info.pending_prefill += uncached_tokens
             self._refresh(worker)
 
@@ -181,10 +183,10 @@ class WorkerRegistry:
             info.pending_prefill = max(0, info.pending_prefill - uncached_tokens)
             self._refresh(worker)
 
-    def end(self, worker: str) -> None:
+    def end(self, worker: str, sequences: int = 1) -> None:
         info = self._workers.get(worker)
         if info is not None:
-            info.inflight = max(0, info.inflight - 1)
+            info.inflight = max(0, info.inflight - sequences)
             self._refresh(worker)
 
     def set_cached_blocks(self, worker: str, n: int) -> None:

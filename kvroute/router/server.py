@@ -35,13 +35,39 @@ from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.registry import WorkerRegistry, parse_static
-from kvroute.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_agent_pb2_grpc
+from kvroute.v1 import (
+    common_pb2,
+    program_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    worker_agent_pb2_grpc,
+)
 
 log = logging.getLogger("kvroute.router")
 
 SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 _DOWN_S = 2.0  # how long a worker that refused a request is skipped
 _MAX_ATTEMPTS = 2  # the chosen worker, then the next-best once
+
+
+def program_fanout(program: program_pb2.ControllerProgram) -> int:
+    """Most branches a program can run at once: each fork multiplies the sequences alive,
+    a joining select brings them back to one. (The agent checks the exact bound against its
+    limits; the router only needs the weight.)"""
+    live = peak = 1
+    for step in program.steps:
+        if step.HasField("fork"):
+            f = step.fork
+            if f.n and len(f.branches) <= 1:
+                width = f.n * (program_fanout(f.branches[0]) if f.branches else 1)
+            else:
+                width = sum(program_fanout(b) for b in f.branches) or 1
+            peak = max(peak, live * width)
+            if f.select == program_pb2.SELECT_MODE_ALL:
+                live *= width
+        elif step.HasField("select") and step.select.mode != program_pb2.SELECT_MODE_ALL:
+            live = 1
+    return min(peak, 1024)
 
 
 class AgentChannels:
@@ -153,6 +179,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             fwd.token_ids.extend(tokens)
         decode_text = bool(request.text) and self._tok is not None
         errors: list[str] = []
+        # A program's branches all run on the chosen worker: they weigh on its load as
+        # that many sequences until it finishes.
+        fanout = program_fanout(request.program) if request.HasField("program") else 1
         for attempt, cand in enumerate(d.ranked[:_MAX_ATTEMPTS]):
             w = cand.worker
             info = self._registry.get(w)
@@ -164,7 +193,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if attempt:
                 self._m.retries.inc()
             uncached = len(tokens) - d.cached_tokens(w)
-            self._registry.begin(w, uncached)
+            self._registry.begin(w, uncached, fanout)
             started = False
             done = False
             failure: grpc.aio.AioRpcError | None = None
@@ -191,7 +220,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # cancel or close the stream at any await or yield).
                 if not started:
                     self._registry.first_token(w, uncached)
-                self._registry.end(w)
+                self._registry.end(w, fanout)
                 if not done and failure is None:
                     call.cancel()
                     self._m.requests.labels("Generate", "cancelled").inc()

@@ -41,3 +41,28 @@ def test_mark_down_then_revive() -> None:
     assert "s" not in reg.loads
     reg.revive_due()
     assert "s" in reg.loads
+
+
+def test_program_fanout_weighs_forks() -> None:
+    from kvroute.router.server import program_fanout
+    from kvroute.v1 import program_pb2 as pb
+
+    def gen() -> pb.Step:
+        return pb.Step(gen=pb.Gen(max_tokens=4))
+
+    plain = pb.ControllerProgram(steps=[gen()])
+    best_of_4 = pb.ControllerProgram(steps=[pb.Step(fork=pb.Fork(
+        branches=[plain], n=4, select=pb.SELECT_MODE_BEST_LOGPROB)), gen()])
+    nested = pb.ControllerProgram(steps=[pb.Step(fork=pb.Fork(branches=[
+        pb.ControllerProgram(steps=[pb.Step(fork=pb.Fork(n=3))]), plain]))])
+    assert program_fanout(plain) == 1
+    assert program_fanout(best_of_4) == 4
+    assert program_fanout(nested) == 4  # 3 grandchildren + 1 child at once
+
+
+def test_a_program_weighs_as_its_fanout() -> None:
+    reg = WorkerRegistry({"s": "h:9"}, 16)
+    reg.begin("s", 100, sequences=4)
+    assert reg.loads["s"].inflight == 4
+    reg.end("s", sequences=4)
+    assert reg.loads["s"].inflight == 0
