@@ -202,8 +202,9 @@ LIMITS = dict(max_program_fanout=4, max_program_tokens=300, max_program_steps=10
 ], ids=["fanout", "tokens", "steps", "grammar_bytes", "compile_timeout", "bad_grammar"])
 async def test_every_limit_is_enforced_before_any_engine_work(cluster, steps, code,
                                                               limit) -> None:
-    # A tiny compile budget only where the compile time limit is under test.
-    timeout = 1e-4 if limit == "grammar_compile_timeout_s" else 5.0
+    # A zero compile budget where the compile time limit is under test: asyncio.wait_for
+    # then always times out (a small positive budget races llguidance's lazy compile).
+    timeout = 0.0 if limit == "grammar_compile_timeout_s" else 5.0
     a = await cluster.agent("a", **TINY, **LIMITS, grammar_compile_timeout_s=timeout)
     router = await cluster.router(vocab_size=258)
     await wait_for(lambda: len(router.registry.loads) == 1, what="agent registered")
