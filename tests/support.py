@@ -19,6 +19,17 @@ from pathlib import Path
 import redis
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
+    """SIGTERM a child by PID, then SIGKILL it if it has not exited within ``timeout``."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,13 +75,7 @@ class RedisProc:
         client.close()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
     def client(self) -> redis.Redis:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import free_port
+from tests.support import free_port, stop_process
 from tests.worker_agent.vllm.vllm_wire import REPO, load_kv_events, vllm_sources
 
 
@@ -90,13 +89,7 @@ class FakeVllmProc:
         raise RuntimeError(f"fake vLLM did not start: {self.log_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
         self.proc = None
