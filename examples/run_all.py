@@ -1,9 +1,11 @@
 """Start a local cluster in this process (a redis-server, two `tiny` agents, a router) and
-run every example against it: ``python examples/run_all.py``. Against a cluster you started
+run every example against it: ``python examples/run_all.py`` (``--engine sim``: two `sim`
+agents instead; same outputs' shape, sim content, logprob 0). Against a cluster you started
 yourself, run each example with ``--router HOST:PORT`` instead."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import subprocess
 import sys
@@ -31,7 +33,7 @@ async def run_all(router: str) -> None:
         print()
 
 
-async def main() -> None:
+async def main(engine: str = "tiny") -> None:
     port = 6390
     proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
@@ -45,7 +47,7 @@ async def main() -> None:
             except redis.ConnectionError:
                 time.sleep(0.05)
         for wid in ("t0", "t1"):
-            agent = AgentApp(AgentConfig(redis=url, port=0, worker_id=wid, engine="tiny",
+            agent = AgentApp(AgentConfig(redis=url, port=0, worker_id=wid, engine=engine,
                                          tokenizer="byte", vocab_size=258,
                                          capacity_blocks=512))
             await agent.start()
@@ -64,4 +66,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=("tiny", "sim"), default="tiny",
+                    help="the agents' engine (sim: no model, constraints through its masks)")
+    asyncio.run(main(ap.parse_args().engine))

@@ -51,6 +51,7 @@ class RedisProc:
     """A real redis-server on 127.0.0.1, no persistence; stopped by PID."""
 
     port: int = field(default_factory=free_port)
+    extra: list[str] = field(default_factory=list)  # more redis-server arguments
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -60,7 +61,7 @@ class RedisProc:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
+             "--appendonly", "no", "--protected-mode", "no", *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10

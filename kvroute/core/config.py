@@ -26,7 +26,8 @@ def opt(default: Any, help: str) -> Any:
 
 @dataclass(frozen=True)
 class CommonConfig:
-    redis: str = opt("redis://127.0.0.1:6379/0", "Redis URL holding the cache index and heartbeats")
+    redis: str = opt("redis://127.0.0.1:6379/0", "Redis URL holding the cache index and "
+                     "heartbeats; redis+cluster://HOST:PORT for a Redis Cluster")
     model: str = opt("default", "model name: part of every block key and Redis key")
     block_size: int = opt(DEFAULT_BLOCK_SIZE, "tokens per KV block; must equal the engine's")
     host: str = opt("127.0.0.1", "address to bind the gRPC server to")

@@ -19,16 +19,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
 from kvroute.core.index import PrefixIndex
-from kvroute.core.redis_conn import REDIS_ERRORS
+from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient
 from kvroute.core.redis_schema import FeedError, FeedEvent, Heartbeat, Op, RedisKeys, unpack_keys
 from kvroute.router.registry import WorkerRegistry
 
 log = logging.getLogger("kvroute.router.mirror")
 
 _XREAD_COUNT = 1000
+_SNAPSHOT_SCRIPT = "return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2])}"
 
 
 @dataclass
@@ -51,7 +50,7 @@ class _WorkerFeed:
 class IndexMirror:
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         keys: RedisKeys,
         registry: WorkerRegistry,
         *,
@@ -105,7 +104,9 @@ class IndexMirror:
         if not done:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        with contextlib.suppress(*REDIS_ERRORS):
+        # Closing is best effort; redis-py's cluster client can fail to close a connection
+        # whose node it already dropped (RuntimeError: event loop is closed).
+        with contextlib.suppress(*REDIS_ERRORS, RuntimeError):
             await self._r.aclose()
 
     def _set_available(self, up: bool, exc: BaseException | None = None) -> None:
@@ -146,10 +147,11 @@ class IndexMirror:
 
     async def _load_snapshot(self, worker: str) -> None:
         k = self._keys
-        pipe = self._r.pipeline(transaction=True)
-        pipe.hgetall(k.meta(worker))
-        pipe.smembers(k.snapshot(worker))
-        meta, members = await pipe.execute()
+        # One script reads meta and members atomically (a MULTI would too, but redis-py's
+        # cluster transactions cannot run SMEMBERS); both keys share the model's slot.
+        flat, members = await self._r.eval(_SNAPSHOT_SCRIPT, 2, k.meta(worker),
+                                           k.snapshot(worker))
+        meta = dict(zip(flat[::2], flat[1::2], strict=True))
         self.stats.snapshot_loads += 1
         if not meta:
             self.index.remove_worker(worker)

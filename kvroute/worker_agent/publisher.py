@@ -23,9 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
-from kvroute.core.redis_conn import REDIS_ERRORS
+from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient
 from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
 from kvroute.worker_agent.engines.base import CacheEvent
 
@@ -53,7 +51,7 @@ class CachePublisher:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         keys: RedisKeys,
         worker_id: str,
         snapshot: Callable[[], list[int]],
@@ -129,7 +127,9 @@ class CachePublisher:
                 await self._r.delete(self._keys.heartbeat(self._worker))
         except (TimeoutError, *REDIS_ERRORS):
             pass
-        with contextlib.suppress(*REDIS_ERRORS):
+        # Closing is best effort; redis-py's cluster client can fail to close a connection
+        # whose node it already dropped (RuntimeError: event loop is closed).
+        with contextlib.suppress(*REDIS_ERRORS, RuntimeError):
             await self._r.aclose()
 
     async def _feed_loop(self) -> None:

@@ -216,12 +216,13 @@ async def test_every_limit_is_enforced_before_any_engine_work(cluster, steps, co
     assert a.engine.stats.admitted == 0
 
 
-async def test_engines_without_masks_refuse_constraints_but_run_programs(cluster) -> None:
+async def test_the_sim_engine_runs_programs_and_honours_constraints(cluster) -> None:
+    """The sim has no logits but applies masks (tests/e2e/test_programs_sim.py has more)."""
     s = await cluster.agent("s", engine="sim", vocab_size=258, capacity_blocks=256)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await run(s.port, [gen(5, constraint=P.Constraint(regex="a+"))])
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "token masks" in err.value.details()
+    res = results(await run(s.port, [gen(8, constraint=P.Constraint(regex="a{1,3}b"),
+                                         capture="v")]))
+    v = res["0"].variables["v"]
+    assert v.complete and re.fullmatch("a{1,3}b", v.text), v.text
     res = results(await run(s.port, [gen(5), back(2), fork([gen(3)], n=2)]))
     assert {len(r.token_ids) for r in res.values()} == {6}
 
@@ -247,12 +248,14 @@ async def test_a_cancelled_program_frees_every_branch(cluster) -> None:
     await asyncio.sleep(0)
 
 
-async def test_the_examples_run_against_a_router_and_tiny_agents(cluster, capsys) -> None:
+@pytest.mark.parametrize("engine", ["tiny", "sim"])
+async def test_the_examples_run_against_a_router_and_tiny_or_sim_agents(cluster, capsys,
+                                                                       engine) -> None:
     import importlib
     import sys
     from pathlib import Path
 
-    await cluster.agent("a", **TINY)
+    await cluster.agent("a", **{**TINY, "engine": engine})
     router = await cluster.router(vocab_size=258)
     await wait_for(lambda: len(router.registry.loads) == 1, what="agent registered")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

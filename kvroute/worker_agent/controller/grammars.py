@@ -6,11 +6,17 @@ initial state; every gen that uses it starts from ``template.deep_copy()``, whic
 A compile that runs past ``grammar_compile_timeout_s`` fails the program with
 RESOURCE_EXHAUSTED before any engine work; its thread finishes in the background (llguidance's
 own parser limits bound it).
+
+For an engine that enforces the grammar itself (vllm: structured outputs), the matchers only
+check and track what it returned; JSON schemas are then compiled with flexible whitespace
+(``json_whitespace_flexible``), as vLLM's guidance backend does by default, so that valid
+vLLM output is never rejected for its spacing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 
 import grpc
@@ -22,18 +28,25 @@ from kvroute.worker_agent.controller.program import ConstraintSpec, ProgramError
 from kvroute.worker_agent.controller.vocab import Vocab
 
 
-def _compile(vocab: Vocab, spec: ConstraintSpec) -> llguidance.LLMatcher:
-    return llguidance.LLMatcher(vocab.ll, spec.grammar, log_level=0)
+def _compile(vocab: Vocab, spec: ConstraintSpec, json_flexible: bool) -> llguidance.LLMatcher:
+    grammar = spec.grammar
+    if json_flexible and spec.kind == "json_schema":
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.loads(str(spec.source)), defaults={"whitespace_flexible": True})
+    return llguidance.LLMatcher(vocab.ll, grammar, log_level=0)
 
 
 async def compile_constraints(specs: Sequence[ConstraintSpec], vocab: Vocab,
-                              timeout_s: float) -> dict[str, llguidance.LLMatcher]:
-    """Template matchers keyed by grammar text. ProgramError: INVALID_ARGUMENT for a bad
-    grammar, RESOURCE_EXHAUSTED past the time limit."""
+                              timeout_s: float, *, json_whitespace_flexible: bool = False
+                              ) -> dict[str, llguidance.LLMatcher]:
+    """Template matchers keyed by ``spec.grammar`` (see the module doc for
+    ``json_whitespace_flexible``). ProgramError: INVALID_ARGUMENT for a bad grammar,
+    RESOURCE_EXHAUSTED past the time limit."""
     out: dict[str, llguidance.LLMatcher] = {}
     for spec in specs:
         try:
-            m = await asyncio.wait_for(asyncio.to_thread(_compile, vocab, spec), timeout_s)
+            m = await asyncio.wait_for(asyncio.to_thread(
+                _compile, vocab, spec, json_whitespace_flexible), timeout_s)
         except TimeoutError:
             raise ProgramError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -63,6 +63,9 @@ class ConstraintSpec:
     grammar: str
     size: int
     """Bytes of the client's constraint (what ``max_grammar_bytes`` bounds)."""
+    source: str | tuple[str, ...] = ""
+    """The client's constraint as given: schema JSON text, regex, Lark text, or the options
+    (engines that take grammars per request, vllm, are sent this)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,8 @@ class Plan:
     constraints: tuple[ConstraintSpec, ...]
     needs_text: bool
     """Text fast-forwards or stop strings: the agent needs a tokenizer matching the engine."""
+    continues_constraint: bool = False
+    """Some gen sets ``continue_constraint`` (needs an engine that takes per-step masks)."""
 
 
 def constraint_spec(c: program_pb2.Constraint, where: str, max_bytes: int) -> ConstraintSpec:
@@ -132,11 +137,14 @@ def constraint_spec(c: program_pb2.Constraint, where: str, max_bytes: int) -> Co
     kind = c.WhichOneof("kind")
     if kind is None:
         raise _invalid(where, "empty constraint (set json_schema, regex, lark or choices)")
+    source: str | tuple[str, ...]
     if kind == "choices":
         opts = list(c.choices.options)
         size = sum(len(o.encode()) for o in opts)
+        source = tuple(opts)
     else:
-        size = len(getattr(c, kind).encode())
+        source = getattr(c, kind)
+        size = len(source.encode())
     if size > max_bytes:
         raise _invalid(f"max_grammar_bytes: {where}.{kind}",
                        f"{size} bytes exceeds the limit of {max_bytes}")
@@ -160,7 +168,7 @@ def constraint_spec(c: program_pb2.Constraint, where: str, max_bytes: int) -> Co
         # JSON string literals are valid Lark string literals (same escapes).
         grammar = llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(o) for o in opts))
-    return ConstraintSpec(kind, grammar, size)
+    return ConstraintSpec(kind, grammar, size, source)
 
 
 @dataclass(slots=True)
@@ -169,6 +177,7 @@ class _Walk:
     steps: int = 0
     tokens: int = 0
     needs_text: bool = False
+    continues: bool = False
     constraints: dict[str, ConstraintSpec] | None = None
 
     def program(self, p: program_pb2.ControllerProgram, where: str, live: int,
@@ -234,6 +243,7 @@ class _Walk:
             assert self.constraints is not None
             spec = self.constraints.setdefault(spec.grammar, spec)
         self.needs_text |= bool(g.stop)
+        self.continues |= g.continue_constraint
         return Gen(g.max_tokens, tuple(s.encode() for s in g.stop), temperature, spec,
                    g.capture, g.continue_constraint)
 
@@ -306,4 +316,4 @@ def check_program(p: program_pb2.ControllerProgram, limits: ProgramLimits) -> Pl
                            f"tokens over all branches, over the limit of {limits.max_tokens}")
     assert walk.constraints is not None
     return Plan(program, walk.tokens, peak, walk.steps, tuple(walk.constraints.values()),
-                walk.needs_text)
+                walk.needs_text, walk.continues)

@@ -15,7 +15,19 @@ what the consumer has read; after each engine request the branch reconciles it
 
 Log-probabilities come from the engine's ``logits_observer`` (tiny): the model's raw
 log-softmax (temperature 1, before the mask) of each chosen token. Engines without logits
-(sim) report 0.
+(sim) report 0. The sim honours masks too (its deterministic token moves to the first allowed
+id), so constrained programs run on it; only their content is meaningless.
+
+On an engine that takes grammars per request instead of masks (``vllm``: structured
+outputs), a constrained gen is one engine request carrying the constraint (its whole
+constrained region: no local grammar fast-forward, no split); the engine enforces it, and the
+local matcher only checks and tracks the returned tokens (output outside the constraint --
+e.g. an old vLLM that ignored ``structured_outputs`` -- fails the program with INTERNAL).
+``continue_constraint`` needs the grammar state mid-region, which such an engine cannot take:
+refused with UNIMPLEMENTED. Forks, backtracks and fast-forwards are as on the other engines
+(N requests sharing the prefix; the next request's prompt edited). The engine's exact
+``cached_tokens`` may arrive only on a request's last chunk (vllm: from ``usage``); the branch's
+figures are corrected from it.
 
 Cancellation: everything runs in one task tree (TaskGroups); cancelling the consumer cancels
 every branch, and each branch closes its engine stream (``aclosing``), which frees the
@@ -60,10 +72,17 @@ from kvroute.worker_agent.engines.base import Engine, EngineError, EngineRequest
 log = logging.getLogger("kvroute.agent.programs")
 
 Ev = program_pb2.ProgramEvent
-PROGRAM_ENGINES = frozenset({"tiny", "sim"})
-"""Engines the runtime drives (per-request prompts + continuous batching)."""
-MASK_ENGINES = frozenset({"tiny"})
-"""Engines that honour ``EngineRequest.mask_fn`` (the sim has no logits and ignores it)."""
+PROGRAM_ENGINES = frozenset({"tiny", "sim", "vllm"})
+"""Engines the runtime drives (one engine request per branch step, prompt = the branch)."""
+MASK_ENGINES = frozenset({"tiny", "sim"})
+"""Engines that honour ``EngineRequest.mask_fn`` (the sim, without logits, moves its token to
+the first allowed id: see ``engines.sim``)."""
+GRAMMAR_ENGINES = frozenset({"vllm"})
+"""Engines that take a constraint per request (``generate(request, constraint=(kind,
+source))``) and enforce it themselves."""
+VOCAB_ENGINES = frozenset({"tiny"})
+"""Engines whose programs always load the vocabulary (eos stops, capture text); others only
+when the program needs it (constraints, text fast-forwards, stop strings)."""
 FF_SPLIT_MIN = 2
 """Forced tokens worth ending an engine request for (one forced token is just decoded)."""
 _END = object()
@@ -152,6 +171,10 @@ class ProgramRuntime:
     def engine_kind(self) -> str:
         return str(getattr(self.engine, "kind", type(self.engine).__name__))
 
+    @property
+    def grammar_engine(self) -> bool:
+        return self.engine_kind in GRAMMAR_ENGINES
+
     async def vocab(self) -> Vocab | None:
         """The program vocabulary, or None when the tokenizer does not match the engine."""
         if self._vocab is None:
@@ -171,15 +194,21 @@ class ProgramRuntime:
         kind = self.engine_kind
         if kind not in PROGRAM_ENGINES:
             raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
-                               f"program: controller programs run on the tiny and sim engines; "
-                               f"this agent's engine is {kind}")
+                               f"program: controller programs run on the tiny, sim and vllm "
+                               f"engines; this agent's engine is {kind}")
         plan = check_program(program, self.limits)
-        if plan.constraints and kind not in MASK_ENGINES:
+        if plan.constraints and kind not in MASK_ENGINES | GRAMMAR_ENGINES:
             raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                f"program: constrained gen needs an engine with token masks "
-                               f"(tiny); the {kind} engine has no logits")
+                               f"(tiny, sim) or per-request grammars (vllm); the {kind} "
+                               f"engine has neither")
+        if plan.continues_constraint and kind not in MASK_ENGINES:
+            raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
+                               f"gen.continue_constraint: needs an engine with per-step token "
+                               f"masks (tiny, sim); the {kind} engine takes a whole grammar "
+                               f"per request")
         vocab = await self.vocab() if (plan.constraints or plan.needs_text
-                                       or kind in MASK_ENGINES) else None
+                                       or kind in VOCAB_ENGINES) else None
         if vocab is None and (plan.constraints or plan.needs_text):
             raise ProgramError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"program: constraints, text fast-forwards and stop strings "
@@ -187,7 +216,8 @@ class ProgramRuntime:
                                f"({self.limits.vocab_size} ids; --tokenizer is "
                                f"{self.tokenizer!r})")
         templates = {} if vocab is None else await compile_constraints(
-            plan.constraints, vocab, self.limits.compile_timeout_s)
+            plan.constraints, vocab, self.limits.compile_timeout_s,
+            json_whitespace_flexible=kind in GRAMMAR_ENGINES)
         return _Prepared(plan, vocab, templates)
 
     async def run(self, prepared: _Prepared, request: common_pb2.GenerateRequest,
@@ -377,6 +407,9 @@ class _Run:
             keys = BlockHasher(bs, engine.model, self.request.cache_salt).keys(b.tokens)
             if pool.longest_cached_prefix(keys[:full]) >= full:
                 return
+        elif full and hasattr(engine, "cached_blocks") and engine.cached_blocks(
+                b.tokens[: full * bs], self.request.cache_salt) >= full:
+            return  # vllm: its published cache view
         ereq = EngineRequest(request_id=f"{self.request_id}/{b.id}/warm",
                              token_ids=list(b.tokens), max_tokens=1,
                              cache_salt=self.request.cache_salt)
@@ -387,7 +420,7 @@ class _Run:
                 b.last_cached = chunk.cached_tokens
                 if b.first_cached is None:
                     b.first_cached = chunk.cached_tokens
-                break
+                break  # one token: this chunk is the last (vllm: with its exact hit)
 
     # -- simple steps ---------------------------------------------------------------------
 
@@ -430,9 +463,10 @@ class _Run:
             await self.emit(b, events=[Ev(kind=Ev.KIND_CONSTRAINT_CLOSED, reason="gen")])
         s = _GenState(start=len(b.tokens), remaining=g.max_tokens, stops=g.stop)
         vocab = self.prep.vocab
+        local = not self.rt.grammar_engine  # else the engine runs the whole region
         while s.reason is None:
             m = b.matcher
-            if m is not None:
+            if m is not None and local:
                 ff = m.compute_ff_tokens()[: s.remaining]
                 if ff:
                     m.consume_tokens(ff)
@@ -451,6 +485,8 @@ class _Run:
                 s.reason = "length"
                 break
             await self.decode(b, g, s, vocab)
+            if not local and s.reason is None:
+                s.reason = "length"  # one engine request per gen: never split
         await self.finish_gen(b, g, s)
 
     async def decode(self, b: Branch, g: Gen, s: _GenState, vocab: Vocab | None) -> None:
@@ -468,7 +504,11 @@ class _Run:
         if eos is not None:
             stop_ids.add(eos)
         masker = None
-        if b.matcher is not None:
+        constraint = None
+        if b.matcher is not None and self.rt.grammar_engine:
+            assert g.constraint is not None  # continue_constraint is refused in prepare()
+            constraint = (g.constraint.kind, g.constraint.source)
+        elif b.matcher is not None:
             assert vocab is not None
             masker = _Masker(b, MaskBuffer(vocab.size), mask_times=self.rt.mask_times)
         temperature = g.temperature if g.temperature is not None else req.sampling.temperature
@@ -478,10 +518,14 @@ class _Run:
             temperature=temperature, mask_fn=masker)
         tap = self.rt._tap.subscribe(rid) if self.rt._tap is not None \
             else contextlib.nullcontext({})
+        engine: Any = self.rt.engine
+        stream_it = engine.generate(ereq) if constraint is None \
+            else engine.generate(ereq, constraint=constraint)
         first = True
+        first_request = b.first_cached is None
         step = 0
         with tap as logits:
-            async with contextlib.aclosing(self.rt.engine.generate(ereq)) as stream:
+            async with contextlib.aclosing(stream_it) as stream:
                 async for chunk in stream:
                     if first:
                         first = False
@@ -489,6 +533,12 @@ class _Run:
                         b.prefill_tokens += len(ereq.token_ids) - chunk.cached_tokens
                         b.last_cached = chunk.cached_tokens
                         if b.first_cached is None:
+                            b.first_cached = chunk.cached_tokens
+                    elif chunk.cached_tokens != b.last_cached:
+                        # The engine's exact hit, known only now (vllm: its usage).
+                        b.prefill_tokens += b.last_cached - chunk.cached_tokens
+                        b.last_cached = chunk.cached_tokens
+                        if first_request:
                             b.first_cached = chunk.cached_tokens
                     kept: list[int] = []
                     for tok in chunk.token_ids:
@@ -510,12 +560,20 @@ class _Run:
                             break
                     if s.reason is None and s.remaining <= 0:
                         s.reason = "length"
+                    if s.reason is None and chunk.finish_reason == "stop":
+                        # A stop the engine applied itself (vllm: end of grammar or eos).
+                        s.reason = "grammar" if b.matcher is not None else "eos"
                     if s.reason is not None or s.split or chunk.finish_reason is not None:
                         break
         split, s.split = s.split, False
         if s.reason is None and not split:
             s.reason = "length"  # the engine's own limit (a prompt near its whole cache)
         if b.matcher is not None and not b.sync_matcher():
+            if constraint is not None:
+                raise ProgramError(grpc.StatusCode.INTERNAL,
+                                   f"branch {b.id}: the {self.rt.engine_kind} engine returned "
+                                   f"output outside the {constraint[0]} constraint (does it "
+                                   f"take structured_outputs? vLLM >= 0.10.2)")
             raise ProgramError(grpc.StatusCode.INTERNAL,
                                f"branch {b.id}: the constraint rejected a masked token")
 

@@ -1,4 +1,4 @@
-"""The engine interface the agent drives. Engines: ``sim`` (here), later ``tiny`` and ``vllm``."""
+"""The engine interface the agent drives. Engines: ``sim``, ``tiny`` and ``vllm``."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ class EngineRequest:
     temperature: float = 0.0
     """0 = greedy; > 0 samples from softmax(logits / temperature), seeded by ``seed``."""
     mask_fn: TokenMaskFn | None = None
-    """Per-step token mask (constrained decoding), honoured by engines with real logits
-    (tiny); the sim engine has none and ignores it."""
+    """Per-step token mask (constrained decoding): tiny applies it to its logits, sim picks
+    the first allowed id at or after its deterministic token; vllm refuses it (it takes
+    grammars per request instead)."""
 
 
 @dataclass(frozen=True, slots=True)

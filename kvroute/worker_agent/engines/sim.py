@@ -15,20 +15,33 @@ times ``time_scale`` (``time_scale = 0`` still yields to the event loop).
 
 Output tokens are deterministic (see :func:`sim_tokens`): the same prompt and seed always give
 the same tokens, whatever the cache state, batch or timing.
+
+Token masks (``EngineRequest.mask_fn``, constrained decoding): the sim has no logits, so under
+a mask its token ``t = sim_token(base, step, vocab_size)`` becomes the first allowed id at or
+after ``t``, cycling past the end of the vocabulary to 0 (:func:`masked_token`) -- still
+deterministic for a given prompt, seed and mask sequence. As on the tiny engine, a mask that
+allows no token, is too short, or a ``mask_fn`` that raises fails only that request with
+:class:`~kvroute.worker_agent.engines.base.EngineError`; ``None`` means no constraint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from kvroute.core.blocks import tokens_to_bytes
+from kvroute.worker_agent.engines.base import EngineError
 from kvroute.worker_agent.engines.batching import BatchingEngine, EngineStats, Seq
+
+log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _h64 = xxhash.xxh3_64_intdigest
@@ -49,6 +62,16 @@ def sim_tokens(token_ids: Sequence[int], seed: int, n: int, vocab_size: int) -> 
     """The first ``n`` tokens the sim generates for this prompt and seed (ignoring stops)."""
     base = sim_token_base(token_ids, seed)
     return [sim_token(base, t, vocab_size) for t in range(n)]
+
+
+def masked_token(t: int, allowed: npt.NDArray[np.bool_]) -> int | None:
+    """The first ``i >= t`` with ``allowed[i]``, else the first ``i < t`` (cyclic); None if
+    ``allowed`` has no True entry."""
+    rest = allowed[t:]
+    if rest.any():
+        return t + int(rest.argmax())
+    head = allowed[:t]
+    return int(head.argmax()) if head.any() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +132,35 @@ class SimEngine(BatchingEngine):
         request = fields["request"]
         return _Seq(**fields, base=sim_token_base(fields["tokens"], request.seed))
 
-    async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int) -> Sequence[int]:
+    async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int
+                           ) -> Sequence[int | BaseException]:
         cfg = self.config
         step_s = (cfg.prefill_s_per_token * prefill_tokens + cfg.decode_step_base_s
                   + cfg.decode_step_per_seq_s * len(seqs))
         await asyncio.sleep(step_s * cfg.time_scale)
         vocab = cfg.vocab_size
-        return [sim_token(cast(_Seq, seq).base, seq.n_out, vocab) for seq in seqs]
+        return [0 if seq.done else self._choose(cast(_Seq, seq), vocab) for seq in seqs]
+
+    def _choose(self, seq: _Seq, vocab: int) -> int | BaseException:
+        """The sim token, moved to the first allowed id under a mask (module doc)."""
+        t = sim_token(seq.base, seq.n_out, vocab)
+        req = seq.request
+        if req.mask_fn is None:
+            return t
+        step = seq.n_out
+        try:
+            allowed = req.mask_fn(step, seq.tokens[seq.prompt_len:])
+        except Exception as exc:
+            log.exception("mask_fn of request %s failed", req.request_id)
+            return EngineError(f"request {req.request_id}: mask_fn failed: {exc!r}")
+        if allowed is None:
+            return t
+        mask = np.asarray(allowed, dtype=bool)
+        if mask.ndim != 1 or mask.shape[0] < vocab:
+            return EngineError(f"request {req.request_id}: mask of shape {mask.shape}, need a "
+                               f"1-d mask of >= {vocab} entries")
+        tok = masked_token(t, mask[:vocab])
+        if tok is None:
+            return EngineError(f"request {req.request_id}: token mask at step {step} allows "
+                               "no token")
+        return tok

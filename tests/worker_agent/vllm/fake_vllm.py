@@ -15,7 +15,13 @@
   ``prompt_tokens_details.cached_tokens``), ``GET /metrics`` (vLLM's metric names),
   ``POST /reset_prefix_cache``; and, for tests only, ``/control/*``: ``state`` (the cached
   blocks as kvroute keys, computed independently of the agent), ``drop``, ``inject``,
-  ``evict``.
+  ``evict``, ``requests`` (every completion request body received, in order).
+* **Structured outputs:** ``structured_outputs`` is accepted and recorded, but this fake does
+  NOT enforce grammars (real vLLM does, with its guidance backend). Only so that programs
+  can be tested, it answers a ``choice`` with the first option, and a ``regex`` that is a
+  plain literal or an alternation of literals (``a|b\\.c``) with the first alternative, as
+  ``--tokenizer`` token ids, ending with finish_reason "stop" (as vLLM does when the grammar
+  is complete); ``json`` / ``grammar`` are ignored (the usual made-up tokens).
 
 Run: ``python -m tests.worker_agent.vllm.fake_vllm --http-port P --events-port E ...``; it
 prints one line ``READY {json}`` when serving and stops on SIGTERM.
@@ -30,6 +36,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import signal
 import sys
 import time
@@ -38,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvroute.core import tokenizer as tokenizers
 from kvroute.core.blocks import BlockHasher
 from tests.worker_agent.vllm.vllm_wire import FrameForwarder, load_kv_events, vllm_sources
 
@@ -87,6 +95,9 @@ class FakeVllm:
         self.published = 0
         self.pending: list[Any] = []  # events of the current step
         self.next_rid = 0
+        self.received: list[dict[str, Any]] = []  # completion request bodies, in order
+        self.tokenizer = tokenizers.ByteTokenizer() if args.tokenizer == "byte" \
+            else tokenizers.GPT2Tokenizer()
 
     # -- cache -------------------------------------------------------------------------------
 
@@ -227,6 +238,20 @@ class FakeVllm:
 
     # -- generation --------------------------------------------------------------------------
 
+    def forced(self, so: Any) -> list[int] | None:
+        """Tokens answering a ``choice`` or literal-alternation ``regex`` (NOT grammar
+        enforcement: see the module doc); None for anything else."""
+        if not isinstance(so, dict):
+            return None
+        text = None
+        if isinstance(so.get("choice"), list) and so["choice"]:
+            text = str(so["choice"][0])
+        elif isinstance(so.get("regex"), str):
+            first = re.sub(r"\\(.)", r"\1", so["regex"].split("|")[0])
+            if re.fullmatch(so["regex"], first):
+                text = first
+        return list(self.tokenizer.encode(text)) if text else None
+
     async def generate(self, body: dict[str, Any], write: Any) -> None:
         prompt = body.get("prompt")
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
@@ -238,6 +263,8 @@ class FakeVllm:
                  seed=int(body.get("seed") or 0),
                  stop=frozenset(body.get("stop_token_ids") or ()))
         self.next_rid += 1
+        self.received.append(body)
+        forced = self.forced(body.get("structured_outputs"))
         token_ids = bool(body.get("return_token_ids")) and not self.a.no_return_token_ids
         as_ids = body.get("logprobs") is not None and body.get("return_tokens_as_token_ids")
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -255,17 +282,17 @@ class FakeVllm:
             base = (sum(r.prompt) * 31 + r.seed) % self.a.vocab
             for t in range(r.max_tokens):
                 await asyncio.sleep(self.a.step_s)
-                tok = (base + 7919 * t) % self.a.vocab
+                tok = (base + 7919 * t) % self.a.vocab if forced is None else forced[t]
                 out.append(tok)
                 self.commit(r, r.prompt + out, len(r.prompt) + len(out) - 1)
                 self.flush()
-                if tok in r.stop:
+                if tok in r.stop or (forced is not None and len(out) == len(forced)):
                     finish = "stop"
                 elif len(out) == r.max_tokens:
                     finish = "length"
                 choice: dict[str, Any] = {"index": 0, "text": f" t{tok}", "logprobs": None,
                                           "finish_reason": finish, "stop_reason":
-                                          tok if finish == "stop" else None}
+                                          tok if tok in r.stop else None}
                 if token_ids:
                     choice["prompt_token_ids"] = r.prompt if t == 0 else None
                     choice["token_ids"] = [tok]
@@ -345,6 +372,8 @@ async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWrite
             await _respond(w, 200, json.dumps({
                 "keys": fake.truth(), "published": fake.published,
                 "forwarded": fake.fwd.forwarded, "dropped": fake.fwd.dropped}).encode())
+        elif method == "GET" and path == "/control/requests":
+            await _respond(w, 200, json.dumps(fake.received).encode())
         elif method == "POST" and path == "/control/drop":
             fake.fwd.drop(body.get("seqs", ()), int(body.get("next", 0)))
             await _respond(w, 200, b"{}")
@@ -424,6 +453,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--buffer-steps", type=int, default=10_000)
     ap.add_argument("--step-s", type=float, default=0.001)
     ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--tokenizer", choices=("byte", "gpt2"), default="byte",
+                    help="encodes the answers to choice / literal-regex structured outputs")
     ap.add_argument("--int-hashes", action="store_true")
     ap.add_argument("--no-return-token-ids", action="store_true", help="act as vLLM < 0.10.2")
     ap.add_argument("--old-metrics", action="store_true", help="vllm:gpu_cache_usage_perc")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,7 +18,7 @@ from kvroute.worker_agent.engines.base import (
     TokenChunk,
 )
 from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
-from kvroute.worker_agent.engines.vllm.openai import CompletionsClient
+from kvroute.worker_agent.engines.vllm.openai import CompletionsClient, structured_outputs
 from kvroute.worker_agent.engines.vllm.prom import MetricsPoller
 from kvroute.worker_agent.engines.vllm.subscriber import (
     BatchSink,
@@ -71,6 +71,8 @@ class _Inflight:
 class VllmEngine(BatchSink):
     """Implements the :class:`~kvroute.worker_agent.engines.base.Engine` protocol."""
 
+    kind = "vllm"
+
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -113,7 +115,11 @@ class VllmEngine(BatchSink):
         await self.metrics.stop()
         await self.client.aclose()
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, request: EngineRequest, *,
+                       constraint: tuple[str, str | Sequence[str]] | None = None
+                       ) -> AsyncIterator[TokenChunk]:
+        """``constraint``: ``(kind, source)`` of a controller program's constrained gen (kind
+        json_schema, regex, lark or choices), sent as vLLM structured outputs."""
         if not self._started:
             raise EngineError("engine not started")
         prompt = list(request.token_ids)
@@ -124,6 +130,7 @@ class VllmEngine(BatchSink):
             # Masks are computed per step in-process; vLLM only takes whole grammars
             # (structured outputs), which the controller runtime must send instead.
             raise EngineError("the vllm engine cannot apply per-step token masks")
+        structured = structured_outputs(*constraint) if constraint is not None else None
         # What vLLM will most likely hit: the cached prefix, short of the last token (vLLM
         # always computes at least one). Exact figure: vLLM's usage, on the last chunk.
         hit_cap = (n - 1) // self.block_size * self.block_size
@@ -141,7 +148,7 @@ class VllmEngine(BatchSink):
                     request.request_id, token_ids=prompt, max_tokens=request.max_tokens,
                     temperature=request.temperature, seed=request.seed,
                     stop_token_ids=request.stop_token_ids, cache_salt=request.cache_salt,
-                    report_reused=self._report_reused()):
+                    report_reused=self._report_reused(), structured=structured):
                 if c.usage:
                     # vLLM's exact hit arrives after the finish chunk: put it on the last one.
                     if held is not None and c.cached_tokens is not None:
@@ -182,6 +189,15 @@ class VllmEngine(BatchSink):
 
     def cached_keys(self) -> list[int]:
         return self.blocks.cached_keys()
+
+    def cached_blocks(self, token_ids: Sequence[int], cache_salt: str = "") -> int:
+        """Leading full blocks of ``token_ids`` in vLLM's cache, as far as its events tell."""
+        n = len(token_ids) // self.block_size * self.block_size
+        try:
+            keys = self.blocks.hasher(cache_salt).keys(list(token_ids[:n]))
+        except OverflowError:
+            return 0
+        return self.blocks.longest_prefix(keys)
 
     def add_listener(self, listener: CacheListener) -> None:
         self._listeners.append(listener)

@@ -5,7 +5,18 @@ Request (checked against vLLM 0.33.0's ``CompletionRequest``)::
     {"model": M, "prompt": [token ids], "max_tokens": n, "temperature": t, "stream": true,
      "stream_options": {"include_usage": true}, "return_token_ids": true,
      "seed": s (if set), "stop_token_ids": [...] (if any), "cache_salt": salt (if any),
-     "vllm_xargs": {"kv_cache_report_mode": "full"} (when asked to re-report reused blocks)}
+     "vllm_xargs": {"kv_cache_report_mode": "full"} (when asked to re-report reused blocks),
+     "structured_outputs": {"json"|"regex"|"grammar"|"choice": ...} (a constrained gen)}
+
+* Structured outputs (a controller program's constrained gen, see :func:`structured_outputs`)
+  are sent in the current form only, ``structured_outputs`` (vLLM >= 0.10.2; the older
+  ``guided_json`` / ``guided_regex`` / ``guided_grammar`` / ``guided_choice`` fields were
+  removed in vLLM 0.12). There is no wire fallback: vLLM ignores unknown fields, so an older
+  server would generate unconstrained; the program runtime checks every constrained output
+  against the same constraint (llguidance, locally) and fails the program instead of
+  returning output outside it. Start vLLM with the llguidance backend
+  (``--structured-outputs-config.backend guidance``) so that both sides agree on Lark
+  grammars and JSON-schema semantics.
 
 * Token ids back: ``return_token_ids`` (vLLM >= 0.10.2) puts the delta ids in
   ``choices[0].token_ids`` of every chunk. A server that ignores it (older vLLM) is detected
@@ -24,7 +35,7 @@ Request (checked against vLLM 0.33.0's ``CompletionRequest``)::
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +53,23 @@ class Chunk:
     cached_tokens: int | None = None  # from the usage chunk (last)
     prompt_tokens: int | None = None
     usage: bool = False  # the final usage chunk
+
+
+_STRUCTURED_KEYS = {"json_schema": "json", "regex": "regex", "lark": "grammar",
+                    "choices": "choice"}
+
+
+def structured_outputs(kind: str, source: str | Sequence[str]) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` for one controller-program constraint: ``json_schema`` ->
+    ``json`` (the parsed schema), ``regex`` -> ``regex``, ``lark`` -> ``grammar``, ``choices``
+    -> ``choice`` (the options)."""
+    key = _STRUCTURED_KEYS.get(kind)
+    if key is None:
+        raise ValueError(f"no vLLM structured output for constraint kind {kind!r}")
+    if kind == "choices":
+        return {key: list(source)}
+    assert isinstance(source, str)
+    return {key: json.loads(source) if kind == "json_schema" else source}
 
 
 class _NoTokenIdsError(Exception):
@@ -64,7 +92,8 @@ class CompletionsClient:
 
     def body(self, token_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
              seed: int = 0, stop_token_ids: frozenset[int] = frozenset(), cache_salt: str = "",
-             report_reused: bool = False) -> dict[str, Any]:
+             report_reused: bool = False, structured: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
         b: dict[str, Any] = {
             "model": self.model, "prompt": token_ids, "max_tokens": max_tokens,
             "temperature": temperature,  # 0 = greedy, as in EngineRequest
@@ -83,6 +112,8 @@ class CompletionsClient:
             b["cache_salt"] = cache_salt
         if report_reused:
             b["vllm_xargs"] = {"kv_cache_report_mode": "full"}
+        if structured:
+            b["structured_outputs"] = structured
         return b
 
     async def stream(self, request_id: str, **kw: Any) -> AsyncIterator[Chunk]:

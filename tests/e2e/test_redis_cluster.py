@@ -1,0 +1,100 @@
+"""The whole path over a real 3-node Redis Cluster: every key of a model in one slot."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvroute.core.redis_schema import RedisKeys
+from kvroute.router.server import RouterApp
+from kvroute.worker_agent.server import AgentApp
+from tests.conftest import agent_config, router_config
+from tests.support import RedisProc, free_port, generate, redis_binary, wait_for
+
+
+def redis_cli() -> str:
+    found = shutil.which("redis-cli") or str(Path(redis_binary()).with_name("redis-cli"))
+    if not Path(found).exists():
+        pytest.fail("redis-cli not found: apt-get install redis-tools")
+    return found
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is valid and free too."""
+    for _ in range(1000):
+        p = free_port()
+        if p + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 10000))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@pytest.fixture
+def redis_cluster() -> Iterator[list[int]]:
+    """Three cluster-enabled redis-servers joined with `redis-cli --cluster create`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        nodes = [RedisProc(port=cluster_port()) for _ in range(3)]
+        for n in nodes:
+            n.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
+                       f"nodes-{n.port}.conf", "--dir", tmp]
+        try:
+            for n in nodes:
+                n.start()
+            subprocess.run([redis_cli(), "--cluster", "create",
+                            *(f"127.0.0.1:{n.port}" for n in nodes), "--cluster-replicas", "0",
+                            "--cluster-yes"], check=True, capture_output=True, timeout=60)
+            rc = redis.RedisCluster(host="127.0.0.1", port=nodes[0].port)
+            deadline = time.monotonic() + 20
+            while rc.cluster_info().get("cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    pytest.fail("the redis cluster never reached state ok")
+                time.sleep(0.05)
+            rc.close()
+            yield [n.port for n in nodes]
+        finally:
+            for n in nodes:
+                n.stop()
+
+
+async def test_routing_over_a_redis_cluster(redis_cluster: list[int]) -> None:
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[1]}"
+    agents = [AgentApp(agent_config(url, f"w{i}")) for i in range(2)]
+    router = RouterApp(router_config(url))
+    try:
+        for a in agents:
+            await a.start()
+        await router.start(wait_for_redis_s=10)
+        await wait_for(lambda: len(router.registry.loads) == 2, 15, "workers via the cluster")
+        rng = random.Random(1)
+        shared = [rng.randrange(50257) for _ in range(1024)]
+        first = await generate(router.port, [*shared, 1, 2, 3])
+        w = first[0].worker_id
+        await wait_for(lambda: router.mirror.index.count(w) >= 64, 10, "feed over the cluster")
+        second = await generate(router.port, [*shared, 4, 5, 6])
+        assert second[0].worker_id == w and second[0].cached_tokens >= 1008
+        # Every key kvroute wrote lives in the one slot of the model's hash tag.
+        keys = RedisKeys("default")
+        rc = redis.RedisCluster(host="127.0.0.1", port=redis_cluster[0])
+        slot = rc.keyslot(keys.feed)
+        names = [keys.feed, keys.workers, keys.snapshot(w), keys.meta(w), keys.heartbeat(w)]
+        assert {rc.keyslot(n) for n in names} == {slot}
+        assert rc.exists(*names) == len(names)
+        rc.close()
+    finally:
+        await router.stop(grace_s=0.5)
+        for a in agents:
+            await a.stop(grace_s=0.5)

@@ -1,0 +1,122 @@
+"""Controller programs on ``--engine vllm``: a real router -> a real agent -> the fake vLLM
+(tests/worker_agent/vllm/fake_vllm.py). Constrained gens go as ``structured_outputs``; the
+fake does not enforce grammars (real vLLM does): it answers a ``choice`` with the first
+option, which is all these tests need. What the fake received is the oracle for the
+requests the runtime made."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from kvroute.v1 import program_pb2 as P  # noqa: N812 - short name for step builders
+from tests.e2e.test_programs import back, fork, gen, results, run
+from tests.support import wait_for
+
+W = "v0"
+PROMPT = list(b"Question: which colour is the sky on a clear day? Options: blue, red, green."
+              b" Answer:  ")  # 86 tokens: 5 full blocks of 16
+CHOICES = ["blue", "red", "green"]
+
+
+async def start(cluster, fake):
+    agent = await cluster.agent(W, engine="vllm", vllm_url=fake.url, vllm_events=fake.events,
+                                vllm_replay=fake.replay, vllm_model="fake-model",
+                                tokenizer="byte", vocab_size=258)
+    await asyncio.wait_for(agent.engine.events.ready.wait(), 5)
+    router = await cluster.router(vocab_size=258)
+    await wait_for(lambda: W in router.registry.loads, what="agent registered")
+    return agent, router
+
+
+def received(fake) -> list[dict[str, Any]]:
+    return httpx.get(fake.url + "/control/requests").json()
+
+
+async def test_fork_choice_select_through_a_router_with_cached_tokens_from_usage(
+        cluster, fake_vllm) -> None:
+    fake = fake_vllm("--vocab", "258")
+    agent, router = await start(cluster, fake)
+    assert len(PROMPT) == 86
+    # The warm-up request's stored blocks never reach the agent: its prediction for the
+    # children stays 0, so the 80 they report can only come from vLLM's usage.
+    fake.drop(next_n=1)
+    choose = P.Constraint(choices=P.Choices(options=CHOICES))
+    steps = [fork([gen(10, temperature=1.0, constraint=choose, capture="answer")], n=3,
+                  select=P.SELECT_MODE_BEST_LOGPROB)]
+    resps = await run(router.port, steps, prompt=PROMPT, seed=7, router=True)
+    assert {r.worker_id for r in resps} == {W}
+    res = results(resps)
+    assert set(res) == {"0.0", "0.1", "0.2"}
+    kept = [r for r in res.values() if r.selected]
+    assert [r.branch_id for r in kept] == ["0.0"]  # no logprobs from vllm: ties keep the first
+    for r in res.values():
+        v = r.variables["answer"]
+        assert v.text == "blue" and v.complete and bytes(r.token_ids) == b"blue"
+        assert r.cached_tokens == 80 and r.prefill_tokens == 6 and r.engine_requests == 1
+    assert resps[-1].usage.cached_tokens == 0  # the root's warm-up request: a cold cache
+    reqs = received(fake)
+    assert len(reqs) == 4
+    warm, children = reqs[0], reqs[1:]
+    assert warm["prompt"] == PROMPT and warm["max_tokens"] == 1
+    assert "structured_outputs" not in warm
+    for body in children:
+        assert body["prompt"] == PROMPT  # the branch's whole sequence: vLLM's prefix cache
+        assert body["structured_outputs"] == {"choice": CHOICES}
+        assert body["max_tokens"] == 10 and body["temperature"] == 1.0
+        assert 256 in body["stop_token_ids"]  # the vocabulary's eos
+    assert len({body["seed"] for body in children}) == 3  # siblings sample differently
+    await wait_for(lambda: agent.engine.load().running == 0, what="requests done")
+
+
+async def test_backtrack_and_fast_forward_resubmit_the_edited_prompt(cluster, fake_vllm
+                                                                     ) -> None:
+    fake = fake_vllm("--vocab", "258")
+    _, router = await start(cluster, fake)
+    ff = P.Step(fast_forward=P.FastForward(tokens=P.TokenIds(ids=[65, 66, 67])))
+    res = results(await run(router.port, [gen(6, capture="x"), back(2), ff,
+                                          gen(4, capture="y")], prompt=PROMPT, router=True))
+    x, y = list(res["0"].variables["x"].token_ids), list(res["0"].variables["y"].token_ids)
+    assert len(x) == 6 and len(y) == 4
+    assert list(res["0"].token_ids) == [*x[:4], 65, 66, 67, *y]
+    assert res["0"].engine_requests == 2
+    first, second = received(fake)
+    assert first["prompt"] == PROMPT and first["max_tokens"] == 6
+    # One resubmission, its prompt edited next to the engine: 2 tokens dropped, 3 appended.
+    assert second["prompt"] == [*PROMPT, *x[:4], 65, 66, 67] and second["max_tokens"] == 4
+    # A regex answered as a literal, and the second request hit the first one's blocks.
+    lit = P.Constraint(regex="sky|cloud")
+    res = results(await run(router.port, [ff, gen(8, constraint=lit, capture="w")],
+                            prompt=PROMPT, router=True))
+    assert res["0"].variables["w"].text == "sky" and res["0"].variables["w"].complete
+    assert received(fake)[-1]["structured_outputs"] == {"regex": "sky|cloud"}
+    assert res["0"].cached_tokens == 80
+
+
+async def test_vllm_refuses_what_it_cannot_do_and_checks_what_it_returns(cluster, fake_vllm
+                                                                          ) -> None:
+    fake = fake_vllm("--vocab", "258")
+    agent, router = await start(cluster, fake)
+    # continue_constraint needs the grammar state mid-region: refused before any request.
+    steps = [gen(3, constraint=P.Constraint(regex="[0-9]{9}")),
+             gen(3, continue_constraint=True)]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await run(router.port, steps, prompt=PROMPT, router=True)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "continue_constraint" in err.value.details()
+    assert received(fake) == []
+    # The fake ignores JSON schemas (as a vLLM too old for structured_outputs would): the
+    # runtime's own check of the output fails the program instead of returning it (asked of
+    # the agent directly: a router reports any mid-stream failure as UNAVAILABLE).
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json_gen = gen(12, constraint=P.Constraint(json_schema=json.dumps(schema)))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await run(agent.port, [json_gen], prompt=PROMPT)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "structured_outputs" in err.value.details()
+    assert received(fake)[0]["structured_outputs"] == {"json": schema}
