@@ -245,6 +245,11 @@ def test_agent_only_mode(rendered: dict[str, str]) -> None:
     # One router replica: a PDB would block every node drain, so there is none.
     assert not m.of("PodDisruptionBudget")
     assert "--capacity-blocks" not in argv  # a sim-engine flag
+    # An external Redis Cluster: router and agents get a URL kvroute opens as a cluster.
+    router_env = env_of(container(m.one("Deployment", "-router"), "router"))
+    agent_env = env_of(container(sts, "agent"))
+    for env in (router_env, agent_env):
+        assert env["KVROUTE_REDIS"] == "redis+cluster://redis-cluster.data.svc:6379"
 
 
 def test_agent_only_sim_engine(helm: Path) -> None:

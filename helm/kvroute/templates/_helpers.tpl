@@ -117,7 +117,7 @@ redis://{{ $auth }}{{ include "kvroute.redisName" . }}:6379/0
 {{- if $e.tls.clientSecret }}{{ $q = append $q (printf "ssl_certfile=%s/client/tls.crt" (include "kvroute.redisTlsDir" .)) }}{{ $q = append $q (printf "ssl_keyfile=%s/client/tls.key" (include "kvroute.redisTlsDir" .)) }}{{ end -}}
 {{- if $e.tls.insecureSkipVerify }}{{ $q = append $q "ssl_cert_reqs=none" }}{{ $q = append $q "ssl_check_hostname=false" }}{{ end -}}
 {{- end -}}
-{{ ternary "rediss" "redis" $e.tls.enabled }}://{{ $auth }}{{ required "redis.mode=external needs redis.external.host" $e.host }}:{{ $e.port }}/{{ $e.db }}{{ if $q }}?{{ join "&" $q }}{{ end }}
+{{ ternary "rediss" "redis" $e.tls.enabled }}{{ if $e.cluster }}+cluster{{ end }}://{{ $auth }}{{ required "redis.mode=external needs redis.external.host" $e.host }}:{{ $e.port }}{{ if not $e.cluster }}/{{ $e.db }}{{ end }}{{ if $q }}?{{ join "&" $q }}{{ end }}
 {{- end -}}
 {{- end -}}
 
