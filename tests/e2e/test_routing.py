@@ -200,3 +200,22 @@ async def test_predicted_entries_keep_a_burst_together(cluster) -> None:
     r = await route(router.port, shared + prompt(32, 42))
     assert r.worker_id == predicted and r.cached_tokens >= 2048
     assert (await first)[0].worker_id == predicted
+
+
+async def test_router_replicas_share_one_view(cluster) -> None:
+    """Two router replicas on one Redis: a prefix cached through one is routed to by the
+    other, and both count the same workers and blocks."""
+    for i in range(3):
+        await cluster.agent(f"w{i}")
+    r1 = await cluster.router()
+    r2 = await cluster.router()
+    await wait_for(lambda: len(r1.registry.loads) == len(r2.registry.loads) == 3,
+                   what="both replicas see 3 workers")
+    tokens = prompt(1536, 50)
+    first = await generate(r1.port, tokens + prompt(20, 51))
+    w = first[0].worker_id
+    await wait_for(lambda: r2.mirror.index.count(w) >= 96, what="replica 2 saw the blocks")
+    second = await generate(r2.port, tokens + prompt(20, 52))
+    assert second[0].worker_id == w and second[0].cached_tokens >= 1536
+    await wait_for(lambda: r1.mirror.index.keys_of(w) == r2.mirror.index.keys_of(w),
+                   what="identical mirrors")
