@@ -18,10 +18,12 @@ class KvrouteCost:
         cost_w = beta * work(P - c_w, c_w)                  # the prefill this request adds
                + pending_w                                   # prefill queued ahead on w
                + decode_weight * max(running_w, inflight_w)  # the decode batch it joins
-               + kv_weight * kv_usage_w * capacity_tokens_w  # KV held by running sequences
+               + kv * kv_usage_w * capacity_tokens_w         # KV held by running sequences
 
         work(n, c) = n * (1 + attn * (c + n / 2))            # n new tokens after c cached
-        beta       = miss_weight * (1 + stickiness * mean_w(queued_w))
+        q          = mean_w(queued_w)                        # the cluster's mean queue
+        beta       = miss_weight * (1 + stickiness * q)
+        kv         = kv_weight / (1 + kv_decay * q)
 
     ``P`` is the prompt length, ``c_w`` the tokens of its longest prefix cached on ``w``
     (matched blocks x block size), the rest comes from the load view (``inflight_w``, this
@@ -40,23 +42,27 @@ class KvrouteCost:
       prefixes where they are cached instead of thrashing every cache (which is how
       load-chasing policies collapse).
     * A worker whose KV blocks are held by running sequences admits new work only as those
-      finish, whatever its queue says: ``kv_usage`` predicts that wait.
+      finish, whatever its queue says: ``kv_usage`` predicts that wait. Once queues form,
+      every worker's KV is full and the term only pushes requests off their caches, so it
+      fades as the mean queue grows.
 
-    Parameters (tuned with ``kvroute replay`` on the Mooncake trace, 16 workers, 50-95% load;
-    see README):
+    Parameters (tuned with ``bench/policy_jitter.py`` on the Mooncake trace and the four
+    generated workloads, 16 workers, 50-95% load; see README):
         miss_weight: weight of this request's prefill against queued work (default 2.0).
-        stickiness: growth of ``beta`` per request queued on the average worker (0.5).
+        stickiness: growth of ``beta`` per request queued on the average worker (1.0).
         decode_weight: prefill tokens one running sequence is worth (32).
         kv_weight: fraction of a full worker's KV tokens charged at 100% usage (0.1).
+        kv_decay: how fast the KV term fades per request queued on the average worker (1.0).
         attn: attention cost per context token relative to a token's linear cost:
             2.8e-9 s / 8.6e-5 s = 3.3e-5 for Llama-3.1-8B on an A100
             (``simulations/costmodel.py``).
     """
 
     miss_weight: float = 2.0
-    stickiness: float = 0.5
+    stickiness: float = 1.0
     decode_weight: float = 32.0
     kv_weight: float = 0.1
+    kv_decay: float = 1.0
     attn: float = 3.3e-5
     name: str = "kvroute"
 
@@ -69,7 +75,8 @@ class KvrouteCost:
             return []
         mean_queued = sum(ld.queued for ld in loads.values()) / len(loads)
         beta = self.miss_weight * (1.0 + self.stickiness * mean_queued)
-        dw, kw, attn = self.decode_weight, self.kv_weight, self.attn
+        kw = self.kv_weight / (1.0 + self.kv_decay * mean_queued)
+        dw, attn = self.decode_weight, self.attn
         full_miss = beta * p * (1.0 + attn * p / 2)  # most workers match nothing
         # kw * kv_usage * capacity tokens == kw * blocks held * block size
         costs = {
