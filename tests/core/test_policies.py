@@ -93,3 +93,21 @@ def test_every_policy_ranks_every_worker() -> None:
     for name in REGISTRY:
         ranked = make_policy(name).rank(q({"w3": 8}, loads))
         assert sorted(s.worker for s in ranked) == sorted(loads), name
+
+
+def test_kvroute_keeps_prefix_families_apart_under_overload() -> None:
+    """Calm: load decides among uncached workers. Overloaded: the request's rendezvous
+    order does, even against a little extra queue."""
+    from kvroute.core.policies import tie_break
+
+    names = [f"w{i}" for i in range(4)]
+    aff = 12345
+    preferred = min(names, key=lambda w: tie_break(aff, w))
+    last = max(names, key=lambda w: tie_break(aff, w))
+
+    def loads(queued: int) -> dict[str, WorkerLoad]:
+        return {w: WorkerLoad(queued=queued, pending_prefill_tokens=0 if w == last else 200)
+                for w in names}
+
+    assert KvrouteCost().rank(q({}, loads(0), affinity=aff))[0].worker == last
+    assert KvrouteCost().rank(q({}, loads(6), affinity=aff))[0].worker == preferred

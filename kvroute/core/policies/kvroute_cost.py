@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost
+from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost, tie_break
 
 
 @dataclass(slots=True)
@@ -19,11 +19,13 @@ class KvrouteCost:
                + pending_w                                   # prefill queued ahead on w
                + decode_weight * max(running_w, inflight_w)  # the decode batch it joins
                + kv * kv_usage_w * capacity_tokens_w         # KV held by running sequences
+               + affinity_weight * max(0, q - 1) * P * r_w   # keep prefix families apart
 
         work(n, c) = n * (1 + attn * (c + n / 2))            # n new tokens after c cached
         q          = mean_w(queued_w)                        # the cluster's mean queue
         beta       = miss_weight * (1 + stickiness * q)
         kv         = kv_weight / (1 + kv_decay * q)
+        r_w        = w's rank in the request's rendezvous order / (workers - 1)   # 0..1
 
     ``P`` is the prompt length, ``c_w`` the tokens of its longest prefix cached on ``w``
     (matched blocks x block size), the rest comes from the load view (``inflight_w``, this
@@ -45,6 +47,11 @@ class KvrouteCost:
       finish, whatever its queue says: ``kv_usage`` predicts that wait. Once queues form,
       every worker's KV is full and the term only pushes requests off their caches, so it
       fades as the mean queue grows.
+    * Under overload, caches thrash unless each prefix family keeps to a few workers (what
+      consistent hashing gets right, and load-chasing policies lose). Once the mean queue
+      passes one request, each worker is charged in proportion to how far it lies from the
+      front of the request's rendezvous order (session or first block), so families settle
+      on their own workers while load still decides among near equals.
 
     Parameters (tuned with ``bench/policy_jitter.py`` on the Mooncake trace and the four
     generated workloads, 16 workers, 50-95% load; see README):
@@ -53,6 +60,8 @@ class KvrouteCost:
         decode_weight: prefill tokens one running sequence is worth (32).
         kv_weight: fraction of a full worker's KV tokens charged at 100% usage (0.1).
         kv_decay: how fast the KV term fades per request queued on the average worker (1.0).
+        affinity_weight: prompt tokens charged per queued request (past the first) for the
+            last worker in the rendezvous order (0.5).
         attn: attention cost per context token relative to a token's linear cost:
             2.8e-9 s / 8.6e-5 s = 3.3e-5 for Llama-3.1-8B on an A100
             (``simulations/costmodel.py``).
@@ -63,6 +72,7 @@ class KvrouteCost:
     decode_weight: float = 32.0
     kv_weight: float = 0.1
     kv_decay: float = 1.0
+    affinity_weight: float = 0.5
     attn: float = 3.3e-5
     name: str = "kvroute"
 
@@ -90,4 +100,10 @@ class KvrouteCost:
                 c = min(m * bs, p)
                 n = p - c
                 costs[w] += beta * n * (1.0 + attn * (c + n / 2)) - full_miss
+        spread = self.affinity_weight * (mean_queued - 1.0) * p
+        if spread > 0 and len(costs) > 1:  # only under load: the ordering costs a hash each
+            aff = query.affinity
+            step = spread / (len(costs) - 1)
+            for r, w in enumerate(sorted(costs, key=lambda w: tie_break(aff, w))):
+                costs[w] += r * step
         return rank_by_cost(query, costs)
