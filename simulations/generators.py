@@ -498,20 +498,16 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
 
 
 def infinite_cache_hit_ratio(records: Sequence[dict]) -> float:
-    """Fraction of prompt tokens that are prefix hits with an infinite cache (requests in
-    timestamp order; a request hits the leading run of its ids seen before)."""
-    seen: set[int] = set()
-    hit = total = 0
-    for r in sorted(records, key=lambda r: r["timestamp"]):
-        bs = r.get("block_size", 512)
-        length = r["input_length"]
-        total += length
-        for i, h in enumerate(r["hash_ids"]):
-            if h not in seen:
-                break
-            hit += min(bs, length - i * bs)
-        seen.update(r["hash_ids"])
-    return hit / total if total else 0.0
+    """Fraction of prompt tokens an unbounded cache would serve, as the replay simulator
+    counts it (:func:`simulations.metrics.infinite_cache_hits`: full blocks only, one prompt
+    token always computed)."""
+    from simulations.metrics import hit_ratio, infinite_cache_hits
+    from simulations.trace import parse
+
+    if not records:
+        return 0.0
+    trace = parse([json.dumps(r) for r in records], source="<generated>", strict=True)
+    return hit_ratio(trace, infinite_cache_hits(trace))
 
 
 # --- command line -----------------------------------------------------------------------

@@ -57,6 +57,7 @@ class WorkerRegistry:
             w: WorkerInfo(w, a, static=True) for w, a in static.items()
         }
         self.loads: dict[str, WorkerLoad] = {}
+        self._down: set[str] = set()  # marked down after a failed forward
         self._gate: dict[str, str] | None = None  # worker id -> address; None = no gate
         self._gate_known: frozenset[str] = frozenset()
         self._gate_warned: set[str] = set()
@@ -200,12 +201,20 @@ class WorkerRegistry:
         if info is not None:
             info.down_until = time.monotonic() + down_s
             self.loads.pop(worker, None)
+            self._down.add(worker)
 
     def revive_due(self) -> None:
-        """Put workers whose down period ended back into ``loads``."""
+        """Put workers whose down period ended back into ``loads``. Called per routing
+        decision, so it looks only at the workers marked down (usually none)."""
+        if not self._down:
+            return
         now = time.monotonic()
-        for w, info in self._workers.items():
-            if w not in self.loads and info.down_until <= now:
+        for w in list(self._down):
+            info = self._workers.get(w)
+            if info is None:
+                self._down.discard(w)
+            elif info.down_until <= now:
+                self._down.discard(w)
                 self._refresh(w)
 
     def _refresh(self, worker: str) -> None:

@@ -94,14 +94,12 @@ async def test_killed_worker_leaves_routing_and_index(cluster) -> None:
         router = await cluster.router()
         await wait_for(lambda: {"doomed", "survivor"} <= set(router.registry.loads), 20,
                        "both subprocess agents registered")
-        tokens = prompt(640, 7)
         # Warm the doomed worker through the router so its blocks enter the index.
         served = None
         for i in range(8):
             out = await generate(router.port, prompt(640, 100 + i))
             if out[0].worker_id == "doomed":
                 served = out
-                tokens = None
                 break
         assert served is not None, "round of requests never reached 'doomed'"
         await wait_for(lambda: router.mirror.index.count("doomed") > 0, what="doomed indexed")
@@ -112,7 +110,6 @@ async def test_killed_worker_leaves_routing_and_index(cluster) -> None:
         assert "doomed" not in router.mirror.index.workers()
         r = await route(router.port, prompt(100, 8))
         assert [c.worker_id for c in r.candidates] == ["survivor"]
-        assert tokens is None
     finally:
         a.stop()
         b.stop()

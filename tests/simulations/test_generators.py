@@ -218,5 +218,6 @@ def test_infinite_cache_hit_ratio_counts_leading_seen_blocks() -> None:
         {"timestamp": 2, "input_length": 100, "output_length": 1, "hash_ids": [1, 2],
          "block_size": 64},
     ]
-    # hits: 0, then block 1 (64 tokens), then the whole identical prompt (100)
-    assert infinite_cache_hit_ratio(recs) == pytest.approx((64 + 100) / 350)
+    # Only full blocks are cached, as by an engine: hits 0, then block 1 (64 tokens), then
+    # block 1 again (the identical prompt's second block is partial).
+    assert infinite_cache_hit_ratio(recs) == pytest.approx((64 + 64) / 350)

@@ -155,3 +155,14 @@ def test_forks_run_as_programs_prefill_the_shared_prefix_once() -> None:
                 r = progs.requests[i]
                 assert r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64)
     assert all(math.isfinite(r.finished_s) for r in progs.requests)
+
+
+def test_hash_ids_expand_to_tokens_that_share_exactly_the_shared_ids() -> None:
+    from simulations.trace import expand_tokens
+
+    a = expand_tokens([1, 2, 3], 1400, block_size=512)
+    b = expand_tokens([1, 2, 9], 1536, block_size=512)
+    assert len(a) == 1400 and len(b) == 1536
+    assert a[:1024] == b[:1024] and a[1024:1400] != b[1024:1400]
+    assert expand_tokens([1, 2, 3], 1400, block_size=512) == a  # deterministic
+    assert max(a) < 50257

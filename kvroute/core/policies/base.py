@@ -73,9 +73,6 @@ class Ranking(Sequence[Scored]):
     def __iter__(self) -> Iterator[Scored]:
         return map(Scored, self._order, self._costs)
 
-    def workers(self) -> list[str]:
-        return list(self._order)
-
 
 class Policy(Protocol):
     """Ranks candidate workers, best first. Must rank every worker in ``query.loads``."""
