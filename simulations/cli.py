@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--programs", action="store_true",
                    help="run requests sharing a `program` id as one controller program: placed "
                         "once, shared prefix prefilled once, branches beside it")
+    p.add_argument("--max-batch", type=int, default=256,
+                   help="most sequences a worker runs at once (vLLM's --max-num-seqs)")
+    p.add_argument("--no-overflow", action="store_true",
+                   help="with --programs: keep every branch on its program's worker even when "
+                        "it has no room (the router's --no-program-overflow)")
     p.add_argument("--token-block-size", type=int, default=16,
                    help="block size for traces given as token_ids")
     p.add_argument("--tile", type=int, default=1,
@@ -132,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
                        propagation_s=args.propagation_ms / 1000, cost=cost,
-                       predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs)
+                       predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
+                       overflow=not args.no_overflow, max_batch=args.max_batch)
     factories = make_policies(args.policies, args.seed)
     too_big = [i for i, r in enumerate(trace.requests)
                if r.prompt_tokens + r.output_tokens > cap * trace.block_size]

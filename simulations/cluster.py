@@ -95,7 +95,8 @@ class SimWorker:
             inflight=len(self.running) + len(self.waiting), running=len(self.running),
             queued=len(self.waiting), free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
-            pending_prefill_tokens=self.pending_prefill, cached_blocks=cached_blocks)
+            pending_prefill_tokens=self.pending_prefill, cached_blocks=cached_blocks,
+            max_running=self.max_batch)
 
     def submit(self, req: SimRequest, now: float) -> None:
         if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:

@@ -15,7 +15,10 @@ With ``programs``, requests that share a ``program`` id are the branches of one 
 program, run as kvroute's agent runs them: the router places the program once (by its first
 branch's prompt), the agent prefills the branches' longest common prefix once, then runs
 every branch on the same worker against that cached prefix. Without it, each branch is an
-independent request, routed on its own -- what every peer router does.
+independent request, routed on its own -- what every peer router does. With ``overflow``
+(the router's default), a program whose branches do not fit its worker's batch is split as
+the router splits it (:func:`kvroute.core.placement.place_fork`, one branch = weight 1):
+each overflow worker prefills the shared prefix once and runs its branches after it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvroute.core.index import PrefixIndex
+from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
 from kvroute.router.decide import rank_request
@@ -45,6 +49,7 @@ class ClusterSpec:
     propagation_s: float = 0.05
     predict_ttl_s: float = 0.0  # > 0: the router predicts a routed prompt's blocks this long
     programs: bool = False  # run forks as controller programs (see Replayer)
+    overflow: bool = True  # programs: split a fork that does not fit (router's placement)
     cost: CostModel = field(default_factory=CostModel)
 
 
@@ -74,6 +79,7 @@ class Replayer:
             for i in range(spec.workers)]
         self._progress = progress
         self._sample_every = sample_every_s
+        self.overflowed = 0  # program branches placed on another worker than their program's
 
     def _on_event(self, t: float, worker: str, ev: CacheEvent) -> None:
         heapq.heappush(self._events, (t + self.spec.propagation_s, next(self._seq), worker, ev))
@@ -89,8 +95,9 @@ class Replayer:
             elif ev.op is Op.CLEAR:
                 index.clear_worker(worker)
 
-    def _programs(self) -> dict[str, tuple[int, ...]]:
-        """Program id -> the keys its branches share (for programs of 2+ branches)."""
+    def _programs(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Program id -> the keys its branches share and its branch count (for programs of
+        2+ branches)."""
         groups: dict[str, list[tuple[int, ...]]] = {}
         for r in self.trace.requests:
             if r.program:
@@ -105,7 +112,7 @@ class Replayer:
             while lcp < n and all(k[lcp] == first[lcp] for k in keysets):
                 lcp += 1
             if lcp:
-                out[pid] = first[:lcp]
+                out[pid] = (first[:lcp], len(keysets))
         return out
 
     def run(self) -> ReplayResult:
@@ -114,16 +121,17 @@ class Replayer:
         reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.keys)
                 for i, r in enumerate(self.trace.requests)]
         programs = self._programs() if self.spec.programs else {}
-        placed: dict[str, tuple[SimWorker, SimRequest]] = {}
+        # Program id -> where each branch (by arrival order) runs, after which prefill.
+        placed: dict[str, list[tuple[SimWorker, SimRequest]]] = {}
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
         for n, (req, treq) in enumerate(zip(reqs, self.trace.requests, strict=True)):
             now = req.arrival_s
             for w in self.workers:
                 w.advance(now)
-            prog = programs.get(treq.program)
-            if prog is not None and treq.program in placed:
-                worker, parent = placed[treq.program]
+            prog, n_branches = programs.get(treq.program, ((), 0))
+            if n_branches and treq.program in placed:
+                worker, parent = placed[treq.program].pop(0)
                 req.after = parent
                 req.routed_uncached = req.prompt_tokens - len(prog) * bs
                 worker.submit(req, now)
@@ -138,14 +146,25 @@ class Replayer:
                              treq.affinity)
             chosen = by_name[d.best]
             req.routed_uncached = req.prompt_tokens - d.cached_tokens(d.best)
-            if prog is not None:
+            if n_branches:
                 # The agent prefills the branches' shared prefix once (a prefill-only
-                # request), then runs each branch after it.
-                parent = SimRequest(-1, now, len(prog) * bs, 0, prog)
-                parent.routed_uncached = max(0, len(prog) * bs - d.cached_tokens(d.best))
-                chosen.submit(parent, now)
-                placed[treq.program] = (chosen, parent)
-                req.after = parent
+                # request), then runs each branch after it; so does each overflow worker.
+                moved = place_fork(d.ranked, d.query, [1] * n_branches) \
+                    if self.spec.overflow else ()
+                where: dict[int, tuple[SimWorker, SimRequest]] = {}
+                for w, o in [(chosen, None), *((by_name[o.worker], o) for o in moved)]:
+                    parent = SimRequest(-1, now, len(prog) * bs, 0, prog)
+                    parent.routed_uncached = max(0, len(prog) * bs - d.cached_tokens(w.name))
+                    w.submit(parent, now)
+                    if o is None:
+                        where.update(dict.fromkeys(range(n_branches), (w, parent)))
+                    else:
+                        where.update(dict.fromkeys(o.children, (w, parent)))
+                        self.overflowed += len(o.children)
+                plan = [where[i] for i in range(n_branches)]
+                chosen, req.after = plan.pop(0)
+                req.routed_uncached = req.prompt_tokens - d.cached_tokens(chosen.name)
+                placed[treq.program] = plan
             chosen.submit(req, now)
             if ttl > 0:
                 index.predict(chosen.name, req.keys, now + ttl)

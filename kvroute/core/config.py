@@ -50,6 +50,8 @@ class RouterConfig(CommonConfig):
     redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts")
     predict_ttl_s: float = opt(0.0, "predict a routed prompt's blocks on its worker for this "
                                "many seconds until its events arrive (0 = off; see README)")
+    program_overflow: bool = opt(True, "split a controller program's fork across workers "
+                                 "when the chosen one cannot run all its branches now")
     discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
     k8s_namespace: str = opt("", "kubernetes discovery: namespace (default: the pod's own)")
     k8s_selector: str = opt("app.kubernetes.io/component=worker",
@@ -64,7 +66,9 @@ class AgentConfig(CommonConfig):
     worker_id: str = opt("", "this worker's id (default: hostname:port)")
     advertise: str = opt("", "address routers use to reach this agent (default host:port)")
     capacity_blocks: int = opt(4096, "KV cache capacity in blocks (sim engine)")
-    max_batch: int = opt(64, "most sequences in the running batch (sim engine)")
+    max_batch: int = opt(64, "most sequences in the running batch (sim and tiny engines; "
+                         "for vllm, give its --max-num-seqs); routers split a program's fork "
+                         "across workers when it would not fit")
     time_scale: float = opt(1.0, "multiplies the sim engine's modelled latencies")
     heartbeat_s: float = opt(1.0, "seconds between heartbeats")
     heartbeat_ttl_s: float = opt(3.0, "heartbeat TTL: a worker silent this long is dead")

@@ -12,6 +12,7 @@ class WorkerLoad:
     ``inflight`` and ``pending_prefill_tokens`` combine the router's own accounting (exact,
     immediate) with the agent's heartbeat (cluster-wide, up to one heartbeat old).
     ``cached_blocks`` is the size of the worker's prefix cache as the router's index sees it.
+    ``max_running`` is the most sequences the engine runs at once (0: unknown).
     """
 
     inflight: int = 0
@@ -21,6 +22,7 @@ class WorkerLoad:
     capacity_blocks: int = 0
     pending_prefill_tokens: int = 0
     cached_blocks: int = 0
+    max_running: int = 0
 
     @property
     def kv_usage(self) -> float:

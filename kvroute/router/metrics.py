@@ -36,6 +36,10 @@ class RouterMetrics:
                                      "Prompt tokens the serving worker had cached", registry=r)
         self.routed = Counter("kvroute_router_routed", "Requests sent to each worker",
                               ["worker"], registry=r)
+        self.overflow = Counter(
+            "kvroute_router_program_overflow_branches",
+            "Fork children of controller programs sent to another worker than the program's, "
+            "because the program's worker could not run them all", registry=r)
         self.retries = Counter("kvroute_router_retries",
                                "Requests retried on the next-best worker", registry=r)
 

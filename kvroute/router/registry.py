@@ -240,4 +240,5 @@ class WorkerRegistry:
             capacity_blocks=hb.capacity_blocks,
             pending_prefill_tokens=max(hb.pending_prefill_tokens, info.pending_prefill),
             cached_blocks=info.cached_blocks,
+            max_running=hb.max_running,
         )

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from kvroute.core.agent_client import AgentChannels
 from kvroute.core.config import RouterConfig
 from kvroute.core.grpc_util import (
     add_standard_services,
@@ -18,6 +19,13 @@ from kvroute.core.grpc_util import (
     install_signal_handlers,
     set_serving,
     start_metrics,
+)
+from kvroute.core.placement import (
+    ForkSegment,
+    Overflow,
+    fork_segment,
+    place_fork,
+    program_fanout,
 )
 from kvroute.core.policies import make_policy
 from kvroute.core.redis_conn import connect
@@ -35,58 +43,13 @@ from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.registry import WorkerRegistry, parse_static
-from kvroute.v1 import (
-    common_pb2,
-    program_pb2,
-    router_pb2,
-    router_pb2_grpc,
-    worker_agent_pb2_grpc,
-)
+from kvroute.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("kvroute.router")
 
 SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 _DOWN_S = 2.0  # how long a worker that refused a request is skipped
 _MAX_ATTEMPTS = 2  # the chosen worker, then the next-best once
-
-
-def program_fanout(program: program_pb2.ControllerProgram) -> int:
-    """Most branches a program can run at once: each fork multiplies the sequences alive,
-    a joining select brings them back to one. (The agent checks the exact bound against its
-    limits; the router only needs the weight.)"""
-    live = peak = 1
-    for step in program.steps:
-        if step.HasField("fork"):
-            f = step.fork
-            if f.n and len(f.branches) <= 1:
-                width = f.n * (program_fanout(f.branches[0]) if f.branches else 1)
-            else:
-                width = sum(program_fanout(b) for b in f.branches) or 1
-            peak = max(peak, live * width)
-            if f.select == program_pb2.SELECT_MODE_ALL:
-                live *= width
-        elif step.HasField("select") and step.select.mode != program_pb2.SELECT_MODE_ALL:
-            live = 1
-    return min(peak, 1024)
-
-
-class AgentChannels:
-    """One gRPC channel per agent address, opened lazily, closed on shutdown."""
-
-    def __init__(self) -> None:
-        self._stubs: dict[str, tuple[grpc.aio.Channel, worker_agent_pb2_grpc.WorkerAgentStub]] = {}
-
-    def stub(self, address: str) -> worker_agent_pb2_grpc.WorkerAgentStub:
-        entry = self._stubs.get(address)
-        if entry is None:
-            ch = grpc.aio.insecure_channel(address)
-            entry = self._stubs[address] = (ch, worker_agent_pb2_grpc.WorkerAgentStub(ch))
-        return entry[1]
-
-    async def close(self) -> None:
-        await asyncio.gather(*(ch.close() for ch, _ in self._stubs.values()),
-                             return_exceptions=True)
-        self._stubs.clear()
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -179,9 +142,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             fwd.token_ids.extend(tokens)
         decode_text = bool(request.text) and self._tok is not None
         errors: list[str] = []
-        # A program's branches all run on the chosen worker: they weigh on its load as
-        # that many sequences until it finishes.
-        fanout = program_fanout(request.program) if request.HasField("program") else 1
+        # A program's branches run on the chosen worker (they weigh on its load as that many
+        # sequences until it finishes), except fork children it has no room for.
+        program = request.program if request.HasField("program") else None
+        fanout = program_fanout(program) if program is not None else 1
+        seg = fork_segment(program) if program is not None and self._cfg.program_overflow \
+            else None
+        weights = seg.weights() if seg is not None else []
         for attempt, cand in enumerate(d.ranked[:_MAX_ATTEMPTS]):
             w = cand.worker
             info = self._registry.get(w)
@@ -192,8 +159,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._mirror.index.predict(w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
             if attempt:
                 self._m.retries.inc()
+            overflow = self._place(fwd, seg, weights, w, d)
             uncached = len(tokens) - d.cached_tokens(w)
-            self._registry.begin(w, uncached, fanout)
+            local = max(1, fanout - sum(o.weight for o in overflow))
+            self._registry.begin(w, uncached, local)
+            # Overflow workers' prefill is pending until their first chunk comes back.
+            away = {o.worker: len(tokens) - d.cached_tokens(o.worker) for o in overflow}
+            for o in overflow:
+                self._registry.begin(o.worker, away[o.worker], o.weight)
             started = False
             done = False
             failure: grpc.aio.AioRpcError | None = None
@@ -206,6 +179,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         self._m.ttft.observe(time.perf_counter() - t0)
                         self._m.routed.labels(w).inc()
                         resp.ttft_ms = (time.perf_counter() - t0) * 1000
+                    if away and resp.worker_id in away:
+                        self._registry.first_token(resp.worker_id, away.pop(resp.worker_id))
                     if decode_text and resp.token_ids:
                         resp.text = self._tok.decode(resp.token_ids)  # type: ignore[union-attr]
                     if resp.HasField("usage"):
@@ -220,7 +195,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # cancel or close the stream at any await or yield).
                 if not started:
                     self._registry.first_token(w, uncached)
-                self._registry.end(w, fanout)
+                self._registry.end(w, local)
+                for o in overflow:
+                    if o.worker in away:
+                        self._registry.first_token(o.worker, away.pop(o.worker))
+                    self._registry.end(o.worker, o.weight)
                 if not done and failure is None:
                     call.cancel()
                     self._m.requests.labels("Generate", "cancelled").inc()
@@ -248,6 +227,32 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._m.requests.labels("Generate", "unavailable").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             "no worker could serve the request: " + "; ".join(errors))
+
+
+    def _place(self, fwd: common_pb2.GenerateRequest, seg: ForkSegment | None,
+               weights: list[int], worker: str, d: Decision) -> tuple[Overflow, ...]:
+        """Set ``fwd.placement`` for a program sent to ``worker``: the fork children that
+        ``place_fork`` moves to other workers (none while ``worker`` has room)."""
+        fwd.ClearField("placement")
+        if seg is None:
+            return ()
+        ranked = [s for s in d.ranked if s.worker == worker]
+        ranked += [s for s in d.ranked if s.worker != worker]
+        overflow = tuple(o for o in place_fork(ranked, d.query, weights)
+                         if self._registry.get(o.worker) is not None)
+        if not overflow:
+            return ()
+        fwd.placement.fork_step = seg.step
+        for o in overflow:
+            info = self._registry.get(o.worker)
+            assert info is not None
+            fwd.placement.overflow.add(worker_id=o.worker, address=info.address,
+                                       children=o.children)
+            self._m.overflow.inc(len(o.children))
+        log.info("program fork split across workers", extra={"kv": {
+            "request": fwd.request_id, "worker": worker,
+            "overflow": {o.worker: list(o.children) for o in overflow}}})
+        return overflow
 
 
 class RouterApp:

@@ -32,7 +32,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("token_ids", "text", "model", "sampling", "program", "session_id", "request_id", "cache_salt")
+    __slots__ = ("token_ids", "text", "model", "sampling", "program", "session_id", "request_id", "cache_salt", "placement")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     model: str
@@ -49,7 +50,8 @@ class GenerateRequest(_message.Message):
     session_id: str
     request_id: str
     cache_salt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., program: _Optional[_Union[_program_pb2.ControllerProgram, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    placement: _program_pb2.Placement
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., program: _Optional[_Union[_program_pb2.ControllerProgram, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., placement: _Optional[_Union[_program_pb2.Placement, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -88,17 +90,19 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., branch_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[_program_pb2.ProgramEvent, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[_program_pb2.BranchResult, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "running", "queued", "free_blocks", "capacity_blocks", "pending_prefill_tokens")
+    __slots__ = ("worker_id", "running", "queued", "free_blocks", "capacity_blocks", "pending_prefill_tokens", "max_running")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running: int
     queued: int
     free_blocks: int
     capacity_blocks: int
     pending_prefill_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ...) -> None: ...
+    max_running: int
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...

@@ -153,7 +153,7 @@ class Capture(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class BranchResult(_message.Message):
-    __slots__ = ("branch_id", "variables", "token_ids", "text", "logprob", "selected", "cached_tokens", "engine_requests", "prefill_tokens", "generated_tokens")
+    __slots__ = ("branch_id", "variables", "token_ids", "text", "logprob", "selected", "cached_tokens", "engine_requests", "prefill_tokens", "generated_tokens", "token_logprobs")
     class VariablesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class BranchResult(_message.Message):
     ENGINE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     branch_id: str
     variables: _containers.MessageMap[str, Capture]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -181,4 +182,23 @@ class BranchResult(_message.Message):
     engine_requests: int
     prefill_tokens: int
     generated_tokens: int
-    def __init__(self, branch_id: _Optional[str] = ..., variables: _Optional[_Mapping[str, Capture]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., selected: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., engine_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, branch_id: _Optional[str] = ..., variables: _Optional[_Mapping[str, Capture]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., selected: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., engine_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., token_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("fork_step", "overflow")
+    FORK_STEP_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    fork_step: int
+    overflow: _containers.RepeatedCompositeFieldContainer[Overflow]
+    def __init__(self, fork_step: _Optional[int] = ..., overflow: _Optional[_Iterable[_Union[Overflow, _Mapping]]] = ...) -> None: ...
+
+class Overflow(_message.Message):
+    __slots__ = ("worker_id", "address", "children")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    children: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., children: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvroute.worker_agent.controller.runtime import ProgramStats
     from kvroute.worker_agent.engines.base import Engine
     from kvroute.worker_agent.publisher import CachePublisher
 
@@ -32,16 +33,19 @@ class AgentMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.worker_id = worker_id
 
-    def watch(self, engine: Engine, publisher: CachePublisher) -> None:
-        self.registry.register(_StateCollector(engine, publisher))
+    def watch(self, engine: Engine, publisher: CachePublisher,
+              programs: ProgramStats | None = None) -> None:
+        self.registry.register(_StateCollector(engine, publisher, programs))
 
 
 class _StateCollector(Collector):
     """Read engine load and publisher state at scrape time."""
 
-    def __init__(self, engine: Engine, publisher: CachePublisher) -> None:
+    def __init__(self, engine: Engine, publisher: CachePublisher,
+                 programs: ProgramStats | None) -> None:
         self._engine = engine
         self._pub = publisher
+        self._programs = programs
 
     def collect(self) -> Iterator[Metric]:
         load = self._engine.load()
@@ -61,6 +65,17 @@ class _StateCollector(Collector):
             ("kvroute_agent_feed_seq", "Last feed seq written in this epoch", self._pub.seq),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        if self._programs is not None:
+            ps = self._programs
+            fam = CounterMetricFamily(
+                "kvroute_agent_program_overflow_children",
+                "Fork children a router's placement moved to another worker, by outcome: sent "
+                "there, fallback (run here: that worker failed before answering), kept (run "
+                "here: an open constraint cannot travel)", labels=["outcome"])
+            for outcome, n in (("sent", ps.overflow_sent), ("fallback", ps.overflow_fallback),
+                               ("kept", ps.overflow_kept)):
+                fam.add_metric([outcome], n)
+            yield fam
         # Engines may export their own families (the vllm adapter: frames, replays, resets).
         extra = getattr(self._engine, "metric_families", None)
         if extra is not None:

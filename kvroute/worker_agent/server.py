@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from kvroute.core.agent_client import AgentChannels
 from kvroute.core.config import AgentConfig
 from kvroute.core.grpc_util import (
     add_standard_services,
@@ -137,7 +138,8 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         try:
             if self._programs is None:
                 raise ProgramError(grpc.StatusCode.UNIMPLEMENTED, "program: not enabled")
-            prepared = await self._programs.prepare(request.program)
+            prepared = await self._programs.prepare(
+                request.program, request.placement if request.HasField("placement") else None)
         except ProgramError as exc:
             self._m.requests.labels("invalid").inc()
             await context.abort(exc.code, str(exc))
@@ -167,7 +169,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         return common_pb2.WorkerLoad(
             worker_id=self._worker, running=ld.running, queued=ld.queued,
             free_blocks=ld.free_blocks, capacity_blocks=ld.capacity_blocks,
-            pending_prefill_tokens=ld.pending_prefill_tokens,
+            pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
         )
 
 
@@ -183,6 +185,8 @@ class AgentApp:
         self._health: Any = None
         self._metrics_http: Any = None
         self.publisher: CachePublisher | None = None
+        self._channels = AgentChannels()  # to other agents: a program's overflow children
+        self.programs: ProgramRuntime | None = None
 
     async def start(self) -> int:
         cfg = self.cfg
@@ -200,7 +204,9 @@ class AgentApp:
             max_fanout=cfg.max_program_fanout, max_tokens=cfg.max_program_tokens,
             max_steps=cfg.max_program_steps, max_grammar_bytes=cfg.max_grammar_bytes,
             compile_timeout_s=cfg.grammar_compile_timeout_s,
-            max_new_tokens=cfg.max_new_tokens, vocab_size=vocab), cfg.tokenizer, self.worker_id)
+            max_new_tokens=cfg.max_new_tokens, vocab_size=vocab), cfg.tokenizer, self.worker_id,
+            channels=self._channels)
+        self.programs = programs
         worker_agent_pb2_grpc.add_WorkerAgentServicer_to_server(
             AgentService(self.worker_id, cfg.model, self.engine, limits, metrics, programs),
             server)
@@ -213,7 +219,8 @@ class AgentApp:
                 worker_id=self.worker_id, address=advertise, epoch=pub.epoch,
                 running=ld.running, queued=ld.queued, free_blocks=ld.free_blocks,
                 capacity_blocks=ld.capacity_blocks,
-                pending_prefill_tokens=ld.pending_prefill_tokens, block_size=cfg.block_size,
+                pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
+                block_size=cfg.block_size,
                 ttl_s=cfg.heartbeat_ttl_s,
             )
 
@@ -224,7 +231,7 @@ class AgentApp:
         )
         self.publisher = pub
         engine.add_listener(pub.on_event)
-        metrics.watch(engine, pub)
+        metrics.watch(engine, pub, programs.stats)
         await engine.start()
         await pub.start()
         await server.start()
@@ -245,6 +252,7 @@ class AgentApp:
         if self.publisher is not None:
             await self.publisher.stop()
         await self.engine.stop()
+        await self._channels.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         log.info("agent stopped", extra={"kv": {"worker": self.worker_id}})

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -44,6 +46,23 @@ async def run(port: int, steps: list[P.Step], prompt: list[int] | None = None, s
         stub: Any = (router_pb2_grpc.RouterStub(ch) if router
                      else worker_agent_pb2_grpc.WorkerAgentStub(ch))
         return [r async for r in stub.Generate(req)]
+
+
+@contextlib.asynccontextmanager
+async def cancel_when_all_decode(port: int, req: common_pb2.GenerateRequest,
+                                 branches: int) -> AsyncIterator[None]:
+    """Stream ``req`` from the agent at ``port`` until ``branches`` branches have produced
+    tokens, run the body, then cancel the call (as a client that goes away)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = worker_agent_pb2_grpc.WorkerAgentStub(ch).Generate(req)
+        seen: set[str] = set()
+        async for r in call:
+            if r.token_ids:
+                seen.add(r.branch_id)
+            if len(seen) == branches:
+                break
+        yield
+        call.cancel()
 
 
 def results(resps: list[common_pb2.GenerateResponse]) -> dict[str, program_pb2.BranchResult]:
@@ -232,16 +251,8 @@ async def test_a_cancelled_program_frees_every_branch(cluster) -> None:
     capacity = a.engine.load().capacity_blocks
     req = common_pb2.GenerateRequest(
         token_ids=PROMPT, program=P.ControllerProgram(steps=[fork([gen(600)], n=4)]))
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
-        call = worker_agent_pb2_grpc.WorkerAgentStub(ch).Generate(req)
-        seen: set[str] = set()
-        async for r in call:
-            if r.token_ids:
-                seen.add(r.branch_id)
-            if len(seen) == 4:
-                break
+    async with cancel_when_all_decode(a.port, req, 4):
         assert a.engine.load().running == 4
-        call.cancel()
     await wait_for(lambda: a.engine.load().running == 0 and a.engine.load().queued == 0,
                    what="every branch left the engine")
     await wait_for(lambda: a.engine.load().free_blocks == capacity, what="blocks freed")

@@ -216,8 +216,10 @@ def test_everything_on_uses_block_size_and_gpu_settings(rendered: dict[str, str]
     args = container(sts, "vllm")["args"]
     assert flag(args, "--block-size") == "32" and flag(args, "--tensor-parallel-size") == "2"
     assert flag(args, "--max-model-len") == "16384" and flag(args, "--max-num-seqs") == "128"
-    _, env = agent_argv(sts)
+    assert args.count("--max-num-seqs") == 1 and "--enable-chunked-prefill" in args
+    argv, env = agent_argv(sts)
     assert env["KVROUTE_BLOCK_SIZE"] == "32"
+    assert flag(argv, "--max-batch") == "128"  # routers learn the batch from the agent
     assert [c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]] == ["hf-cache"]
     assert "hf-cache" not in {v["name"] for v in pod_spec(sts)["volumes"]}
     assert env_of(container(sts, "vllm"))["HF_TOKEN"]["secretKeyRef"]["name"] == "hf-token"

@@ -44,7 +44,7 @@ def test_mark_down_then_revive() -> None:
 
 
 def test_program_fanout_weighs_forks() -> None:
-    from kvroute.router.server import program_fanout
+    from kvroute.core.placement import program_fanout
     from kvroute.v1 import program_pb2 as pb
 
     def gen() -> pb.Step:

@@ -136,7 +136,8 @@ def test_forks_run_as_programs_prefill_the_shared_prefix_once() -> None:
     tr = parse([json.dumps(r) for r in recs])
     assert all(r.program for r in tr.requests)
     indep = Replayer(tr, make_policy("kvroute"), ClusterSpec(workers=4)).run()
-    progs = Replayer(tr, make_policy("kvroute"), ClusterSpec(workers=4, programs=True)).run()
+    progs = Replayer(tr, make_policy("kvroute"),
+                     ClusterSpec(workers=4, programs=True, overflow=False)).run()
     prefill = {name: sum(w.prefill_tokens for w in res.workers)
                for name, res in (("indep", indep), ("progs", progs))}
     assert prefill["progs"] < 0.5 * prefill["indep"], prefill
@@ -155,6 +156,40 @@ def test_forks_run_as_programs_prefill_the_shared_prefix_once() -> None:
                 r = progs.requests[i]
                 assert r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64)
     assert all(math.isfinite(r.finished_s) for r in progs.requests)
+
+
+def test_programs_that_do_not_fit_their_worker_overflow_to_the_next_longest_prefix() -> None:
+    """The router's placement rule in the simulator: with small batches under load, some
+    branches leave their program's worker; each still finds the shared prefix cached there
+    (that worker prefilled it once), and nothing is lost."""
+    from simulations.generators import generate
+
+    recs = generate("fork", 240, rate_per_s=60.0, seed=3, block_size=64)
+    tr = parse([json.dumps(r) for r in recs])
+    runs = {}
+    for overflow in (False, True):
+        rep = Replayer(tr, make_policy("kvroute"),
+                       ClusterSpec(workers=4, programs=True, overflow=overflow, max_batch=6))
+        runs[overflow] = (rep, rep.run())
+    assert runs[False][0].overflowed == 0
+    rep, res = runs[True]
+    assert rep.overflowed > 0
+    by_prog: dict[str, list[int]] = {}
+    for r, t in zip(res.requests, tr.requests, strict=True):
+        by_prog.setdefault(t.program, []).append(r.idx)
+    split = [m for m in by_prog.values() if len({res.requests[i].worker for i in m}) > 1]
+    assert split
+    for members in split:
+        keysets = [tr.requests[i].keys for i in members]
+        lcp = 0
+        while all(len(k) > lcp and k[lcp] == keysets[0][lcp] for k in keysets):
+            lcp += 1
+        for i in members:  # wherever it ran, the shared prefix was there
+            r = res.requests[i]
+            assert r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64), r
+    assert all(math.isfinite(r.finished_s) for r in res.requests)
+    assert sum(r.output_tokens for r in res.requests) == sum(t.output_tokens
+                                                             for t in tr.requests)
 
 
 def test_hash_ids_expand_to_tokens_that_share_exactly_the_shared_ids() -> None:

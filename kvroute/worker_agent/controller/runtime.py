@@ -14,9 +14,11 @@ what the consumer has read; after each engine request the branch reconciles it
 (``Branch.sync_matcher``: ``rollback`` or ``consume_tokens``).
 
 Log-probabilities come from the engine's ``logits_observer`` (tiny): the model's raw
-log-softmax (temperature 1, before the mask) of each chosen token. Engines without logits
-(sim) report 0. The sim honours masks too (its deterministic token moves to the first allowed
-id), so constrained programs run on it; only their content is meaningless.
+log-softmax (temperature 1, before the mask) of each chosen token; on vllm from its
+completions ``logprobs`` (the sampled token's, asked for with every program request).
+Engines without logits (sim) report 0. The sim honours masks too (its deterministic token
+moves to the first allowed id), so constrained programs run on it; only their content is
+meaningless.
 
 On an engine that takes grammars per request instead of masks (``vllm``: structured
 outputs), a constrained gen is one engine request carrying the constraint (its whole
@@ -50,9 +52,18 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvroute.core.agent_client import AgentChannels
 from kvroute.v1 import common_pb2, program_pb2
 from kvroute.worker_agent.controller.branch import Branch, CaptureValue
 from kvroute.worker_agent.controller.grammars import MaskBuffer, compile_constraints
+from kvroute.worker_agent.controller.overflow import (
+    Split,
+    Target,
+    branch_from_result,
+    check_placement,
+    relay,
+    remote_id,
+)
 from kvroute.worker_agent.controller.program import (
     Backtrack,
     FastForward,
@@ -150,6 +161,18 @@ class _Masker:
 
 
 @dataclass(slots=True)
+class ProgramStats:
+    """Counters the agent's metrics read (the runtime does not know them)."""
+
+    overflow_sent: int = 0
+    """Fork children sent to another worker's agent (the router's placement)."""
+    overflow_fallback: int = 0
+    """Of those, children run here instead because their worker failed before answering."""
+    overflow_kept: int = 0
+    """Children a placement would move but that stayed: an open constraint cannot travel."""
+
+
+@dataclass(slots=True)
 class ProgramRuntime:
     """Per agent: checks programs against its limits and runs them on its engine."""
 
@@ -160,6 +183,9 @@ class ProgramRuntime:
     worker_id: str
     mask_times: list[float] | None = None
     """When set (benchmarks), every mask_fn call appends its duration in seconds."""
+    channels: AgentChannels | None = None
+    """To other agents, for fork children a placement moves (None: placements refused)."""
+    stats: ProgramStats = field(default_factory=ProgramStats)
     _vocab: Vocab | None = None
     _tap: LogitsTap | None = None
 
@@ -188,15 +214,23 @@ class ProgramRuntime:
                 return None
         return self._vocab
 
-    async def prepare(self, program: program_pb2.ControllerProgram) -> _Prepared:
-        """Check limits and engine support, compile the constraints: all before any engine
-        work. Raises :class:`ProgramError`."""
+    async def prepare(self, program: program_pb2.ControllerProgram,
+                      placement: program_pb2.Placement | None = None) -> _Prepared:
+        """Check limits, engine support and the placement, compile the constraints: all
+        before any engine work. Raises :class:`ProgramError`."""
         kind = self.engine_kind
         if kind not in PROGRAM_ENGINES:
             raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                f"program: controller programs run on the tiny, sim and vllm "
                                f"engines; this agent's engine is {kind}")
         plan = check_program(program, self.limits)
+        split = None
+        if placement is not None and placement.overflow:
+            if self.channels is None:
+                raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
+                                   "placement: this agent cannot reach other workers")
+            split = check_placement(program, placement, self.worker_id,
+                                    self.limits.max_fanout)
         if plan.constraints and kind not in MASK_ENGINES | GRAMMAR_ENGINES:
             raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                f"program: constrained gen needs an engine with token masks "
@@ -218,7 +252,7 @@ class ProgramRuntime:
         templates = {} if vocab is None else await compile_constraints(
             plan.constraints, vocab, self.limits.compile_timeout_s,
             json_whitespace_flexible=kind in GRAMMAR_ENGINES)
-        return _Prepared(plan, vocab, templates)
+        return _Prepared(plan, vocab, templates, split)
 
     async def run(self, prepared: _Prepared, request: common_pb2.GenerateRequest,
                   request_id: str) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -246,6 +280,7 @@ class _Prepared:
     plan: Plan
     vocab: Vocab | None
     templates: dict[str, Any]
+    split: Split | None = None
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -284,7 +319,8 @@ class _Run:
             branch_id=b.id, token_ids=b.tokens[b.prompt_len:],
             text=self.text(b.tokens[b.prompt_len:]), logprob=b.logprob, selected=selected,
             cached_tokens=b.first_cached or 0, engine_requests=b.engine_requests,
-            prefill_tokens=b.prefill_tokens, generated_tokens=b.generated)
+            prefill_tokens=b.prefill_tokens, generated_tokens=b.generated,
+            token_logprobs=b.lps)
         for name, v in b.variables.items():
             out.variables[name].CopyFrom(program_pb2.Capture(
                 text=v.text, token_ids=v.token_ids, complete=v.complete))
@@ -307,7 +343,7 @@ class _Run:
         prompt = list(self.request.token_ids)
         root = Branch("0", list(prompt), len(prompt))
         try:
-            live = await self.program([root], self.prep.plan.program)
+            live = await self.program([root], self.prep.plan.program, self.prep.split)
         except BaseExceptionGroup as eg:
             raise _first_error(eg) from None
         final = common_pb2.GenerateResponse(
@@ -320,10 +356,18 @@ class _Run:
                              + [self.result(b, False) for b in self.dropped])
         await self.queue.put(final)
 
-    async def program(self, live: list[Branch], steps: Program) -> list[Branch]:
-        """Run ``steps`` in every live branch (concurrently); return the live branches."""
-        for step in steps:
-            if isinstance(step, Fork):
+    async def program(self, live: list[Branch], steps: Program,
+                      split: Split | None = None) -> list[Branch]:
+        """Run ``steps`` in every live branch (concurrently); return the live branches.
+        ``split``: the top level of a program whose fork children are partly moved."""
+        i = 0
+        while i < len(steps):
+            step = steps[i]
+            i += 1
+            if split is not None and i - 1 == split.seg.step and isinstance(step, Fork):
+                live = await self.split_fork(live[0], step, steps[i:split.seg.end], split)
+                i = split.seg.end
+            elif isinstance(step, Fork):
                 groups = await self.each(live, lambda b, s=step: self.fork(b, s))
                 live = [c for g in groups for c in g]
             elif isinstance(step, Select):
@@ -368,29 +412,129 @@ class _Run:
     async def fork(self, parent: Branch, step: Fork) -> list[Branch]:
         if len(step.branches) > 1:
             await self.warm(parent)
-        children = [parent.child(f"{parent.id}.{i}") for i in range(len(step.branches))]
+        children = await self.forked(parent, len(step.branches))
+        return await self.join([_Unit([c], self.runner(c, sub))
+                                for c, sub in zip(children, step.branches, strict=True)],
+                               step.select)
+
+    async def forked(self, parent: Branch, n: int) -> list[Branch]:
+        children = [parent.child(f"{parent.id}.{i}") for i in range(n)]
         await self.emit(parent, events=[Ev(kind=Ev.KIND_FORKED,
                                            branch_ids=[c.id for c in children])])
-        if step.select != SelectMode.FIRST_FINISHED:
+        return children
+
+    def runner(self, c: Branch, steps: Program) -> Callable[[], Any]:
+        return lambda: self.program([c], steps)
+
+    async def join(self, units: list[_Unit], mode: SelectMode) -> list[Branch]:
+        """Run a fork's units concurrently and apply its select over all their branches."""
+        if mode != SelectMode.FIRST_FINISHED:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self.program([c], sub))
-                         for c, sub in zip(children, step.branches, strict=True)]
+                tasks = [tg.create_task(u.run()) for u in units]
             live = [b for t in tasks for b in t.result()]
-            return await self.select(live, step.select)
+            return await self.select(live, mode)
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self.program([c], sub))
-                     for c, sub in zip(children, step.branches, strict=True)]
+            tasks = [tg.create_task(u.run()) for u in units]
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in pending:
                 t.cancel()  # closes their engine streams: blocks freed at once
         winner = next(t for t in tasks if t in done)
-        for t, c in zip(tasks, children, strict=True):
+        for t, u in zip(tasks, units, strict=True):
             if t is not winner:
-                self.dropped.append(c)
-                await self.emit(c, events=[Ev(kind=Ev.KIND_DROPPED, reason="first_finished")])
+                for c in u.members:
+                    self.dropped.append(c)
+                    await self.emit(c, events=[Ev(kind=Ev.KIND_DROPPED,
+                                                  reason="first_finished")])
         live = winner.result()
         for b in live:
             await self.emit(b, events=[Ev(kind=Ev.KIND_SELECTED, reason="first_finished")])
+        return live
+
+    # -- overflow (a placement moved some fork children to other workers) ------------------
+
+    async def split_fork(self, parent: Branch, step: Fork, rest: Program,
+                         split: Split) -> list[Branch]:
+        """The split fork and its segment (``rest``: the steps each child runs after its
+        sub-program), with the moved children run on their workers."""
+        st = self.rt.stats
+        if parent.matcher is not None:
+            # The open constraint's state cannot travel: everything stays here.
+            st.overflow_kept += len(split.moved)
+            return await self.program([parent], (step, *rest))
+        moved = split.moved
+        if len(step.branches) - len(moved) > 1:
+            await self.warm(parent)
+        children = await self.forked(parent, len(step.branches))
+        units = [_Unit([c], self.runner(c, (*sub, *rest)))
+                 for i, (c, sub) in enumerate(zip(children, step.branches, strict=True))
+                 if i not in moved]
+        # First-finished needs one unit per child (a unit ends when all its members do).
+        groups = [(t, [i]) for t in split.targets for i in t.children] \
+            if step.select == SelectMode.FIRST_FINISHED \
+            else [(t, list(t.children)) for t in split.targets]
+        for t, idx in groups:
+            members = [children[i] for i in idx]
+            local = [self.runner(c, (*step.branches[i], *rest))
+                     for c, i in zip(members, idx, strict=True)]
+            units.append(_Unit(members, self.remoter(parent, t, idx, members, local)))
+        return await self.join(units, step.select)
+
+    def remoter(self, parent: Branch, target: Target, idx: list[int], members: list[Branch],
+                fallback: list[Callable[[], Any]]) -> Callable[[], Any]:
+        return lambda: self.remote(parent, target, idx, members, fallback)
+
+    async def remote(self, parent: Branch, target: Target, idx: list[int],
+                     members: list[Branch], fallback: list[Callable[[], Any]]) -> list[Branch]:
+        """Run ``members`` (the fork's children ``idx``) on ``target``; their live branches.
+        Before the remote answers, a failure runs them here instead."""
+        assert self.rt.channels is not None and self.prep.split is not None
+        st = self.rt.stats
+        req = common_pb2.GenerateRequest(
+            token_ids=parent.tokens, model=self.request.model,
+            cache_salt=self.request.cache_salt,
+            request_id=f"{self.request_id}/{members[0].id}@{target.worker_id}",
+            program=self.prep.split.seg.remote_program(idx))
+        req.sampling.CopyFrom(self.request.sampling)
+        # Per child, like a local branch's seed: reproducible, and siblings differ.
+        req.sampling.seed = xxhash.xxh3_64_intdigest(
+            f"{self.request.sampling.seed}/{members[0].id}".encode()) & ((1 << 63) - 1) or 1
+        st.overflow_sent += len(members)
+        call = self.rt.channels.stub(target.address).Generate(req)
+        heard = False
+        final: common_pb2.GenerateResponse | None = None
+        try:
+            async for resp in call:
+                heard = True
+                if resp.results:
+                    final = resp
+                    continue
+                out = relay(resp, members, self.request_id)
+                if out is not None:
+                    await self.queue.put(out)
+        except grpc.aio.AioRpcError as exc:
+            if heard:
+                raise ProgramError(grpc.StatusCode.UNAVAILABLE,
+                                   f"overflow worker {target.worker_id} failed mid-program: "
+                                   f"{exc.code().name} {exc.details()}") from None
+            st.overflow_fallback += len(members)
+            log.warning("overflow worker failed; running its fork children here",
+                        extra={"kv": {"request": self.request_id, "worker": target.worker_id,
+                                      "code": exc.code().name, "details": exc.details()}})
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(f()) for f in fallback]
+            return [b for t in tasks for b in t.result()]
+        finally:
+            call.cancel()  # no-op once finished; frees the remote's branches otherwise
+        if final is None:
+            raise ProgramError(grpc.StatusCode.UNAVAILABLE,
+                               f"overflow worker {target.worker_id} ended without results")
+        self.decoded += final.usage.completion_tokens
+        live: list[Branch] = []
+        for r in final.results:
+            bid = remote_id(r.branch_id, members)
+            if bid is not None:
+                b = branch_from_result(parent, r, bid)
+                (live if r.selected else self.dropped).append(b)
         return live
 
     async def warm(self, b: Branch) -> None:
@@ -515,7 +659,7 @@ class _Run:
         ereq = EngineRequest(
             request_id=rid, token_ids=list(b.tokens), max_tokens=s.remaining,
             cache_salt=req.cache_salt, seed=seed, stop_token_ids=frozenset(stop_ids),
-            temperature=temperature, mask_fn=masker)
+            temperature=temperature, mask_fn=masker, logprobs=self.rt.grammar_engine)
         tap = self.rt._tap.subscribe(rid) if self.rt._tap is not None \
             else contextlib.nullcontext({})
         engine: Any = self.rt.engine
@@ -541,13 +685,15 @@ class _Run:
                         if first_request:
                             b.first_cached = chunk.cached_tokens
                     kept: list[int] = []
-                    for tok in chunk.token_ids:
+                    lps = chunk.logprobs
+                    for j, tok in enumerate(chunk.token_ids):
                         lg = logits.pop(step, None)
                         at, step = step, step + 1
                         if tok in stop_ids:
                             s.reason = "grammar" if b.matcher is not None else "eos"
                             break
-                        b.append(tok, token_logprob(lg, tok))
+                        b.append(tok, lps[j] if lps is not None and lg is None
+                                 else token_logprob(lg, tok))
                         b.generated += 1
                         self.decoded += 1
                         s.remaining -= 1
@@ -622,6 +768,14 @@ class _Run:
             b.variables[g.capture] = CaptureValue(text, ids, complete)
             events.append(Ev(kind=Ev.KIND_CAPTURED, name=g.capture, value=text))
         await self.emit(b, events=events)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """What a fork runs as one task: one local child, or children on another worker."""
+
+    members: list[Branch]
+    run: Callable[[], Any]
 
 
 @dataclass(slots=True)

@@ -33,6 +33,9 @@ class EngineRequest:
     """Per-step token mask (constrained decoding): tiny applies it to its logits, sim picks
     the first allowed id at or after its deterministic token; vllm refuses it (it takes
     grammars per request instead)."""
+    logprobs: bool = False
+    """Ask the engine for each generated token's log-probability (``TokenChunk.logprobs``);
+    engines that hand out logits another way (tiny: ``logits_observer``) ignore it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,8 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     cached_tokens: int
     finish_reason: str | None = None
+    logprobs: tuple[float, ...] | None = None
+    """One per token id, when the request asked for them and the engine gives them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,8 @@ class EngineLoad:
     free_blocks: int
     capacity_blocks: int
     pending_prefill_tokens: int
+    max_running: int = 0
+    """Most sequences the engine runs at once (0: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,6 +191,7 @@ class BatchingEngine:
             free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending,
+            max_running=self.max_batch,
         )
 
     def cached_keys(self) -> list[int]:

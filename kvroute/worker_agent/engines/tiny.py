@@ -12,8 +12,13 @@ attending over the cached K/V. Because the model is exact by construction (see
 
 Each step runs one forward pass (prefill of newly admitted requests + one decode token for
 the others) in the engine's one worker thread, so the event loop (gRPC, heartbeats) stays
-responsive and forwards never overlap (``stop`` waits for the one in flight); token choice
-(masking, sampling) runs back on the event loop. Per request, per output token::
+responsive and forwards never overlap (``stop`` waits for the one in flight). The token masks
+of the step are computed on the event loop *while* that forward runs: a mask depends only on
+the tokens generated so far, never on the logits being computed, and both numpy and
+llguidance release the GIL, so mask time hides behind the forward (as vLLM and SGLang overlap
+grammar work with the GPU step). ``mask_waits``, when set, gets per step how long the masks
+kept the step waiting after its forward had finished (0 when fully hidden). Token choice
+(masking, sampling) then runs on the event loop. Per request, per output token::
 
     logits  = the model's logits for the last token, float32 [vocab]
     allowed = request.mask_fn(step, generated) if mask_fn else None   (True = allowed)
@@ -33,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -128,6 +134,9 @@ class TinyEngine(BatchingEngine):
                                      max_positions=cfg.capacity_blocks * cfg.block_size)
         self.kv = self.transformer.new_cache(cfg.capacity_blocks, cfg.block_size)
         self.logits_observer: LogitsObserver | None = None
+        self.mask_waits: list[float] | None = None
+        """When set (benchmarks): per step with masks, seconds the masks finished after the
+        forward did (see module doc)."""
         self._executor: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
@@ -168,38 +177,63 @@ class TinyEngine(BatchingEngine):
                  for seq in seqs]
         forward = self.transformer.forward
         if self._executor is not None:
-            logits = await asyncio.get_running_loop().run_in_executor(
-                self._executor, forward, self.kv, items)
+            kv, finished = self.kv, [0.0]
+
+            def run() -> list[npt.NDArray[np.float32]]:
+                out = forward(kv, items)
+                finished[0] = time.perf_counter()
+                return out
+
+            fut = asyncio.get_running_loop().run_in_executor(self._executor, run)
+            masks = self._masks(seqs)  # while the forward runs
+            masked_at = time.perf_counter()
+            logits = await fut
+            if masks and self.mask_waits is not None:
+                self.mask_waits.append(max(0.0, masked_at - finished[0]))
         else:
             logits = forward(self.kv, items)
+            masks = self._masks(seqs)
             await asyncio.sleep(0)
-        return [0 if seq.done else self._choose(cast(_TinySeq, seq), lg)
+        return [0 if seq.done else self._choose(cast(_TinySeq, seq), lg, masks.get(seq))
                 for seq, lg in zip(seqs, logits, strict=True)]
+
+    def _masks(self, seqs: list[Seq]) -> dict[Seq, npt.NDArray[np.bool_] | BaseException]:
+        """This step's masks of the sequences that have a ``mask_fn`` (module doc)."""
+        out: dict[Seq, npt.NDArray[np.bool_] | BaseException] = {}
+        for seq in seqs:
+            req = seq.request
+            if req.mask_fn is None or seq.done:
+                continue
+            try:
+                allowed = req.mask_fn(seq.n_out, seq.tokens[seq.prompt_len:])
+            except Exception as exc:
+                log.exception("mask_fn of request %s failed", req.request_id)
+                out[seq] = EngineError(f"request {req.request_id}: mask_fn failed: {exc!r}")
+                continue
+            if allowed is not None:
+                out[seq] = np.asarray(allowed, dtype=bool)
+        return out
 
     # -- token choice ----------------------------------------------------------------------
 
-    def _choose(self, seq: _TinySeq, logits: npt.NDArray[np.float32]) -> int | BaseException:
+    def _choose(self, seq: _TinySeq, logits: npt.NDArray[np.float32],
+                mask: npt.NDArray[np.bool_] | BaseException | None) -> int | BaseException:
         """Mask, then argmax or sample (module doc). A failing or empty mask fails only this
         request, with :class:`EngineError`."""
         req, step = seq.request, seq.n_out
         if self.logits_observer is not None:
             self.logits_observer(req.request_id, step, logits)
-        if req.mask_fn is not None:
-            try:
-                allowed = req.mask_fn(step, seq.tokens[seq.prompt_len:])
-            except Exception as exc:
-                log.exception("mask_fn of request %s failed", req.request_id)
-                return EngineError(f"request {req.request_id}: mask_fn failed: {exc!r}")
-            if allowed is not None:
-                mask = np.asarray(allowed, dtype=bool)
-                if mask.ndim != 1 or mask.shape[0] < self.vocab_size:
-                    return EngineError(f"request {req.request_id}: mask of shape {mask.shape},"
-                                       f" need a 1-d mask of >= {self.vocab_size} entries")
-                mask = mask[: self.vocab_size]
-                if not mask.any():
-                    return EngineError(f"request {req.request_id}: token mask at step {step} "
-                                       "allows no token")
-                logits = np.where(mask, logits, np.float32(-np.inf))
+        if isinstance(mask, BaseException):
+            return mask
+        if mask is not None:
+            if mask.ndim != 1 or mask.shape[0] < self.vocab_size:
+                return EngineError(f"request {req.request_id}: mask of shape {mask.shape},"
+                                   f" need a 1-d mask of >= {self.vocab_size} entries")
+            mask = mask[: self.vocab_size]
+            if not mask.any():
+                return EngineError(f"request {req.request_id}: token mask at step {step} "
+                                   "allows no token")
+            logits = np.where(mask, logits, np.float32(-np.inf))
         if seq.rng is None:
             return int(np.argmax(logits))
         return sample_token(logits, req.temperature, float(seq.rng.random()))

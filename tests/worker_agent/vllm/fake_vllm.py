@@ -53,6 +53,11 @@ NONE_HASH = hashlib.sha256(b"vllm-none-hash").digest()
 MASK64 = (1 << 64) - 1
 
 
+def fake_logprob(token: int) -> float:
+    """The log-probability the fake reports for a sampled token (deterministic, varied)."""
+    return -0.125 - (token % 37) / 8
+
+
 @dataclass
 class _Block:
     hash: bytes
@@ -267,6 +272,7 @@ class FakeVllm:
         forced = self.forced(body.get("structured_outputs"))
         token_ids = bool(body.get("return_token_ids")) and not self.a.no_return_token_ids
         as_ids = body.get("logprobs") is not None and body.get("return_tokens_as_token_ids")
+        want_lp = body.get("logprobs") is not None
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.waiting += 1
         try:
@@ -296,9 +302,10 @@ class FakeVllm:
                 if token_ids:
                     choice["prompt_token_ids"] = r.prompt if t == 0 else None
                     choice["token_ids"] = [tok]
-                if as_ids:
-                    choice["logprobs"] = {"text_offset": [0], "token_logprobs": [-0.5],
-                                          "tokens": [f"token_id:{tok}"], "top_logprobs": [None]}
+                if want_lp:
+                    choice["logprobs"] = {"text_offset": [0], "token_logprobs": [fake_logprob(tok)],
+                                          "tokens": [f"token_id:{tok}" if as_ids else f" t{tok}"],
+                                          "top_logprobs": [None]}
                 await write({"id": r.rid, "object": "text_completion", "created": created,
                              "model": body.get("model"), "choices": [choice]})
                 if finish:

@@ -54,7 +54,7 @@ async def test_fork_choice_select_through_a_router_with_cached_tokens_from_usage
     res = results(resps)
     assert set(res) == {"0.0", "0.1", "0.2"}
     kept = [r for r in res.values() if r.selected]
-    assert [r.branch_id for r in kept] == ["0.0"]  # no logprobs from vllm: ties keep the first
+    assert [r.branch_id for r in kept] == ["0.0"]  # equal outputs, equal logprobs: the first
     for r in res.values():
         v = r.variables["answer"]
         assert v.text == "blue" and v.complete and bytes(r.token_ids) == b"blue"
@@ -72,6 +72,22 @@ async def test_fork_choice_select_through_a_router_with_cached_tokens_from_usage
         assert 256 in body["stop_token_ids"]  # the vocabulary's eos
     assert len({body["seed"] for body in children}) == 3  # siblings sample differently
     await wait_for(lambda: agent.engine.load().running == 0, what="requests done")
+
+
+async def test_best_logprob_uses_vllms_log_probabilities(cluster, fake_vllm) -> None:
+    from tests.worker_agent.vllm.fake_vllm import fake_logprob
+
+    fake = fake_vllm("--vocab", "258")
+    _, router = await start(cluster, fake)
+    steps = [fork([gen(5, temperature=1.0)], n=4, select=P.SELECT_MODE_BEST_LOGPROB)]
+    res = results(await run(router.port, steps, prompt=PROMPT, seed=3, router=True))
+    sums = {k: sum(fake_logprob(t) for t in r.token_ids) for k, r in res.items()}
+    assert len(set(sums.values())) > 1  # the branches sampled differently
+    for k, r in res.items():
+        assert list(r.token_logprobs) == pytest.approx([fake_logprob(t) for t in r.token_ids])
+        assert r.logprob == pytest.approx(sums[k])
+    assert [k for k, r in res.items() if r.selected] == [max(sums, key=sums.__getitem__)]
+    assert all(body["logprobs"] == 0 for body in received(fake)[1:])
 
 
 async def test_backtrack_and_fast_forward_resubmit_the_edited_prompt(cluster, fake_vllm

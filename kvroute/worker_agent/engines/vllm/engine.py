@@ -47,6 +47,8 @@ class VllmConfig:
     topic: str = ""
     capacity_blocks: int = 4096
     """Used for load only when /metrics lacks ``vllm:cache_config_info``."""
+    max_num_seqs: int = 0
+    """vLLM's ``--max-num-seqs``, reported as the load's ``max_running`` (0: unknown)."""
     metrics_interval_s: float = 0.5
     replay_timeout_s: float = 1.0
     probe_s: float = 1.0
@@ -148,11 +150,13 @@ class VllmEngine(BatchSink):
                     request.request_id, token_ids=prompt, max_tokens=request.max_tokens,
                     temperature=request.temperature, seed=request.seed,
                     stop_token_ids=request.stop_token_ids, cache_salt=request.cache_salt,
-                    report_reused=self._report_reused(), structured=structured):
+                    report_reused=self._report_reused(), structured=structured,
+                    logprobs=request.logprobs):
                 if c.usage:
                     # vLLM's exact hit arrives after the finish chunk: put it on the last one.
                     if held is not None and c.cached_tokens is not None:
-                        held = TokenChunk(held.token_ids, c.cached_tokens, held.finish_reason)
+                        held = TokenChunk(held.token_ids, c.cached_tokens, held.finish_reason,
+                                          held.logprobs)
                     continue
                 if held is not None:
                     raise EngineError("vllm sent tokens after the finish reason")
@@ -160,12 +164,12 @@ class VllmEngine(BatchSink):
                     reason = _FINISH.get(c.finish_reason)
                     if reason is None:
                         raise EngineError(f"vllm finished with {c.finish_reason!r}")
-                    held = TokenChunk(c.token_ids, predicted, reason)
+                    held = TokenChunk(c.token_ids, predicted, reason, c.logprobs)
                     state.started = True
                     continue
                 if c.token_ids:
                     state.started = True
-                    yield TokenChunk(c.token_ids, predicted)
+                    yield TokenChunk(c.token_ids, predicted, logprobs=c.logprobs)
             if held is None:
                 raise EngineError("vllm stream ended without a finish reason")
             yield held
@@ -185,7 +189,8 @@ class VllmEngine(BatchSink):
         # /metrics is up to one poll old; our own requests are counted at once.
         return EngineLoad(
             running=max(m.running, decoding), queued=m.waiting, free_blocks=free,
-            capacity_blocks=capacity, pending_prefill_tokens=prefill)
+            capacity_blocks=capacity, pending_prefill_tokens=prefill,
+            max_running=self.config.max_num_seqs)
 
     def cached_keys(self) -> list[int]:
         return self.blocks.cached_keys()

@@ -53,6 +53,7 @@ class Chunk:
     cached_tokens: int | None = None  # from the usage chunk (last)
     prompt_tokens: int | None = None
     usage: bool = False  # the final usage chunk
+    logprobs: tuple[float, ...] | None = None  # of token_ids, when asked for
 
 
 _STRUCTURED_KEYS = {"json_schema": "json", "regex": "regex", "lark": "grammar",
@@ -92,8 +93,8 @@ class CompletionsClient:
 
     def body(self, token_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
              seed: int = 0, stop_token_ids: frozenset[int] = frozenset(), cache_salt: str = "",
-             report_reused: bool = False, structured: dict[str, Any] | None = None
-             ) -> dict[str, Any]:
+             report_reused: bool = False, structured: dict[str, Any] | None = None,
+             logprobs: bool = False) -> dict[str, Any]:
         b: dict[str, Any] = {
             "model": self.model, "prompt": token_ids, "max_tokens": max_tokens,
             "temperature": temperature,  # 0 = greedy, as in EngineRequest
@@ -101,6 +102,8 @@ class CompletionsClient:
         }
         if self.token_mode == "token_ids":
             b["return_token_ids"] = True
+            if logprobs:
+                b["logprobs"] = 0  # the sampled token's own, no alternatives
         else:
             b["logprobs"] = 0
             b["return_tokens_as_token_ids"] = True
@@ -184,7 +187,15 @@ class CompletionsClient:
         else:
             lp = ch.get("logprobs") or {}
             ids = [_token_id(t) for t in (lp.get("tokens") or [])]
-        return Chunk(tuple(ids), finish)
+        return Chunk(tuple(ids), finish, logprobs=_logprobs(ch.get("logprobs"), len(ids)))
+
+
+def _logprobs(lp: Any, n: int) -> tuple[float, ...] | None:
+    """``choices[0].logprobs.token_logprobs`` (None when absent or not one per token)."""
+    vals = lp.get("token_logprobs") if isinstance(lp, dict) else None
+    if not isinstance(vals, list) or len(vals) != n:
+        return None
+    return tuple(float(v) if isinstance(v, int | float) and v == v else 0.0 for v in vals)
 
 
 def _token_id(tok: str) -> int:
