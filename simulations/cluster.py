@@ -17,6 +17,11 @@ Scheduling, per iteration (as vLLM's scheduler, without preemption):
 3. A sequence that has produced ``output`` tokens finishes and frees its blocks (they stay
    cached until evicted).
 
+A request may come with KV fetched from another worker (:meth:`SimWorker.receive`, Mooncake's
+transfer): the blocks are cached on arrival and the request's first token comes no earlier
+than the transfer's end (``ready_s``); its prefill of the rest may overlap the transfer, as
+Mooncake's layer-wise pipelining does.
+
 A request may wait for another's prefill (``after``): the branches of a controller-program
 fork are admitted once the agent has prefilled their shared prefix, so they hit it.
 
@@ -55,6 +60,8 @@ class SimRequest:
     blocks: list[int] = field(default_factory=list)
     remaining: int = 0
     after: SimRequest | None = None  # not admitted before this one's prefill has finished
+    ready_s: float = 0.0  # no first token before (a KV transfer it waits for)
+    received_tokens: int = 0  # of its prefix, fetched from another worker before admission
 
 
 class SimWorker:
@@ -73,6 +80,7 @@ class SimWorker:
         self.running: list[SimRequest] = []
         self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
         self.prefill_tokens = 0  # uncached tokens actually prefilled
+        self.received_tokens = 0  # tokens of KV fetched from other workers (Mooncake)
         self.busy_s = 0.0
         self.finished: list[SimRequest] = []
         self._version = 0  # bumped on every state change, to reuse the load view
@@ -109,6 +117,23 @@ class SimWorker:
         if not self.waiting and not self.running:
             self.t = max(self.t, now)
         self.waiting.append(req)
+
+    def receive(self, keys: tuple[int, ...], now: float) -> int:
+        """Cache the KV of ``keys`` (a prompt's leading block keys) fetched from another
+        worker (Mooncake's transfer; stored events as for computed blocks). Returns the
+        tokens received: those not cached here yet, 0 if the pool cannot take them now."""
+        pool = self.pool
+        have = len(pool.lookup(keys))
+        n = len(keys) - have
+        if n <= 0 or not pool.can_allocate(n):
+            return 0
+        self._version += 1
+        self._now = now
+        blocks = pool.allocate(n)
+        pool.commit(blocks, keys[have:])
+        pool.free(blocks)  # cached, evictable: they are the request's hits at admission
+        self.received_tokens += n * self.block_size
+        return n * self.block_size
 
     def advance(self, until: float) -> None:
         """Run every iteration that starts before ``until``."""
@@ -152,7 +177,7 @@ class SimWorker:
         for r in admitted:
             n_hit = r.cached_tokens // bs
             pool.commit(r.blocks[n_hit:len(r.keys)], r.keys[n_hit:])
-            r.first_token_s = end
+            r.first_token_s = max(end, r.ready_s)
             r.remaining = r.output_tokens - 1
         self._finish_step(end, 1, self.running)
         self.running.extend(r for r in admitted if not self._done(r, end))

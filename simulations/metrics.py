@@ -17,7 +17,7 @@ from simulations.trace import Trace
 class PolicyMetrics:
     policy: str
     requests: int
-    hit_ratio: float  # cached prompt tokens / prompt tokens
+    hit_ratio: float  # prompt tokens found in the worker's own cache / prompt tokens
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p99_s: float
@@ -26,6 +26,7 @@ class PolicyMetrics:
     throughput_rps: float  # completed requests per second of simulated time
     imbalance: float  # max / mean of per-worker prefilled tokens
     wall_s: float  # how long the replay took on this machine
+    fetched_ratio: float = 0.0  # prompt tokens whose KV came from another worker (Mooncake)
 
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -38,7 +39,8 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     if np.isnan(ttft).any() or np.isnan(e2e).any():
         raise RuntimeError(f"{res.policy}: some requests never completed")
     prompt = sum(r.prompt_tokens for r in reqs)
-    cached = sum(r.cached_tokens for r in reqs)
+    fetched = sum(min(r.received_tokens, r.cached_tokens) for r in reqs)
+    cached = sum(r.cached_tokens for r in reqs) - fetched
     span = max(r.finished_s for r in reqs) - min(r.arrival_s for r in reqs)
     prefilled = np.array([w.prefill_tokens for w in res.workers], dtype=float)
     return PolicyMetrics(
@@ -48,7 +50,7 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         e2e_p99_s=float(np.percentile(e2e, 99)),
         throughput_rps=len(reqs) / span if span > 0 else math.inf,
         imbalance=float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0,
-        wall_s=res.wall_s)
+        wall_s=res.wall_s, fetched_ratio=fetched / prompt)
 
 
 def _cacheable(prompt_tokens: int, n_keys: int, block_size: int) -> int:

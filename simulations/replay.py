@@ -4,7 +4,10 @@ The router side is production code: :class:`kvroute.core.index.PrefixIndex` fed 
 workers' cache events, and :func:`kvroute.router.decide.rank_request` with a policy object
 from :data:`kvroute.core.policies.REGISTRY`. Cache events reach the router's index
 ``propagation_s`` after the engine emitted them (the agent -> Redis -> router path), so
-routing decisions see stale state exactly as a real router does. With ``predict_ttl_s``
+routing decisions see stale state exactly as a real router does. A policy with a
+``transfer(query, worker)`` method (Mooncake's) may have the chosen worker fetch a longer
+prefix's KV from another worker first: the replay performs that transfer
+(:meth:`SimWorker.receive`, timed by :meth:`CostModel.transfer_s`). With ``predict_ttl_s``
 the router predicts that a routed prompt's blocks will be on its worker until its events
 arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``.
 The load view is the router's own accounting (requests outstanding, its estimate of
@@ -121,6 +124,7 @@ class Replayer:
         reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.keys)
                 for i, r in enumerate(self.trace.requests)]
         programs = self._programs() if self.spec.programs else {}
+        transfer = getattr(self.policy, "transfer", None)  # policies that move KV
         # Program id -> where each branch (by arrival order) runs, after which prefill.
         placed: dict[str, list[tuple[SimWorker, SimRequest]]] = {}
         samples: list[tuple[float, list[int]]] = []
@@ -146,6 +150,13 @@ class Replayer:
                              treq.affinity)
             chosen = by_name[d.best]
             req.routed_uncached = req.prompt_tokens - d.cached_tokens(d.best)
+            if transfer is not None and (plan := transfer(d.query, d.best)) is not None:
+                # The policy fetches a longer prefix's KV from another worker (Mooncake).
+                got = chosen.receive(req.keys[: plan[1] // bs], now)
+                if got:
+                    req.received_tokens = got
+                    req.ready_s = now + self.spec.cost.transfer_s(got)
+                    req.routed_uncached = max(0, req.routed_uncached - got)
             if n_branches:
                 # The agent prefills the branches' shared prefix once (a prefill-only
                 # request), then runs each branch after it; so does each overflow worker.

@@ -26,6 +26,8 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
             f"{r.throughput_rps:>6.2f} {r.imbalance:>6.2f} {r.wall_s:>5.1f}s{mark}")
     lines.append("bounds on the hit ratio: " + ", ".join(
         f"{k} {v:.1%}" for k, v in bounds.items()))
+    lines += [f"{r.policy} also fetched {r.fetched_ratio:.1%} of prompt tokens' KV from other "
+              "workers (not counted as hits)" for r in rows if r.fetched_ratio]
     return "\n".join(lines)
 
 

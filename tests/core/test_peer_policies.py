@@ -268,8 +268,21 @@ def test_preble_explore_counts_this_prompts_prefill() -> None:
 
 # --- mooncake ---------------------------------------------------------------------------
 
-def test_mooncake_minimises_queue_plus_uncached_prefill() -> None:
+def test_mooncake_fetches_a_longer_prefix_when_that_beats_computing_it() -> None:
     p = MooncakeConductor()
+    loads = {"a": pending(1000), "b": pending(100), "c": IDLE}
+    query = q({"a": 90}, loads)  # a holds 1440 of the 1600 prompt tokens
+    ranked = p.rank(query)
+    fetch = 0.122 * 1440 + 160
+    assert [s.worker for s in ranked] == ["c", "b", "a"]
+    assert [s.cost for s in ranked] == pytest.approx([fetch, 100 + fetch, 1000 + 160])
+    assert p.transfer(query, "c") == ("a", 1440)
+    assert p.transfer(query, "a") is None  # already holds the longest prefix
+    assert p.transfer(q({}, loads), "c") is None  # nobody holds anything
+
+
+def test_mooncake_minimises_queue_plus_uncached_prefill() -> None:
+    p = MooncakeConductor(transfer_cost=1.0)  # fetching never pays: the local branch only
     loads = {"a": pending(1000), "b": pending(100), "c": IDLE}
     ranked = p.rank(q({"a": 90}, loads))
     assert [s.worker for s in ranked] == ["a", "c", "b"]

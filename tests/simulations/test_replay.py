@@ -201,3 +201,28 @@ def test_hash_ids_expand_to_tokens_that_share_exactly_the_shared_ids() -> None:
     assert a[:1024] == b[:1024] and a[1024:1400] != b[1024:1400]
     assert expand_tokens([1, 2, 3], 1400, block_size=512) == a  # deterministic
     assert max(a) < 50257
+
+
+def test_mooncake_fetches_hot_prefixes_instead_of_recomputing_them() -> None:
+    """Mooncake's transfer branch, performed by the replay: the KV arrives over the network
+    (timed), is cached on the fetching worker (a replica of the hot prefix), and is not
+    counted as a cache hit."""
+    from kvroute.core.policies.peers import MooncakeConductor
+    from simulations.costmodel import CostModel
+
+    lines = SHARED.read_text().splitlines()[:600]
+    part = parse(lines)
+    spec = ClusterSpec(workers=8)
+    fetch = Replayer(part, MooncakeConductor(), spec).run()
+    local = Replayer(part, MooncakeConductor(transfer_cost=1.0), spec).run()
+    moved = [r for r in fetch.requests if r.received_tokens]
+    assert moved and all(r.received_tokens == 0 for r in local.requests)
+    cost = CostModel()
+    for r in moved:
+        assert r.first_token_s >= r.arrival_s + cost.transfer_s(r.received_tokens) - 1e-9
+    m_fetch, m_local = measure(fetch), measure(local)
+    assert m_fetch.fetched_ratio > 0 and m_local.fetched_ratio == 0
+    bound = hit_ratio(part, infinite_cache_hits(part))
+    assert m_fetch.hit_ratio + m_fetch.fetched_ratio <= bound + 1e-9
+    assert sum(w.received_tokens for w in fetch.workers) == \
+        sum(r.received_tokens for r in moved)

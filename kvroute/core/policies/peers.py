@@ -433,34 +433,37 @@ class PrebleE2:
 
 @dataclass(slots=True)
 class MooncakeConductor:
-    """Mooncake's Conductor, prefill-instance choice: least estimated time to first token.
+    """Mooncake's Conductor, prefill-instance choice: least estimated time to first token,
+    fetching a longer cached prefix from another instance when that is quicker.
 
     Formula, for each worker ``w`` (time in prefill-token units: one token = one unit)::
 
-        TTFT_w = T_queue_w + T_prefill_w
-               = pending_prefill_tokens_w + (prompt_tokens - cached_w)      (lowest wins)
+        local_w    = pending_prefill_tokens_w + (P - c_w)
+        transfer_w = pending_prefill_tokens_w + transfer_cost * (c* - c_w) + (P - c*)
+        TTFT_w     = min(local_w, transfer_w)       (transfer_w only when c* > c_w)
 
-    ties by the affinity rendezvous hash. This is the instance loop of the paper's
-    Algorithm 1 (KVCache-centric scheduling) with each instance's *own* prefix match, over a
-    global view of every instance's cache (kvroute's index plays the Conductor's global
-    prefix index).
+    lowest wins, ties by the affinity rendezvous hash. ``c_w`` is ``w``'s own prefix match and
+    ``c*`` the longest match on any worker (kvroute's index plays the Conductor's global
+    prefix index). When the winner's ``transfer_w`` is the lower, the request fetches the
+    ``c* - c_w`` tokens of KV from the worker holding ``c*`` before its prefill
+    (:meth:`transfer`): the Conductor's KVCache transfer, which leaves a copy of the hot
+    prefix on the chosen worker too -- the paper's "global cache-aware" scheduler with hot
+    block replication. This is the instance loop of the paper's Algorithm 1.
 
-    What is modelled: the cluster-wide prefix lookup, the queue-time estimate (queued prefill
-    work ahead of the request) and the prefill of the uncached part.
+    A ranking cannot move KV: the replay simulator performs the transfer :meth:`transfer`
+    asks for (``simulations/replay.py``). The production router has no KV transfer between
+    workers, so there the transfer branch only ranks; use it in the simulator.
 
-    What is not: (1) the KV transfer branch — when another instance's match is longer by more
-    than ``kvcache_balancing_threshold``, Mooncake fetches those blocks from the distributed
-    KVCache pool (T_transfer) and computes only the rest; that is the "global cache-aware
-    with hot-block replication" of the paper's evaluation, and it needs the cluster to copy
-    blocks, which a ranking cannot do (the threshold and the transfer bandwidth are not
-    published constants either). Without it this policy is closest to the paper's "local
-    cache-aware" scheduler: cache- and queue-aware, no migration. (2) Prefill/decode
-    disaggregation: Mooncake picks a decode instance separately (by TBT), so decode load
-    does not enter the prefill choice — nor here, even though our workers do both.
-    (3) Prediction-based early rejection and the TTFT/TBT SLO checks. (4) Mooncake's
-    profiled, non-linear prefill time model: prefill time is taken as linear in tokens.
+    Not modelled: prefill/decode disaggregation (Mooncake picks the decode instance
+    separately, by TBT, so decode load does not enter the prefill choice -- nor here, though
+    our workers do both), prediction-based early rejection and the SLO checks, and the
+    profiled non-linear prefill time (taken as linear in tokens here).
 
-    Parameters: none published for this step.
+    Parameters:
+        transfer_cost: time to fetch one token's KV relative to prefilling one token. The
+            paper publishes no constant; default ``0.122`` = 10.5 us per token (Llama-3.1-8B:
+            128 KiB of KV per token at 100 Gb/s, one RDMA NIC) / 86 us per prefilled token
+            (``simulations/costmodel.py``), so a transfer pays off for any longer match.
 
     Source: Qin et al., "Mooncake: A KVCache-centric Disaggregated Architecture for LLM
     Serving", USENIX FAST 2025 (arXiv:2407.00079), Algorithm 1 and the scheduling
@@ -468,10 +471,28 @@ class MooncakeConductor:
     cache-aware 3.58 s, global cache-aware 3.07 s mean TTFT).
     """
 
+    transfer_cost: float = 0.122
     name: str = "mooncake"
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         p = query.prompt_tokens
-        costs = {w: float(ld.pending_prefill_tokens + p - query.cached_tokens(w))
-                 for w, ld in query.loads.items()}
+        best = max((query.cached_tokens(w) for w in query.matched_blocks), default=0)
+        tc = self.transfer_cost
+        costs = {}
+        for w, ld in query.loads.items():
+            c = query.cached_tokens(w)
+            local = p - c
+            if best > c:
+                local = min(local, tc * (best - c) + p - best)
+            costs[w] = float(ld.pending_prefill_tokens + local)
         return rank_by_cost(query, costs)
+
+    def transfer(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
+        """Where ``worker`` (the chosen one) fetches the prompt's prefix KV from, and how
+        many tokens of it: the worker with the longest match, when fetching beats computing
+        (see the formula); else None."""
+        best, src = max(((query.cached_tokens(w), w) for w in query.matched_blocks),
+                        default=(0, ""))
+        if best <= query.cached_tokens(worker) or self.transfer_cost >= 1:
+            return None
+        return src, best
