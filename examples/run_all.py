@@ -1,7 +1,7 @@
 """Start a local cluster in this process (a redis-server, two `tiny` agents, a router) and
 run every example against it: ``python examples/run_all.py`` (``--engine sim``: two `sim`
-agents instead; same outputs' shape, sim content, logprob 0). Against a cluster you started
-yourself, run each example with ``--router HOST:PORT`` instead."""
+agents instead; same outputs' shape, sim content, logprob 0). ``--router HOST:PORT`` runs them
+against a cluster already up instead (``kvroute demo --serve`` starts one)."""
 
 from __future__ import annotations
 
@@ -69,4 +69,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=("tiny", "sim"), default="tiny",
                     help="the agents' engine (sim: no model, constraints through its masks)")
-    asyncio.run(main(ap.parse_args().engine))
+    ap.add_argument("--router", default="",
+                    help="HOST:PORT of a running router (its agents: --tokenizer byte "
+                         "--vocab-size 258) instead of starting a cluster here")
+    args = ap.parse_args()
+    asyncio.run(run_all(args.router) if args.router else main(args.engine))

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true",
                    help="no per-request lines: only the summaries (progress still on stderr)")
     d.add_argument("--seed", type=int, default=7, help="workload seed")
+    d.add_argument("--serve", action="store_true",
+                   help="afterwards keep tiny-engine agents and a kvroute router up for "
+                        "controller programs (examples/), until Ctrl-C")
     sub.add_parser("policies", help="list routing policies with their formulas")
     rp = sub.add_parser("replay", help="replay a trace through every policy on a simulated "
                         "cluster", formatter_class=fmt)

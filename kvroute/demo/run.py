@@ -1,5 +1,9 @@
 """``kvroute demo``: Redis + N sim agents + a router per policy, one workload, a comparison.
 
+With ``--serve`` it then keeps a cluster up for controller programs -- N ``tiny``-engine
+agents (byte vocabulary) behind a kvroute router -- and prints the command that runs the
+examples against it, until Ctrl-C.
+
 Each policy gets fresh agents and a fresh router (and an empty Redis), so every policy
 starts from cold caches and sees the very same requests. Progress goes to stderr, results
 (per-request lines, summaries, the comparison) to stdout.
@@ -49,6 +53,12 @@ from kvroute.v1 import common_pb2, router_pb2_grpc
 START_TIMEOUT_S = 30.0  # generous: 2 cores booting five Python processes at once
 REQUEST_TIMEOUT_S = 60.0
 HEARTBEAT = ("--heartbeat-s", "0.5", "--heartbeat-ttl-s", "2")
+ENGINE_ARGS = {
+    "sim": ((), ()),
+    # The examples' vocabulary: the byte tokenizer's 258 ids, on agents and router alike.
+    "tiny": (("--tokenizer", "byte", "--vocab-size", "258"),
+             ("--tokenizer", "byte", "--vocab-size", "258")),
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class DemoOptions:
     capacity_blocks: int
     time_scale: float
     quiet: bool
+    serve: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -78,7 +89,7 @@ class DemoOptions:
         spec = WorkloadSpec(conversations=args.conversations, turns=args.turns,
                             one_off=args.one_off, seed=args.seed)
         return cls(args.workers, policies, spec, args.concurrency, args.capacity_blocks,
-                   args.time_scale, args.quiet)
+                   args.time_scale, args.quiet, args.serve)
 
 
 @dataclass(frozen=True)
@@ -128,8 +139,9 @@ async def flush_redis(url: str) -> None:
 
 
 async def start_cluster(children: Children, policy: str, redis_url: str,
-                        opts: DemoOptions) -> Cluster:
-    progress(f"[{policy}] starting {opts.workers} sim agents and a router")
+                        opts: DemoOptions, engine: str = "sim") -> Cluster:
+    progress(f"[{policy}] starting {opts.workers} {engine} agents and a router")
+    agent_args, router_args = ENGINE_ARGS[engine]
     kvroute = [sys.executable, "-m", "kvroute"]
     agents: list[Child] = []
     worker_ids: list[str] = []
@@ -137,14 +149,15 @@ async def start_cluster(children: Children, policy: str, redis_url: str,
     for i in range(opts.workers):
         wid, port = f"w{i}", children.free_port()
         agents.append(children.spawn(f"{policy} agent {wid}", [
-            *kvroute, "agent", "--engine", "sim", "--redis", redis_url, "--port", str(port),
+            *kvroute, "agent", "--engine", engine, "--redis", redis_url, "--port", str(port),
             "--worker-id", wid, "--capacity-blocks", str(opts.capacity_blocks),
-            "--time-scale", str(opts.time_scale), *HEARTBEAT]))
+            "--time-scale", str(opts.time_scale), *agent_args, *HEARTBEAT]))
         worker_ids.append(wid)
         agent_addrs.append(f"127.0.0.1:{port}")
     port = children.free_port()
     router = children.spawn(f"{policy} router", [
-        *kvroute, "router", "--redis", redis_url, "--port", str(port), "--policy", policy])
+        *kvroute, "router", "--redis", redis_url, "--port", str(port), "--policy", policy,
+        *router_args])
     cluster = Cluster(router, agents, f"127.0.0.1:{port}", worker_ids)
     # All boot in parallel; waiting in turn costs nothing and fails on the first culprit.
     for child, addr in zip([*agents, router], [*agent_addrs, cluster.router_address],
@@ -223,7 +236,8 @@ async def run_policy(cluster: Cluster, policy: str, workload: Workload,
     return report
 
 
-async def demo(opts: DemoOptions, children: Children) -> list[PolicyReport]:
+async def demo(opts: DemoOptions, children: Children) -> tuple[list[PolicyReport], str]:
+    """Run the comparison; returns the reports and the (still running) Redis's URL."""
     spec = opts.spec
     workload = make_workload(spec)
     progress(f"workload (seed {spec.seed}): {spec.conversations} chats x {spec.turns} turns "
@@ -237,7 +251,20 @@ async def demo(opts: DemoOptions, children: Children) -> list[PolicyReport]:
         reports.append(await run_policy(cluster, policy, workload, opts))
         progress(f"[{policy}] stopping its agents and router")
         children.stop(cluster.children)
-    return reports
+    return reports, redis_url
+
+
+async def serve(opts: DemoOptions, children: Children, redis_url: str) -> None:
+    """Keep a tiny-engine cluster up for controller programs until interrupted."""
+    await flush_redis(redis_url)
+    cluster = await start_cluster(children, "kvroute", redis_url, opts, engine="tiny")
+    addr = cluster.router_address
+    print(f"\nserving controller programs: a kvroute router at {addr}, {opts.workers} tiny "
+          "agents (byte vocabulary, 258 ids)\n"
+          f"  python examples/run_all.py --router {addr}\n"
+          f"  python examples/best_of_n_json.py --router {addr}\n"
+          "Ctrl-C stops everything.", flush=True)
+    await asyncio.Event().wait()
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -316,10 +343,15 @@ def run_demo(args: argparse.Namespace) -> int:
     saved_term = signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.perf_counter()
     try:
-        reports = asyncio.run(demo(opts, children))
+        reports, redis_url = asyncio.run(demo(opts, children))
         print("\n" + comparison_table(reports))
         progress(f"done in {time.perf_counter() - t0:.1f} s")
         keep_logs = False
+        if opts.serve:
+            try:
+                asyncio.run(serve(opts, children, redis_url))
+            except KeyboardInterrupt:
+                progress("stopping the served cluster")
         return 0
     except ChildError as exc:
         print(f"\nkvroute demo failed: {exc}", file=sys.stderr)

@@ -115,3 +115,31 @@ def test_unknown_policy_fails_before_starting_anything() -> None:
         _kill_session(proc)
     assert proc.returncode == 2
     assert "unknown policy nope" in err
+
+
+def test_serve_keeps_a_tiny_cluster_up_for_the_examples_until_interrupted() -> None:
+    proc = _demo(*TINY, "--quiet", "--policies", "kvroute", "--workers", "2", "--serve")
+    try:
+        assert proc.stdout is not None
+        address = ""
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            m = re.search(r"run_all\.py --router (\S+)", line)
+            if m:
+                address = m.group(1)
+                break
+            assert time.monotonic() < deadline, "no serving line in time"
+        assert address, "the demo never served"
+        examples = Path(__file__).resolve().parents[2] / "examples"
+        ex = subprocess.run([sys.executable, str(examples / "run_all.py"), "--router", address],
+                            capture_output=True, text=True, timeout=120)
+        assert ex.returncode == 0, ex.stderr
+        assert "parsed:" in ex.stdout and "worker t" not in ex.stdout  # the demo's w0/w1
+        assert re.search(r"worker w[01]", ex.stdout), ex.stdout
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 0, err
+    assert "stopping the served cluster" in err
+    _assert_no_leftovers(proc.pid)
