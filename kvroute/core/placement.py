@@ -45,16 +45,33 @@ def program_fanout(program: program_pb2.ControllerProgram) -> int:
     """Most branches a program can run at once: each fork multiplies the sequences alive,
     a joining select brings them back to one. (The agent checks the exact bound against its
     limits; placement only needs the weight.)"""
+    return _walk(program)[0]
+
+
+def program_prefill_tokens(program: program_pb2.ControllerProgram) -> int:
+    """Tokens a program prefills beyond its prompt: its fast-forwards, in every branch that
+    runs them (text counted by its UTF-8 bytes, an upper bound for byte-level vocabularies,
+    as the agent's token limit counts it)."""
+    return _walk(program)[1]
+
+
+def _walk(program: program_pb2.ControllerProgram) -> tuple[int, int]:
     live = peak = 1
+    ff = 0
     for step in program.steps:
         if step.HasField("fork"):
-            width = sum(program_fanout(c) for c in fork_children(step.fork)) or 1
+            subs = [_walk(c) for c in fork_children(step.fork)]
+            width = sum(w for w, _ in subs) or 1
+            ff += live * sum(t for _, t in subs)
             peak = max(peak, live * width)
             if step.fork.select == program_pb2.SELECT_MODE_ALL:
                 live *= width
         elif step.HasField("select") and step.select.mode != program_pb2.SELECT_MODE_ALL:
             live = 1
-    return min(peak, MAX_FANOUT_WEIGHT)
+        elif step.HasField("fast_forward"):
+            f = step.fast_forward
+            ff += live * (len(f.tokens.ids) if f.HasField("tokens") else len(f.text.encode()))
+    return min(peak, MAX_FANOUT_WEIGHT), min(ff, 1 << 30)
 
 
 def fork_children(fork: program_pb2.Fork) -> list[program_pb2.ControllerProgram]:

@@ -26,6 +26,7 @@ from kvroute.core.placement import (
     fork_segment,
     place_fork,
     program_fanout,
+    program_prefill_tokens,
 )
 from kvroute.core.policies import make_policy
 from kvroute.core.redis_conn import connect
@@ -146,6 +147,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # sequences until it finishes), except fork children it has no room for.
         program = request.program if request.HasField("program") else None
         fanout = program_fanout(program) if program is not None else 1
+        # Its fast-forwards are prefill work too, pending until the program ends.
+        extra = program_prefill_tokens(program) if program is not None else 0
         seg = fork_segment(program) if program is not None and self._cfg.program_overflow \
             else None
         weights = seg.weights() if seg is not None else []
@@ -162,7 +165,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             overflow = self._place(fwd, seg, weights, w, d)
             uncached = len(tokens) - d.cached_tokens(w)
             local = max(1, fanout - sum(o.weight for o in overflow))
-            self._registry.begin(w, uncached, local)
+            self._registry.begin(w, uncached + extra, local)
             # Overflow workers' prefill is pending until their first chunk comes back.
             away = {o.worker: len(tokens) - d.cached_tokens(o.worker) for o in overflow}
             for o in overflow:
@@ -193,8 +196,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             finally:
                 # Every begin() gets its end(), however the attempt ended (the client may
                 # cancel or close the stream at any await or yield).
-                if not started:
-                    self._registry.first_token(w, uncached)
+                self._registry.first_token(w, (0 if started else uncached) + extra)
                 self._registry.end(w, local)
                 for o in overflow:
                     if o.worker in away:

@@ -81,3 +81,19 @@ def test_children_are_placed_by_weight() -> None:
     out = place_fork(ranked("a", "b"), query(loads, {}), [3, 2, 2, 1])
     # a keeps child 0 (3) and child 3 (1); b takes child 1 (2); child 2 fits nowhere: stays.
     assert [(o.worker, o.children, o.weight) for o in out] == [("b", (1,), 2)]
+
+
+def test_a_programs_fast_forwards_count_as_prefill_in_every_branch() -> None:
+    from kvroute.core.placement import program_prefill_tokens
+
+    def ff_text(t: str) -> P.Step:
+        return P.Step(fast_forward=P.FastForward(text=t))
+
+    def ff_ids(*ids: int) -> P.Step:
+        return P.Step(fast_forward=P.FastForward(tokens=P.TokenIds(ids=list(ids))))
+
+    p = prog(ff_text("héllo"), fork([ff_ids(1, 2, 3), gen()], n=4), ff_ids(9),
+             P.Step(select=P.Select(mode=P.SELECT_MODE_BEST_LOGPROB)), ff_ids(8, 8))
+    # 6 UTF-8 bytes, 3 in each of 4 children, 1 in each of the 4 live branches, 2 after the join
+    assert program_prefill_tokens(p) == 6 + 12 + 4 + 2
+    assert program_prefill_tokens(prog(gen())) == 0

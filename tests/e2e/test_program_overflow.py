@@ -85,8 +85,9 @@ async def test_the_router_splits_a_fork_that_does_not_fit_and_results_are_unchan
     assert moved.engine.stats.admitted >= 2
     assert router.metrics.overflow._value.get() == 2
     assert (a if primary == "a" else b).programs.stats.overflow_sent == 2
-    await wait_for(lambda: router.registry.loads[primary].inflight == 0
-                   and router.registry.loads[other].inflight == 0, what="accounting ended")
+    await wait_for(lambda: all(router.registry.loads[w].inflight == 0
+                               and router.registry.loads[w].pending_prefill_tokens == 0
+                               for w in (primary, other)), what="accounting ended")
 
 
 @pytest.mark.parametrize("mode", [BEST, FIRST], ids=["best_logprob", "first_finished"])
