@@ -161,3 +161,22 @@ async def test_cancelling_a_split_program_frees_every_branch_on_both_workers(clu
         cap = app.engine.load().capacity_blocks
         await wait_for(lambda app=app, cap=cap: app.engine.load().running == 0
                        and app.engine.load().free_blocks == cap, what="branches freed")
+
+
+async def test_an_overflow_worker_dying_mid_program_fails_it_cleanly(cluster) -> None:
+    a, b = await two_agents(cluster)
+    req = placed([fork([gen(600)], n=4)], "b", f"127.0.0.1:{b.port}", [2, 3])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
+        call = worker_agent_pb2_grpc.WorkerAgentStub(ch).Generate(req)
+        seen: set[str] = set()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for r in call:
+                if r.token_ids and r.worker_id == "b" and len(seen) < 2:
+                    seen.add(r.branch_id)
+                    if len(seen) == 2:
+                        await cluster.stop(b)  # tokens of its branches reached the client
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "overflow worker b failed mid-program" in err.value.details()
+    cap = a.engine.load().capacity_blocks
+    await wait_for(lambda: a.engine.load().running == 0 and a.engine.load().free_blocks == cap,
+                   what="the local branches freed")

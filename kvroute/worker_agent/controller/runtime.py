@@ -486,7 +486,7 @@ class _Run:
     async def remote(self, parent: Branch, target: Target, idx: list[int],
                      members: list[Branch], fallback: list[Callable[[], Any]]) -> list[Branch]:
         """Run ``members`` (the fork's children ``idx``) on ``target``; their live branches.
-        Before the remote answers, a failure runs them here instead."""
+        A failure before any of their output reached the client runs them here instead."""
         assert self.rt.channels is not None and self.prep.split is not None
         st = self.rt.stats
         req = common_pb2.GenerateRequest(
@@ -500,19 +500,19 @@ class _Run:
             f"{self.request.sampling.seed}/{members[0].id}".encode()) & ((1 << 63) - 1) or 1
         st.overflow_sent += len(members)
         call = self.rt.channels.stub(target.address).Generate(req)
-        heard = False
+        relayed = False  # once the client has seen the remote's output, it cannot move
         final: common_pb2.GenerateResponse | None = None
         try:
             async for resp in call:
-                heard = True
                 if resp.results:
                     final = resp
                     continue
                 out = relay(resp, members, self.request_id)
                 if out is not None:
+                    relayed = True
                     await self.queue.put(out)
         except grpc.aio.AioRpcError as exc:
-            if heard:
+            if relayed:
                 raise ProgramError(grpc.StatusCode.UNAVAILABLE,
                                    f"overflow worker {target.worker_id} failed mid-program: "
                                    f"{exc.code().name} {exc.details()}") from None
