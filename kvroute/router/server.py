@@ -117,6 +117,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             resp.candidates.add(worker_id=s.worker, address=info.address if info else "",
                                 cached_tokens=d.cached_tokens(s.worker), cost=s.cost)
         resp.address = resp.candidates[0].address
+        if request.HasField("program") and self._cfg.program_overflow:
+            seg = fork_segment(request.program)
+            if seg is not None:
+                fwd = common_pb2.GenerateRequest()
+                self._place(fwd, seg, seg.weights(), d.best, d)
+                resp.placement.CopyFrom(fwd.placement)
         return resp
 
     async def Generate(  # noqa: N802 - gRPC method name
@@ -163,6 +169,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if attempt:
                 self._m.retries.inc()
             overflow = self._place(fwd, seg, weights, w, d)
+            self._m.overflow.inc(sum(len(o.children) for o in overflow))
+            if overflow:
+                log.info("program fork split across workers", extra={"kv": {
+                    "request": rid, "worker": w,
+                    "overflow": {o.worker: list(o.children) for o in overflow}}})
             uncached = len(tokens) - d.cached_tokens(w)
             local = max(1, fanout - sum(o.weight for o in overflow))
             self._registry.begin(w, uncached + extra, local)
@@ -250,10 +261,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             assert info is not None
             fwd.placement.overflow.add(worker_id=o.worker, address=info.address,
                                        children=o.children)
-            self._m.overflow.inc(len(o.children))
-        log.info("program fork split across workers", extra={"kv": {
-            "request": fwd.request_id, "worker": worker,
-            "overflow": {o.worker: list(o.children) for o in overflow}}})
         return overflow
 
 

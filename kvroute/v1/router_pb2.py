@@ -23,19 +23,20 @@ _sym_db = _symbol_database.Default()
 
 
 from kvroute.v1 import common_pb2 as kvroute_dot_v1_dot_common__pb2
+from kvroute.v1 import program_pb2 as kvroute_dot_v1_dot_program__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvroute/v1/router.proto\x12\nkvroute.v1\x1a\x17kvroute/v1/common.proto\"T\n\tCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x63ost\x18\x04 \x01(\x01\"\xc2\x01\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12)\n\ncandidates\x18\x06 \x03(\x0b\x32\x15.kvroute.v1.Candidate\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x08 \x01(\x08\x32\x92\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12?\n\x05Route\x12\x1b.kvroute.v1.GenerateRequest\x1a\x19.kvroute.v1.RouteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvroute/v1/router.proto\x12\nkvroute.v1\x1a\x17kvroute/v1/common.proto\x1a\x18kvroute/v1/program.proto\"T\n\tCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x63ost\x18\x04 \x01(\x01\"\xec\x01\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12)\n\ncandidates\x18\x06 \x03(\x0b\x32\x15.kvroute.v1.Candidate\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x08 \x01(\x08\x12(\n\tplacement\x18\t \x01(\x0b\x32\x15.kvroute.v1.Placement2\x92\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12?\n\x05Route\x12\x1b.kvroute.v1.GenerateRequest\x1a\x19.kvroute.v1.RouteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvroute.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CANDIDATE']._serialized_start=64
-  _globals['_CANDIDATE']._serialized_end=148
-  _globals['_ROUTERESPONSE']._serialized_start=151
-  _globals['_ROUTERESPONSE']._serialized_end=345
-  _globals['_ROUTER']._serialized_start=348
-  _globals['_ROUTER']._serialized_end=494
+  _globals['_CANDIDATE']._serialized_start=90
+  _globals['_CANDIDATE']._serialized_end=174
+  _globals['_ROUTERESPONSE']._serialized_start=177
+  _globals['_ROUTERESPONSE']._serialized_end=413
+  _globals['_ROUTER']._serialized_start=416
+  _globals['_ROUTER']._serialized_end=562
 # @@protoc_insertion_point(module_scope)

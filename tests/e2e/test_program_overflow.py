@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvroute.v1 import common_pb2, worker_agent_pb2_grpc
+from kvroute.v1 import common_pb2, router_pb2_grpc, worker_agent_pb2_grpc
 from kvroute.v1 import program_pb2 as P  # noqa: N812
 from tests.e2e.test_programs import (
     PROMPT,
@@ -67,6 +67,12 @@ async def test_the_router_splits_a_fork_that_does_not_fit_and_results_are_unchan
     await wait_for(lambda: len(router.registry.loads) == 2
                    and all(ld.max_running == 2 for ld in router.registry.loads.values()),
                    what="agents registered with their batch size")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+        decision = await router_pb2_grpc.RouterStub(ch).Route(common_pb2.GenerateRequest(
+            token_ids=PROMPT, program=P.ControllerProgram(steps=FOUR)))
+    assert decision.placement.fork_step == 0 and len(decision.placement.overflow) == 1
+    moved_to = decision.placement.overflow[0]
+    assert moved_to.worker_id != decision.worker_id and list(moved_to.children) == [2, 3]
     resps = await run(router.port, FOUR, router=True)
     res = results(resps)
     assert sorted(res) == ["0.0", "0.1", "0.2", "0.3"]
