@@ -97,3 +97,15 @@ def test_a_programs_fast_forwards_count_as_prefill_in_every_branch() -> None:
     # 6 UTF-8 bytes, 3 in each of 4 children, 1 in each of the 4 live branches, 2 after the join
     assert program_prefill_tokens(p) == 6 + 12 + 4 + 2
     assert program_prefill_tokens(prog(gen())) == 0
+
+
+def test_behind_a_queue_children_move_only_where_they_start_sooner() -> None:
+    # The prompt is 64 tokens (query()): a's queue holds 100 tokens of prefill.
+    busy = WorkerLoad(running=2, queued=1, pending_prefill_tokens=100, max_running=8)
+    loads = {"a": busy,
+             "b": WorkerLoad(pending_prefill_tokens=50, max_running=8),  # 50 + 64 >= 100
+             "c": WorkerLoad(pending_prefill_tokens=40, max_running=8)}  # 40 + 64 - 48 < 100
+    out = place_fork(ranked("a", "b", "c"), query(loads, {"c": 3}), [1, 1, 1])
+    assert [(o.worker, o.children) for o in out] == [("c", (1, 2))]
+    loads["c"] = WorkerLoad(pending_prefill_tokens=90, max_running=8)
+    assert place_fork(ranked("a", "b", "c"), query(loads, {"c": 3}), [1, 1, 1]) == ()
