@@ -47,8 +47,10 @@ def test_kvroute_holds_a_long_prefix_against_a_small_balance_gain() -> None:
     assert KvrouteCost().rank(near)[0].worker == "a"
     far = q({"a": 60}, {"a": kv(3000), "b": empty})  # a costs ~2850 more than b
     assert KvrouteCost().rank(far)[0].worker == "b"
-    short = q({"a": 24}, {"a": kv(1000), "b": empty})  # 384 of 1024 cached: no hold
-    assert KvrouteCost().rank(short)[0].worker == KvrouteCost(hold=0).rank(short)[0].worker
+    # 384 of 1024 tokens cached: under hold_min, so a gap the rule would forgive still moves it
+    short = q({"a": 24}, {"a": kv(700), "b": empty})  # a costs ~350 more, 0.75 x redo ~580
+    assert KvrouteCost().rank(short)[0].worker == "b"
+    assert KvrouteCost(hold_min=0.3).rank(short)[0].worker == "a"
 
 
 def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:
