@@ -25,13 +25,32 @@ def test_kvroute_prefers_longest_prefix_when_idle() -> None:
 def test_kvroute_grows_stickier_as_queues_grow() -> None:
     """The same choice flips from the idle worker to the cache holder when the cluster's
     queues grow: a miss then delays everyone queued behind it."""
-    holder = WorkerLoad(pending_prefill_tokens=3000, queued=1)
+    holder = WorkerLoad(pending_prefill_tokens=5000, queued=1)
     other = WorkerLoad(queued=1)
     calm = q({"a": 32}, {"a": holder, "b": other})
     assert KvrouteCost().rank(calm)[0].worker == "b"
     busy = {"a": holder, "b": other, **{f"x{i}": WorkerLoad(queued=8, pending_prefill_tokens=
                                                             10**6) for i in range(6)}}
     assert KvrouteCost().rank(q({"a": 32}, busy))[0].worker == "a"
+
+
+def test_kvroute_holds_a_long_prefix_against_a_small_balance_gain() -> None:
+    """The hold rule: a worker cheaper only by less than ``hold`` x the prefill it would redo
+    does not take a request off its long cached prefix; a larger gap still does."""
+    def kv(held: int) -> WorkerLoad:
+        return WorkerLoad(free_blocks=30000 - held, capacity_blocks=30000)
+
+    empty = kv(0)
+    # 960 of 1024 tokens cached on a; at rest the redo costs ~1950, 0.75 of it ~1460.
+    near = q({"a": 60}, {"a": kv(2000), "b": empty})  # a costs ~1250 more than b
+    assert KvrouteCost(hold=0).rank(near)[0].worker == "b"
+    assert KvrouteCost().rank(near)[0].worker == "a"
+    far = q({"a": 60}, {"a": kv(3000), "b": empty})  # a costs ~2850 more than b
+    assert KvrouteCost().rank(far)[0].worker == "b"
+    # 384 of 1024 tokens cached: under hold_min, so a gap the rule would forgive still moves it
+    short = q({"a": 24}, {"a": kv(700), "b": empty})  # a costs ~350 more, 0.75 x redo ~580
+    assert KvrouteCost().rank(short)[0].worker == "b"
+    assert KvrouteCost(hold_min=0.3).rank(short)[0].worker == "a"
 
 
 def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:
