@@ -84,26 +84,36 @@ class SimWorker:
         self.busy_s = 0.0
         self.finished: list[SimRequest] = []
         self._version = 0  # bumped on every state change, to reuse the load view
-        self._load_key: tuple[int, int] | None = None
+        self._load_key: tuple[int, int, bool] | None = None
+        self._admitted: list[SimRequest] = []  # prefilled in the latest admitting iteration
+        self._admitted_end = 0.0  # ... which ends then (their first token)
         self._load = WorkerLoad()
 
     def _emit(self, ev: CacheEvent) -> None:
         self._sink(self._now, self.name, ev)
 
-    def load(self, cached_blocks: int) -> WorkerLoad:
-        """The load view (rebuilt only when the worker or its cached block count changed)."""
-        key = (self._version, cached_blocks)
+    def load(self, cached_blocks: int, now: float) -> WorkerLoad:
+        """The load view at ``now`` (rebuilt only when it changed).
+
+        As the production router counts it, a request's uncached tokens stay pending until
+        its first token: so those of the requests whose prefill iteration is still running at
+        ``now`` (it started before ``now`` and ends after) are pending too."""
+        prefilling = self._admitted_end > now
+        key = (self._version, cached_blocks, prefilling)
         if self._load_key != key:
             self._load_key = key
-            self._load = self._build_load(cached_blocks)
+            self._load = self._build_load(cached_blocks, prefilling)
         return self._load
 
-    def _build_load(self, cached_blocks: int) -> WorkerLoad:
+    def _build_load(self, cached_blocks: int, prefilling: bool) -> WorkerLoad:
+        pending = self.pending_prefill
+        if prefilling:
+            pending += sum(r.routed_uncached for r in self._admitted)
         return WorkerLoad(
             inflight=len(self.running) + len(self.waiting), running=len(self.running),
             queued=len(self.waiting), free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
-            pending_prefill_tokens=self.pending_prefill, cached_blocks=cached_blocks,
+            pending_prefill_tokens=pending, cached_blocks=cached_blocks,
             max_running=self.max_batch)
 
     def submit(self, req: SimRequest, now: float) -> None:
@@ -173,6 +183,8 @@ class SimWorker:
         if not admitted:
             return False
         end = start + prefill_s + self.cost.decode_step_s(len(self.running))
+        self._admitted = admitted
+        self._admitted_end = end
         self._now = end
         for r in admitted:
             n_hit = r.cached_tokens // bs

@@ -11,8 +11,8 @@ prefix's KV from another worker first: the replay performs that transfer
 the router predicts that a routed prompt's blocks will be on its worker until its events
 arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``.
 The load view is the router's own accounting (requests outstanding, its estimate of
-uncached tokens not yet prefilled) plus the engine's queue and batch, as an agent's heartbeat
-reports them.
+uncached tokens not yet prefilled, released at each request's first token as the production
+router releases it) plus the engine's queue and batch, as an agent's heartbeat reports them.
 
 With ``programs``, requests that share a ``program`` id are the branches of one controller
 program, run as kvroute's agent runs them: the router places the program once (by its first
@@ -145,7 +145,7 @@ class Replayer:
             ttl = self.spec.predict_ttl_s
             if ttl > 0:
                 index.expire(now)
-            loads = {w.name: w.load(index.count(w.name)) for w in self.workers}
+            loads = {w.name: w.load(index.count(w.name), now) for w in self.workers}
             d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
                              treq.affinity)
             chosen = by_name[d.best]
