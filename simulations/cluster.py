@@ -81,6 +81,7 @@ class SimWorker:
         self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
         self.prefill_tokens = 0  # uncached tokens actually prefilled
         self.received_tokens = 0  # tokens of KV fetched from other workers (Mooncake)
+        self.nic_free_s = 0.0  # when its network link is next free for a KV transfer
         self.busy_s = 0.0
         self.finished: list[SimRequest] = []
         self._version = 0  # bumped on every state change, to reuse the load view

@@ -7,7 +7,8 @@ from :data:`kvroute.core.policies.REGISTRY`. Cache events reach the router's ind
 routing decisions see stale state exactly as a real router does. A policy with a
 ``transfer(query, worker)`` method (Mooncake's) may have the chosen worker fetch a longer
 prefix's KV from another worker first: the replay performs that transfer
-(:meth:`SimWorker.receive`, timed by :meth:`CostModel.transfer_s`). With ``predict_ttl_s``
+(:meth:`SimWorker.receive`, timed by :meth:`CostModel.transfer_s`, one transfer at a time
+through each worker's NIC). With ``predict_ttl_s``
 the router predicts that a routed prompt's blocks will be on its worker until its events
 arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``.
 The load view is the router's own accounting (requests outstanding, its estimate of
@@ -154,8 +155,13 @@ class Replayer:
                 # The policy fetches a longer prefix's KV from another worker (Mooncake).
                 got = chosen.receive(req.keys[: plan[1] // bs], now)
                 if got:
+                    # One NIC per worker: transfers out of a hot holder, or into a busy
+                    # receiver, queue behind each other.
+                    src = by_name[plan[0]]
+                    start = max(now, src.nic_free_s, chosen.nic_free_s)
+                    src.nic_free_s = chosen.nic_free_s = req.ready_s = \
+                        start + self.spec.cost.transfer_s(got)
                     req.received_tokens = got
-                    req.ready_s = now + self.spec.cost.transfer_s(got)
                     req.routed_uncached = max(0, req.routed_uncached - got)
             if n_branches:
                 # The agent prefills the branches' shared prefix once (a prefill-only

@@ -37,6 +37,10 @@ REGISTRY: dict[str, Callable[[], Policy]] = {
     "dynamo": DynamoKvRouter,
     "preble": PrebleE2,
     "mooncake": MooncakeConductor,
+    # Same-capability comparisons: with and without KV transfer between workers.
+    "kvroute_fetch": lambda: KvrouteCost(transfer_cost=MooncakeConductor().transfer_cost,
+                                         name="kvroute_fetch"),
+    "mooncake_local": lambda: MooncakeConductor(transfer_cost=1.0, name="mooncake_local"),
 }
 
 

@@ -112,3 +112,19 @@ def rank_by_cost(query: RouteQuery, costs: Mapping[str, float]) -> Ranking:
                 order[i:j] = sorted(order[i:j], key=lambda w: tie_break(aff, w))
             i = j
     return Ranking(order, vals)
+
+
+def fetch_plan(query: RouteQuery, worker: str, transfer_cost: float
+               ) -> tuple[str, int] | None:
+    """For policies that may fetch KV from another worker (Mooncake's transfer): the worker
+    holding the longest cached prefix of the prompt and that prefix's length in tokens, when
+    it is longer than ``worker``'s own and fetching a token (``transfer_cost``, in units of
+    prefilling one) is cheaper than computing it; else None. The replay simulator performs
+    the fetch (``simulations/replay.py``); the production router has no KV transfer."""
+    if transfer_cost >= 1 or not query.matched_blocks:
+        return None
+    best, src = max((query.cached_tokens(w), w) for w in query.matched_blocks)
+    if best <= query.cached_tokens(worker):
+        return None
+    return src, best
+

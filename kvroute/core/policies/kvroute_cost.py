@@ -7,7 +7,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost, tie_break
+from kvroute.core.policies.base import (
+    RouteQuery,
+    Scored,
+    fetch_plan,
+    rank_by_cost,
+    tie_break,
+)
 
 
 @dataclass(slots=True)
@@ -88,6 +94,12 @@ class KvrouteCost:
             0 turns the rule off).
         hold_min: the rule applies when the longest prefix covers at least this fraction
             of the prompt (0.5).
+        transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
+            worker may fetch the longest cached prefix at this cost per token, in units of
+            prefilling one; its miss term then becomes
+            ``beta * (transfer_cost * (c* - c_w) + work(P - c*, c*))`` when lower. 1.0 (the
+            default) = no transfers; the ``kvroute_fetch`` registry entry uses Mooncake's
+            0.122. Only the replay simulator performs transfers.
 
     Measured (``bench/policy_jitter.py``, mean of rate jitters 0.98/1/1.02, 16 workers,
     against llm-d, Preble and CHWBL; the full table is in the README): on the Mooncake trace
@@ -112,6 +124,7 @@ class KvrouteCost:
     attn: float = 3.3e-5
     hold: float = 0.75
     hold_min: float = 0.5
+    transfer_cost: float = 1.0
     name: str = "kvroute"
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
@@ -139,6 +152,17 @@ class KvrouteCost:
                 c = cached[w] = min(m * bs, p)
                 n = p - c
                 costs[w] += beta * n * (1.0 + attn * (c + n / 2)) - full_miss
+        if cached and self.transfer_cost < 1:
+            # A worker may fetch the longest cached prefix instead of computing it.
+            top = max(cached.values())
+            tc = self.transfer_cost
+            fetched = beta * (p - top) * (1.0 + attn * (top + (p - top) / 2))
+            for w in costs:
+                c = cached.get(w, 0)
+                if c < top:
+                    n = p - c
+                    own = beta * n * (1.0 + attn * (c + n / 2))
+                    costs[w] -= max(0.0, own - fetched - beta * tc * (top - c))
         if cached and self.hold > 0:
             self._hold(costs, cached, p, beta)
         spread = self.affinity_weight * (mean_queued - 1.0) * p
@@ -148,6 +172,12 @@ class KvrouteCost:
             for r, w in enumerate(sorted(costs, key=lambda w: tie_break(aff, w))):
                 costs[w] += r * step
         return rank_by_cost(query, costs)
+
+    def transfer(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
+        """Where ``worker`` fetches the prompt's longest cached prefix from (only with
+        ``transfer_cost`` < 1: the ``kvroute_fetch`` variant, for clusters that can move KV
+        between workers; see :func:`~kvroute.core.policies.base.fetch_plan`)."""
+        return fetch_plan(query, worker, self.transfer_cost)
 
     def _hold(self, costs: dict[str, float], cached: dict[str, int], p: int,
               beta: float) -> None:

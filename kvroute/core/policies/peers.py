@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvroute.core.load import WorkerLoad
-from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost, tie_break
+from kvroute.core.policies.base import (
+    RouteQuery,
+    Scored,
+    fetch_plan,
+    rank_by_cost,
+    tie_break,
+)
 
 
 def outstanding(load: WorkerLoad) -> int:
@@ -491,8 +497,4 @@ class MooncakeConductor:
         """Where ``worker`` (the chosen one) fetches the prompt's prefix KV from, and how
         many tokens of it: the worker with the longest match, when fetching beats computing
         (see the formula); else None."""
-        best, src = max(((query.cached_tokens(w), w) for w in query.matched_blocks),
-                        default=(0, ""))
-        if best <= query.cached_tokens(worker) or self.transfer_cost >= 1:
-            return None
-        return src, best
+        return fetch_plan(query, worker, self.transfer_cost)
