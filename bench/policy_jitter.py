@@ -43,7 +43,7 @@ def main() -> None:
                 runs[n].append((m.ttft_mean_s, m.ttft_p99_s, m.hit_ratio))
         rows = sorted((statistics.mean(r[0] for r in rs), statistics.mean(r[1] for r in rs),
                        statistics.mean(r[2] for r in rs), n) for n, rs in runs.items())
-        print(f"load {ld:.0%}: " + "; ".join(f"{n} {m:.2f}/{p:.2f} ({h:.1%})"
+        print(f"load {ld:.0%}: " + "; ".join(f"{n} {m:.4g}/{p:.4g} ({h:.2%})"
                                           for m, p, h, n in rows), flush=True)
 
 

@@ -102,17 +102,13 @@ class KvrouteCost:
             0.122. Only the replay simulator performs transfers.
 
     Measured (``bench/policy_jitter.py``, mean of rate jitters 0.98/1/1.02, 16 workers,
-    against llm-d, Preble and CHWBL; the full table is in the README): on the Mooncake trace
-    the lowest mean and p99 TTFT at 50/65/80/95% load (80%: 10.3 s / 65 s, llm-d 14.6 s /
-    92 s). On ``kvroute gen`` chat, agent, rag and fork (3000 requests, seed 1) the lowest
-    mean in 13 of 16 cells (not agent 50%: 0.259 s vs Preble 0.248 s; fork 50%: 0.255 vs
-    0.254; fork 80%: 1.38 vs llm-d 1.33). The hold rule raised the hit ratio by 0.35-0.45
-    points on chat and 0.15-0.3 on agent (now 0.3-0.4 and 0.15 points below the best peer,
-    ahead at agent 95%), kept or lowered mean TTFT everywhere but agent at 50% load (0.247 ->
-    0.259 s, p99 2.7 -> 3.1 s) and the Mooncake trace at 50% (1.47 -> 1.50 s, p99 10.6 ->
-    11.1 s, still ahead of llm-d), and lowered the Mooncake p99 at 65-95% (65%: 18.9 ->
-    14.3 s). Generated traces with seeds 2 and 3 move the same way (hit ratio up, mean TTFT
-    level or lower).
+    against llm-d, Preble, CHWBL, SGLang, Dynamo and Mooncake without KV transfer; the full
+    table is in the README): the best mean TTFT in 14 of 20 cells (Mooncake trace and
+    ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load) and the best p99 in 12; on
+    the Mooncake trace at 80% 12.0 s / 65 s against llm-d's 14.6 s / 92 s. The token hit
+    ratio stays 0.1-0.6 points below the stickiest peer's. The hold rule (tuned on seeds 1-3
+    of the generators) raised the hit ratio by 0.15-0.45 points on chat and agent at level or
+    lower mean TTFT, except agent and the Mooncake trace at 50% load (a few % worse).
     """
 
     miss_weight: float = 2.0
