@@ -1,9 +1,11 @@
 """Program placement when a fork does not fit its worker: split (the router's default) against
 keeping every branch on the program's worker, in the replay simulator.
 
-    python bench/program_overflow.py [TRACE] [--loads 0.8,2,4] [--max-batch 256,32]
+    python bench/program_overflow.py [TRACE] [--fanout 16] [--loads 0.8,1.5,2.5]
+                                     [--max-batch 256,32]
 
-TRACE defaults to `kvroute gen fork --requests 3000 --rate 20 --seed 1`. Prints, per batch
+TRACE defaults to `kvroute gen fork --requests 3000 --rate 20 --seed 1 --param fanout=16`
+(forks of 16 branches). Prints, per batch
 size and load (fraction of the cluster's capacity for independent requests, as
 `kvroute replay --load`), the branches moved and mean / p99 TTFT both ways, as a ratio.
 """
@@ -23,12 +25,14 @@ from simulations.trace import Trace, load, parse
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?")
-    ap.add_argument("--loads", default="0.8,2,4")
+    ap.add_argument("--fanout", type=int, default=16, help="branches per fork (no TRACE)")
+    ap.add_argument("--loads", default="0.8,1.5,2.5")
     ap.add_argument("--max-batch", default="256,32")
     ap.add_argument("--workers", type=int, default=16)
     args = ap.parse_args()
     trace: Trace = load(args.trace) if args.trace else parse(
-        [json.dumps(r) for r in generate("fork", 3000, rate_per_s=20.0, seed=1)])
+        [json.dumps(r) for r in generate("fork", 3000, rate_per_s=20.0, seed=1,
+                                         fanout=args.fanout)])
     base = len(trace.requests) / trace.duration_s
     cap = 480_000 // trace.block_size
     print("max_batch  load  moved  TTFT mean split / kept (ratio)   p99 split / kept (ratio)")
