@@ -106,9 +106,10 @@ class KvrouteCost:
     table is in the README): the best mean TTFT in 14 of 20 cells (Mooncake trace and
     ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load) and the best p99 in 12; on
     the Mooncake trace at 80% 12.0 s / 65 s against llm-d's 14.6 s / 92 s. The token hit
-    ratio stays 0.1-0.6 points below the stickiest peer's. The hold rule (tuned on seeds 1-3
-    of the generators) raised the hit ratio by 0.15-0.45 points on chat and agent at level or
-    lower mean TTFT, except agent and the Mooncake trace at 50% load (a few % worse).
+    ratio stays below the stickiest peer's (0.1-0.6 points on chat, agent and rag). The
+    hold rule (tuned on seeds 1-3 of the generators) raised the hit ratio by 0.15-0.45 points
+    on chat and agent at level or lower mean TTFT, except agent and the Mooncake trace at 50%
+    load (a few % worse).
     """
 
     miss_weight: float = 2.0
