@@ -350,53 +350,46 @@ class _Gen:
 
 
 def _chat(g: _Gen, p: ChatParams, n: int, rate: float) -> list[GenRequest]:
-    systems = g.shared(p.system_prompts, p.system_tokens)
-    cum = _zipf_cum(len(systems))
-    go_on = 1.0 - 1.0 / p.mean_turns
-
-    def session(t: float, group: int) -> list[GenRequest]:
-        prompt = g.prefix((g.pick(systems, cum),)).extend(g.namer, [g.fresh(p.user_tokens)])
-        reqs: list[GenRequest] = []
-        for turn in itertools.count():
-            out = _length(g.rng, p.output_tokens)
-            reqs.append(g.request(t, prompt, out, group, turn))
-            if g.rng.random() >= go_on:
-                break
-            reply = (g.namer.segment(), out)
-            nxt = prompt.extend(g.namer, [reply, g.fresh(p.user_tokens)])
-            if nxt.length > p.max_context_tokens:
-                break
-            prompt = nxt
-            t += g.rng.expovariate(1.0 / p.think_time_s)
-        return reqs
-
-    warmup = WARMUP_SPANS * (p.mean_turns - 1) * p.think_time_s
-    return _drive(_poisson(g.arrivals, rate / p.mean_turns, -warmup), session, n)
+    # A turn: the model's reply, then the user's next message.
+    return _growing(g, n, rate, g.shared(p.system_prompts, p.system_tokens), p.user_tokens,
+                    p.user_tokens, p.output_tokens, p.mean_turns, p.think_time_s,
+                    p.max_context_tokens)
 
 
 def _agent(g: _Gen, p: AgentParams, n: int, rate: float) -> list[GenRequest]:
-    systems = g.shared(p.agent_types, p.system_tokens)
-    cum = _zipf_cum(len(systems))
-    go_on = 1.0 - 1.0 / p.mean_calls
+    # A call: the model's tool call, then the tool's result.
+    return _growing(g, n, rate, g.shared(p.agent_types, p.system_tokens), p.task_tokens,
+                    p.tool_result_tokens, p.output_tokens, p.mean_calls, p.step_time_s,
+                    p.max_context_tokens)
 
-    def run(t: float, group: int) -> list[GenRequest]:
-        prompt = g.prefix((g.pick(systems, cum),)).extend(g.namer, [g.fresh(p.task_tokens)])
+
+def _growing(g: _Gen, n: int, rate: float, systems: list[tuple[int, int]], first_tokens: int,
+             next_tokens: int, output_tokens: int, mean_steps: float, gap_s: float,
+             max_context_tokens: int) -> list[GenRequest]:
+    """Sessions whose every request extends the previous one's prompt (chat turns, agent
+    calls): a Zipf-chosen shared system prompt plus ``first_tokens``; then, with probability
+    ``1 - 1/mean_steps`` per step and ``gap_s`` apart on average, the previous output plus
+    ``next_tokens`` more, until the context would pass ``max_context_tokens``."""
+    cum = _zipf_cum(len(systems))
+    go_on = 1.0 - 1.0 / mean_steps
+
+    def session(t: float, group: int) -> list[GenRequest]:
+        prompt = g.prefix((g.pick(systems, cum),)).extend(g.namer, [g.fresh(first_tokens)])
         reqs: list[GenRequest] = []
-        for call in itertools.count():
-            out = _length(g.rng, p.output_tokens)
-            reqs.append(g.request(t, prompt, out, group, call))
+        for step in itertools.count():
+            out = _length(g.rng, output_tokens)
+            reqs.append(g.request(t, prompt, out, group, step))
             if g.rng.random() >= go_on:
                 break
-            tool_call = (g.namer.segment(), out)
-            nxt = prompt.extend(g.namer, [tool_call, g.fresh(p.tool_result_tokens)])
-            if nxt.length > p.max_context_tokens:
+            nxt = prompt.extend(g.namer, [(g.namer.segment(), out), g.fresh(next_tokens)])
+            if nxt.length > max_context_tokens:
                 break
             prompt = nxt
-            t += g.rng.expovariate(1.0 / p.step_time_s)
+            t += g.rng.expovariate(1.0 / gap_s)
         return reqs
 
-    warmup = WARMUP_SPANS * (p.mean_calls - 1) * p.step_time_s
-    return _drive(_poisson(g.arrivals, rate / p.mean_calls, -warmup), run, n)
+    warmup = WARMUP_SPANS * (mean_steps - 1) * gap_s
+    return _drive(_poisson(g.arrivals, rate / mean_steps, -warmup), session, n)
 
 
 def _rag(g: _Gen, p: RagParams, n: int, rate: float) -> list[GenRequest]:

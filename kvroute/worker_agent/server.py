@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -98,7 +99,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         )
         n_out = 0
         cached = 0
-        try:
+        async with self._outcome(context):
             async for chunk in self._engine.generate(ereq):
                 resp = common_pb2.GenerateResponse(
                     request_id=rid, worker_id=self._worker, cached_tokens=chunk.cached_tokens,
@@ -119,13 +120,6 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
                         prompt_tokens=len(ereq.token_ids), completion_tokens=n_out,
                         cached_tokens=cached))
                 yield resp
-        except EngineError as exc:
-            self._m.requests.labels("engine_error").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {exc}")
-        except asyncio.CancelledError:
-            self._m.requests.labels("cancelled").inc()
-            raise
-        self._m.requests.labels("ok").inc()
         self._m.prompt_tokens.inc(len(ereq.token_ids))
         self._m.cached_tokens.inc(cached)
         self._m.generated_tokens.inc(n_out)
@@ -144,13 +138,19 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
             self._m.requests.labels("invalid").inc()
             await context.abort(exc.code, str(exc))
         first = True
-        try:
+        async with self._outcome(context):
             async for resp in self._programs.run(prepared, request, rid):
                 if first and resp.token_ids:
                     first = False
                     resp.ttft_ms = (time.perf_counter() - t0) * 1000
                     self._m.ttft.observe(resp.ttft_ms / 1000)
                 yield resp
+
+    @contextlib.asynccontextmanager
+    async def _outcome(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Count how a request's engine work ended, and turn a failure into its status."""
+        try:
+            yield
         except ProgramError as exc:
             self._m.requests.labels("invalid").inc()
             await context.abort(exc.code, str(exc))

@@ -17,6 +17,7 @@ from kvroute.worker_agent.engines.base import (
     TokenChunk,
 )
 from kvroute.worker_agent.engines.sim import SimConfig, SimEngine, sim_tokens
+from tests.worker_agent.engines.test_block_pool import replay
 
 B = 16
 
@@ -44,18 +45,6 @@ async def collect(engine: SimEngine, request: EngineRequest) -> list[TokenChunk]
 
 def out_tokens(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
-
-
-def replay(events: list[CacheEvent]) -> set[int]:
-    keys: set[int] = set()
-    for ev in events:
-        if ev.op is Op.STORE:
-            keys |= set(ev.keys)
-        elif ev.op is Op.EVICT:
-            keys -= set(ev.keys)
-        elif ev.op is Op.CLEAR:
-            keys.clear()
-    return keys
 
 
 async def until(cond, limit: int = 10_000) -> None:

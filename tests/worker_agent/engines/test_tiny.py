@@ -16,6 +16,7 @@ from kvroute.core.redis_schema import Op
 from kvroute.worker_agent.engines.base import CacheEvent, EngineError, EngineRequest, TokenChunk
 from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
 from kvroute.worker_agent.engines.tiny import TinyConfig, TinyEngine, from_agent_config
+from tests.worker_agent.engines.test_block_pool import replay
 
 B = 16
 Logits = dict[str, list[np.ndarray]]
@@ -50,18 +51,6 @@ def out_tokens(chunks: list[TokenChunk]) -> list[int]:
 
 def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 256, n).tolist()
-
-
-def replay(events: list[CacheEvent]) -> set[int]:
-    keys: set[int] = set()
-    for ev in events:
-        if ev.op is Op.STORE:
-            keys |= set(ev.keys)
-        elif ev.op is Op.EVICT:
-            keys -= set(ev.keys)
-        else:
-            keys.clear()
-    return keys
 
 
 async def test_cached_and_uncached_runs_give_identical_logits() -> None:
