@@ -26,11 +26,16 @@ def main() -> None:
     ap.add_argument("--loads", default="0.5,0.65,0.8,0.95")
     ap.add_argument("--jitters", default="0.98,1.0,1.02")
     ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--predict-ttl-ms", type=float, default=0.0,
+                    help="the router predicts a routed prompt's blocks this long")
+    ap.add_argument("--programs", action="store_true",
+                    help="run forks as controller programs (kvroute's agent; see replay.py)")
     args = ap.parse_args()
     trace = load(args.trace)
     base = len(trace.requests) / trace.duration_s
     cap = 480_000 // trace.block_size
-    spec = ClusterSpec(workers=args.workers, capacity_blocks=cap)
+    spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
+                       predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs)
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
     names = args.policies.split(",")
     factories = dict(zip(names, make_policies(args.policies, 0), strict=True))

@@ -28,27 +28,37 @@ def test_kvroute_grows_stickier_as_queues_grow() -> None:
     holder = WorkerLoad(pending_prefill_tokens=5000, queued=1)
     other = WorkerLoad(queued=1)
     calm = q({"a": 32}, {"a": holder, "b": other})
-    assert KvrouteCost().rank(calm)[0].worker == "b"
+    pol = KvrouteCost(hold=0)  # the miss term alone, without the hold rule
+    assert pol.rank(calm)[0].worker == "b"
     busy = {"a": holder, "b": other, **{f"x{i}": WorkerLoad(queued=8, pending_prefill_tokens=
                                                             10**6) for i in range(6)}}
-    assert KvrouteCost().rank(q({"a": 32}, busy))[0].worker == "a"
+    assert pol.rank(q({"a": 32}, busy))[0].worker == "a"
 
 
-def test_kvroute_holds_a_long_prefix_against_a_small_balance_gain() -> None:
-    """The hold rule: a worker cheaper only by less than ``hold`` x the prefill it would redo
-    does not take a request off its long cached prefix; a larger gap still does."""
-    def kv(held: int) -> WorkerLoad:
-        return WorkerLoad(free_blocks=30000 - held, capacity_blocks=30000)
+def test_kvroute_holds_a_long_prefix_against_balance_but_not_a_queue() -> None:
+    """The hold rule: balance terms alone never take a request off its long cached prefix;
+    queued prefill longer by ``hold`` x the prefill it would redo does, and so does a
+    holder without a free batch slot."""
+    def kv(held: int, **kw: int) -> WorkerLoad:
+        return WorkerLoad(free_blocks=30000 - held, capacity_blocks=30000, **kw)
 
     empty = kv(0)
-    # 960 of 1024 tokens cached on a; at rest the redo costs ~1950, 0.75 of it ~1460.
-    near = q({"a": 60}, {"a": kv(2000), "b": empty})  # a costs ~1250 more than b
-    assert KvrouteCost(hold=0).rank(near)[0].worker == "b"
-    assert KvrouteCost().rank(near)[0].worker == "a"
-    far = q({"a": 60}, {"a": kv(3000), "b": empty})  # a costs ~2850 more than b
-    assert KvrouteCost().rank(far)[0].worker == "b"
+    # 960 of 1024 tokens cached on a; at rest the redo costs ~1950, 3x of it ~5850.
+    far = q({"a": 60}, {"a": kv(3000), "b": empty})  # a costs ~2850 more than b (KV held)
+    assert KvrouteCost(hold=0).rank(far)[0].worker == "b"
+    assert KvrouteCost().rank(far)[0].worker == "a"
+    for pending, where in ((5000, "a"), (7000, "b")):
+        queued = q({"a": 60}, {"a": kv(0, pending_prefill_tokens=pending), "b": empty})
+        assert KvrouteCost().rank(queued)[0].worker == where, pending
+    # Where the prefix can be fetched (kvroute_fetch), a move costs the fetch, not the redo:
+    # 3 x 2 x 0.122 x 960 ~ 700, so a queue that could not move it above now does.
+    fetched = q({"a": 60}, {"a": kv(0, pending_prefill_tokens=1500), "b": empty})
+    assert KvrouteCost().rank(fetched)[0].worker == "a"
+    assert make_policy("kvroute_fetch").rank(fetched)[0].worker == "b"
+    full = q({"a": 60}, {"a": kv(3000, running=8, max_running=8), "b": empty})
+    assert KvrouteCost().rank(full)[0].worker == "b"
     # 384 of 1024 tokens cached: under hold_min, so a gap the rule would forgive still moves it
-    short = q({"a": 24}, {"a": kv(700), "b": empty})  # a costs ~350 more, 0.75 x redo ~580
+    short = q({"a": 24}, {"a": kv(700), "b": empty})  # a costs ~350 more than b
     assert KvrouteCost().rank(short)[0].worker == "b"
     assert KvrouteCost(hold_min=0.3).rank(short)[0].worker == "a"
 
@@ -60,7 +70,7 @@ def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:
 
 
 def test_kvroute_leaves_a_hot_worker_when_its_queue_outweighs_the_hit() -> None:
-    busy = WorkerLoad(pending_prefill_tokens=5000, running=4)
+    busy = WorkerLoad(pending_prefill_tokens=8000, running=4)
     r = KvrouteCost().rank(q({"a": 60}, {"a": busy, "b": IDLE}))
     assert r[0].worker == "b"
     light = WorkerLoad(pending_prefill_tokens=100)

@@ -4,9 +4,10 @@ everyone else."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvroute.core.load import WorkerLoad
 from kvroute.core.policies.base import (
     RouteQuery,
     Scored,
@@ -37,8 +38,8 @@ class KvrouteCost:
     then the hold rule, before the affinity term: with ``h`` the worker holding the longest
     cached prefix ``c_h`` (the cheaper one if several) and ``m`` the cheapest worker::
 
-        if c_h >= hold_min * P  and  c_m < c_h
-           and cost_h - cost_m < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h)):
+        if c_h >= hold_min * P  and  c_m < c_h  and  h has batch headroom
+           and pending_h - pending_m < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h)):
             h goes first (its reported cost is just below cost_m)
 
     ``P`` is the prompt length, ``c_w`` the tokens of its longest prefix cached on ``w``
@@ -66,16 +67,18 @@ class KvrouteCost:
       passes one request, each worker is charged in proportion to how far it lies from the
       front of the request's rendezvous order (session or first block), so families settle
       on their own workers while load still decides among near equals.
-    * The load terms (mostly ``kv``) move a request off its cache whenever a worker is
-      cheaper by a hair, and each such move redoes the prefill of the prefix it leaves and
-      costs token hits (0.3-0.8 points on chat and agent traffic, where a session's history
-      lives on one worker). The hold rule keeps a request whose cached prefix is most of its
-      prompt (Preble's exploit test) on that prefix unless another worker is cheaper by more
-      than ``hold`` x the prefill it would redo, so only clear load gaps move a session.
-      Capping the load terms for every cached worker instead (a session never moves for
-      balance alone) reaches the peers' hit ratio but costs 5-12% TTFT on agent traffic at
-      65% load and on the Mooncake trace at 50%: moving sessions off busy workers is part of
-      why kvroute wins TTFT, so the rule only stops the moves that gain little.
+    * The balance terms (``decode_weight``, ``kv``) move a request off its cache whenever a
+      worker is cheaper by a hair, and each such move redoes the prefill of the prefix it
+      leaves and costs token hits (0.3-0.8 points on chat and agent traffic, where a
+      session's history lives on one worker). But a request's first token waits only for
+      the prefill queued ahead of it (and for a batch slot), not for the decode batch or
+      the KV it joins. So the hold rule keeps a request whose cached prefix is most of its
+      prompt (Preble's exploit test) on that prefix unless another worker's queued prefill
+      is shorter by more than ``hold`` x the prefill it would redo (in cost units, so
+      scaled by ``beta``), or the holder has no free batch slot: balance alone never moves
+      a session, a queue that would delay it by several times the redo does. Judging the
+      move on the whole cost instead (balance terms included, ``hold`` 0.75) moved 2-4x
+      more sessions for 0.2-0.5 points less hit ratio and no better mean TTFT.
 
     Parameters (tuned with ``bench/policy_jitter.py`` on the Mooncake trace and the four
     generated workloads, 16 workers, 50-95% load; see README):
@@ -89,27 +92,27 @@ class KvrouteCost:
         attn: attention cost per context token relative to a token's linear cost:
             2.8e-9 s / 8.6e-5 s = 3.3e-5 for Llama-3.1-8B on an A100
             (``simulations/costmodel.py``).
-        hold: fraction of the redone prefill (in cost units, so scaled by ``beta``) a
-            cheaper worker must beat by to take a request off its longest prefix (0.75;
-            0 turns the rule off).
+        hold: how many times the redone prefill (in cost units, so scaled by ``beta``) a
+            worker's queued prefill must be shorter by than the holder's to take a request
+            off its longest prefix (3.0; 0 turns the rule off).
         hold_min: the rule applies when the longest prefix covers at least this fraction
             of the prompt (0.5).
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
-            ``beta * (transfer_cost * (c* - c_w) + work(P - c*, c*))`` when lower. 1.0 (the
+            ``beta * (transfer_cost * (c* - c_w) + work(P - c*, c*))`` when lower, and the
+            hold rule weighs a move by that fetch instead of the redone prefill. 1.0 (the
             default) = no transfers; the ``kvroute_fetch`` registry entry uses Mooncake's
             0.122. Only the replay simulator performs transfers.
 
     Measured (``bench/policy_jitter.py``, mean of rate jitters 0.98/1/1.02, 16 workers,
     against llm-d, Preble, CHWBL, SGLang, Dynamo and Mooncake without KV transfer; the full
-    table is in the README): the best mean TTFT in 14 of 20 cells (Mooncake trace and
-    ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load) and the best p99 in 12; on
-    the Mooncake trace at 80% 12.0 s / 65 s against llm-d's 14.6 s / 92 s. The token hit
-    ratio stays below the stickiest peer's (0.1-0.6 points on chat, agent and rag). The
-    hold rule (tuned on seeds 1-3 of the generators) raised the hit ratio by 0.15-0.45 points
-    on chat and agent at level or lower mean TTFT, except agent and the Mooncake trace at 50%
-    load (a few % worse).
+    table is in the README): the best mean TTFT in 16 of 20 cells (Mooncake trace and
+    ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load) and the best p99 in 10. The
+    token hit ratio is within 0.02-0.13 points of the stickiest peer's on chat, agent and
+    rag (above it on agent at 50%). Against the earlier rule (whole cost, ``hold`` 0.75) this
+    one raised the hit ratio 0.1-0.4 points on chat, agent and rag (seeds 1 and 2) at level
+    mean TTFT, and p99 rose 1-5% on chat and rag.
     """
 
     miss_weight: float = 2.0
@@ -119,7 +122,7 @@ class KvrouteCost:
     kv_decay: float = 1.0
     affinity_weight: float = 0.5
     attn: float = 3.3e-5
-    hold: float = 0.75
+    hold: float = 3.0
     hold_min: float = 0.5
     transfer_cost: float = 1.0
     name: str = "kvroute"
@@ -161,7 +164,7 @@ class KvrouteCost:
                     own = beta * n * (1.0 + attn * (c + n / 2))
                     costs[w] -= max(0.0, own - fetched - beta * tc * (top - c))
         if cached and self.hold > 0:
-            self._hold(costs, cached, p, beta)
+            self._hold(costs, cached, loads, p, beta)
         spread = self.affinity_weight * (mean_queued - 1.0) * p
         if spread > 0 and len(costs) > 1:  # only under load: the ordering costs a hash each
             aff = query.affinity
@@ -176,11 +179,13 @@ class KvrouteCost:
         between workers; see :func:`~kvroute.core.policies.base.fetch_plan`)."""
         return fetch_plan(query, worker, self.transfer_cost)
 
-    def _hold(self, costs: dict[str, float], cached: dict[str, int], p: int,
-              beta: float) -> None:
+    def _hold(self, costs: dict[str, float], cached: dict[str, int],
+              loads: Mapping[str, WorkerLoad], p: int, beta: float) -> None:
         """The hold rule: keep a request on its longest cached prefix when that is most of
-        the prompt and the cheapest worker is not cheaper by ``hold`` x the prefill it
-        would redo (see the class docstring). Rewrites ``costs`` in place."""
+        the prompt, the holder has a free batch slot and no worker's queued prefill is
+        shorter by ``hold`` x the prefill it would redo, or its fetch when cheaper (see the
+        class docstring).
+        Rewrites ``costs`` in place."""
         top = max(cached.values())
         if top < self.hold_min * p:
             return
@@ -189,8 +194,12 @@ class KvrouteCost:
         c0 = cached.get(cheapest, 0)
         if c0 >= top:
             return  # the cheapest worker holds as long a prefix: nothing to keep
+        lh = loads[holder]
+        if lh.max_running and max(lh.running + lh.queued, lh.inflight) >= lh.max_running:
+            return  # no batch slot: the request would wait for one whatever its prefix
         attn = self.attn
         n0, n = p - c0, p - top
         redo = beta * (n0 * (1.0 + attn * (c0 + n0 / 2)) - n * (1.0 + attn * (top + n / 2)))
-        if costs[holder] - costs[cheapest] < self.hold * redo:
+        redo = min(redo, beta * self.transfer_cost * (top - c0))  # or fetch the prefix
+        if lh.pending_prefill_tokens - loads[cheapest].pending_prefill_tokens < self.hold * redo:
             costs[holder] = math.nextafter(costs[cheapest], -math.inf)
