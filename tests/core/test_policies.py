@@ -28,7 +28,7 @@ def test_kvroute_grows_stickier_as_queues_grow() -> None:
     holder = WorkerLoad(pending_prefill_tokens=5000, queued=1)
     other = WorkerLoad(queued=1)
     calm = q({"a": 32}, {"a": holder, "b": other})
-    pol = KvrouteCost(hold=0)  # the miss term alone, without the hold rule
+    pol = KvrouteCost(hold=0, affinity_weight=0)  # the miss term alone
     assert pol.rank(calm)[0].worker == "b"
     busy = {"a": holder, "b": other, **{f"x{i}": WorkerLoad(queued=8, pending_prefill_tokens=
                                                             10**6) for i in range(6)}}
@@ -140,3 +140,7 @@ def test_kvroute_keeps_prefix_families_apart_under_overload() -> None:
 
     assert KvrouteCost().rank(q({}, loads(0), affinity=aff))[0].worker == last
     assert KvrouteCost().rank(q({}, loads(6), affinity=aff))[0].worker == preferred
+    # Only the part no worker caches is placed by family: a prompt cached whole on one
+    # worker ranks as if there were no affinity term at all.
+    cached = q({"w1": 64}, loads(6), affinity=aff)
+    assert list(KvrouteCost().rank(cached)) == list(KvrouteCost(affinity_weight=0).rank(cached))
