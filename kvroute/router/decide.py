@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -66,32 +66,39 @@ class Decider:
         if not loads:
             raise NoWorkersError("no routable workers (none registered, or all down)")
         keys = self.hasher(salt).keys(tokens)
-        first = keys[0] if keys else None
         if session_id:
             affinity = xxhash.xxh3_64_intdigest(session_id.encode())
         else:
             # Shorter than a block: spread by content rather than piling on one worker.
-            affinity = first if first is not None else xxhash.xxh3_64_intdigest(
-                tokens_to_bytes(tokens))
+            affinity = keys[0] if keys else xxhash.xxh3_64_intdigest(tokens_to_bytes(tokens))
         return rank_request(self.policy, index, keys, len(tokens), self.block_size, loads,
-                            affinity, registry.compatible)
+                            affinity, registry.compatible, session=bool(session_id))
 
 
 def rank_request(
     policy: Policy,
     index: PrefixIndex | None,
-    keys: Iterable[int],
+    keys: Sequence[int],
     prompt_tokens: int,
     block_size: int,
     loads: Mapping[str, WorkerLoad],
     affinity: int,
     compatible: Callable[[str], bool] | None = None,
+    *,
+    session: bool = False,
 ) -> Decision:
     """Index lookup + policy: the part of a decision the router and the replay simulator
-    share. Matches of workers not in ``loads`` (or not ``compatible``) are dropped."""
+    share. Matches of workers not in ``loads`` (or not ``compatible``) are dropped.
+    ``affinity`` is the session's hash when ``session``, else the first block's key; the
+    query's ``family`` is derived here (see :class:`RouteQuery`)."""
     matched: dict[str, int] = {}
     if index is not None:
         matched = {w: n for w, n in index.match(keys).items()
                    if w in loads and (compatible is None or compatible(w))}
-    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity)
+    family = affinity
+    if not session:
+        top = max(matched.values(), default=0)
+        if top < len(keys):
+            family = keys[top]
+    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family)
     return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())

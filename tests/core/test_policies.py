@@ -8,7 +8,7 @@ from kvroute.core.policies import KvrouteCost, LeastLoaded, RoundRobin, RouteQue
 
 def q(matched: dict[str, int], loads: dict[str, WorkerLoad], prompt: int = 1024,
       affinity: int = 1) -> RouteQuery:
-    return RouteQuery(prompt, 16, matched, loads, affinity)
+    return RouteQuery(prompt, 16, matched, loads, affinity, affinity)
 
 
 IDLE = WorkerLoad()

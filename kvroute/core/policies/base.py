@@ -23,6 +23,9 @@ class RouteQuery:
     ``matched_blocks`` lists only workers holding at least the first block; every candidate
     worker appears in ``loads``. ``affinity`` is a stable 64-bit hash of what should stick
     together when nothing else decides (the session id, else the first block's key).
+    ``family`` (kvroute's placement key) is the session id's hash, else the key of the
+    prompt's first block that no worker caches yet: below a system prompt every worker
+    holds, requests diverge into families that the first block would lump together.
     """
 
     prompt_tokens: int
@@ -30,6 +33,7 @@ class RouteQuery:
     matched_blocks: Mapping[str, int]
     loads: Mapping[str, WorkerLoad]
     affinity: int = 0
+    family: int = 0
 
     def cached_tokens(self, worker: str) -> int:
         return min(self.matched_blocks.get(worker, 0) * self.block_size, self.prompt_tokens)

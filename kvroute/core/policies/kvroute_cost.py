@@ -33,7 +33,7 @@ class KvrouteCost:
         q          = mean_w(queued_w)                        # the cluster's mean queue
         beta       = miss_weight * (1 + stickiness * q)
         kv         = kv_weight / (1 + kv_decay * q)
-        r_w        = w's rank in the request's rendezvous order / (workers - 1)   # 0..1
+        r_w        = w's rank in the rendezvous order of the request's family / (workers - 1)
         c*         = max_w c_w                               # the longest prefix cached
 
     then the hold rule, before the affinity term: with ``h`` the worker holding the longest
@@ -66,15 +66,16 @@ class KvrouteCost:
     * Under overload, caches thrash unless each prefix family keeps to a few workers (what
       consistent hashing gets right, and load-chasing policies lose). Once the mean queue
       passes one request, each worker is charged in proportion to how far it lies from the
-      front of the request's rendezvous order (session or first block), times the tokens
-      no worker caches yet (``P - c*``), so families settle on their own workers while load
-      still decides among near equals. Only the uncached part is placed anew: a request
-      whose prefix is cached somewhere is placed by the miss and hold terms. Charging the
-      whole prompt instead (0.5 x P, the earlier form) pulled sessions that share a system
-      prompt to the same few workers, and was too weak on the Mooncake trace at 80-95% load;
-      ``3 x (P - c*)`` cut kvroute's mean TTFT there to 0.49x and 0.81x and raised its hit
-      ratio 6 and 5 points, and cut mean TTFT on agent traffic at 80-95% to 0.81x and
-      0.67x, at a p99 up to 20% higher on agent (80-95%) and fork (65-95%) traffic.
+      front of the rendezvous order of the request's family, times the tokens no worker
+      caches yet (``P - c*``), so families settle on their own workers while load still
+      decides among near equals. The family is the session, else the first block no worker
+      caches yet (``RouteQuery.family``): keyed by the first block, every request under a
+      system prompt that all workers hold fell into one family. Only the uncached part is
+      placed anew: a request whose prefix is cached somewhere is placed by the miss and
+      hold terms. The earlier form (0.5 x P by the first block) pulled sessions that share
+      a system prompt to the same few workers, and was too weak on the Mooncake trace at
+      80-95% load: this one cut kvroute's mean TTFT there to 0.48x and 0.80x (6 and 5
+      points more hit ratio), and on agent traffic at 80-95% to 0.89x and 0.78x.
     * The balance terms (``decode_weight``, ``kv``) move a request off its cache whenever a
       worker is cheaper by a hair, and each such move redoes the prefill of the prefix it
       leaves and costs token hits (0.3-0.8 points on chat and agent traffic, where a
@@ -115,13 +116,13 @@ class KvrouteCost:
 
     Measured (``bench/policy_jitter.py``, mean of rate jitters 0.98/1/1.02, 16 workers,
     against llm-d, Preble, CHWBL, SGLang, Dynamo and Mooncake without KV transfer; the full
-    table is in the README): the best mean TTFT in 17 of 20 cells (Mooncake trace and
-    ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load), the best p99 in 8, a hit
-    ratio at least the best peer's in 7; on the Mooncake trace at 80% 7.0 s / 41 s against
-    llm-d's 14.6 s / 92 s. The hit ratio is within 0.03-0.13 points of the stickiest
-    peer's on chat and rag. Against the earlier hold rule (whole cost, ``hold`` 0.75) this
-    one raised the hit ratio 0.1-0.4 points on chat, agent and rag (seeds 1 and 2) at level
-    mean TTFT, and p99 rose 1-5% on chat and rag.
+    table is in the README): the best mean TTFT in 16 of 20 cells (Mooncake trace and
+    ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load), the best p99 in 11, a hit
+    ratio at least the best peer's in 6, all three in 6; on the Mooncake trace at 80%
+    6.85 s / 38 s against llm-d's 14.6 s / 92 s. The hit ratio is within 0.02-0.13 points
+    of the stickiest peer's on chat, rag and agent at 50%. Against the earlier hold rule
+    (whole cost, ``hold`` 0.75) this one raised the hit ratio 0.1-0.4 points on chat, agent
+    and rag (seeds 1 and 2) at level mean TTFT, and p99 rose 1-5% on chat and rag.
     """
 
     miss_weight: float = 2.0
@@ -177,7 +178,7 @@ class KvrouteCost:
         # Only what no worker caches yet is placed anew (cached prefixes: miss and hold terms).
         spread = self.affinity_weight * (mean_queued - 1.0) * (p - max(cached.values(), default=0))
         if spread > 0 and len(costs) > 1:  # only under load: the ordering costs a hash each
-            aff = query.affinity
+            aff = query.family
             step = spread / (len(costs) - 1)
             for r, w in enumerate(sorted(costs, key=lambda w: tie_break(aff, w))):
                 costs[w] += r * step

@@ -1,0 +1,46 @@
+"""The routing decision's query: which prefix family a request belongs to."""
+
+from __future__ import annotations
+
+import xxhash
+
+from kvroute.core.index import PrefixIndex
+from kvroute.core.policies import KvrouteCost
+from kvroute.core.redis_schema import Heartbeat
+from kvroute.router.decide import Decider
+from kvroute.router.registry import WorkerRegistry
+
+BLOCK = 4
+
+
+def _setup() -> tuple[Decider, PrefixIndex, WorkerRegistry]:
+    reg = WorkerRegistry({}, BLOCK)
+    reg.apply_heartbeats({w: Heartbeat(w, f"127.0.0.1:{i + 1}", "e", block_size=BLOCK)
+                          for i, w in enumerate(("a", "b"))})
+    return Decider("m", BLOCK, KvrouteCost()), PrefixIndex(), reg
+
+
+def test_family_is_the_first_block_no_worker_caches() -> None:
+    decider, index, reg = _setup()
+    tokens = list(range(6 * BLOCK))
+    keys = decider.hasher("").keys(tokens)
+    cold = decider.decide(tokens, index, reg).query
+    assert cold.affinity == cold.family == keys[0]
+    index.add("a", keys[:2])  # a shared system prompt, say
+    index.add("b", keys[:3])
+    q = decider.decide(tokens, index, reg).query
+    assert q.affinity == keys[0]  # what the peers' policies key on
+    assert q.family == keys[3]  # kvroute's: where this prompt leaves what is cached
+    index.add("a", keys)
+    whole = decider.decide(tokens, index, reg).query
+    assert whole.family == keys[0]
+    # Redis down (no index): nothing counts as cached.
+    assert decider.decide(tokens, None, reg).query.family == keys[0]
+
+
+def test_a_session_is_its_own_family() -> None:
+    decider, index, reg = _setup()
+    tokens = list(range(6 * BLOCK))
+    index.add("a", decider.hasher("").keys(tokens)[:2])
+    q = decider.decide(tokens, index, reg, session_id="s1").query
+    assert q.affinity == q.family == xxhash.xxh3_64_intdigest(b"s1")
