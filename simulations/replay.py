@@ -178,10 +178,10 @@ class Replayer:
                     else:
                         where.update(dict.fromkeys(o.children, (w, parent)))
                         self.overflowed += len(o.children)
-                plan = [where[i] for i in range(n_branches)]
-                chosen, req.after = plan.pop(0)
+                branches = [where[i] for i in range(n_branches)]
+                chosen, req.after = branches.pop(0)
                 req.routed_uncached = req.prompt_tokens - d.cached_tokens(chosen.name)
-                placed[treq.program] = plan
+                placed[treq.program] = branches
             chosen.submit(req, now)
             if ttl > 0:
                 index.predict(chosen.name, req.keys, now + ttl)

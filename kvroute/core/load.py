@@ -25,6 +25,12 @@ class WorkerLoad:
     max_running: int = 0
 
     @property
+    def occupied(self) -> int:
+        """Sequences running or waiting there (the router's own count when it is higher):
+        what ``max_running`` bounds."""
+        return max(self.running + self.queued, self.inflight)
+
+    @property
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use (0 when the capacity is unknown)."""
         if self.capacity_blocks <= 0:

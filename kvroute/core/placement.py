@@ -16,7 +16,7 @@ Terms:
 * A child's **weight** is the most sequences its segment runs at once
   (:func:`program_fanout`).
 * A worker's **headroom** is the sequences it can start now without queueing:
-  ``max_running - max(running + queued, inflight)``, and none while anything is queued there
+  ``max_running - occupied`` (:attr:`WorkerLoad.occupied`), and none while anything is queued there
   (it is out of batch slots or KV blocks); unknown (no split) when the worker does not report
   ``max_running``.
 
@@ -145,7 +145,7 @@ def headroom(load: WorkerLoad | None) -> int | None:
         return None
     if load.queued > 0:
         return 0
-    return load.max_running - max(load.running + load.queued, load.inflight)
+    return load.max_running - load.occupied
 
 
 @dataclass(frozen=True, slots=True)

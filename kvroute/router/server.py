@@ -241,7 +241,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             "no worker could serve the request: " + "; ".join(errors))
 
-
     def _place(self, fwd: common_pb2.GenerateRequest, seg: ForkSegment | None,
                weights: list[int], worker: str, d: Decision) -> tuple[Overflow, ...]:
         """Set ``fwd.placement`` for a program sent to ``worker``: the fork children that

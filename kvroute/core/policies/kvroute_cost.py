@@ -163,9 +163,9 @@ class KvrouteCost:
                 c = cached[w] = min(m * bs, p)
                 n = p - c
                 costs[w] += beta * n * (1.0 + attn * (c + n / 2)) - full_miss
-        if cached and self.transfer_cost < 1:
+        top = max(cached.values(), default=0)  # c*: the longest prefix cached anywhere
+        if top and self.transfer_cost < 1:
             # A worker may fetch the longest cached prefix instead of computing it.
-            top = max(cached.values())
             tc = self.transfer_cost
             fetched = beta * (p - top) * (1.0 + attn * (top + (p - top) / 2))
             for w in costs:
@@ -174,10 +174,10 @@ class KvrouteCost:
                     n = p - c
                     own = beta * n * (1.0 + attn * (c + n / 2))
                     costs[w] -= max(0.0, own - fetched - beta * tc * (top - c))
-        if cached and self.hold > 0:
-            self._hold(costs, cached, loads, p, beta)
+        if top and self.hold > 0:
+            self._hold(costs, cached, top, loads, p, beta)
         # Only what no worker caches yet is placed anew (cached prefixes: miss and hold terms).
-        spread = self.affinity_weight * (mean_queued - 1.0) * (p - max(cached.values(), default=0))
+        spread = self.affinity_weight * (mean_queued - 1.0) * (p - top)
         if spread > 0 and len(costs) > 1:  # only under load: the ordering costs a hash each
             aff = query.family
             step = spread / (len(costs) - 1)
@@ -191,13 +191,13 @@ class KvrouteCost:
         between workers; see :func:`~kvroute.core.policies.base.fetch_plan`)."""
         return fetch_plan(query, worker, self.transfer_cost)
 
-    def _hold(self, costs: dict[str, float], cached: dict[str, int],
+    def _hold(self, costs: dict[str, float], cached: dict[str, int], top: int,
               loads: Mapping[str, WorkerLoad], p: int, beta: float) -> None:
         """The hold rule: keep a request on its longest cached prefix when that is most of
         the prompt, the holder has a free batch slot and no worker's queued prefill is
         shorter by ``hold`` x the prefill it would redo, or its fetch when cheaper (see the
-        class docstring). Rewrites ``costs`` in place."""
-        top = max(cached.values())
+        class docstring). ``top`` is the longest cached prefix. Rewrites ``costs`` in
+        place."""
         if top < self.hold_min * p:
             return
         holder = min((w for w, c in cached.items() if c == top), key=costs.__getitem__)
@@ -206,7 +206,7 @@ class KvrouteCost:
         if c0 >= top:
             return  # the cheapest worker holds as long a prefix: nothing to keep
         lh = loads[holder]
-        if lh.max_running and max(lh.running + lh.queued, lh.inflight) >= lh.max_running:
+        if lh.max_running and lh.occupied >= lh.max_running:
             return  # no batch slot: the request would wait for one whatever its prefix
         attn = self.attn
         n0, n = p - c0, p - top
