@@ -13,7 +13,7 @@ from kvroute.core.policies.base import (
     Scored,
     fetch_plan,
     rank_by_cost,
-    tie_break,
+    rendezvous_order,
 )
 
 
@@ -181,7 +181,7 @@ class KvrouteCost:
         if spread > 0 and len(costs) > 1:  # only under load: the ordering costs a hash each
             aff = query.family
             step = spread / (len(costs) - 1)
-            for r, w in enumerate(sorted(costs, key=lambda w: tie_break(aff, w))):
+            for r, w in enumerate(rendezvous_order(aff, costs)):
                 costs[w] += r * step
         return rank_by_cost(query, costs)
 
@@ -201,7 +201,7 @@ class KvrouteCost:
         if top < self.hold_min * p:
             return
         holder = min((w for w, c in cached.items() if c == top), key=costs.__getitem__)
-        cheapest = min(costs, key=costs.__getitem__)
+        cheapest = _cheapest(costs)
         c0 = cached.get(cheapest, 0)
         if c0 >= top:
             return  # the cheapest worker holds as long a prefix: nothing to keep
@@ -214,3 +214,10 @@ class KvrouteCost:
         redo = min(redo, beta * self.transfer_cost * (top - c0))  # or fetch the prefix
         if lh.pending_prefill_tokens - loads[cheapest].pending_prefill_tokens < self.hold * redo:
             costs[holder] = math.nextafter(costs[cheapest], -math.inf)
+
+
+def _cheapest(costs: dict[str, float]) -> str:
+    """The first worker of least cost: ``min(costs, key=costs.__getitem__)``, but the floats
+    are compared in C without a key call per worker (this runs on most long prompts)."""
+    vals = list(costs.values())
+    return list(costs)[vals.index(min(vals))]
