@@ -115,7 +115,7 @@ class SimWorker:
             queued=len(self.waiting), free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending, cached_blocks=cached_blocks,
-            max_running=self.max_batch)
+            max_running=self.max_batch, max_batched_tokens=self.prefill_budget)
 
     def submit(self, req: SimRequest, now: float) -> None:
         if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:

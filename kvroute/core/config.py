@@ -69,6 +69,9 @@ class AgentConfig(CommonConfig):
     max_batch: int = opt(64, "most sequences in the running batch (sim and tiny engines; "
                          "for vllm, give its --max-num-seqs); routers split a program's fork "
                          "across workers when it would not fit")
+    max_batched_tokens: int = opt(0, "vllm engine: its --max-num-batched-tokens, reported to "
+                                  "routers, which avoid delaying requests that would be "
+                                  "prefilled with this one (0: unknown; routers assume 8192)")
     time_scale: float = opt(1.0, "multiplies the sim engine's modelled latencies")
     heartbeat_s: float = opt(1.0, "seconds between heartbeats")
     heartbeat_ttl_s: float = opt(3.0, "heartbeat TTL: a worker silent this long is dead")

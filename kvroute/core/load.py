@@ -13,6 +13,9 @@ class WorkerLoad:
     immediate) with the agent's heartbeat (cluster-wide, up to one heartbeat old).
     ``cached_blocks`` is the size of the worker's prefix cache as the router's index sees it.
     ``max_running`` is the most sequences the engine runs at once (0: unknown).
+    ``max_batched_tokens`` is the most prompt tokens the engine prefills in one iteration
+    (vLLM's ``--max-num-batched-tokens``; 0: unknown): requests queued together within it are
+    admitted together, and each gets its first token only when all their prefills are done.
     """
 
     inflight: int = 0
@@ -23,6 +26,7 @@ class WorkerLoad:
     pending_prefill_tokens: int = 0
     cached_blocks: int = 0
     max_running: int = 0
+    max_batched_tokens: int = 0
 
     @property
     def occupied(self) -> int:

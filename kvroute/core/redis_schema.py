@@ -145,6 +145,7 @@ class Heartbeat:
     capacity_blocks: int = 0
     pending_prefill_tokens: int = 0
     max_running: int = 0
+    max_batched_tokens: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
     ttl_s: float = 3.0
     key_scheme: str = KEY_SCHEME
@@ -168,7 +169,8 @@ class Heartbeat:
         except TypeError as exc:
             raise ValueError(f"heartbeat lacks a field: {exc}") from exc
         for name in ("running", "queued", "free_blocks", "capacity_blocks",
-                     "pending_prefill_tokens", "max_running", "block_size"):
+                     "pending_prefill_tokens", "max_running", "max_batched_tokens",
+                     "block_size"):
             v = getattr(hb, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"heartbeat field {name} must be a non-negative int, got {v!r}")

@@ -241,4 +241,5 @@ class WorkerRegistry:
             pending_prefill_tokens=max(hb.pending_prefill_tokens, info.pending_prefill),
             cached_blocks=info.cached_blocks,
             max_running=hb.max_running,
+            max_batched_tokens=hb.max_batched_tokens,
         )

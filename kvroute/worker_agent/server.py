@@ -220,7 +220,7 @@ class AgentApp:
                 running=ld.running, queued=ld.queued, free_blocks=ld.free_blocks,
                 capacity_blocks=ld.capacity_blocks,
                 pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
-                block_size=cfg.block_size,
+                max_batched_tokens=ld.max_batched_tokens, block_size=cfg.block_size,
                 ttl_s=cfg.heartbeat_ttl_s,
             )
 

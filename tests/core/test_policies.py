@@ -63,6 +63,28 @@ def test_kvroute_holds_a_long_prefix_against_balance_but_not_a_queue() -> None:
     assert KvrouteCost(hold_min=0.3).rank(short)[0].worker == "a"
 
 
+def test_kvroute_keeps_a_long_prefill_off_short_queued_requests() -> None:
+    """The batch term: a 6000-token prompt sent where three short requests wait would be
+    prefilled in their iteration and delay their first tokens by its own prefill; a worker
+    with a busier decode batch but no queue takes it instead. A queue that does not fit one
+    iteration with it (the worker's reported budget, else ``batch_tokens``) is admitted
+    ahead of it, and the term is off."""
+    waiting = WorkerLoad(queued=3, pending_prefill_tokens=300)
+    decoding = WorkerLoad(running=20)  # 640 in decode terms, more than the 300 queued
+    busy = WorkerLoad(running=100)  # a third worker keeps the mean queue at 1: no affinity
+
+    def first(pol: KvrouteCost, a: WorkerLoad, prompt: int) -> str:
+        return pol.rank(q({}, {"a": a, "b": decoding, "c": busy}, prompt=prompt))[0].worker
+
+    assert first(KvrouteCost(batch_weight=0), waiting, 6000) == "a"
+    assert first(KvrouteCost(), waiting, 6000) == "b"
+    small_budget = WorkerLoad(queued=3, pending_prefill_tokens=300, max_batched_tokens=4096)
+    assert first(KvrouteCost(), small_budget, 6000) == "a"
+    assert first(KvrouteCost(batch_tokens=4096), waiting, 6000) == "a"
+    # A short prompt adds little delay: the queue ahead is still the cheaper wait.
+    assert first(KvrouteCost(), waiting, 64) == "a"
+
+
 def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:
     full = WorkerLoad(free_blocks=0, capacity_blocks=30000)
     empty = WorkerLoad(free_blocks=30000, capacity_blocks=30000)

@@ -60,6 +60,9 @@ def test_heartbeat_validation() -> None:
         Heartbeat.from_json("{")
     with pytest.raises(ValueError, match="running"):
         Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e","running":-1}')
+    with pytest.raises(ValueError, match="max_batched_tokens"):
+        Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
+                            '"max_batched_tokens":"8192"}')
     with pytest.raises(ValueError, match="address"):
         Heartbeat.from_json('{"worker_id":"w","address":"","epoch":"e"}')
     with pytest.raises(ValueError, match="lacks"):

@@ -220,6 +220,7 @@ def test_everything_on_uses_block_size_and_gpu_settings(rendered: dict[str, str]
     argv, env = agent_argv(sts)
     assert env["KVROUTE_BLOCK_SIZE"] == "32"
     assert flag(argv, "--max-batch") == "128"  # routers learn the batch from the agent
+    assert flag(argv, "--max-batched-tokens") == flag(args, "--max-num-batched-tokens") == "8192"
     assert [c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]] == ["hf-cache"]
     assert "hf-cache" not in {v["name"] for v in pod_spec(sts)["volumes"]}
     assert env_of(container(sts, "vllm"))["HF_TOKEN"]["secretKeyRef"]["name"] == "hf-token"

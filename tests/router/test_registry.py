@@ -16,10 +16,12 @@ def test_parse_static() -> None:
 def test_heartbeat_load_merges_with_local_counts() -> None:
     reg = WorkerRegistry({}, 16)
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", running=5,
-                                         pending_prefill_tokens=100)})
+                                         pending_prefill_tokens=100, max_running=64,
+                                         max_batched_tokens=8192)})
     reg.begin("w", 700)
     ld = reg.loads["w"]
     assert (ld.inflight, ld.running, ld.pending_prefill_tokens) == (1, 5, 700)
+    assert (ld.max_running, ld.max_batched_tokens) == (64, 8192)  # the engine's limits
     reg.first_token("w", 700)
     reg.end("w")
     assert reg.loads["w"].pending_prefill_tokens == 100

@@ -62,6 +62,8 @@ class EngineLoad:
     pending_prefill_tokens: int
     max_running: int = 0
     """Most sequences the engine runs at once (0: unknown)."""
+    max_batched_tokens: int = 0
+    """Most prompt tokens prefilled in one iteration (0: unknown or unbounded)."""
 
 
 @dataclass(frozen=True, slots=True)

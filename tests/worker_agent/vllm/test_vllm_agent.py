@@ -241,7 +241,8 @@ async def test_redis_restart_leaves_no_lasting_divergence(cluster, fake_vllm) ->
 async def test_older_servers_token_ids_via_logprobs_and_old_metric_names(fake_vllm) -> None:
     fake = fake_vllm("--no-return-token-ids", "--old-metrics", "--no-prompt-tokens-details")
     eng = VllmEngine(VllmConfig(url=fake.url, events=fake.events, served_model="fake-model",
-                                metrics_interval_s=0.05))
+                                metrics_interval_s=0.05, max_num_seqs=32,
+                                max_num_batched_tokens=4096))
     await eng.start()
     try:
         p = prompt(50, 1)
@@ -250,7 +251,10 @@ async def test_older_servers_token_ids_via_logprobs_and_old_metric_names(fake_vl
         assert [c.token_ids[0] for c in chunks] == [(base + 7919 * t) % 50257 for t in range(3)]
         assert chunks[-1].finish_reason == "length" and eng.client.token_mode == "logprobs"
         # The request finished: nothing running, its blocks cached but free (as vLLM counts).
-        await wait_for(lambda: eng.load() == EngineLoad(0, 0, 256, 256, 0), what="metrics read")
+        # The engine's limits are reported as given (vLLM's --max-num-seqs and
+        # --max-num-batched-tokens): routers use them.
+        await wait_for(lambda: eng.load() == EngineLoad(0, 0, 256, 256, 0, 32, 4096),
+                       what="metrics read")
     finally:
         await eng.stop()
 

@@ -49,6 +49,9 @@ class VllmConfig:
     """Used for load only when /metrics lacks ``vllm:cache_config_info``."""
     max_num_seqs: int = 0
     """vLLM's ``--max-num-seqs``, reported as the load's ``max_running`` (0: unknown)."""
+    max_num_batched_tokens: int = 0
+    """vLLM's ``--max-num-batched-tokens``, reported as the load's ``max_batched_tokens``
+    (0: unknown)."""
     metrics_interval_s: float = 0.5
     replay_timeout_s: float = 1.0
     probe_s: float = 1.0
@@ -61,6 +64,9 @@ class VllmConfig:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if self.report_reused not in REPORT_MODES:
             raise ValueError(f"report_reused must be one of {REPORT_MODES}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: unknown), got {getattr(self, name)}")
 
 
 @dataclass
@@ -190,7 +196,8 @@ class VllmEngine(BatchSink):
         return EngineLoad(
             running=max(m.running, decoding), queued=m.waiting, free_blocks=free,
             capacity_blocks=capacity, pending_prefill_tokens=prefill,
-            max_running=self.config.max_num_seqs)
+            max_running=self.config.max_num_seqs,
+            max_batched_tokens=self.config.max_num_batched_tokens)
 
     def cached_keys(self) -> list[int]:
         return self.blocks.cached_keys()
