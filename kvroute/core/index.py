@@ -14,6 +14,12 @@ Design (the hot path of every routing decision):
   finds the prefix where the first one went. They expire at a deadline unless a real store
   confirms them.
 
+* Each worker's real keys are a ``dict`` mapping key -> None, not a ``set``: CPython's cyclic
+  collector never tracks a dict that holds only ints (``gc.is_tracked`` is False), but it
+  traverses every set entry on every full collection. With the keys in sets, a 1M-entry
+  index made each full collection a ~100 ms stall of every in-flight routing decision
+  (``bench/gc_pause.py``).
+
 Invariants:
 
 * ``_holders[k]`` is never 0: a key with no holder is deleted.
@@ -26,7 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 
 class PrefixIndex:
@@ -36,7 +42,7 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}
         self._slot_of: dict[str, int] = {}
         self._worker_of_slot: dict[int, str] = {}
-        self._keys_of: dict[str, set[int]] = {}
+        self._keys_of: dict[str, dict[int, None]] = {}  # a set that the collector skips
         self._pred_of: dict[str, dict[int, float]] = {}  # worker -> predicted key -> deadline
         self._pred_heap: list[tuple[float, str, tuple[int, ...]]] = []
         self._free_slots: list[int] = []
@@ -49,7 +55,7 @@ class PrefixIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._slot_of)
             self._slot_of[worker] = slot
             self._worker_of_slot[slot] = worker
-            self._keys_of[worker] = set()
+            self._keys_of[worker] = {}
             self._pred_of[worker] = {}
         return slot
 
@@ -62,7 +68,7 @@ class PrefixIndex:
         slot = self._slot_of.pop(worker, None)
         if slot is not None:
             pred = self._pred_of.pop(worker)
-            self._drop(slot, list(pred), keep=set())
+            self._drop(slot, list(pred), keep=())
             del self._worker_of_slot[slot]
             del self._keys_of[worker]
             self._free_slots.append(slot)
@@ -88,9 +94,9 @@ class PrefixIndex:
         holders = self._holders
         for k in keys:
             holders[k] = holders.get(k, 0) | bit
-            mine.add(k)
+            mine[k] = None
         if pred:
-            for k in mine.intersection(pred):
+            for k in [k for k in pred if k in mine]:
                 del pred[k]  # confirmed by the engine
 
     def remove(self, worker: str, keys: Iterable[int]) -> None:
@@ -99,11 +105,11 @@ class PrefixIndex:
             return
         mine = self._keys_of[worker]
         present = [k for k in keys if k in mine]
-        mine.difference_update(present)
+        for k in present:
+            mine.pop(k, None)  # not del: a batch may name a key twice
         self._drop(slot, present, keep=self._pred_of[worker])
 
-    def _drop(self, slot: int, keys: Iterable[int], keep: set[int] | dict[int, float]
-              ) -> None:
+    def _drop(self, slot: int, keys: Iterable[int], keep: Container[int]) -> None:
         """Clear ``slot``'s bit on ``keys``, except those in ``keep``."""
         clear = ~(1 << slot)
         holders = self._holders

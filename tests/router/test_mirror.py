@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from kvroute.core.index import PrefixIndex
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.registry import WorkerRegistry
-from tests.support import wait_for
+from tests.support import collector_visits, wait_for
 
 KEYS = RedisKeys("default")
 
@@ -111,3 +112,32 @@ async def test_expired_heartbeat_removes_worker_and_blocks(redis_server, mirror)
     # No more heartbeats: the key's TTL (1 s) runs out.
     await wait_for(lambda: "w" not in mirror.registry.loads, 5, "expiry")
     assert mirror.index.count("w") == 0
+
+
+async def test_the_bootstrapped_index_adds_nothing_per_block_to_a_full_collection(
+        redis_server) -> None:
+    # Every full collection walks whatever of the index the collector tracks: with a set
+    # per worker, 1M entries made each one a ~100 ms stall of every routing decision.
+    c = redis_server.client()
+    for i, w in enumerate(("a", "b")):
+        beat(c, w)
+        publish(c, FeedEvent(w, "e1", 1, Op.RESYNC), snapshot=set(range(i, 2000 * (i + 1))))
+    m = IndexMirror(connect(redis_server.url, block_timeout_s=0.05), KEYS,
+                    WorkerRegistry({}, 16), poll_interval_s=0.05, retry_s=0.1)
+    task = asyncio.create_task(m.run())
+    try:
+        await asyncio.wait_for(m.ready.wait(), 5)
+        assert m.index.count("a") == 2000 and m.index.count("b") == 3999  # bootstrap loaded
+        for w in ("a", "b"):
+            beat(c, w)  # 1 s TTL: keep both alive through the test
+        publish(c, FeedEvent("a", "e1", 2, Op.STORE, tuple(range(5000, 6000))))
+        publish(c, FeedEvent("a", "e1", 3, Op.EVICT, tuple(range(500))))
+        publish(c, FeedEvent("b", "e2", 1, Op.RESYNC), snapshot=set(range(7000, 9000)))
+        await wait_for(lambda: m.index.count("a") == 2500 and m.index.count("b") == 2000,
+                       what="feed applied and b resynced")
+        one_block_each = PrefixIndex()
+        for w in m.index.workers():
+            one_block_each.add(w, [0])
+        assert collector_visits(m.index) == collector_visits(one_block_each)
+    finally:
+        await m.stop(task)
