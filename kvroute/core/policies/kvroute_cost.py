@@ -88,8 +88,9 @@ class KvrouteCost:
       longer than one iteration is admitted ahead of the request and is not delayed, so the
       term is off there: charged on every queue, it pushed requests off their caches under
       overload (Mooncake trace at 80%: 10.2 s mean TTFT instead of 6.9 s). With it, mean TTFT
-      fell 1-10% at 50-80% load on agent, fork and chat traffic and p99 on chat 1-4%, for the
-      best mean TTFT in all 20 cells (was 16; seed 1) at the same hit ratios.
+      fell 5-6% on fork traffic at 50-80% load and 5% on agent at 80%, and p99 1-3% on chat,
+      at the same hit ratios (seed 1; on seed 2, agent at 65-80% 2-8% lower mean); it rose 2%
+      on agent at 65%, and on the Mooncake trace at 80% by 6% (p99 23%), still half llm-d's.
     * The balance terms (``decode_weight``, ``kv``) move a request off its cache whenever a
       worker is cheaper by a hair, and each such move redoes the prefill of the prefix it
       leaves and costs token hits (0.3-0.8 points on chat and agent traffic, where a
@@ -136,13 +137,13 @@ class KvrouteCost:
 
     Measured (``bench/policy_jitter.py``, mean of rate jitters 0.98/1/1.02, 16 workers,
     against llm-d, Preble, CHWBL, SGLang, Dynamo and Mooncake without KV transfer; the full
-    table is in the README): the best mean TTFT in 16 of 20 cells (Mooncake trace and
+    table is in the README): the best mean TTFT in all 20 cells (Mooncake trace and
     ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load), the best p99 in 11, a hit
     ratio at least the best peer's in 6, all three in 6; on the Mooncake trace at 80%
-    6.85 s / 38 s against llm-d's 14.6 s / 92 s. The hit ratio is within 0.02-0.13 points
-    of the stickiest peer's on chat, rag and agent at 50%. Against the earlier hold rule
-    (whole cost, ``hold`` 0.75) this one raised the hit ratio 0.1-0.4 points on chat, agent
-    and rag (seeds 1 and 2) at level mean TTFT, and p99 rose 1-5% on chat and rag.
+    7.2 s / 47 s against llm-d's 14.6 s / 92 s. The hit ratio is within 0.03-0.13 points
+    of the stickiest peer's on chat and rag. Against the earlier hold rule (whole cost,
+    ``hold`` 0.75) this one raised the hit ratio 0.1-0.4 points on chat, agent and rag
+    (seeds 1 and 2) at level mean TTFT, and p99 rose 1-5% on chat and rag.
     """
 
     miss_weight: float = 2.0
