@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from kvroute.core.config import PREDICT_TTL_S
 from simulations.cli import make_policies
 from simulations.metrics import capacity_rps, measure
 from simulations.replay import ClusterSpec, Replayer
@@ -26,8 +27,9 @@ def main() -> None:
     ap.add_argument("--loads", default="0.5,0.65,0.8,0.95")
     ap.add_argument("--jitters", default="0.98,1.0,1.02")
     ap.add_argument("--workers", type=int, default=16)
-    ap.add_argument("--predict-ttl-ms", type=float, default=0.0,
-                    help="the router predicts a routed prompt's blocks this long")
+    ap.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
+                    help="the router predicts a routed prompt's blocks this long and coalesces "
+                         "bursts on them (0: off, as peer routers; default: the router's)")
     ap.add_argument("--programs", action="store_true",
                     help="run forks as controller programs (kvroute's agent; see replay.py)")
     args = ap.parse_args()

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvroute.core.config import PREDICT_TTL_S
 from kvroute.core.policies import REGISTRY, Policy
 from simulations.costmodel import CostModel
 from simulations.metrics import (
@@ -43,9 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "against load")
     p.add_argument("--propagation-ms", type=float, default=50.0,
                    help="delay before the router sees a cache event (agent -> Redis -> router)")
-    p.add_argument("--predict-ttl-ms", type=float, default=0.0,
+    p.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
                    help="router predicts a routed prompt's blocks on its worker for this long "
-                        "(0 = off), to keep a burst of siblings together")
+                        "and holds a request routed on a prediction until that prefill is "
+                        "done, so a burst of siblings prefills its prefix once (0 = off; "
+                        "default: the router's)")
     p.add_argument("--programs", action="store_true",
                    help="run requests sharing a `program` id as one controller program: placed "
                         "once, shared prefix prefilled once, branches beside it")

@@ -23,7 +23,10 @@ than the transfer's end (``ready_s``); its prefill of the rest may overlap the t
 Mooncake's layer-wise pipelining does.
 
 A request may wait for another's prefill (``after``): the branches of a controller-program
-fork are admitted once the agent has prefilled their shared prefix, so they hit it.
+fork, and siblings the router coalesces, reach the queue (its tail) only once the agent or
+router sees that prefill's first token, so they hit its prefix. Until then they are
+``held``: counted in the router's in-flight load, not in the engine's queue, and blocking no
+one.
 
 Stretches of pure decoding with no arrival and no finish are run in one jump.
 """
@@ -77,6 +80,9 @@ class SimWorker:
         self.pool = BlockPool(capacity_blocks, listener=self._emit)
         self.t = 0.0  # when the engine is next free to start an iteration
         self.waiting: deque[SimRequest] = deque()
+        # Requests held (by the agent or router, not in the engine's queue) until the request
+        # they follow (``after``) has its first token: they then join the queue's tail.
+        self.held: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
         self.prefill_tokens = 0  # uncached tokens actually prefilled
@@ -111,7 +117,8 @@ class SimWorker:
         if prefilling:
             pending += sum(r.routed_uncached for r in self._admitted)
         return WorkerLoad(
-            inflight=len(self.running) + len(self.waiting), running=len(self.running),
+            inflight=len(self.running) + len(self.waiting) + len(self.held),
+            running=len(self.running),
             queued=len(self.waiting), free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending, cached_blocks=cached_blocks,
@@ -127,7 +134,10 @@ class SimWorker:
         self.pending_prefill += req.routed_uncached
         if not self.waiting and not self.running:
             self.t = max(self.t, now)
-        self.waiting.append(req)
+        if req.after is not None and not req.after.first_token_s <= now:
+            self.held.append(req)  # nan (parent not admitted yet) compares false: held
+        else:
+            self.waiting.append(req)
 
     def receive(self, keys: tuple[int, ...], now: float) -> int:
         """Cache the KV of ``keys`` (a prompt's leading block keys) fetched from another
@@ -148,7 +158,7 @@ class SimWorker:
 
     def advance(self, until: float) -> None:
         """Run every iteration that starts before ``until``."""
-        while (self.waiting or self.running) and self.t < until:
+        while (self.waiting or self.running or self.held) and self.t < until:
             self._version += 1
             if not self._iterate_with_admission():
                 self._decode_stretch(until)
@@ -161,10 +171,10 @@ class SimWorker:
         budget = self.prefill_budget
         bs = self.block_size
         pool = self.pool
+        if self.held:
+            self._release_held(start)
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             r = self.waiting[0]
-            if r.after is not None and not r.after.first_token_s <= start:
-                break  # a fork branch waits for its program's shared prefix (nan: not yet)
             hits = pool.lookup(r.keys[: (r.prompt_tokens - 1) // bs])
             cached = len(hits) * bs
             new = r.prompt_tokens - cached
@@ -197,6 +207,17 @@ class SimWorker:
         self.busy_s += end - start
         self.t = end
         return True
+
+    def _release_held(self, now: float) -> None:
+        """Queue the held requests whose ``after`` has its first token by ``now``, in the
+        order they were held."""
+        still = []
+        for r in self.held:
+            if r.after.first_token_s <= now:  # type: ignore[union-attr]
+                self.waiting.append(r)
+            else:
+                still.append(r)
+        self.held = still
 
     def _decode_stretch(self, until: float) -> None:
         if not self.running:  # waiting but nothing admissible and nothing to free: stuck

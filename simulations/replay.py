@@ -8,9 +8,12 @@ routing decisions see stale state exactly as a real router does. A policy with a
 ``transfer(query, worker)`` method (Mooncake's) may have the chosen worker fetch a longer
 prefix's KV from another worker first: the replay performs that transfer
 (:meth:`SimWorker.receive`, timed by :meth:`CostModel.transfer_s`, one transfer at a time
-through each worker's NIC). With ``predict_ttl_s``
+through each worker's NIC). With ``predict_ttl_s`` (the router's default, 10 ms)
 the router predicts that a routed prompt's blocks will be on its worker until its events
-arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``.
+arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``,
+and a request routed there on a prediction is held until that prefill's first token
+(:class:`kvroute.router.coalesce.InflightPrefixes`): the worker queues it only then
+(``SimWorker.held``), as it would receive it from the router.
 The load view is the router's own accounting (requests outstanding, its estimate of
 uncached tokens not yet prefilled, released at each request's first token as the production
 router releases it) plus the engine's queue and batch, as an agent's heartbeat reports them.
@@ -33,10 +36,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvroute.core.config import PREDICT_TTL_S
 from kvroute.core.index import PrefixIndex
 from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
+from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.decide import rank_request
 from kvroute.worker_agent.engines.base import CacheEvent
 from simulations.cluster import SimRequest, SimWorker
@@ -51,7 +56,8 @@ class ClusterSpec:
     max_batch: int = 256
     prefill_budget: int = 16384
     propagation_s: float = 0.05
-    predict_ttl_s: float = 0.0  # > 0: the router predicts a routed prompt's blocks this long
+    # > 0: the router predicts a routed prompt's blocks this long, and coalesces on them
+    predict_ttl_s: float = PREDICT_TTL_S
     programs: bool = False  # run forks as controller programs (see Replayer)
     overflow: bool = True  # programs: split a fork that does not fit (router's placement)
     cost: CostModel = field(default_factory=CostModel)
@@ -128,6 +134,7 @@ class Replayer:
         transfer = getattr(self.policy, "transfer", None)  # policies that move KV
         # Program id -> where each branch (by arrival order) runs, after which prefill.
         placed: dict[str, list[tuple[SimWorker, SimRequest]]] = {}
+        inflight: InflightPrefixes[SimRequest] = InflightPrefixes()
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
         for n, (req, treq) in enumerate(zip(reqs, self.trace.requests, strict=True)):
@@ -182,9 +189,16 @@ class Replayer:
                 chosen, req.after = branches.pop(0)
                 req.routed_uncached = req.prompt_tokens - d.cached_tokens(chosen.name)
                 placed[treq.program] = branches
+            if ttl > 0 and req.after is None:
+                # Routed there on a prediction: held until that prefill's first token.
+                parent = inflight.producer(index, chosen.name, req.keys,
+                                           d.query.matched_blocks.get(chosen.name, 0))
+                if parent is not None and not parent.first_token_s <= now:
+                    req.after = parent
             chosen.submit(req, now)
             if ttl > 0:
                 index.predict(chosen.name, req.keys, now + ttl)
+                inflight.add(req, chosen.name, req.keys)
             if now >= next_sample:
                 samples.append((now, [lw.inflight for lw in loads.values()]))
                 next_sample = now + self._sample_every

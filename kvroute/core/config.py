@@ -17,6 +17,10 @@ from typing import Any, TypeVar, get_type_hints
 from kvroute.core.blocks import DEFAULT_BLOCK_SIZE
 
 ENV_PREFIX = "KVROUTE_"
+# Predicted entries' lifetime, and so the window within which a burst of requests sharing a
+# new prefix is coalesced (sent where the first went, after its prefill): the router's and
+# the replay simulator's default.
+PREDICT_TTL_S = 0.01
 T = TypeVar("T")
 
 
@@ -48,8 +52,12 @@ class RouterConfig(CommonConfig):
     poll_interval_s: float = opt(0.5, "seconds between heartbeat scans")
     connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next")
     redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts")
-    predict_ttl_s: float = opt(0.0, "predict a routed prompt's blocks on its worker for this "
-                               "many seconds until its events arrive (0 = off; see README)")
+    predict_ttl_s: float = opt(PREDICT_TTL_S, "predict a routed prompt's blocks on its worker "
+                               "for this many seconds; a request routed there on a prediction "
+                               "waits for that prefill, so a burst sharing a new prefix "
+                               "prefills it once (0 = off; see README)")
+    coalesce_wait_s: float = opt(30.0, "longest a request waits for the in-flight prefill a "
+                                 "prediction stands for before it is sent anyway")
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
     discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")

@@ -153,6 +153,11 @@ class PrefixIndex:
             n += len(stale)
         return n
 
+    def holds(self, worker: str, key: int) -> bool:
+        """Whether ``worker`` really stores ``key`` (a prediction does not count)."""
+        keys = self._keys_of.get(worker)
+        return keys is not None and key in keys
+
     def predicted(self, worker: str) -> int:
         return len(self._pred_of.get(worker, ()))
 

@@ -42,6 +42,14 @@ class RouterMetrics:
             "because the program's worker could not run them all", registry=r)
         self.retries = Counter("kvroute_router_retries",
                                "Requests retried on the next-best worker", registry=r)
+        self.coalesced = Counter(
+            "kvroute_router_coalesced",
+            "Requests held until an in-flight sibling's prefill stored the prefix they were "
+            "routed to (--predict-ttl-s)", registry=r)
+        self.coalesce_wait = Histogram(
+            "kvroute_router_coalesce_wait_seconds",
+            "How long a coalesced request waited for its sibling's first token",
+            buckets=LATENCY_BUCKETS, registry=r)
 
     def watch(self, mirror: IndexMirror) -> None:
         self.registry.register(_MirrorCollector(mirror))

@@ -39,6 +39,7 @@ from kvroute.core.validate import (
     check_sampling,
     check_tokens,
 )
+from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.decide import Decider, Decision, NoWorkersError
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
@@ -65,6 +66,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._m = metrics
         self._tok = tokenizer
         self._limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        # Requests sent on with predicted entries whose first token has not come back.
+        self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes()
 
     # -- shared front half -------------------------------------------------------------------
 
@@ -158,14 +161,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
         seg = fork_segment(program) if program is not None and self._cfg.program_overflow \
             else None
         weights = seg.weights() if seg is not None else []
+        predicting = self._cfg.predict_ttl_s > 0 and self._mirror.available and bool(d.keys)
+        if predicting:
+            await self._await_producer(d, rid)
         for attempt, cand in enumerate(d.ranked[:_MAX_ATTEMPTS]):
             w = cand.worker
             info = self._registry.get(w)
             if info is None:
                 continue
-            if self._cfg.predict_ttl_s > 0 and self._mirror.available and d.keys:
-                # Siblings arriving before this request's store events find it here.
+            stored = asyncio.Event()  # set at this attempt's first token, or when it ends
+            if predicting:
+                # Siblings arriving before this request's store events find it here, and
+                # wait for its first token (see _await_producer).
                 self._mirror.index.predict(w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
+                self._inflight.add(stored, w, d.keys)
             if attempt:
                 self._m.retries.inc()
             overflow = self._place(fwd, seg, weights, w, d)
@@ -189,6 +198,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 async for resp in call:
                     if not started:
                         started = True
+                        self._release(stored)
                         self._registry.first_token(w, uncached)
                         self._m.ttft.observe(time.perf_counter() - t0)
                         self._m.routed.labels(w).inc()
@@ -207,6 +217,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             finally:
                 # Every begin() gets its end(), however the attempt ended (the client may
                 # cancel or close the stream at any await or yield).
+                self._release(stored)
                 self._registry.first_token(w, (0 if started else uncached) + extra)
                 self._registry.end(w, local)
                 for o in overflow:
@@ -240,6 +251,33 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._m.requests.labels("Generate", "unavailable").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             "no worker could serve the request: " + "; ".join(errors))
+
+    async def _await_producer(self, d: Decision, rid: str) -> None:
+        """Coalescing: when the chosen worker matched the prompt's prefix only by a
+        prediction, hold the request until the request that prediction stands for has its
+        first token (its prefix is then stored), so it is prefilled once: an engine admits
+        a queue in batches, and siblings admitted together each compute the whole prefix.
+        Gives up after ``coalesce_wait_s`` and sends it anyway."""
+        w = d.best
+        stored = self._inflight.producer(self._mirror.index, w, d.keys,
+                                         d.query.matched_blocks.get(w, 0))
+        if stored is None or stored.is_set():
+            return
+        self._m.coalesced.inc()
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(stored.wait(), self._cfg.coalesce_wait_s)
+        except TimeoutError:
+            log.warning("in-flight sibling's prefill not done; sending anyway",
+                        extra={"kv": {"request": rid, "worker": w,
+                                      "waited_s": self._cfg.coalesce_wait_s}})
+        self._m.coalesce_wait.observe(time.perf_counter() - t0)
+
+    def _release(self, stored: asyncio.Event) -> None:
+        """This request's prefix is stored (first token) or it ended: wake its siblings."""
+        if not stored.is_set():
+            stored.set()
+            self._inflight.drop(stored)
 
     def _place(self, fwd: common_pb2.GenerateRequest, seg: ForkSegment | None,
                weights: list[int], worker: str, d: Decision) -> tuple[Overflow, ...]:

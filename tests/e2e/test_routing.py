@@ -199,6 +199,34 @@ async def test_predicted_entries_keep_a_burst_together(cluster) -> None:
     assert (await first)[0].worker_id == predicted
 
 
+async def test_a_sibling_routed_on_a_prediction_waits_for_that_prefill(cluster) -> None:
+    """Coalescing: a sibling sent while the first request's prefill is in flight goes where
+    the first went, is held by the router until the first's first token (the prefix is then
+    stored), and is served from the cache; a request whose prefix is really cached is not
+    held."""
+    for i in range(3):
+        await cluster.agent(f"w{i}", time_scale=0.5)  # a visible prefill
+    router = await cluster.router(predict_ttl_s=5.0)
+    await wait_for(lambda: len(router.registry.loads) == 3, what="3 workers registered")
+    shared = prompt(4096, 50)
+    first = asyncio.create_task(generate(router.port, shared + prompt(32, 51), max_tokens=2))
+    await wait_for(lambda: any(router.mirror.index.predicted(w) for w in router.registry.loads),
+                   what="prediction placed")
+    predicted = next(w for w in router.registry.loads if router.mirror.index.predicted(w))
+    sibling = await generate(router.port, shared + prompt(32, 52), max_tokens=2)
+    assert first.done()  # the sibling's stream could end only after the first's first token
+    out = await first
+    assert sibling[0].worker_id == out[0].worker_id == predicted
+    assert sibling[-1].usage.cached_tokens >= 4096  # the engine's own hit, not a prediction
+    assert router.metrics.coalesced._value.get() == 1
+    assert router.metrics.coalesce_wait._sum.get() > 0
+    await wait_for(lambda: router.mirror.index.count(predicted) >= 4096 // 16,
+                   what="the prefix's store events")
+    again = await generate(router.port, shared + prompt(32, 53), max_tokens=2)
+    assert again[0].worker_id == predicted
+    assert router.metrics.coalesced._value.get() == 1  # really cached: nothing to wait for
+
+
 async def test_router_replicas_share_one_view(cluster) -> None:
     """Two router replicas on one Redis: a prefix cached through one is routed to by the
     other, and both count the same workers and blocks."""

@@ -135,7 +135,8 @@ def test_forks_run_as_programs_prefill_the_shared_prefix_once() -> None:
     recs = generate("fork", 240, rate_per_s=20.0, seed=3, block_size=64)
     tr = parse([json.dumps(r) for r in recs])
     assert all(r.program for r in tr.requests)
-    indep = Replayer(tr, make_policy("kvroute"), ClusterSpec(workers=4)).run()
+    # Independent requests, no coalescing: what a peer router does.
+    indep = Replayer(tr, make_policy("kvroute"), ClusterSpec(workers=4, predict_ttl_s=0)).run()
     progs = Replayer(tr, make_policy("kvroute"),
                      ClusterSpec(workers=4, programs=True, overflow=False)).run()
     prefill = {name: sum(w.prefill_tokens for w in res.workers)
@@ -156,6 +157,32 @@ def test_forks_run_as_programs_prefill_the_shared_prefix_once() -> None:
                 r = progs.requests[i]
                 assert r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64)
     assert all(math.isfinite(r.finished_s) for r in progs.requests)
+
+
+def test_siblings_routed_on_predictions_wait_for_the_first_prefill() -> None:
+    """Coalescing: with predicted entries, a fork's siblings (arriving together, as plain
+    requests) go where the first went and are admitted after its prefill, so each hits the
+    shared prefix; without predictions they spread and each prefills it."""
+    from simulations.generators import generate
+
+    recs = generate("fork", 240, rate_per_s=20.0, seed=3, block_size=64)
+    tr = parse([json.dumps(r) for r in recs])
+    plain = Replayer(tr, make_policy("kvroute"), ClusterSpec(workers=4, predict_ttl_s=0)).run()
+    co = Replayer(tr, make_policy("kvroute"), ClusterSpec(workers=4)).run()  # the default
+    hits = measure(co).hit_ratio, measure(plain).hit_ratio
+    assert hits[0] > hits[1] + 0.3, hits
+    by_prog: dict[str, list[int]] = {}
+    for t, r in zip(tr.requests, co.requests, strict=True):
+        by_prog.setdefault(t.program, []).append(r.idx)
+    held = [co.requests[i] for m in by_prog.values() for i in m if co.requests[i].after]
+    assert len(held) > len(by_prog)  # most siblings waited for one of theirs
+    for r in held:
+        assert r.worker == r.after.worker and r.first_token_s > r.after.first_token_s
+        lcp = 0
+        while lcp < min(len(r.keys), len(r.after.keys)) and r.keys[lcp] == r.after.keys[lcp]:
+            lcp += 1
+        assert r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64)  # shared: a hit
+    assert all(math.isfinite(r.finished_s) for r in co.requests)
 
 
 def test_programs_that_do_not_fit_their_worker_overflow_to_the_next_longest_prefix() -> None:
