@@ -227,6 +227,24 @@ async def test_a_sibling_routed_on_a_prediction_waits_for_that_prefill(cluster) 
     assert router.metrics.coalesced._value.get() == 1  # really cached: nothing to wait for
 
 
+async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster) -> None:
+    """A sibling held for an in-flight prefill that takes longer than --coalesce-wait-s is
+    sent after that wait, not lost, and the wait is what the metric reports."""
+    for i in range(2):
+        await cluster.agent(f"w{i}", time_scale=5.0)  # a 4k-token prefill takes ~2 s
+    router = await cluster.router(predict_ttl_s=5.0, coalesce_wait_s=0.3)
+    await wait_for(lambda: len(router.registry.loads) == 2, what="2 workers registered")
+    shared = prompt(4096, 60)
+    first = asyncio.create_task(generate(router.port, shared + prompt(32, 61), max_tokens=1))
+    await wait_for(lambda: any(router.mirror.index.predicted(w) for w in router.registry.loads),
+                   what="prediction placed")
+    sibling = await generate(router.port, shared + prompt(32, 62), max_tokens=1)
+    out = await first
+    assert sibling[0].worker_id == out[0].worker_id
+    assert router.metrics.coalesced._value.get() == 1
+    assert 0.3 <= router.metrics.coalesce_wait._sum.get() < 1.5
+
+
 async def test_router_replicas_share_one_view(cluster) -> None:
     """Two router replicas on one Redis: a prefix cached through one is routed to by the
     other, and both count the same workers and blocks."""
