@@ -160,6 +160,15 @@ class SimWorker:
         """Run every iteration that starts before ``until``."""
         while (self.waiting or self.running or self.held) and self.t < until:
             self._version += 1
+            if not self.waiting and not self.running:
+                # Only held requests: idle until the first is released (its parent's first
+                # token may come after that parent finished here, when a KV transfer it
+                # waited for ends late). nan (never) compares false: stop.
+                nxt = min((r.after.first_token_s for r in self.held  # type: ignore[union-attr]
+                           if not math.isnan(r.after.first_token_s)), default=math.inf)  # type: ignore[union-attr]
+                if not nxt < until:
+                    break
+                self.t = max(self.t, nxt)
             if not self._iterate_with_admission():
                 self._decode_stretch(until)
 

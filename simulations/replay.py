@@ -189,14 +189,18 @@ class Replayer:
                 chosen, req.after = branches.pop(0)
                 req.routed_uncached = req.prompt_tokens - d.cached_tokens(chosen.name)
                 placed[treq.program] = branches
+            held = False
             if ttl > 0 and req.after is None:
                 # Routed there on a prediction: held until that prefill's first token.
                 parent = inflight.producer(index, chosen.name, req.keys,
                                            d.query.matched_blocks.get(chosen.name, 0))
                 if parent is not None and not parent.first_token_s <= now:
                     req.after = parent
+                    held = True
             chosen.submit(req, now)
-            if ttl > 0:
+            if ttl > 0 and not held:
+                # As the router: a held request predicts nothing until it is sent, so a
+                # burst's later members wait for its first member, not for each other.
                 index.predict(chosen.name, req.keys, now + ttl)
                 inflight.add(req, chosen.name, req.keys)
             if now >= next_sample:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,6 +59,15 @@ class RouterConfig(CommonConfig):
                                "prefills it once (0 = off; see README)")
     coalesce_wait_s: float = opt(30.0, "longest a request waits for the in-flight prefill a "
                                  "prediction stands for before it is sent anyway")
+
+    def __post_init__(self) -> None:
+        # A negative or NaN window or wait would silently turn coalescing into a no-op that
+        # still logs a timeout per request.
+        for name, positive in (("predict_ttl_s", False), ("coalesce_wait_s", True)):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0 or (positive and v == 0):
+                need = "> 0" if positive else ">= 0"
+                raise SystemExit(f"{_flag(name)} must be a finite number {need}, got {v!r}")
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
     discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")

@@ -169,12 +169,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             info = self._registry.get(w)
             if info is None:
                 continue
-            stored = asyncio.Event()  # set at this attempt's first token, or when it ends
-            if predicting:
-                # Siblings arriving before this request's store events find it here, and
-                # wait for its first token (see _await_producer).
-                self._mirror.index.predict(w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
-                self._inflight.add(stored, w, d.keys)
             if attempt:
                 self._m.retries.inc()
             overflow = self._place(fwd, seg, weights, w, d)
@@ -194,6 +188,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             done = False
             failure: grpc.aio.AioRpcError | None = None
             call = self._channels.stub(info.address).Generate(fwd)
+            stored = asyncio.Event()  # set at this attempt's first token, or when it ends
+            if predicting:
+                # Siblings arriving before this request's store events find it here, and
+                # wait for its first token (see _await_producer). Added just before the
+                # try whose finally releases it, so no path leaves it behind.
+                self._mirror.index.predict(w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
+                self._inflight.add(stored, w, d.keys)
             try:
                 async for resp in call:
                     if not started:
@@ -265,13 +266,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return
         self._m.coalesced.inc()
         t0 = time.perf_counter()
+        # A held request is load on its worker already (other decisions see it queued).
+        uncached = d.query.prompt_tokens - d.cached_tokens(w)
+        self._registry.begin(w, uncached)
         try:
             await asyncio.wait_for(stored.wait(), self._cfg.coalesce_wait_s)
         except TimeoutError:
             log.warning("in-flight sibling's prefill not done; sending anyway",
                         extra={"kv": {"request": rid, "worker": w,
                                       "waited_s": self._cfg.coalesce_wait_s}})
-        self._m.coalesce_wait.observe(time.perf_counter() - t0)
+        except asyncio.CancelledError:
+            self._m.requests.labels("Generate", "cancelled").inc()
+            raise
+        finally:
+            self._registry.first_token(w, uncached)
+            self._registry.end(w)
+            self._m.coalesce_wait.observe(time.perf_counter() - t0)
 
     def _release(self, stored: asyncio.Event) -> None:
         """This request's prefix is stored (first token) or it ended: wake its siblings."""
@@ -325,6 +335,7 @@ class RouterApp:
             self.metrics.registry.register(DiscoveryCollector(self.discovery))
         self.channels = AgentChannels()
         self.port = 0
+        self.service: RouterService | None = None  # set at start
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
         self._mirror_task: asyncio.Task[None] | None = None
@@ -348,9 +359,9 @@ class RouterApp:
                     log.warning("worker pods not listed yet; no traffic until they are")
         server = grpc.aio.server()
         self.port = bind(server, cfg.host, cfg.port)
-        router_pb2_grpc.add_RouterServicer_to_server(
-            RouterService(cfg, self.decider, self.mirror, self.registry, self.channels,
-                          self.metrics, self._tok), server)
+        self.service = RouterService(cfg, self.decider, self.mirror, self.registry,
+                                     self.channels, self.metrics, self._tok)
+        router_pb2_grpc.add_RouterServicer_to_server(self.service, server)
         self._health = add_standard_services(server, [SERVICE])
         await server.start()
         self._server = server

@@ -25,3 +25,14 @@ def test_bad_env_value_is_a_clear_error() -> None:
 def test_from_env_with_overrides() -> None:
     cfg = from_env(AgentConfig, {"KVROUTE_CAPACITY_BLOCKS": "10"}, worker_id="w")
     assert (cfg.capacity_blocks, cfg.worker_id, cfg.port) == (10, "w", 50061)
+
+
+def test_coalescing_window_and_wait_are_checked() -> None:
+    assert RouterConfig().predict_ttl_s == 0.01  # coalescing is on by default
+    assert RouterConfig(predict_ttl_s=0).predict_ttl_s == 0  # off
+    for kw, flag in (({"predict_ttl_s": -1.0}, "--predict-ttl-s"),
+                     ({"predict_ttl_s": float("nan")}, "--predict-ttl-s"),
+                     ({"coalesce_wait_s": 0.0}, "--coalesce-wait-s"),
+                     ({"coalesce_wait_s": float("inf")}, "--coalesce-wait-s")):
+        with pytest.raises(SystemExit, match=flag):
+            RouterConfig(**kw)

@@ -214,7 +214,6 @@ async def test_a_sibling_routed_on_a_prediction_waits_for_that_prefill(cluster) 
                    what="prediction placed")
     predicted = next(w for w in router.registry.loads if router.mirror.index.predicted(w))
     sibling = await generate(router.port, shared + prompt(32, 52), max_tokens=2)
-    assert first.done()  # the sibling's stream could end only after the first's first token
     out = await first
     assert sibling[0].worker_id == out[0].worker_id == predicted
     assert sibling[-1].usage.cached_tokens >= 4096  # the engine's own hit, not a prediction
@@ -225,6 +224,8 @@ async def test_a_sibling_routed_on_a_prediction_waits_for_that_prefill(cluster) 
     again = await generate(router.port, shared + prompt(32, 53), max_tokens=2)
     assert again[0].worker_id == predicted
     assert router.metrics.coalesced._value.get() == 1  # really cached: nothing to wait for
+    assert len(router.service._inflight) == 0  # every request's entry is gone with it
+    assert router.registry.loads[predicted].inflight == 0  # the hold's load released too
 
 
 async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster) -> None:
@@ -243,6 +244,7 @@ async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster) -> Non
     assert sibling[0].worker_id == out[0].worker_id
     assert router.metrics.coalesced._value.get() == 1
     assert 0.3 <= router.metrics.coalesce_wait._sum.get() < 1.5
+    assert len(router.service._inflight) == 0
 
 
 async def test_router_replicas_share_one_view(cluster) -> None:

@@ -180,6 +180,7 @@ def test_vllm_worker_renders_prefix_caching_and_kv_events(rendered: dict[str, st
     args = vllm["args"]
     assert args[0] == "Qwen/Qwen2.5-7B-Instruct" and vllm["command"] == ["vllm", "serve"]
     assert "--enable-prefix-caching" in args
+    assert "--max-num-batched-tokens" not in args  # unset: vLLM's own GPU-dependent default
     kv = json.loads(flag(args, "--kv-events-config"))
     assert kv["enable_kv_cache_events"] is True and kv["publisher"] == "zmq"
     assert kv["endpoint"] == "tcp://*:5557" and kv["replay_endpoint"] == "tcp://*:5558"
@@ -196,6 +197,7 @@ def test_vllm_worker_renders_prefix_caching_and_kv_events(rendered: dict[str, st
     assert ns.vllm_events == "tcp://127.0.0.1:5557"
     assert ns.vllm_replay == "tcp://127.0.0.1:5558"
     assert ns.vllm_topic == kv["topic"]
+    assert ns.max_batched_tokens == 0  # not told: routers assume their default
     cfg = from_env(AgentConfig, env)
     # The one block size is rendered into both vLLM and kvroute.
     assert cfg.block_size == int(flag(args, "--block-size")) == 16

@@ -87,7 +87,10 @@ class KvrouteCost:
       term charges that delay (``b_w`` requests times this request's prefill there). A queue
       longer than one iteration is admitted ahead of the request and is not delayed, so the
       term is off there: charged on every queue, it pushed requests off their caches under
-      overload (Mooncake trace at 80%: 10.2 s mean TTFT instead of 6.9 s). With it, mean TTFT
+      overload (Mooncake trace at 80%: 10.2 s mean TTFT instead of 6.9 s). (An engine that
+      chunks prefills, as vLLM V1 does, still puts the first ``budget - pending`` tokens of
+      such a prompt in the queue's iteration; the simulator does not chunk, so the all-or-
+      nothing gate is what was measured.) With it, mean TTFT
       fell 5-6% on fork traffic at 50-80% load and 5% on agent at 80%, and p99 1-3% on chat,
       at the same hit ratios (seed 1; on seed 2, agent at 65-80% 2-8% lower mean); it rose 2%
       on agent at 65%, and on the Mooncake trace at 80% by 6% (p99 23%), still half llm-d's.
@@ -125,8 +128,9 @@ class KvrouteCost:
         batch_weight: weight of the delay this request's prefill adds to each request
             queued with it within one iteration (1.5).
         batch_tokens: the engines' prefill budget per iteration where a worker does not
-            report one (8192: vLLM V1's default ``max_num_batched_tokens`` for its API
-            server).
+            report one (8192; vLLM V1 defaults its API server's ``max_num_batched_tokens``
+            to 8192 on large GPUs and 2048 on smaller ones: give agents
+            ``--max-batched-tokens``).
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes

@@ -63,7 +63,8 @@ class EngineLoad:
     max_running: int = 0
     """Most sequences the engine runs at once (0: unknown)."""
     max_batched_tokens: int = 0
-    """Most prompt tokens prefilled in one iteration (0: unknown or unbounded)."""
+    """Most prompt tokens prefilled in one iteration (0: not reported; routers then assume
+    their policy's ``batch_tokens``)."""
 
 
 @dataclass(frozen=True, slots=True)
