@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -135,6 +136,7 @@ class Replayer:
         # Program id -> where each branch (by arrival order) runs, after which prefill.
         placed: dict[str, list[tuple[SimWorker, SimRequest]]] = {}
         inflight: InflightPrefixes[SimRequest] = InflightPrefixes()
+        producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
         for n, (req, treq) in enumerate(zip(reqs, self.trace.requests, strict=True)):
@@ -153,6 +155,9 @@ class Replayer:
             ttl = self.spec.predict_ttl_s
             if ttl > 0:
                 index.expire(now)
+                # As the router drops a request at its first token (bounded memory).
+                while producers and producers[0].first_token_s <= now:
+                    inflight.drop(producers.popleft())
             loads = {w.name: w.load(index.count(w.name), now) for w in self.workers}
             d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
                              treq.affinity)
@@ -203,6 +208,7 @@ class Replayer:
                 # burst's later members wait for its first member, not for each other.
                 index.predict(chosen.name, req.keys, now + ttl)
                 inflight.add(req, chosen.name, req.keys)
+                producers.append(req)
             if now >= next_sample:
                 samples.append((now, [lw.inflight for lw in loads.values()]))
                 next_sample = now + self._sample_every

@@ -162,15 +162,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
             else None
         weights = seg.weights() if seg is not None else []
         predicting = self._cfg.predict_ttl_s > 0 and self._mirror.available and bool(d.keys)
-        if predicting:
-            await self._await_producer(d, rid)
-        for attempt, cand in enumerate(d.ranked[:_MAX_ATTEMPTS]):
+        waited = predicting and await self._await_producer(d, rid)
+        sent = 0
+        for cand in d.ranked[:_MAX_ATTEMPTS]:
             w = cand.worker
             info = self._registry.get(w)
-            if info is None:
-                continue
-            if attempt:
-                self._m.retries.inc()
+            if info is None or (waited and w not in self._registry.loads):
+                continue  # gone, or marked down while this request waited (its producer's)
+            if sent:
+                self._m.retries.inc()  # a worker skipped above is not a retry
+            sent += 1
             overflow = self._place(fwd, seg, weights, w, d)
             self._m.overflow.inc(sum(len(o.children) for o in overflow))
             if overflow:
@@ -253,17 +254,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             "no worker could serve the request: " + "; ".join(errors))
 
-    async def _await_producer(self, d: Decision, rid: str) -> None:
+    async def _await_producer(self, d: Decision, rid: str) -> bool:
         """Coalescing: when the chosen worker matched the prompt's prefix only by a
         prediction, hold the request until the request that prediction stands for has its
         first token (its prefix is then stored), so it is prefilled once: an engine admits
         a queue in batches, and siblings admitted together each compute the whole prefix.
-        Gives up after ``coalesce_wait_s`` and sends it anyway."""
+        Gives up after ``coalesce_wait_s`` and sends it anyway. Returns whether it waited."""
         w = d.best
         stored = self._inflight.producer(self._mirror.index, w, d.keys,
                                          d.query.matched_blocks.get(w, 0))
         if stored is None or stored.is_set():
-            return
+            return False
         self._m.coalesced.inc()
         t0 = time.perf_counter()
         # A held request is load on its worker already (other decisions see it queued).
@@ -282,6 +283,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._registry.first_token(w, uncached)
             self._registry.end(w)
             self._m.coalesce_wait.observe(time.perf_counter() - t0)
+        return True
 
     def _release(self, stored: asyncio.Event) -> None:
         """This request's prefix is stored (first token) or it ended: wake its siblings."""

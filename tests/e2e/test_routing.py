@@ -247,6 +247,27 @@ async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster) -> Non
     assert len(router.service._inflight) == 0
 
 
+async def test_held_siblings_skip_the_worker_their_producer_failed_on(cluster) -> None:
+    """The worker running a burst's first request dies before its first token: the first
+    request is retried on the next-best worker, and the held sibling wakes at once and goes
+    straight to a live worker instead of trying the dead one first."""
+    agents = {f"w{i}": await cluster.agent(f"w{i}", time_scale=5.0) for i in range(3)}
+    router = await cluster.router(predict_ttl_s=5.0)
+    await wait_for(lambda: len(router.registry.loads) == 3, what="3 workers registered")
+    shared = prompt(4096, 70)
+    first = asyncio.create_task(generate(router.port, shared + prompt(32, 71), max_tokens=1))
+    await wait_for(lambda: any(router.mirror.index.predicted(w) for w in router.registry.loads),
+                   what="prediction placed")
+    doomed = next(w for w in router.registry.loads if router.mirror.index.predicted(w))
+    sibling = asyncio.create_task(generate(router.port, shared + prompt(32, 72), max_tokens=1))
+    await wait_for(lambda: router.metrics.coalesced._value.get() == 1, what="sibling held")
+    await agents[doomed].stop(grace_s=0)
+    out, sib = await first, await sibling
+    assert out[0].worker_id != doomed and sib[0].worker_id != doomed
+    assert router.metrics.retries._value.get() == 1  # the first request's retry only
+    assert len(router.service._inflight) == 0
+
+
 async def test_router_replicas_share_one_view(cluster) -> None:
     """Two router replicas on one Redis: a prefix cached through one is routed to by the
     other, and both count the same workers and blocks."""
