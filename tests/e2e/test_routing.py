@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+from typing import Any
 
 import grpc
 import pytest
@@ -199,20 +200,31 @@ async def test_predicted_entries_keep_a_burst_together(cluster) -> None:
     assert (await first)[0].worker_id == predicted
 
 
+async def start_burst(cluster, workers: int, time_scale: float, seed: int, max_tokens: int,
+                      **router_kw: Any) -> tuple[Any, dict[str, Any], list[int],
+                                             asyncio.Task[list[object]], str]:
+    """Agents with a visible prefill, a router predicting for 5 s, and a burst's first
+    request (a 4096-token shared prefix) in flight: returns the router, the agents, the
+    shared prefix, the first request's task and the worker its prediction names."""
+    agents = {f"w{i}": await cluster.agent(f"w{i}", time_scale=time_scale)
+              for i in range(workers)}
+    router = await cluster.router(predict_ttl_s=5.0, **router_kw)
+    await wait_for(lambda: len(router.registry.loads) == workers, what="workers registered")
+    shared = prompt(4096, seed)
+    first = asyncio.create_task(generate(router.port, shared + prompt(32, seed + 1),
+                                         max_tokens=max_tokens))
+    await wait_for(lambda: any(router.mirror.index.predicted(w) for w in router.registry.loads),
+                   what="prediction placed")
+    predicted = next(w for w in router.registry.loads if router.mirror.index.predicted(w))
+    return router, agents, shared, first, predicted
+
+
 async def test_a_sibling_routed_on_a_prediction_waits_for_that_prefill(cluster) -> None:
     """Coalescing: a sibling sent while the first request's prefill is in flight goes where
     the first went, is held by the router until the first's first token (the prefix is then
     stored), and is served from the cache; a request whose prefix is really cached is not
     held."""
-    for i in range(3):
-        await cluster.agent(f"w{i}", time_scale=0.5)  # a visible prefill
-    router = await cluster.router(predict_ttl_s=5.0)
-    await wait_for(lambda: len(router.registry.loads) == 3, what="3 workers registered")
-    shared = prompt(4096, 50)
-    first = asyncio.create_task(generate(router.port, shared + prompt(32, 51), max_tokens=2))
-    await wait_for(lambda: any(router.mirror.index.predicted(w) for w in router.registry.loads),
-                   what="prediction placed")
-    predicted = next(w for w in router.registry.loads if router.mirror.index.predicted(w))
+    router, _, shared, first, predicted = await start_burst(cluster, 3, 0.5, 50, 2)
     sibling = await generate(router.port, shared + prompt(32, 52), max_tokens=2)
     out = await first
     assert sibling[0].worker_id == out[0].worker_id == predicted
@@ -231,14 +243,8 @@ async def test_a_sibling_routed_on_a_prediction_waits_for_that_prefill(cluster) 
 async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster) -> None:
     """A sibling held for an in-flight prefill that takes longer than --coalesce-wait-s is
     sent after that wait, not lost, and the wait is what the metric reports."""
-    for i in range(2):
-        await cluster.agent(f"w{i}", time_scale=5.0)  # a 4k-token prefill takes ~2 s
-    router = await cluster.router(predict_ttl_s=5.0, coalesce_wait_s=0.3)
-    await wait_for(lambda: len(router.registry.loads) == 2, what="2 workers registered")
-    shared = prompt(4096, 60)
-    first = asyncio.create_task(generate(router.port, shared + prompt(32, 61), max_tokens=1))
-    await wait_for(lambda: any(router.mirror.index.predicted(w) for w in router.registry.loads),
-                   what="prediction placed")
+    # A 4k-token prefill takes ~2 s at time scale 5.
+    router, _, shared, first, _ = await start_burst(cluster, 2, 5.0, 60, 1, coalesce_wait_s=0.3)
     sibling = await generate(router.port, shared + prompt(32, 62), max_tokens=1)
     out = await first
     assert sibling[0].worker_id == out[0].worker_id
@@ -251,14 +257,7 @@ async def test_held_siblings_skip_the_worker_their_producer_failed_on(cluster) -
     """The worker running a burst's first request dies before its first token: the first
     request is retried on the next-best worker, and the held sibling wakes at once and goes
     straight to a live worker instead of trying the dead one first."""
-    agents = {f"w{i}": await cluster.agent(f"w{i}", time_scale=5.0) for i in range(3)}
-    router = await cluster.router(predict_ttl_s=5.0)
-    await wait_for(lambda: len(router.registry.loads) == 3, what="3 workers registered")
-    shared = prompt(4096, 70)
-    first = asyncio.create_task(generate(router.port, shared + prompt(32, 71), max_tokens=1))
-    await wait_for(lambda: any(router.mirror.index.predicted(w) for w in router.registry.loads),
-                   what="prediction placed")
-    doomed = next(w for w in router.registry.loads if router.mirror.index.predicted(w))
+    router, agents, shared, first, doomed = await start_burst(cluster, 3, 5.0, 70, 1)
     sibling = asyncio.create_task(generate(router.port, shared + prompt(32, 72), max_tokens=1))
     await wait_for(lambda: router.metrics.coalesced._value.get() == 1, what="sibling held")
     await agents[doomed].stop(grace_s=0)
