@@ -67,6 +67,12 @@ class SimRequest:
     received_tokens: int = 0  # of its prefix, fetched from another worker before admission
 
 
+def _held(r: SimRequest, now: float) -> bool:
+    """Whether ``r`` still waits, at ``now``, for the first token of the request it follows
+    (``nan``: that one is not even admitted yet, and compares false)."""
+    return r.after is not None and not r.after.first_token_s <= now
+
+
 class SimWorker:
     def __init__(self, name: str, capacity_blocks: int, block_size: int, cost: CostModel,
                  sink: EventSink, *, max_batch: int = 256, prefill_budget: int = 16384) -> None:
@@ -134,10 +140,7 @@ class SimWorker:
         self.pending_prefill += req.routed_uncached
         if not self.waiting and not self.running:
             self.t = max(self.t, now)
-        if req.after is not None and not req.after.first_token_s <= now:
-            self.held.append(req)  # nan (parent not admitted yet) compares false: held
-        else:
-            self.waiting.append(req)
+        (self.held if _held(req, now) else self.waiting).append(req)
 
     def receive(self, keys: tuple[int, ...], now: float) -> int:
         """Cache the KV of ``keys`` (a prompt's leading block keys) fetched from another
@@ -163,9 +166,9 @@ class SimWorker:
             if not self.waiting and not self.running:
                 # Only held requests: idle until the first is released (its parent's first
                 # token may come after that parent finished here, when a KV transfer it
-                # waited for ends late). nan (never) compares false: stop.
-                nxt = min((r.after.first_token_s for r in self.held  # type: ignore[union-attr]
-                           if not math.isnan(r.after.first_token_s)), default=math.inf)  # type: ignore[union-attr]
+                # waited for ends late); none known yet: stop.
+                parents = [r.after.first_token_s for r in self.held if r.after is not None]
+                nxt = min((t for t in parents if not math.isnan(t)), default=math.inf)
                 if not nxt < until:
                     break
                 self.t = max(self.t, nxt)
@@ -222,10 +225,7 @@ class SimWorker:
         order they were held."""
         still = []
         for r in self.held:
-            if r.after.first_token_s <= now:  # type: ignore[union-attr]
-                self.waiting.append(r)
-            else:
-                still.append(r)
+            (still if _held(r, now) else self.waiting).append(r)
         self.held = still
 
     def _decode_stretch(self, until: float) -> None:

@@ -204,8 +204,9 @@ class Replayer:
                     held = True
             chosen.submit(req, now)
             if ttl > 0 and not held:
-                # As the router: a held request predicts nothing until it is sent, so a
-                # burst's later members wait for its first member, not for each other.
+                # As the router: a held request is no burst member's producer (the router
+                # adds it only once sent, when the prefix is stored), so a burst's later
+                # members wait for its first member, not for each other.
                 index.predict(chosen.name, req.keys, now + ttl)
                 inflight.add(req, chosen.name, req.keys)
                 producers.append(req)

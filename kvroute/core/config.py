@@ -59,6 +59,13 @@ class RouterConfig(CommonConfig):
                                "prefills it once (0 = off; see README)")
     coalesce_wait_s: float = opt(30.0, "longest a request waits for the in-flight prefill a "
                                  "prediction stands for before it is sent anyway")
+    program_overflow: bool = opt(True, "split a controller program's fork across workers "
+                                 "when the chosen one cannot run all its branches now")
+    discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
+    k8s_namespace: str = opt("", "kubernetes discovery: namespace (default: the pod's own)")
+    k8s_selector: str = opt("app.kubernetes.io/component=worker",
+                            "kubernetes discovery: label selector of worker pods")
+    k8s_port: int = opt(50061, "kubernetes discovery: agent gRPC port on worker pods")
 
     def __post_init__(self) -> None:
         # A negative or NaN window or wait would silently turn coalescing into a no-op that
@@ -68,13 +75,6 @@ class RouterConfig(CommonConfig):
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
                 need = "> 0" if positive else ">= 0"
                 raise SystemExit(f"{_flag(name)} must be a finite number {need}, got {v!r}")
-    program_overflow: bool = opt(True, "split a controller program's fork across workers "
-                                 "when the chosen one cannot run all its branches now")
-    discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
-    k8s_namespace: str = opt("", "kubernetes discovery: namespace (default: the pod's own)")
-    k8s_selector: str = opt("app.kubernetes.io/component=worker",
-                            "kubernetes discovery: label selector of worker pods")
-    k8s_port: int = opt(50061, "kubernetes discovery: agent gRPC port on worker pods")
 
 
 @dataclass(frozen=True)

@@ -240,7 +240,7 @@ async def test_a_sibling_routed_on_a_prediction_waits_for_that_prefill(cluster) 
     assert router.registry.loads[predicted].inflight == 0  # the hold's load released too
 
 
-async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster) -> None:
+async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster, caplog) -> None:
     """A sibling held for an in-flight prefill that takes longer than --coalesce-wait-s is
     sent after that wait, not lost, and the wait is what the metric reports."""
     # A 4k-token prefill takes ~2 s at time scale 5.
@@ -249,7 +249,8 @@ async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster) -> Non
     out = await first
     assert sibling[0].worker_id == out[0].worker_id
     assert router.metrics.coalesced._value.get() == 1
-    assert 0.3 <= router.metrics.coalesce_wait._sum.get() < 1.5
+    assert router.metrics.coalesce_wait._sum.get() >= 0.3  # it did wait that long
+    assert any("sending anyway" in r.getMessage() for r in caplog.records)  # then gave up
     assert len(router.service._inflight) == 0
 
 

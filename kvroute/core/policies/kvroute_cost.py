@@ -90,10 +90,10 @@ class KvrouteCost:
       overload (Mooncake trace at 80%: 10.2 s mean TTFT instead of 6.9 s). (An engine that
       chunks prefills, as vLLM V1 does, still puts the first ``budget - pending`` tokens of
       such a prompt in the queue's iteration; the simulator does not chunk, so the all-or-
-      nothing gate is what was measured.) With it, mean TTFT
-      fell 5-6% on fork traffic at 50-80% load and 5% on agent at 80%, and p99 1-3% on chat,
-      at the same hit ratios (seed 1; on seed 2, agent at 65-80% 2-8% lower mean); it rose 2%
-      on agent at 65%, and on the Mooncake trace at 80% by 6% (p99 23%), still half llm-d's.
+      nothing gate is what was measured.) With it, mean TTFT fell 5-6% on fork traffic at
+      50-80% load and 5% on agent at 80%, and p99 1-3% on chat, at the same hit ratios (seed
+      1; on seed 2, agent at 65-80% 2-8% lower mean); it rose 2% on agent at 65%, and on the
+      Mooncake trace at 80% by 6% (p99 23%), still half llm-d's.
     * The balance terms (``decode_weight``, ``kv``) move a request off its cache whenever a
       worker is cheaper by a hair, and each such move redoes the prefill of the prefix it
       leaves and costs token hits (0.3-0.8 points on chat and agent traffic, where a
@@ -200,7 +200,7 @@ class KvrouteCost:
                     n = p - c
                     own = beta * n * (1.0 + attn * (c + n / 2))
                     costs[w] -= max(0.0, own - fetched - beta * tc * (top - c))
-        if self.batch_weight > 0:
+        if self.batch_weight > 0 and mean_queued > 0:  # no queue, nobody to delay
             self._batch_delay(costs, cached, loads, p)
         if top and self.hold > 0:
             self._hold(costs, cached, top, loads, p, beta)
