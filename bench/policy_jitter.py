@@ -5,17 +5,19 @@ change in rate can move one policy's TTFT by 5-20%), so each load is replayed at
     python bench/policy_jitter.py TRACE [--policies kvroute,llmd,preble,chwbl] [--loads ...]
 
 Prints, per load (fraction of the cluster's capacity, as `kvroute replay --load`), every
-policy's mean TTFT / p99 TTFT (s) and hit ratio, best mean first.
+policy's mean TTFT / p99 TTFT (s) and hit ratio, best mean first, then who leads on each and
+at how many jitters (a lead that does not hold at every jitter is within noise). The same
+comparison as `kvroute replay --jitter` (``simulations/compare.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 from kvroute.core.config import PREDICT_TTL_S
 from simulations.cli import make_policies
-from simulations.metrics import capacity_rps, measure
+from simulations.compare import parse_jitters, replay_jittered, verdicts
+from simulations.metrics import PolicyMetrics, capacity_rps, measure
 from simulations.replay import ClusterSpec, Replayer
 from simulations.trace import load
 
@@ -26,6 +28,9 @@ def main() -> None:
     ap.add_argument("--policies", default="kvroute,llmd,preble,chwbl,dynamo,mooncake")
     ap.add_argument("--loads", default="0.5,0.65,0.8,0.95")
     ap.add_argument("--jitters", default="0.98,1.0,1.02")
+    ap.add_argument("--focus", default=None,
+                    help="compare this policy with the best of the others (default: the "
+                         "first of --policies)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
                     help="the router predicts a routed prompt's blocks this long and coalesces "
@@ -39,20 +44,20 @@ def main() -> None:
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
                        predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs)
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
-    names = args.policies.split(",")
-    factories = dict(zip(names, make_policies(args.policies, 0), strict=True))
+    factories = make_policies(args.policies, 0)
+    jitters = parse_jitters(args.jitters)
     for ld in map(float, args.loads.split(",")):
-        runs: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
-        for j in map(float, args.jitters.split(",")):
-            scaled = trace.scaled(ld * j * capacity / base)
-            for n in names:
-                m = measure(Replayer(scaled, factories[n](), spec).run())
-                runs[n].append((m.ttft_mean_s, m.ttft_p99_s, m.hit_ratio))
-        rows = sorted((statistics.mean(r[0] for r in rs), statistics.mean(r[1] for r in rs),
-                       statistics.mean(r[2] for r in rs), n) for n, rs in runs.items())
-        print(f"load {ld:.0%}: " + "; ".join(f"{n} {m:.4g}/{p:.4g} ({h:.2%})"
-                                          for m, p, h, n in rows), flush=True)
+        def at(factor: float, ld: float = ld) -> list[PolicyMetrics]:
+            scaled = trace.scaled(ld * factor * capacity / base)
+            return [measure(Replayer(scaled, make(), spec).run()) for make in factories]
 
+        runs = replay_jittered(jitters, at)
+        rows = sorted((j.mean() for j in runs), key=lambda m: m.ttft_mean_s)
+        print(f"load {ld:.0%}: " + "; ".join(
+            f"{m.policy} {m.ttft_mean_s:.4g}/{m.ttft_p99_s:.4g} ({m.hit_ratio:.2%})"
+            for m in rows), flush=True)
+        for v in verdicts(runs, focus=args.focus or runs[0].policy):
+            print(f"  {v}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvroute.core.config import PREDICT_TTL_S
 from kvroute.core.policies import REGISTRY, Policy
+from simulations.compare import Jittered, parse_jitters, replay_jittered, verdicts
 from simulations.costmodel import CostModel
 from simulations.metrics import (
     PolicyMetrics,
@@ -66,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="write results.json, results.csv and PNG plots here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--jitter", default=None, metavar="F,F,...",
+                   help="replay each policy at these factors of the rate (e.g. 0.98,1,1.02), "
+                        "report the averages, and say whether each lead holds at every "
+                        "factor or is within noise (single replays are chaotic)")
 
 
 def make_policies(names: str, seed: int) -> list[Callable[[], Policy]]:
@@ -136,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
         trace = trace.tiled(args.tile)
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
+    try:
+        jitters = parse_jitters(args.jitter) if args.jitter is not None else ()
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     cost = CostModel()
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
@@ -163,32 +172,61 @@ def run(args: argparse.Namespace) -> int:
         return trace.scaled(scale) if scale != 1.0 else trace
 
     progress = not args.no_progress and sys.stderr.isatty()
+
+    def compare(scale: float) -> tuple[list[ReplayResult], list[PolicyMetrics],
+                                       list[Jittered]]:
+        """Every policy at ``scale``; with --jitter, at each factor of it (the results kept
+        for the plots are those nearest the nominal rate)."""
+        if not jitters:
+            results, rows = replay_all(at(scale), factories, spec, progress)
+            return results, rows, []
+        kept: dict[float, list[ReplayResult]] = {}
+
+        def one(factor: float) -> list[PolicyMetrics]:
+            print(f"  jitter x{factor:g}", flush=True)
+            kept[factor], rows = replay_all(at(scale * factor), factories, spec, progress)
+            return rows
+
+        runs = replay_jittered(jitters, one)
+        nominal = min(kept, key=lambda f: abs(f - 1.0))
+        return kept[nominal], [j.mean() for j in runs], runs
+
+    def report(rows: list[PolicyMetrics], runs: list[Jittered]) -> None:
+        print(table(rows, bounds), flush=True)
+        if runs:
+            print(f"averaged over rate jitters {', '.join(f'x{j:g}' for j in jitters)}")
+            for v in verdicts(runs):
+                print(f"  {v}")
+
     if args.sweep:
         sweep: dict[float, list[PolicyMetrics]] = {}
+        sweep_runs: dict[float, list[Jittered]] = {}
         for ld in SWEEP_LOADS:
             scale = ld * capacity / base_rps
             print(f"\n== load {ld:.0%} of capacity (rate x{scale:.2f})", flush=True)
-            _, rows = replay_all(at(scale), factories, spec, progress)
-            print(table(rows, bounds), flush=True)
-            sweep[ld] = rows
+            _, rows, runs = compare(scale)
+            report(rows, runs)
+            sweep[ld], sweep_runs[ld] = rows, runs
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             for ld, rows in sweep.items():
                 write_results(args.out / f"load_{int(ld * 100)}", rows, bounds,
-                              {"load": ld, "rate_scale": ld * capacity / base_rps})
+                              {"load": ld, "rate_scale": ld * capacity / base_rps,
+                               "jitters": list(jitters)}, sweep_runs[ld])
             print(f"wrote {plot_sweep(args.out, sweep)}")
         return 0
     scale = args.load * capacity / base_rps if args.load is not None else args.rate_scale
     load_frac = base_rps * scale / capacity
     print(f"replaying at rate x{scale:.2f} = {load_frac:.0%} of capacity", flush=True)
-    results, rows = replay_all(at(scale), factories, spec, progress)
-    print(table(rows, bounds))
+    results, rows, runs = compare(scale)
+    report(rows, runs)
     print("wall time per policy: " + ", ".join(f"{r.policy} {r.wall_s:.1f}s" for r in rows))
     if args.out:
         write_results(args.out, rows, bounds, {
             "trace": trace.source, "requests": len(trace.requests), "workers": args.workers,
             "capacity_blocks": cap, "rate_scale": scale, "load": load_frac,
-            "propagation_ms": args.propagation_ms, "seed": args.seed})
+            "propagation_ms": args.propagation_ms, "seed": args.seed,
+            "jitters": list(jitters)}, runs)
         for path in plot_replay(args.out, results, rows, bounds):
             print(f"wrote {path}")
         print(f"wrote {args.out / 'results.json'}, {args.out / 'results.csv'}")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from simulations.compare import Jittered, verdicts
 from simulations.metrics import PolicyMetrics
 from simulations.replay import ReplayResult
 
@@ -32,9 +34,15 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
 
 
 def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, float],
-                  meta: dict[str, object]) -> None:
+                  meta: dict[str, object], runs: Sequence[Jittered] = ()) -> None:
+    """results.json and results.csv; with jittered ``runs``, ``rows`` are their averages
+    and results.json also holds each jitter's metrics and the verdicts."""
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"meta": meta, "bounds": bounds, "policies": [r.row() for r in rows]}
+    doc: dict[str, object] = {"meta": meta, "bounds": bounds,
+                              "policies": [r.row() for r in rows]}
+    if runs:
+        doc["runs"] = {j.policy: [r.row() for r in j.runs] for j in runs}
+        doc["verdicts"] = [asdict(v) | {"consistent": v.consistent} for v in verdicts(runs)]
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=[*rows[0].row(), "rate_scale", "load"])

@@ -1,0 +1,123 @@
+"""Comparing policies robustly: each replayed at small jitters of the offered rate, their
+metrics averaged, and each lead checked for consistency across the jitters.
+
+Single replays are chaotic: a 1% change of rate can move one policy's TTFT by 5-20%, as one
+unlucky collision of long prefills lands in a different place. A lead that holds at every
+jitter is a property of the policies; one that flips between jitters is noise, and the verdict
+says so instead of crowning a winner by a coin toss.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+
+from simulations.metrics import PolicyMetrics
+
+DEFAULT_JITTERS = (0.98, 1.0, 1.02)
+
+# The metrics a verdict is given on: field, label, whether higher is better.
+CRITERIA: tuple[tuple[str, str, bool], ...] = (
+    ("ttft_mean_s", "mean TTFT", False),
+    ("ttft_p99_s", "p99 TTFT", False),
+    ("hit_ratio", "hit ratio", True),
+)
+
+
+def parse_jitters(text: str) -> tuple[float, ...]:
+    """``"0.98,1,1.02"`` -> the rate factors; ValueError says what is wrong."""
+    try:
+        out = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--jitter takes comma-separated rate factors, got {text!r}") from None
+    if not out:
+        raise ValueError("--jitter needs at least one rate factor")
+    if any(not 0.5 <= j <= 2.0 for j in out):
+        raise ValueError(f"--jitter factors must lie in [0.5, 2] (they scale the rate), got "
+                         f"{text!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"--jitter factors must differ, got {text!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Jittered:
+    """One policy's replays at each jitter of the rate, in jitter order."""
+
+    policy: str
+    runs: tuple[PolicyMetrics, ...]
+
+    def mean(self) -> PolicyMetrics:
+        """Every numeric metric averaged over the jitters (wall time summed)."""
+        avg = {f.name: statistics.mean(getattr(r, f.name) for r in self.runs)
+               for f in fields(PolicyMetrics) if f.name not in ("policy", "requests")}
+        avg["wall_s"] = sum(r.wall_s for r in self.runs)
+        return replace(self.runs[0], **avg)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Who leads on one metric, by how much on average, and at how many jitters."""
+
+    metric: str
+    leader: str
+    value: float
+    runner_up: str
+    lead: float  # relative to the runner-up's average (hit ratio: in points)
+    ahead_in: int  # jitters at which the leader beats the runner-up
+    jitters: int
+
+    @property
+    def consistent(self) -> bool:
+        return self.ahead_in == self.jitters
+
+    def __str__(self) -> str:
+        unit = "points" if self.metric == "hit ratio" else "%"
+        size = f"{self.lead * 100:.2f} {unit}" if unit == "points" else f"{self.lead:.1%}"
+        value = f"{self.value:.2%}" if self.metric == "hit ratio" else f"{self.value:.4g} s"
+        word = "above" if self.metric == "hit ratio" else "below"
+        tail = "" if self.consistent else " (within noise)"
+        return (f"{self.metric}: {self.leader} {value}, {size} {word} {self.runner_up}; "
+                f"ahead at {self.ahead_in}/{self.jitters} jitters{tail}")
+
+
+def verdicts(rows: Sequence[Jittered], focus: str | None = None) -> list[Verdict]:
+    """Who leads on each of :data:`CRITERIA` by its jitter average, and at how many jitters
+    the leader is strictly better. The pair compared is the best two policies, or with
+    ``focus``, that policy and the best of the others. Needs two policies."""
+    if len(rows) < 2:
+        return []
+    mine = next((j for j in rows if j.policy == focus), None)
+    if focus is not None and mine is None:
+        raise ValueError(f"no policy {focus!r} among {', '.join(j.policy for j in rows)}")
+    out = []
+    for name, label, higher in CRITERIA:
+        sign = -1.0 if higher else 1.0
+
+        def key(j: Jittered, name: str = name, sign: float = sign) -> float:
+            return sign * statistics.mean(getattr(r, name) for r in j.runs)
+
+        if mine is None:
+            first, second = sorted(rows, key=key)[:2]
+        else:
+            first, second = sorted((mine, min((j for j in rows if j is not mine), key=key)),
+                                   key=key)
+        a, b = sign * key(first), sign * key(second)
+        lead = (a - b) if higher else ((b - a) / b if b else 0.0)
+        ahead = sum(sign * getattr(x, name) < sign * getattr(y, name)
+                    for x, y in zip(first.runs, second.runs, strict=True))
+        out.append(Verdict(label, first.policy, a, second.policy, lead, ahead,
+                           len(first.runs)))
+    return out
+
+
+def replay_jittered(jitters: Sequence[float],
+                    replay: Callable[[float], Sequence[PolicyMetrics]]) -> list[Jittered]:
+    """``replay(factor)`` replays every policy at ``factor`` x the chosen rate; the runs are
+    gathered per policy, in the order the first replay returned them."""
+    per: dict[str, list[PolicyMetrics]] = {}
+    for j in jitters:
+        for m in replay(j):
+            per.setdefault(m.policy, []).append(m)
+    return [Jittered(name, tuple(runs)) for name, runs in per.items()]

@@ -1,0 +1,96 @@
+"""``kvroute replay`` as users run it: a real subprocess, its files, its errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simulations.generators import generate, write_jsonl
+
+
+def replay(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvroute", "replay", *map(str, args),
+                           "--no-progress"], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("trace") / "chat.jsonl"
+    write_jsonl(generate("chat", 240, 20.0, seed=4), path)
+    return path
+
+
+def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    ran = replay(chat, "--workers", "4", "--policies", "kvroute,round_robin", "--load", "0.8",
+                 "--out", out)
+    assert ran.returncode == 0, ran.stderr
+    assert "replaying at rate x" in ran.stdout and "= 80% of capacity" in ran.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert {p["policy"] for p in doc["policies"]} == {"kvroute", "round_robin"}
+    assert doc["meta"]["load"] == pytest.approx(0.8) and doc["meta"]["jitters"] == []
+    assert "runs" not in doc and "verdicts" not in doc
+    inf = doc["bounds"]["infinite cache"]
+    for p in doc["policies"]:
+        assert p["requests"] == 240 and 0 < p["hit_ratio"] <= inf
+        assert p["ttft_p50_s"] <= p["ttft_p99_s"]
+    with (out / "results.csv").open() as f:
+        assert [r["policy"] for r in csv.DictReader(f)] == [p["policy"] for p in doc["policies"]]
+    for png in ("ttft_cdf.png", "hit_ratio.png", "load_over_time.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Deterministic: the same replay gives the same figures (wall time aside).
+    again = replay(chat, "--workers", "4", "--policies", "kvroute,round_robin", "--load",
+                   "0.8", "--out", tmp_path / "again")
+    assert again.returncode == 0, again.stderr
+    doc2 = json.loads((tmp_path / "again" / "results.json").read_text())
+    strip = [{k: v for k, v in p.items() if k != "wall_s"} for p in doc["policies"]]
+    assert strip == [{k: v for k, v in p.items() if k != "wall_s"} for p in doc2["policies"]]
+
+
+def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    ran = replay(chat, "--workers", "4", "--policies", "kvroute,round_robin,llmd", "--load",
+                 "0.8", "--jitter", "0.97,1,1.03", "--out", out)
+    assert ran.returncode == 0, ran.stderr
+    assert "averaged over rate jitters x0.97, x1, x1.03" in ran.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["jitters"] == [0.97, 1.0, 1.03]
+    for p in doc["policies"]:
+        runs = doc["runs"][p["policy"]]
+        assert len(runs) == 3
+        for field in ("ttft_mean_s", "ttft_p99_s", "hit_ratio"):
+            assert p[field] == pytest.approx(sum(r[field] for r in runs) / 3)
+        # Faster replays are different replays.
+        assert len({r["ttft_mean_s"] for r in runs}) > 1
+    verdicts = {v["metric"]: v for v in doc["verdicts"]}
+    assert set(verdicts) == {"mean TTFT", "p99 TTFT", "hit ratio"}
+    best = min(doc["policies"], key=lambda p: p["ttft_mean_s"])
+    mean = verdicts["mean TTFT"]
+    assert mean["leader"] == best["policy"] and mean["value"] == pytest.approx(best["ttft_mean_s"])
+    lead = doc["runs"][mean["leader"]]
+    behind = doc["runs"][mean["runner_up"]]
+    ahead = sum(a["ttft_mean_s"] < b["ttft_mean_s"] for a, b in zip(lead, behind, strict=True))
+    assert mean["ahead_in"] == ahead and mean["consistent"] == (ahead == 3)
+    line = next(ln for ln in ran.stdout.splitlines() if ln.strip().startswith("mean TTFT:"))
+    assert f"ahead at {ahead}/3 jitters" in line
+    assert ("within noise" in line) == (ahead < 3)
+
+
+def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> None:
+    ran = replay(chat, "--policies", "kvroute", "--jitter", "1,1")
+    assert ran.returncode != 0 and "--jitter factors must differ" in ran.stderr
+    ran = replay(chat, "--policies", "kvroute,nope")
+    assert ran.returncode != 0 and "unknown policy nope" in ran.stderr
+    bad = tmp_path / "bad.jsonl"
+    lines = chat.read_text().splitlines()
+    bad.write_text("\n".join([lines[0], "{broken", *lines[1:5]]) + "\n")
+    ran = replay(bad, "--policies", "kvroute", "--strict")
+    assert ran.returncode == 2 and f"{bad}:2:" in ran.stderr
+    ran = replay(bad, "--policies", "kvroute", "--workers", "2")
+    assert ran.returncode == 0, ran.stderr
+    assert "warning: skipped" in ran.stderr and ":2:" in ran.stderr
