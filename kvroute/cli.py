@@ -65,11 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "policies":
-        from kvroute.core.policies import REGISTRY
+        from kvroute.core.policies import REGISTRY, parameters
 
         for name, factory in sorted(REGISTRY.items()):
-            doc = (type(factory()).__doc__ or "").strip()
-            print(f"{name}\n    " + doc.replace("\n", "\n    ") + "\n")
+            policy = factory()
+            doc = (type(policy).__doc__ or "").strip()
+            params = ", ".join(f"{k}={v}" for k, v in parameters(policy).items())
+            print(f"{name}\n    " + doc.replace("\n", "\n    ")
+                  + f"\n\n    parameters (override as {name}:PARAM=VALUE): {params or 'none'}\n")
         return 0
     if args.command == "gen":
         from simulations.generators import run as run_gen

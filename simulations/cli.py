@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvroute.core.config import PREDICT_TTL_S
-from kvroute.core.policies import REGISTRY, Policy
+from kvroute.core.policies import REGISTRY, Policy, make_policy
 from simulations.compare import Jittered, parse_jitters, replay_jittered, verdicts
 from simulations.costmodel import CostModel
 from simulations.metrics import (
@@ -33,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks per worker (default: 480k tokens' worth, an A100-80GB "
                         "serving Llama-3.1-8B)")
     p.add_argument("--policies", default="all",
-                   help=f"comma-separated, or 'all': {', '.join(sorted(REGISTRY))}")
+                   help=f"comma-separated, or 'all': {', '.join(sorted(REGISTRY))}; each may "
+                        "override parameters, e.g. kvroute:hold=2:batch_weight=1 (`kvroute "
+                        "policies` lists them), to compare variants side by side")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate-scale", type=float, default=1.0,
                       help="replay this many times faster than recorded")
@@ -73,23 +76,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "factor or is within noise (single replays are chaotic)")
 
 
-def make_policies(names: str, seed: int) -> list[Callable[[], Policy]]:
-    chosen = sorted(REGISTRY) if names == "all" else [n.strip() for n in names.split(",")
-                                                        if n.strip()]
-    unknown = [n for n in chosen if n not in REGISTRY]
-    if unknown or not chosen:
-        raise SystemExit(f"unknown policy {', '.join(unknown) or '(none)'}; choose from: "
+def make_policies(specs: str, seed: int) -> list[Callable[[], Policy]]:
+    """A factory per comma-separated policy spec (``all``: every registered policy); each
+    spec is a registry name with optional overrides, ``kvroute:hold=2`` (see
+    :func:`kvroute.core.policies.make_policy`). Exits with the reason on a bad spec."""
+    chosen = sorted(REGISTRY) if specs == "all" else [n.strip() for n in specs.split(",")
+                                                      if n.strip()]
+    if not chosen:
+        raise SystemExit(f"--policies names no policy; choose from: "
                          f"{', '.join(sorted(REGISTRY))} or all")
-
-    def factory(name: str) -> Callable[[], Policy]:
-        def build() -> Policy:
-            try:
-                return REGISTRY[name](seed=seed)  # type: ignore[call-arg]
-            except TypeError:
-                return REGISTRY[name]()
-        return build
-
-    return [factory(n) for n in chosen]
+    names = []
+    for spec in chosen:
+        try:
+            names.append(make_policy(spec, seed).name)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--policies lists a policy twice: {specs}")
+    return [functools.partial(make_policy, spec, seed) for spec in chosen]
 
 
 def _progress(label: str, total: int, enabled: bool) -> tuple[Callable[[int], None],

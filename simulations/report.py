@@ -16,14 +16,15 @@ from simulations.replay import ReplayResult
 
 
 def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
-    head = (f"{'policy':<13} {'hit':>6} {'TTFT mean':>9} {'p50':>7} {'p99':>8} "
+    wide = max(13, *(len(r.policy) for r in rows))  # variants: kvroute:hold=2
+    head = (f"{'policy':<{wide}} {'hit':>6} {'TTFT mean':>9} {'p50':>7} {'p99':>8} "
             f"{'E2E mean':>8} {'p99':>8} {'req/s':>6} {'imbal':>6} {'wall':>6}")
     lines = [head, "-" * len(head)]
     best = min(r.ttft_mean_s for r in rows)
     for r in sorted(rows, key=lambda r: r.ttft_mean_s):
         mark = " *" if r.ttft_mean_s == best else ""
         lines.append(
-            f"{r.policy:<13} {r.hit_ratio:>6.1%} {r.ttft_mean_s:>8.2f}s {r.ttft_p50_s:>6.2f}s "
+            f"{r.policy:<{wide}} {r.hit_ratio:>6.1%} {r.ttft_mean_s:>8.2f}s {r.ttft_p50_s:>6.2f}s "
             f"{r.ttft_p99_s:>7.2f}s {r.e2e_mean_s:>7.2f}s {r.e2e_p99_s:>7.2f}s "
             f"{r.throughput_rps:>6.2f} {r.imbalance:>6.2f} {r.wall_s:>5.1f}s{mark}")
     lines.append("bounds on the hit ratio: " + ", ".join(

@@ -47,7 +47,9 @@ class CommonConfig:
 
 @dataclass(frozen=True)
 class RouterConfig(CommonConfig):
-    policy: str = opt("kvroute", "routing policy name (see `kvroute policies`)")
+    policy: str = opt("kvroute", "routing policy: a name from `kvroute policies`, optionally "
+                                 "with parameter overrides, e.g. kvroute:hold=2 (the spec "
+                                 "`kvroute replay --policies` compares)")
     workers: str = opt("", "static workers, comma-separated id=host:port (heartbeats add more)")
     tokenizer: str = opt("", "tokenizer for text prompts: '' (token ids only), byte or gpt2")
     poll_interval_s: float = opt(0.5, "seconds between heartbeat scans")

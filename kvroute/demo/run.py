@@ -28,7 +28,7 @@ from types import FrameType
 import grpc
 import redis.asyncio as aioredis
 
-from kvroute.core.policies import REGISTRY
+from kvroute.core.policies import REGISTRY, make_policy
 from kvroute.demo.procs import (
     Child,
     ChildError,
@@ -76,10 +76,12 @@ class DemoOptions:
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
         """Validate before anything starts; ValueError explains what is wrong."""
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-        unknown = [p for p in policies if p not in REGISTRY]
-        if not policies or unknown:
-            raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; "
-                             f"choose from: {', '.join(sorted(REGISTRY))}")
+        if not policies:
+            raise ValueError(f"--policies names no policy; choose from: "
+                             f"{', '.join(sorted(REGISTRY))}")
+        for p in policies:
+            make_policy(p)  # ValueError: an unknown name or a bad override
+
         if len(set(policies)) != len(policies):
             raise ValueError(f"--policies lists a policy twice: {args.policies}")
         if args.workers < 1 or args.concurrency < 1 or args.capacity_blocks < 1:

@@ -285,3 +285,22 @@ async def test_router_replicas_share_one_view(cluster) -> None:
     assert second[0].worker_id == w and second[0].cached_tokens >= 1536
     await wait_for(lambda: r1.mirror.index.keys_of(w) == r2.mirror.index.keys_of(w),
                    what="identical mirrors")
+
+
+async def test_policy_parameters_set_on_the_command_line_take_effect(cluster) -> None:
+    await cluster.agent("a")
+    await cluster.agent("b")
+    default = await cluster.router()
+    tuned = await cluster.router(policy="kvroute:miss_weight=4")
+    for r in (default, tuned):
+        await wait_for(lambda r=r: len(r.registry.loads) == 2, what="2 workers registered")
+    tokens = prompt(300, 77)
+    plain, doubled = await route(default.port, tokens), await route(tuned.port, tokens)
+    assert (plain.policy, doubled.policy) == ("kvroute", "kvroute:miss_weight=4")
+    # Idle workers, a cold prompt: every cost is the miss term (miss_weight x the prompt's
+    # prefill work) plus load terms both routers see alike; doubling the weight adds it again.
+    work = 300 * (1 + 3.3e-5 * 300 / 2)
+    costs = {c.worker_id: c.cost for c in plain.candidates}
+    assert {c.worker_id for c in doubled.candidates} == set(costs) == {"a", "b"}
+    for c in doubled.candidates:
+        assert c.cost - costs[c.worker_id] == pytest.approx(2.0 * work, rel=1e-6)

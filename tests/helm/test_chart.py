@@ -18,6 +18,7 @@ from redis.connection import parse_url
 
 from kvroute.cli import build_parser
 from kvroute.core.config import AgentConfig, RouterConfig, from_env
+from kvroute.core.policies import make_policy
 from tests.helm.chart import (
     CHART,
     CI_VALUES,
@@ -257,6 +258,14 @@ def test_agent_only_mode(rendered: dict[str, str]) -> None:
         assert env["KVROUTE_REDIS"] == "redis+cluster://redis-cluster.data.svc:6379"
 
 
+def test_router_policy_takes_a_spec_with_parameter_overrides(helm: Path) -> None:
+    m = Manifests.parse(template(helm, sets=("router.policy=kvroute:hold=2:batch_weight=1",)))
+    env = env_of(container(m.one("Deployment", "-router"), "router"))
+    assert env["KVROUTE_POLICY"] == "kvroute:hold=2:batch_weight=1"
+    policy = make_policy(env["KVROUTE_POLICY"])  # what the router builds at start
+    assert (policy.hold, policy.batch_weight) == (2.0, 1.0)
+
+
 def test_agent_only_sim_engine(helm: Path) -> None:
     m = Manifests.parse(template(helm, sets=("workers.mode=agentOnly",
                                              "workers.agent.engine=sim")))
@@ -381,6 +390,7 @@ def test_dashboards_ship_as_labelled_configmaps(rendered: dict[str, str]) -> Non
     (("router.replica=2",), "replica"),  # a typo is rejected, not ignored
     (("router.discovery=consul",), "discovery"),
     (("model.blockSize=0",), "blockSize"),
+    (("router.policy=kvroute:hold",), "policy"),
     (("workers.mode=sidecar",), "mode"),
     (("redis.mode=external",), "redis.mode=external needs redis.external.host"),
     (("workers.agent.engine=sim",), "workers.mode=vllm runs the vllm engine"),

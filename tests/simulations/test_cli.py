@@ -81,11 +81,27 @@ def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path)
     assert ("within noise" in line) == (ahead < 3)
 
 
+def test_variants_of_one_policy_replay_side_by_side(chat: Path, tmp_path: Path) -> None:
+    ran = replay(chat, "--workers", "4", "--policies", "kvroute,kvroute:miss_weight=0:hold=0",
+                 "--load", "0.9", "--out", tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "kvroute:miss_weight=0:hold=0 " in ran.stdout  # the table names the variant
+    rows = {p["policy"]: p for p in json.loads((tmp_path / "results.json").read_text())
+            ["policies"]}
+    assert set(rows) == {"kvroute", "kvroute:miss_weight=0:hold=0"}
+    # Without the miss term nothing draws a request to its cache.
+    assert rows["kvroute:miss_weight=0:hold=0"]["hit_ratio"] < rows["kvroute"]["hit_ratio"]
+
+
 def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> None:
     ran = replay(chat, "--policies", "kvroute", "--jitter", "1,1")
     assert ran.returncode != 0 and "--jitter factors must differ" in ran.stderr
     ran = replay(chat, "--policies", "kvroute,nope")
-    assert ran.returncode != 0 and "unknown policy nope" in ran.stderr
+    assert ran.returncode != 0 and "unknown policy 'nope'" in ran.stderr
+    ran = replay(chat, "--policies", "kvroute:hold=x")
+    assert ran.returncode != 0 and "hold takes a number, got 'x'" in ran.stderr
+    ran = replay(chat, "--policies", "kvroute, kvroute")
+    assert ran.returncode != 0 and "lists a policy twice" in ran.stderr
     bad = tmp_path / "bad.jsonl"
     lines = chat.read_text().splitlines()
     bad.write_text("\n".join([lines[0], "{broken", *lines[1:5]]) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from kvroute.core.policies.base import (
@@ -23,6 +24,7 @@ from kvroute.core.policies.peers import (
     SglangCacheAware,
 )
 from kvroute.core.policies.simple import LeastLoaded, RoundRobin
+from kvroute.core.policies.spec import parameters, parse_spec, with_params
 
 DEFAULT_POLICY = "kvroute"
 
@@ -44,14 +46,22 @@ REGISTRY: dict[str, Callable[[], Policy]] = {
 }
 
 
-def make_policy(name: str) -> Policy:
-    """A fresh policy object by registry name; ValueError names the choices."""
+def make_policy(spec: str, seed: int | None = None) -> Policy:
+    """A fresh policy from a spec: a registry name, optionally with parameter overrides
+    (``kvroute:hold=2``, see :mod:`~kvroute.core.policies.spec`). ``seed`` seeds a randomised
+    policy (those with a ``seed`` parameter) unless the spec sets it. ValueError names the
+    choices, or what is wrong with an override."""
+    name, params = parse_spec(spec)
     try:
-        return REGISTRY[name]()
+        factory = REGISTRY[name]
     except KeyError:
         raise ValueError(
             f"unknown policy {name!r}; choose one of: {', '.join(sorted(REGISTRY))}"
         ) from None
+    policy = factory()
+    if seed is not None and "seed" in parameters(policy):
+        policy = dataclasses.replace(policy, seed=seed)  # type: ignore[type-var]
+    return with_params(policy, params, spec)
 
 
 __all__ = [
@@ -72,6 +82,7 @@ __all__ = [
     "Scored",
     "SglangCacheAware",
     "make_policy",
+    "parameters",
     "rank_by_cost",
     "tie_break",
 ]

@@ -164,6 +164,17 @@ class KvrouteCost:
     transfer_cost: float = 1.0
     name: str = "kvroute"
 
+    def __post_init__(self) -> None:
+        # The ranges the formula assumes (parameters come from users: ``kvroute:hold=2``).
+        if not 0.0 <= self.hold_min <= 1.0:
+            raise ValueError(f"hold_min is a fraction of the prompt, in [0, 1]; got "
+                             f"{self.hold_min}")
+        if not 0.0 < self.transfer_cost <= 1.0:
+            raise ValueError(f"transfer_cost is a fetch's cost against a prefill's, in (0, 1] "
+                             f"(1: no transfers); got {self.transfer_cost}")
+        if self.batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be >= 1; got {self.batch_tokens}")
+
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         p = query.prompt_tokens
         bs = query.block_size

@@ -128,6 +128,11 @@ class ConsistentHashBoundedLoads:
     _ring_hashes: list[int] = field(default_factory=list, init=False, repr=False)
     _ring_workers: list[str] = field(default_factory=list, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.load_factor < 1.0 or self.replication < 1:
+            raise ValueError(f"load_factor must be >= 1 (a bound of mean load x c) and "
+                             f"replication >= 1; got {self.load_factor}, {self.replication}")
+
     def _ring(self, workers: tuple[str, ...]) -> None:
         if workers == self._ring_for:
             return
