@@ -114,7 +114,7 @@ def test_unknown_policy_fails_before_starting_anything() -> None:
     finally:
         _kill_session(proc)
     assert proc.returncode == 2
-    assert "unknown policy nope" in err
+    assert "unknown policy 'nope'" in err
 
 
 def test_serve_keeps_a_tiny_cluster_up_for_the_examples_until_interrupted() -> None:
