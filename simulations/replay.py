@@ -194,6 +194,10 @@ class Replayer:
                 chosen, req.after = branches.pop(0)
                 req.routed_uncached = req.prompt_tokens - d.cached_tokens(chosen.name)
                 placed[treq.program] = branches
+            # The policy's move: prefix it walked away from (its hits lost to balance).
+            q = d.query
+            req.passed_tokens = max(map(q.cached_tokens, q.matched_blocks), default=0) \
+                - q.cached_tokens(chosen.name)
             held = False
             if ttl > 0 and req.after is None:
                 # Routed there on a prediction: held until that prefill's first token.
