@@ -131,6 +131,12 @@ def replay_all(trace: Trace, factories: Sequence[Callable[[], Policy]], spec: Cl
 def run(args: argparse.Namespace) -> int:
     from simulations.report import plot_replay, plot_sweep, table, write_results
 
+    # Arguments first: a bad one should not wait for a large trace to load.
+    factories = make_policies(args.policies, args.seed)
+    try:
+        jitters = parse_jitters(args.jitter) if args.jitter is not None else ()
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     try:
         trace = load(args.trace, strict=args.strict, token_block_size=args.token_block_size)
     except TraceError as exc:
@@ -145,17 +151,12 @@ def run(args: argparse.Namespace) -> int:
         trace = trace.tiled(args.tile)
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
-    try:
-        jitters = parse_jitters(args.jitter) if args.jitter is not None else ()
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
     cost = CostModel()
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
                        propagation_s=args.propagation_ms / 1000, cost=cost,
                        predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
                        overflow=not args.no_overflow, max_batch=args.max_batch)
-    factories = make_policies(args.policies, args.seed)
     too_big = [i for i, r in enumerate(trace.requests)
                if r.prompt_tokens + r.output_tokens > cap * trace.block_size]
     if too_big:
