@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay each policy at these factors of the rate (e.g. 0.98,1,1.02), "
                         "report the averages, and say whether each lead holds at every "
                         "factor or is within noise (single replays are chaotic)")
+    p.add_argument("--focus", default=None, metavar="POLICY",
+                   help="with --jitter: compare this policy (as named in --policies) with the "
+                        "best of the others, instead of the leader with the runner-up")
 
 
 def make_policies(specs: str, seed: int) -> list[Callable[[], Policy]]:
@@ -137,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
         jitters = parse_jitters(args.jitter) if args.jitter is not None else ()
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    if args.focus is not None:
+        named = [f().name for f in factories]
+        if not jitters or args.focus not in named:
+            raise SystemExit(f"error: --focus needs --jitter and one of --policies "
+                             f"({', '.join(named)}); got {args.focus!r}")
     try:
         trace = load(args.trace, strict=args.strict, token_block_size=args.token_block_size)
     except TraceError as exc:
@@ -200,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(rows, bounds), flush=True)
         if runs:
             print(f"averaged over rate jitters {', '.join(f'x{j:g}' for j in jitters)}")
-            for v in verdicts(runs):
+            for v in verdicts(runs, focus=args.focus):
                 print(f"  {v}")
 
     if args.sweep:
@@ -217,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             for ld, rows in sweep.items():
                 write_results(args.out / f"load_{int(ld * 100)}", rows, bounds,
                               {"load": ld, "rate_scale": ld * capacity / base_rps,
-                               "jitters": list(jitters)}, sweep_runs[ld])
+                               "jitters": list(jitters)}, sweep_runs[ld], args.focus)
             print(f"wrote {plot_sweep(args.out, sweep)}")
         return 0
     scale = args.load * capacity / base_rps if args.load is not None else args.rate_scale
@@ -231,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             "trace": trace.source, "requests": len(trace.requests), "workers": args.workers,
             "capacity_blocks": cap, "rate_scale": scale, "load": load_frac,
             "propagation_ms": args.propagation_ms, "seed": args.seed,
-            "jitters": list(jitters)}, runs)
+            "jitters": list(jitters), "focus": args.focus}, runs, args.focus)
         for path in plot_replay(args.out, results, rows, bounds):
             print(f"wrote {path}")
         print(f"wrote {args.out / 'results.json'}, {args.out / 'results.csv'}")

@@ -38,7 +38,8 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
 
 
 def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, float],
-                  meta: dict[str, object], runs: Sequence[Jittered] = ()) -> None:
+                  meta: dict[str, object], runs: Sequence[Jittered] = (),
+                  focus: str | None = None) -> None:
     """results.json and results.csv; with jittered ``runs``, ``rows`` are their averages
     and results.json also holds each jitter's metrics and the verdicts."""
     out.mkdir(parents=True, exist_ok=True)
@@ -46,7 +47,8 @@ def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, fl
                               "policies": [r.row() for r in rows]}
     if runs:
         doc["runs"] = {j.policy: [r.row() for r in j.runs] for j in runs}
-        doc["verdicts"] = [asdict(v) | {"consistent": v.consistent} for v in verdicts(runs)]
+        doc["verdicts"] = [asdict(v) | {"consistent": v.consistent}
+                           for v in verdicts(runs, focus)]
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=[*rows[0].row(), "rate_scale", "load"])

@@ -79,6 +79,14 @@ def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path)
     line = next(ln for ln in ran.stdout.splitlines() if ln.strip().startswith("mean TTFT:"))
     assert f"ahead at {ahead}/3 jitters" in line
     assert ("within noise" in line) == (ahead < 3)
+    # --focus: that policy against the best of the others, whoever leads.
+    ran = replay(chat, "--workers", "4", "--policies", "kvroute,round_robin,llmd", "--load",
+                 "0.8", "--jitter", "0.97,1.03", "--focus", "round_robin", "--out", out)
+    assert ran.returncode == 0, ran.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["focus"] == "round_robin"
+    for v in doc["verdicts"]:
+        assert "round_robin" in (v["leader"], v["runner_up"]), v
 
 
 def test_variants_of_one_policy_replay_side_by_side(chat: Path, tmp_path: Path) -> None:
@@ -100,6 +108,8 @@ def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> 
     assert ran.returncode != 0 and "unknown policy 'nope'" in ran.stderr
     ran = replay(chat, "--policies", "kvroute:hold=x")
     assert ran.returncode != 0 and "hold takes a number, got 'x'" in ran.stderr
+    ran = replay(chat, "--policies", "kvroute,llmd", "--jitter", "1,1.02", "--focus", "preble")
+    assert ran.returncode != 0 and "--focus needs --jitter and one of --policies" in ran.stderr
     ran = replay(chat, "--policies", "kvroute, kvroute")
     assert ran.returncode != 0 and "lists a policy twice" in ran.stderr
     bad = tmp_path / "bad.jsonl"
