@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
                 write_results(args.out / f"load_{int(ld * 100)}", rows, bounds,
                               {"load": ld, "rate_scale": ld * capacity / base_rps,
                                "jitters": list(jitters)}, sweep_runs[ld], args.focus)
-            print(f"wrote {plot_sweep(args.out, sweep)}")
+            print(f"wrote {plot_sweep(args.out, sweep, sweep_runs)}")
         return 0
     scale = args.load * capacity / base_rps if args.load is not None else args.rate_scale
     load_frac = base_rps * scale / capacity

@@ -111,20 +111,29 @@ def plot_replay(out: Path, results: Sequence[ReplayResult], rows: Sequence[Polic
     return paths
 
 
-def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]]) -> Path:
+def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]],
+               runs: dict[float, list[Jittered]] | None = None) -> Path:
+    """Mean and p99 TTFT against load per policy; with jittered ``runs``, bars span the
+    jitters' range (where the lines cross inside the bars, the ranking is noise)."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     loads = sorted(sweep)
     for name in [r.policy for r in sweep[loads[0]]]:
-        mean = [next(r for r in sweep[ld] if r.policy == name).ttft_mean_s for ld in loads]
-        p99 = [next(r for r in sweep[ld] if r.policy == name).ttft_p99_s for ld in loads]
-        a1.plot(loads, mean, marker="o", label=name)
-        a2.plot(loads, p99, marker="o", label=name)
+        for ax, field in ((a1, "ttft_mean_s"), (a2, "ttft_p99_s")):
+            vals = [getattr(next(r for r in sweep[ld] if r.policy == name), field)
+                    for ld in loads]
+            spans = [[getattr(m, field) for m in next(j for j in runs[ld] if j.policy == name)
+                      .runs] for ld in loads] if runs and all(runs.get(ld) for ld in loads) \
+                else None
+            yerr = None if spans is None else [
+                [v - min(sp) for v, sp in zip(vals, spans, strict=True)],
+                [max(sp) - v for v, sp in zip(vals, spans, strict=True)]]
+            ax.errorbar(loads, vals, yerr=yerr, marker="o", capsize=3, label=name)
     for ax, title in ((a1, "mean TTFT"), (a2, "p99 TTFT")):
         ax.set_yscale("log")
         ax.set_xlabel("offered load (fraction of cluster capacity)")
         ax.set_ylabel("seconds")
-        ax.set_title(title)
+        ax.set_title(title + (" (bars: range over rate jitters)" if runs else ""))
         ax.grid(alpha=0.3)
     a1.legend(fontsize=8)
     return _save(fig, out / "sweep_ttft.png")

@@ -89,6 +89,19 @@ def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path)
         assert "round_robin" in (v["leader"], v["runner_up"]), v
 
 
+def test_a_jittered_sweep_writes_each_load_and_the_plot(chat: Path, tmp_path: Path) -> None:
+    ran = replay(chat, "--workers", "4", "--policies", "kvroute,round_robin", "--sweep",
+                 "--jitter", "0.98,1.02", "--out", tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.count("averaged over rate jitters x0.98, x1.02") == 4
+    for ld in (50, 65, 80, 95):
+        doc = json.loads((tmp_path / f"load_{ld}" / "results.json").read_text())
+        assert doc["meta"]["load"] == pytest.approx(ld / 100)
+        assert {k: len(v) for k, v in doc["runs"].items()} == {"kvroute": 2, "round_robin": 2}
+        assert len(doc["verdicts"]) == 3
+    assert (tmp_path / "sweep_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_variants_of_one_policy_replay_side_by_side(chat: Path, tmp_path: Path) -> None:
     ran = replay(chat, "--workers", "4", "--policies", "kvroute,kvroute:miss_weight=0:hold=0",
                  "--load", "0.9", "--out", tmp_path)
