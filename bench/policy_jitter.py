@@ -16,7 +16,7 @@ import argparse
 
 from kvroute.core.config import PREDICT_TTL_S
 from simulations.cli import make_policies
-from simulations.compare import parse_jitters, replay_jittered, verdicts
+from simulations.compare import DEFAULT_JITTERS, parse_jitters, replay_jittered, verdicts
 from simulations.metrics import PolicyMetrics, capacity_rps, measure
 from simulations.replay import ClusterSpec, Replayer
 from simulations.trace import load
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--policies", default="kvroute,llmd,preble,chwbl,dynamo,mooncake")
     ap.add_argument("--loads", default="0.5,0.65,0.8,0.95")
-    ap.add_argument("--jitters", default="0.98,1.0,1.02")
+    ap.add_argument("--jitters", default=",".join(map(str, DEFAULT_JITTERS)))
     ap.add_argument("--focus", default=None,
                     help="compare this policy with the best of the others (default: the "
                          "first of --policies)")
@@ -58,6 +58,7 @@ def main() -> None:
             for m in rows), flush=True)
         for v in verdicts(runs, focus=args.focus or runs[0].policy):
             print(f"  {v}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -64,7 +64,7 @@ class Verdict:
     leader: str
     value: float
     runner_up: str
-    lead: float  # relative to the runner-up's average (hit ratio: in points)
+    lead: float  # relative to the runner-up's average (hit ratio: the difference)
     ahead_in: int  # jitters at which the leader beats the runner-up
     jitters: int
 
