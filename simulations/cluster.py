@@ -65,7 +65,7 @@ class SimRequest:
     after: SimRequest | None = None  # not admitted before this one's prefill has finished
     ready_s: float = 0.0  # no first token before (a KV transfer it waits for)
     received_tokens: int = 0  # of its prefix, fetched from another worker before admission
-    passed_tokens: int = 0  # cached on another worker but not on its own, when it was routed
+    moved_tokens: int = 0  # cached on another worker but not on its own, when it was routed
 
 
 def _held(r: SimRequest, now: float) -> bool:

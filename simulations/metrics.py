@@ -27,7 +27,7 @@ class PolicyMetrics:
     imbalance: float  # max / mean of per-worker prefilled tokens
     wall_s: float  # how long the replay took on this machine
     fetched_ratio: float = 0.0  # prompt tokens whose KV came from another worker (Mooncake)
-    passed_ratio: float = 0.0  # prompt tokens cached elsewhere, not where the policy sent them
+    moved_ratio: float = 0.0  # prompt tokens cached elsewhere, not where the policy sent them
 
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -52,7 +52,7 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         throughput_rps=len(reqs) / span if span > 0 else math.inf,
         imbalance=float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0,
         wall_s=res.wall_s, fetched_ratio=fetched / prompt,
-        passed_ratio=sum(r.passed_tokens for r in reqs) / prompt)
+        moved_ratio=sum(r.moved_tokens for r in reqs) / prompt)
 
 
 def _cacheable(prompt_tokens: int, n_keys: int, block_size: int) -> int:

@@ -196,7 +196,7 @@ class Replayer:
                 placed[treq.program] = branches
             # The policy's move: prefix it walked away from (its hits lost to balance).
             q = d.query
-            req.passed_tokens = max(map(q.cached_tokens, q.matched_blocks), default=0) \
+            req.moved_tokens = max(map(q.cached_tokens, q.matched_blocks), default=0) \
                 - q.cached_tokens(chosen.name)
             held = False
             if ttl > 0 and req.after is None:

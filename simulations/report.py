@@ -24,7 +24,7 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
     for r in sorted(rows, key=lambda r: r.ttft_mean_s):
         mark = " *" if r.ttft_mean_s == best else ""
         lines.append(
-            f"{r.policy:<{wide}} {r.hit_ratio:>6.1%} {r.passed_ratio:>6.1%} "
+            f"{r.policy:<{wide}} {r.hit_ratio:>6.1%} {r.moved_ratio:>6.1%} "
             f"{r.ttft_mean_s:>8.2f}s {r.ttft_p50_s:>6.2f}s {r.ttft_p99_s:>7.2f}s "
             f"{r.e2e_mean_s:>7.2f}s {r.e2e_p99_s:>7.2f}s "
             f"{r.throughput_rps:>6.2f} {r.imbalance:>6.2f} {r.wall_s:>5.1f}s{mark}")

@@ -81,7 +81,6 @@ class DemoOptions:
                              f"{', '.join(sorted(REGISTRY))}")
         for p in policies:
             make_policy(p)  # ValueError: an unknown name or a bad override
-
         if len(set(policies)) != len(policies):
             raise ValueError(f"--policies lists a policy twice: {args.policies}")
         if args.workers < 1 or args.concurrency < 1 or args.capacity_blocks < 1:

@@ -108,21 +108,21 @@ def test_single_worker_every_policy_agrees(mooncake: Trace) -> None:
     for name, m in results.items():
         assert (m.hit_ratio, m.ttft_mean_s, m.e2e_p99_s) == (
             first.hit_ratio, first.ttft_mean_s, first.e2e_p99_s), name
-        assert m.passed_ratio == 0, name  # no other worker to hold a prefix
+        assert m.moved_ratio == 0, name  # no other worker to hold a prefix
     # One worker with the cluster's whole capacity is the global-LRU reference exactly.
     assert first.hit_ratio == pytest.approx(hit_ratio(tr, global_lru_hits(tr, 937)), abs=0.02)
 
 
 def test_moves_off_a_cached_prefix_are_counted(mooncake: Trace) -> None:
     tr = head(mooncake, 600, 1.0)
-    moved = {name: measure(run(tr, name, workers=8)).passed_ratio
+    moved = {name: measure(run(tr, name, workers=8)).moved_ratio
              for name in ("round_robin", "llmd", "kvroute")}
     # Round robin ignores caches, so it walks away from most cached prefixes; the cache-aware
     # policies rarely do. Each move is a hit given up, so hit + moved stays within the bound.
     assert moved["round_robin"] > 0.03 > 0.01 > max(moved["llmd"], moved["kvroute"]), moved
     bound = hit_ratio(tr, infinite_cache_hits(tr))
     rr = measure(run(tr, "round_robin", workers=8))
-    assert rr.hit_ratio + rr.passed_ratio <= bound + 1e-9
+    assert rr.hit_ratio + rr.moved_ratio <= bound + 1e-9
 
 
 def test_mooncake_ordering_holds_at_high_load(mooncake: Trace) -> None:
