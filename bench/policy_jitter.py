@@ -35,6 +35,10 @@ def main() -> None:
     ap.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
                     help="the router predicts a routed prompt's blocks this long and coalesces "
                          "bursts on them (0: off, as peer routers; default: the router's)")
+    ap.add_argument("--prefill-budget", type=int, default=16384,
+                    help="prompt tokens per iteration (vLLM's --max-num-batched-tokens)")
+    ap.add_argument("--chunked-prefill", action="store_true",
+                    help="chunk prefills longer than the budget, as vLLM V1")
     ap.add_argument("--programs", action="store_true",
                     help="run forks as controller programs (kvroute's agent; see replay.py)")
     args = ap.parse_args()
@@ -42,7 +46,8 @@ def main() -> None:
     base = len(trace.requests) / trace.duration_s
     cap = 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
-                       predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs)
+                       predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
+                       prefill_budget=args.prefill_budget, chunked_prefill=args.chunked_prefill)
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
     factories = make_policies(args.policies, 0)
     jitters = parse_jitters(args.jitters)

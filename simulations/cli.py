@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "once, shared prefix prefilled once, branches beside it")
     p.add_argument("--max-batch", type=int, default=256,
                    help="most sequences a worker runs at once (vLLM's --max-num-seqs)")
+    p.add_argument("--prefill-budget", type=int, default=16384,
+                   help="prompt tokens a worker prefills per iteration (vLLM's "
+                        "--max-num-batched-tokens)")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="split prefills longer than the budget across iterations, as vLLM V1 "
+                        "does: the running batch decodes between chunks, each chunk stores "
+                        "its blocks (default: a prefill runs whole in one iteration)")
     p.add_argument("--no-overflow", action="store_true",
                    help="with --programs: keep every branch on its program's worker even when "
                         "it has no room (the router's --no-program-overflow)")
@@ -159,12 +166,16 @@ def run(args: argparse.Namespace) -> int:
         trace = trace.tiled(args.tile)
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
+    if args.max_batch < 1 or args.prefill_budget < 1:
+        raise SystemExit("--max-batch and --prefill-budget must be >= 1")
     cost = CostModel()
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
                        propagation_s=args.propagation_ms / 1000, cost=cost,
                        predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
-                       overflow=not args.no_overflow, max_batch=args.max_batch)
+                       overflow=not args.no_overflow, max_batch=args.max_batch,
+                       prefill_budget=args.prefill_budget,
+                       chunked_prefill=args.chunked_prefill)
     too_big = [i for i, r in enumerate(trace.requests)
                if r.prompt_tokens + r.output_tokens > cap * trace.block_size]
     if too_big:

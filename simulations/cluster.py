@@ -28,6 +28,14 @@ router sees that prefill's first token, so they hit its prefix. Until then they 
 ``held``: counted in the router's in-flight load, not in the engine's queue, and blocking no
 one.
 
+With ``chunked_prefill`` (vLLM V1's scheduler, on by default there) an iteration has one token
+budget, ``prefill_budget``: the running batch's decode tokens take one each, then prefills in
+progress continue oldest first, then waiting requests are admitted FIFO; a prefill longer
+than what is left of the budget takes the rest and goes on in the next iteration. So the
+running batch decodes between a long prompt's chunks instead of stalling for its whole
+prefill, and requests behind it are admitted into its last chunk's leftover budget. Each chunk
+stores the blocks it completes; the first token comes at the end of the last chunk.
+
 Stretches of pure decoding with no arrival and no finish are run in one jump.
 """
 
@@ -66,6 +74,8 @@ class SimRequest:
     ready_s: float = 0.0  # no first token before (a KV transfer it waits for)
     received_tokens: int = 0  # of its prefix, fetched from another worker before admission
     moved_tokens: int = 0  # cached on another worker but not on its own, when it was routed
+    prefill_left: int = 0  # with chunked prefill: uncached tokens not computed yet
+    stored_blocks: int = 0  # with chunked prefill: leading blocks stored so far
 
 
 def _held(r: SimRequest, now: float) -> bool:
@@ -76,12 +86,14 @@ def _held(r: SimRequest, now: float) -> bool:
 
 class SimWorker:
     def __init__(self, name: str, capacity_blocks: int, block_size: int, cost: CostModel,
-                 sink: EventSink, *, max_batch: int = 256, prefill_budget: int = 16384) -> None:
+                 sink: EventSink, *, max_batch: int = 256, prefill_budget: int = 16384,
+                 chunked_prefill: bool = False) -> None:
         self.name = name
         self.block_size = block_size
         self.cost = cost
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget
+        self.chunked_prefill = chunked_prefill
         self._sink = sink
         self._now = 0.0
         self.pool = BlockPool(capacity_blocks, listener=self._emit)
@@ -91,6 +103,7 @@ class SimWorker:
         # they follow (``after``) has its first token: they then join the queue's tail.
         self.held: list[SimRequest] = []
         self.running: list[SimRequest] = []
+        self.prefilling: list[SimRequest] = []  # chunked prefills in progress, oldest first
         self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
         self.prefill_tokens = 0  # uncached tokens actually prefilled
         self.received_tokens = 0  # tokens of KV fetched from other workers (Mooncake)
@@ -120,12 +133,13 @@ class SimWorker:
         return self._load
 
     def _build_load(self, cached_blocks: int, prefilling: bool) -> WorkerLoad:
-        pending = self.pending_prefill
+        pending = self.pending_prefill + sum(r.routed_uncached for r in self.prefilling)
         if prefilling:
             pending += sum(r.routed_uncached for r in self._admitted)
         return WorkerLoad(
-            inflight=len(self.running) + len(self.waiting) + len(self.held),
-            running=len(self.running),
+            inflight=len(self.running) + len(self.prefilling) + len(self.waiting)
+            + len(self.held),
+            running=len(self.running) + len(self.prefilling),
             queued=len(self.waiting), free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending, cached_blocks=cached_blocks,
@@ -139,7 +153,7 @@ class SimWorker:
         req.worker = self.name
         self._version += 1
         self.pending_prefill += req.routed_uncached
-        if not self.waiting and not self.running:
+        if not self.waiting and not self.running and not self.prefilling:
             self.t = max(self.t, now)
         (self.held if _held(req, now) else self.waiting).append(req)
 
@@ -162,9 +176,11 @@ class SimWorker:
 
     def advance(self, until: float) -> None:
         """Run every iteration that starts before ``until``."""
-        while (self.waiting or self.running or self.held) and self.t < until:
+        iterate = self._iterate_chunked if self.chunked_prefill else self._iterate_with_admission
+        while (self.waiting or self.running or self.prefilling or self.held) \
+                and self.t < until:
             self._version += 1
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not self.prefilling:
                 # Only held requests: idle until the first is released (its parent's first
                 # token may come after that parent finished here, when a KV transfer it
                 # waited for ends late); none known yet: stop.
@@ -173,7 +189,7 @@ class SimWorker:
                 if not nxt < until:
                     break
                 self.t = max(self.t, nxt)
-            if not self._iterate_with_admission():
+            if not iterate():
                 self._decode_stretch(until)
 
     def _iterate_with_admission(self) -> bool:
@@ -207,19 +223,77 @@ class SimWorker:
         if not admitted:
             return False
         end = start + prefill_s + self.cost.decode_step_s(len(self.running))
-        self._admitted = admitted
-        self._admitted_end = end
         self._now = end
         for r in admitted:
             n_hit = r.cached_tokens // bs
             pool.commit(r.blocks[n_hit:len(r.keys)], r.keys[n_hit:])
+        self._end_iteration(start, end, admitted)
+        return True
+
+    def _iterate_chunked(self) -> bool:
+        """One iteration with chunked prefill (see the module docstring). False when it
+        has no prefill to do (the caller then runs a decode stretch)."""
+        start = self.t
+        self._now = start
+        bs, pool = self.block_size, self.pool
+        budget = self.prefill_budget - len(self.running)  # each decode takes one token
+        if self.held:
+            self._release_held(start)
+        chunks: list[tuple[SimRequest, int]] = []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(r.prefill_left, budget)
+            chunks.append((r, take))
+            budget -= take
+        while self.waiting and budget > 0 \
+                and len(self.running) + len(self.prefilling) < self.max_batch:
+            r = self.waiting[0]
+            hits = pool.lookup(r.keys[: (r.prompt_tokens - 1) // bs])
+            need = -(-(r.prompt_tokens + r.output_tokens) // bs) - len(hits)
+            if not pool.can_allocate(need, hits):
+                break
+            r.blocks = pool.allocate(need, hits)
+            self.waiting.popleft()
+            self.pending_prefill -= r.routed_uncached
+            r.stored_blocks = len(hits)
+            r.cached_tokens = len(hits) * bs
+            r.prefill_left = r.prompt_tokens - r.cached_tokens
+            self.prefill_tokens += r.prefill_left
+            self.prefilling.append(r)
+            take = min(r.prefill_left, budget)
+            chunks.append((r, take))
+            budget -= take
+        if not chunks:
+            return False
+        cost = self.cost
+        work = sum(cost.prefill_s(take, r.prompt_tokens - r.prefill_left) for r, take in chunks)
+        end = start + work + cost.decode_step_s(len(self.running))
+        self._now = end
+        for r, take in chunks:
+            r.prefill_left -= take
+            full = min((r.prompt_tokens - r.prefill_left) // bs, len(r.keys))
+            if full > r.stored_blocks:
+                pool.commit(r.blocks[r.stored_blocks:full], r.keys[r.stored_blocks:full])
+                r.stored_blocks = full
+        done = [r for r in self.prefilling if not r.prefill_left]
+        if done:
+            self.prefilling = [r for r in self.prefilling if r.prefill_left]
+        self._end_iteration(start, end, done)
+        return True
+
+    def _end_iteration(self, start: float, end: float, first: list[SimRequest]) -> None:
+        """Close an iteration ending at ``end``: ``first`` (whose prefill it completed) get
+        their first token, the running batch one more token each."""
+        self._admitted = first
+        self._admitted_end = end
+        for r in first:
             r.first_token_s = max(end, r.ready_s)
             r.remaining = r.output_tokens - 1
         self._finish_step(end, 1, self.running)
-        self.running.extend(r for r in admitted if not self._done(r, end))
+        self.running.extend(r for r in first if not self._done(r, end))
         self.busy_s += end - start
         self.t = end
-        return True
 
     def _release_held(self, now: float) -> None:
         """Queue the held requests whose ``after`` has its first token by ``now``, in the

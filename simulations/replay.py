@@ -56,6 +56,7 @@ class ClusterSpec:
     capacity_blocks: int = 937
     max_batch: int = 256
     prefill_budget: int = 16384
+    chunked_prefill: bool = False  # vLLM V1's scheduler (see simulations/cluster.py)
     propagation_s: float = 0.05
     # > 0: the router predicts a routed prompt's blocks this long, and coalesces on them
     predict_ttl_s: float = PREDICT_TTL_S
@@ -86,7 +87,8 @@ class Replayer:
         self.workers = [
             SimWorker(f"w{i:02d}", spec.capacity_blocks, trace.block_size, spec.cost,
                       self._on_event, max_batch=spec.max_batch,
-                      prefill_budget=spec.prefill_budget)
+                      prefill_budget=spec.prefill_budget,
+                      chunked_prefill=spec.chunked_prefill)
             for i in range(spec.workers)]
         self._progress = progress
         self._sample_every = sample_every_s

@@ -1,9 +1,11 @@
-"""One simulated worker: held requests (coalesced siblings, program branches)."""
+"""One simulated worker: held requests (coalesced siblings, program branches), chunked
+prefill."""
 
 from __future__ import annotations
 
 import math
 
+from kvroute.worker_agent.engines.base import CacheEvent, Op
 from simulations.cluster import SimRequest, SimWorker
 from simulations.costmodel import CostModel
 
@@ -44,3 +46,64 @@ def test_only_held_requests_left_idle_until_their_release() -> None:
     assert w.held == [child]  # not yet: its parent's first token is at 5 s
     w.advance(math.inf)
     assert child.first_token_s > 5.0 and math.isfinite(child.finished_s)
+
+
+def chunked_run(chunked: bool, until: float = math.inf
+                ) -> tuple[SimRequest, SimRequest, SimRequest, list[float]]:
+    """A decoding request, then a 4096-token prompt and a short one behind it, budget 1024,
+    run until ``until``. Returns them and the times the long prompt's blocks were stored."""
+    stores: list[float] = []
+
+    def sink(t: float, worker: str, ev: CacheEvent) -> None:
+        if ev.op is Op.STORE and ev.keys[0] < 256:  # the long prompt's keys are 0..255
+            stores.append(t)
+
+    w = SimWorker("w", 4000, 16, CostModel(), sink, prefill_budget=1024,
+                  chunked_prefill=chunked)
+    decoder = SimRequest(0, 0.0, 32, 400, tuple(range(5000, 5002)))
+    w.submit(decoder, 0.0)
+    w.advance(0.001)  # its prefill is done: it decodes from here on
+    long = SimRequest(1, 0.001, 4096, 2, tuple(range(256)))
+    short = SimRequest(2, 0.001, 64, 2, tuple(range(9000, 9004)))
+    w.submit(long, 0.001)
+    w.submit(short, 0.001)
+    w.advance(until)
+    if until == math.inf:
+        assert w.prefill_tokens == 32 + 4096 + 64
+    return decoder, long, short, stores
+
+
+def test_chunked_prefill_decodes_between_chunks_and_stores_each_chunk() -> None:
+    d0, long0, short0, stores0 = chunked_run(False)
+    d1, long1, short1, stores1 = chunked_run(True)
+    # Whole: one iteration prefills the long prompt and the decoder gets one token; the
+    # short one follows in the next iteration. Chunked: 1023 tokens an iteration (the
+    # decoder's token takes one), five iterations, the decoder gets a token in each, and
+    # the short one is admitted into the fifth's leftover budget.
+    assert len(stores0) == 1 and len(stores1) == 5  # each chunk stored its full blocks
+    assert stores1 == sorted(set(stores1)) and stores1[-1] == long1.first_token_s
+    assert long1.first_token_s > long0.first_token_s  # the interleaved decode steps
+    assert short1.first_token_s == long1.first_token_s  # the same (last) iteration
+    assert short0.first_token_s > long0.first_token_s  # the next one
+    # The decoder kept decoding through the long prefill: by the time the whole prefill
+    # ends, four chunk iterations gave it four tokens, the whole prefill one.
+    at = long0.first_token_s - 1e-9
+    whole, chunked = chunked_run(False, at)[0], chunked_run(True, at)[0]
+    assert whole.remaining - chunked.remaining == 3
+    for r in (d0, long0, short0, d1, long1, short1):
+        assert math.isfinite(r.finished_s) and r.cached_tokens == 0
+
+
+def test_a_chunked_prefill_stays_pending_until_its_first_token() -> None:
+    w = SimWorker("w", 4000, 16, CostModel(), lambda *a: None, prefill_budget=1024,
+                  chunked_prefill=True)
+    long = SimRequest(0, 0.0, 4096, 2, tuple(range(256)))
+    long.routed_uncached = 4096
+    w.submit(long, 0.0)
+    w.advance(0.2)  # two or three chunks in
+    assert 0 < long.prefill_left < 4096 and w.prefilling == [long]
+    view = w.load(0, 0.2)
+    # As the router counts it: prefill tokens not yet turned into a first token.
+    assert view.pending_prefill_tokens == 4096 and view.running == 1 and view.queued == 0
+    w.advance(math.inf)
+    assert w.load(0, w.t).pending_prefill_tokens == 0 and not w.prefilling

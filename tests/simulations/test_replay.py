@@ -80,9 +80,11 @@ def test_deterministic_for_a_seed(mooncake: Trace) -> None:
                [(r.worker, r.first_token_s, r.finished_s) for r in a[1].requests]
 
 
-def test_conservation(mooncake: Trace) -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+def test_conservation(mooncake: Trace, chunked: bool) -> None:
     tr = head(mooncake, 800, 2.0)
-    res = run(tr, "kvroute", workers=4, capacity_blocks=600)
+    res = run(tr, "kvroute", workers=4, capacity_blocks=600, chunked_prefill=chunked,
+              prefill_budget=4096 if chunked else 16384)
     assert sum(len(w.finished) for w in res.workers) == len(tr.requests)
     assert len({id(r) for w in res.workers for r in w.finished}) == len(tr.requests)
     for r in res.requests:

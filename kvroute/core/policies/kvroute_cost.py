@@ -89,11 +89,12 @@ class KvrouteCost:
       term is off there: charged on every queue, it pushed requests off their caches under
       overload (Mooncake trace at 80%: 10.2 s mean TTFT instead of 6.9 s). (An engine that
       chunks prefills, as vLLM V1 does, still puts the first ``budget - pending`` tokens of
-      such a prompt in the queue's iteration; the simulator does not chunk, so the all-or-
-      nothing gate is what was measured.) With it, mean TTFT fell 5-6% on fork traffic at
-      50-80% load and 5% on agent at 80%, and p99 1-3% on chat, at the same hit ratios (seed
-      1; on seed 2, agent at 65-80% 2-8% lower mean); it rose 2% on agent at 65%, and on the
-      Mooncake trace at 80% by 6% (p99 23%), still half llm-d's.
+      such a prompt in the queue's iteration; the figures here were measured without the
+      simulator's ``--chunked-prefill``, so the all-or-nothing gate is what was tuned.)
+      With it, mean TTFT fell 5-6% on fork traffic at 50-80% load and 5% on agent at 80%,
+      and p99 1-3% on chat, at the same hit ratios (seed 1; on seed 2, agent at 65-80% 2-8%
+      lower mean); it rose 2% on agent at 65%, and on the Mooncake trace at 80% by 6% (p99
+      23%), still half llm-d's.
     * The balance terms (``decode_weight``, ``kv``) move a request off its cache whenever a
       worker is cheaper by a hair, and each such move redoes the prefill of the prefix it
       leaves and costs token hits (0.3-0.8 points on chat and agent traffic, where a
