@@ -203,22 +203,12 @@ class SimWorker:
         if self.held:
             self._release_held(start)
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-            r = self.waiting[0]
-            hits = pool.lookup(r.keys[: (r.prompt_tokens - 1) // bs])
-            cached = len(hits) * bs
-            new = r.prompt_tokens - cached
-            if admitted and new > budget:
+            r = self._admit_head(budget if admitted else None)
+            if r is None:
                 break
-            need = -(-(r.prompt_tokens + r.output_tokens) // bs) - len(hits)
-            if not pool.can_allocate(need, hits):
-                break
-            r.blocks = pool.allocate(need, hits)
-            self.waiting.popleft()
-            self.pending_prefill -= r.routed_uncached
-            r.cached_tokens = cached
+            new = r.prompt_tokens - r.cached_tokens
             budget -= new
-            self.prefill_tokens += new
-            prefill_s += self.cost.prefill_s(new, cached)
+            prefill_s += self.cost.prefill_s(new, r.cached_tokens)
             admitted.append(r)
         if not admitted:
             return False
@@ -248,18 +238,10 @@ class SimWorker:
             budget -= take
         while self.waiting and budget > 0 \
                 and len(self.running) + len(self.prefilling) < self.max_batch:
-            r = self.waiting[0]
-            hits = pool.lookup(r.keys[: (r.prompt_tokens - 1) // bs])
-            need = -(-(r.prompt_tokens + r.output_tokens) // bs) - len(hits)
-            if not pool.can_allocate(need, hits):
+            r = self._admit_head(None)
+            if r is None:
                 break
-            r.blocks = pool.allocate(need, hits)
-            self.waiting.popleft()
-            self.pending_prefill -= r.routed_uncached
-            r.stored_blocks = len(hits)
-            r.cached_tokens = len(hits) * bs
             r.prefill_left = r.prompt_tokens - r.cached_tokens
-            self.prefill_tokens += r.prefill_left
             self.prefilling.append(r)
             take = min(r.prefill_left, budget)
             chunks.append((r, take))
@@ -281,6 +263,26 @@ class SimWorker:
             self.prefilling = [r for r in self.prefilling if r.prefill_left]
         self._end_iteration(start, end, done)
         return True
+
+    def _admit_head(self, max_new: int | None) -> SimRequest | None:
+        """Admit the queue's head, its cached prefix pinned and the rest of its blocks
+        allocated, unless it needs more than ``max_new`` uncached tokens or the pool cannot
+        allocate its blocks (then None, nothing changed)."""
+        bs, pool = self.block_size, self.pool
+        r = self.waiting[0]
+        hits = pool.lookup(r.keys[: (r.prompt_tokens - 1) // bs])
+        if max_new is not None and r.prompt_tokens - len(hits) * bs > max_new:
+            return None
+        need = -(-(r.prompt_tokens + r.output_tokens) // bs) - len(hits)
+        if not pool.can_allocate(need, hits):
+            return None
+        r.blocks = pool.allocate(need, hits)
+        self.waiting.popleft()
+        self.pending_prefill -= r.routed_uncached
+        r.stored_blocks = len(hits)
+        r.cached_tokens = len(hits) * bs
+        self.prefill_tokens += r.prompt_tokens - r.cached_tokens
+        return r
 
     def _end_iteration(self, start: float, end: float, first: list[SimRequest]) -> None:
         """Close an iteration ending at ``end``: ``first`` (whose prefill it completed) get
