@@ -342,6 +342,9 @@ def run_demo(args: argparse.Namespace) -> int:
     children = Children(log_dir)
     keep_logs = True  # unless it succeeds or the user interrupts it
     saved_term = signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C stops it however it was started: a shell that runs a command in the background
+    # (or a CI script under nohup) hands it SIGINT ignored, and asyncio keeps it so.
+    saved_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.perf_counter()
     try:
         reports, redis_url = asyncio.run(demo(opts, children))
@@ -373,6 +376,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with _signals_ignored():
             children.stop_all()
         signal.signal(signal.SIGTERM, saved_term)
+        signal.signal(signal.SIGINT, saved_int)
         if keep_logs:
             print(f"logs of every process: {log_dir}", file=sys.stderr)
         else:

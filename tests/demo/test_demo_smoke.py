@@ -118,7 +118,13 @@ def test_unknown_policy_fails_before_starting_anything() -> None:
 
 
 def test_serve_keeps_a_tiny_cluster_up_for_the_examples_until_interrupted() -> None:
-    proc = _demo(*TINY, "--quiet", "--policies", "kvroute", "--workers", "2", "--serve")
+    # Started with SIGINT ignored, as a background job of a script would be: Ctrl-C (the
+    # documented way to stop it) must still work.
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = _demo(*TINY, "--quiet", "--policies", "kvroute", "--workers", "2", "--serve")
+    finally:
+        signal.signal(signal.SIGINT, saved)
     try:
         assert proc.stdout is not None
         address = ""
