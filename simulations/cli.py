@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         if not jitters or args.focus not in named:
             raise SystemExit(f"error: --focus needs --jitter and one of --policies "
                              f"({', '.join(named)}); got {args.focus!r}")
+    if args.workers < 1 or args.max_batch < 1 or args.prefill_budget < 1:
+        raise SystemExit("--workers, --max-batch and --prefill-budget must be >= 1")
     try:
         trace = load(args.trace, strict=args.strict, token_block_size=args.token_block_size)
     except TraceError as exc:
@@ -164,10 +166,6 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if args.tile > 1:
         trace = trace.tiled(args.tile)
-    if args.workers < 1:
-        raise SystemExit("--workers must be >= 1")
-    if args.max_batch < 1 or args.prefill_budget < 1:
-        raise SystemExit("--max-batch and --prefill-budget must be >= 1")
     cost = CostModel()
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,

@@ -204,7 +204,7 @@ class Replayer:
             if ttl > 0 and req.after is None:
                 # Routed there on a prediction: held until that prefill's first token.
                 parent = inflight.producer(index, chosen.name, req.keys,
-                                           d.query.matched_blocks.get(chosen.name, 0))
+                                           q.matched_blocks.get(chosen.name, 0))
                 if parent is not None and not parent.first_token_s <= now:
                     req.after = parent
                     held = True

@@ -118,16 +118,17 @@ def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]],
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     loads = sorted(sweep)
-    for name in [r.policy for r in sweep[loads[0]]]:
+    rows = {ld: {r.policy: r for r in sweep[ld]} for ld in loads}
+    jittered = {ld: {j.policy: j.runs for j in runs[ld]} for ld in loads} \
+        if runs and all(runs.get(ld) for ld in loads) else None
+    for name in rows[loads[0]]:
         for ax, field in ((a1, "ttft_mean_s"), (a2, "ttft_p99_s")):
-            vals = [getattr(next(r for r in sweep[ld] if r.policy == name), field)
-                    for ld in loads]
-            spans = [[getattr(m, field) for m in next(j for j in runs[ld] if j.policy == name)
-                      .runs] for ld in loads] if runs and all(runs.get(ld) for ld in loads) \
-                else None
-            yerr = None if spans is None else [
-                [v - min(sp) for v, sp in zip(vals, spans, strict=True)],
-                [max(sp) - v for v, sp in zip(vals, spans, strict=True)]]
+            vals = [getattr(rows[ld][name], field) for ld in loads]
+            yerr = None
+            if jittered is not None:
+                spans = [[getattr(m, field) for m in jittered[ld][name]] for ld in loads]
+                yerr = [[v - min(sp) for v, sp in zip(vals, spans, strict=True)],
+                        [max(sp) - v for v, sp in zip(vals, spans, strict=True)]]
             ax.errorbar(loads, vals, yerr=yerr, marker="o", capsize=3, label=name)
     for ax, title in ((a1, "mean TTFT"), (a2, "p99 TTFT")):
         ax.set_yscale("log")

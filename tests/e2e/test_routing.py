@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.policies import KvrouteCost
 from tests.support import AgentProc, generate, route, wait_for
 
 
@@ -299,7 +300,7 @@ async def test_policy_parameters_set_on_the_command_line_take_effect(cluster) ->
     assert (plain.policy, doubled.policy) == ("kvroute", "kvroute:miss_weight=4")
     # Idle workers, a cold prompt: every cost is the miss term (miss_weight x the prompt's
     # prefill work) plus load terms both routers see alike; doubling the weight adds it again.
-    work = 300 * (1 + 3.3e-5 * 300 / 2)
+    work = 300 * (1 + KvrouteCost().attn * 300 / 2)
     costs = {c.worker_id: c.cost for c in plain.candidates}
     assert {c.worker_id for c in doubled.candidates} == set(costs) == {"a", "b"}
     for c in doubled.candidates:

@@ -17,6 +17,12 @@ from kvroute.core.policies.base import (
 )
 
 
+def work(n: int, c: int, attn: float) -> float:
+    """The prefill cost of ``n`` new tokens after ``c`` cached ones, in token units: each
+    costs 1 plus ``attn`` per token of context it attends to (``work`` in the formula below)."""
+    return n * (1.0 + attn * (c + n / 2))
+
+
 @dataclass(slots=True)
 class KvrouteCost:
     """Send the request where it costs the cluster least, in prefill-token units.
@@ -187,7 +193,7 @@ class KvrouteCost:
         beta = self.miss_weight * (1.0 + self.stickiness * mean_queued)
         kw = self.kv_weight / (1.0 + self.kv_decay * mean_queued)
         dw, attn = self.decode_weight, self.attn
-        full_miss = beta * p * (1.0 + attn * p / 2)  # most workers match nothing
+        full_miss = beta * work(p, 0, attn)  # most workers match nothing
         # kw * kv_usage * capacity tokens == kw * blocks held * block size
         costs = {
             w: full_miss + ld.pending_prefill_tokens
@@ -199,18 +205,16 @@ class KvrouteCost:
         for w, m in matched.items():
             if w in costs:
                 c = cached[w] = min(m * bs, p)
-                n = p - c
-                costs[w] += beta * n * (1.0 + attn * (c + n / 2)) - full_miss
+                costs[w] += beta * work(p - c, c, attn) - full_miss
         top = max(cached.values(), default=0)  # c*: the longest prefix cached anywhere
         if top and self.transfer_cost < 1:
             # A worker may fetch the longest cached prefix instead of computing it.
             tc = self.transfer_cost
-            fetched = beta * (p - top) * (1.0 + attn * (top + (p - top) / 2))
+            fetched = beta * work(p - top, top, attn)
             for w in costs:
                 c = cached.get(w, 0)
                 if c < top:
-                    n = p - c
-                    own = beta * n * (1.0 + attn * (c + n / 2))
+                    own = beta * work(p - c, c, attn)
                     costs[w] -= max(0.0, own - fetched - beta * tc * (top - c))
         if self.batch_weight > 0 and mean_queued > 0:  # no queue, nobody to delay
             self._batch_delay(costs, cached, loads, p)
@@ -242,7 +246,7 @@ class KvrouteCost:
                 c = cached.get(w, 0)
                 n = p - c
                 if ld.pending_prefill_tokens + n <= (ld.max_batched_tokens or default_budget):
-                    costs[w] += bw * ld.queued * n * (1.0 + attn * (c + n / 2))
+                    costs[w] += bw * ld.queued * work(n, c, attn)
 
     def _hold(self, costs: dict[str, float], cached: dict[str, int], top: int,
               loads: Mapping[str, WorkerLoad], p: int, beta: float) -> None:
@@ -263,7 +267,7 @@ class KvrouteCost:
             return  # no batch slot: the request would wait for one whatever its prefix
         attn = self.attn
         n0, n = p - c0, p - top
-        redo = beta * (n0 * (1.0 + attn * (c0 + n0 / 2)) - n * (1.0 + attn * (top + n / 2)))
+        redo = beta * (work(n0, c0, attn) - work(n, top, attn))
         redo = min(redo, beta * self.transfer_cost * (top - c0))  # or fetch the prefix
         if lh.pending_prefill_tokens - loads[cheapest].pending_prefill_tokens < self.hold * redo:
             costs[holder] = math.nextafter(costs[cheapest], -math.inf)

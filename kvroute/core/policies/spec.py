@@ -10,6 +10,7 @@ the field's type and must be a finite number >= 0 (policies check their own rang
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import TypeVar
@@ -45,20 +46,15 @@ def parameters(policy: object) -> dict[str, object]:
             if f.init and f.name != "name" and not f.name.startswith("_")}
 
 
-def _convert(spec: str, key: str, text: str, current: object) -> object:
+def _convert(spec: str, key: str, text: str, current: object) -> int | float:
     kind = type(current)
-    try:
-        if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return text.lower() in ("true", "1")
-        value = kind(text) if kind in (int, float) else None
-    except ValueError:
-        value = None
+    value: int | float | None = None
+    if kind in (int, float):
+        with contextlib.suppress(ValueError):
+            value = kind(text)
     if value is None:
-        what = {bool: "true or false", int: "a whole number", float: "a number"}
-        raise ValueError(f"policy {spec!r}: {key} takes {what.get(kind, kind.__name__)}, "
-                         f"got {text!r}")
+        what = {int: "a whole number", float: "a number"}.get(kind, kind.__name__)
+        raise ValueError(f"policy {spec!r}: {key} takes {what}, got {text!r}")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"policy {spec!r}: {key} must be a finite number >= 0, got {text!r}")
     return value
