@@ -1,17 +1,29 @@
-"""Only for the optional C accelerator of block-key hashing; everything else is in
-pyproject.toml. If the compiler or Python headers are missing, the build of the extension
-is skipped and kvroute uses its pure-Python path (same keys, slower)."""
+"""Only for the optional C accelerators of the routing hot path; everything else is in
+pyproject.toml. If the compiler or Python headers are missing, the build of an extension is
+skipped and kvroute uses its pure-Python path (same results, slower)."""
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
-            "kvroute.core._chainhash",
+            "kvroute.core._chainhash",  # block-key hashing (kvroute/core/blocks.py)
             sources=["kvroute/core/_native/chainhash.c"],
             include_dirs=["kvroute/core/_native"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvroute.core._holders",  # the prefix index's key -> holders map (holders.py)
+            sources=["kvroute/core/_native/holders.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "kvroute.core._wire",  # a request's token ids off the wire (wire.py)
+            sources=["kvroute/core/_native/wire.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

@@ -1,13 +1,18 @@
-"""Benchmark: the routing decision alone (key hashing + index lookup + policy).
+"""Benchmark: the routing decision alone, from a parsed request to a ranked list of workers.
 
 For prompts of 1k, 8k and 32k tokens and clusters of 16 and 128 workers, over an index of at
-least 1M (block, worker) entries, time ``Decider.decide`` -- exactly what the router runs per
-request -- and, as the baseline measured in the same run, the straightforward design: hash
-every block, then walk each worker's key set until its first miss, then the same policy.
+least 1M (block, worker) entries, time what the router runs per request once gRPC has parsed
+it: the prompt's ids out of the request's wire bytes and checked (``request_token_ids``,
+``check_tokens``), then ``Decider.decide`` (key hashing, index walk, policy). The baseline,
+measured in the same run, is the straightforward design: the ids read from the protobuf
+container, every block hashed in Python, each worker's key set walked until its first miss,
+then the same policy.
 
     python bench/routing_decision.py [--entries 1000000] [--iters 300]
 
-Prints p50/p99 in microseconds and the baseline/kvroute ratio (higher is better).
+Prints p50/p99 in microseconds and the baseline/kvroute ratio (higher is better), then the
+p50 of each stage of kvroute's decision, with the index walk also timed on the pure-Python
+holder map (``PrefixIndex(native=False)``), interleaved with the C one in the same loop.
 """
 
 from __future__ import annotations
@@ -23,11 +28,16 @@ from kvroute.core.blocks import BlockHasher
 from kvroute.core.index import PrefixIndex
 from kvroute.core.policies import KvrouteCost, RouteQuery
 from kvroute.core.redis_schema import Heartbeat
-from kvroute.router.decide import Decider
+from kvroute.core.validate import Limits, check_tokens
+from kvroute.core.wire import request_token_ids
+from kvroute.router.decide import Decider, rank_request
 from kvroute.router.registry import WorkerRegistry
+from kvroute.router.server import Received
+from kvroute.v1 import common_pb2
 
 BLOCK = 16
 MODEL = "bench"
+LIMITS = Limits(vocab_size=50257, max_prompt_tokens=65536, max_new_tokens=1)
 
 
 def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.Random
@@ -56,8 +66,25 @@ def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.
     return index, naive, reg
 
 
-def naive_decide(tokens: list[int], naive: dict[str, set[int]], reg: WorkerRegistry,
-                 hasher: BlockHasher, policy: KvrouteCost) -> str:
+def received(tokens: list[int]) -> Received:
+    """The request as the router's servicer gets it: serialized by a client, parsed by gRPC
+    (``Received.parse`` is the router's deserializer)."""
+    return Received.parse(common_pb2.GenerateRequest(token_ids=tokens, model=MODEL)
+                          .SerializeToString())
+
+
+def kvroute_decide(req: Received, decider: Decider, index: PrefixIndex,
+                   reg: WorkerRegistry) -> str:
+    """What RouterService runs for a token-id request: ``_prompt`` then ``_decide``."""
+    tokens, top = request_token_ids(req.msg, req.wire)
+    check_tokens(tokens, LIMITS, top=top)
+    return decider.decide(tokens, index, reg).best
+
+
+def naive_decide(req: Received, naive: dict[str, set[int]],
+                 reg: WorkerRegistry, hasher: BlockHasher, policy: KvrouteCost) -> str:
+    tokens = list(req.msg.token_ids)
+    check_tokens(tokens, LIMITS)
     keys = hasher.keys(tokens)
     matched = {}
     for w, held in naive.items():
@@ -72,7 +99,7 @@ def naive_decide(tokens: list[int], naive: dict[str, set[int]], reg: WorkerRegis
     return policy.rank(q)[0].worker
 
 
-def timeit(fn: Callable[[list[int]], object], prompts: list[list[int]], iters: int
+def timeit(fn: Callable[[Received], object], prompts: list[Received], iters: int
            ) -> list[float]:
     for p in prompts[:5]:
         fn(p)  # warm caches
@@ -89,6 +116,37 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
 
+def stages(reqs: list[Received], decider: Decider, index: PrefixIndex,
+           dict_index: PrefixIndex, reg: WorkerRegistry, iters: int) -> dict[str, float]:
+    """p50 of each stage of kvroute's decision (and of the walk on the dict holder map,
+    interleaved with the C one), in microseconds."""
+    times: dict[str, list[float]] = {"ids": [], "hash": [], "walk": [], "walk_dict": [],
+                                     "policy": []}
+    hasher = decider.hasher("")
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        req = reqs[i % len(reqs)]
+        t0 = clock()
+        tokens, top = request_token_ids(req.msg, req.wire)
+        check_tokens(tokens, LIMITS, top=top)
+        t1 = clock()
+        keys = hasher.keys(tokens)
+        t2 = clock()
+        walks = [(index, "walk"), (dict_index, "walk_dict")]
+        for ix, name in walks if i % 2 else walks[::-1]:
+            t = clock()
+            ix.match(keys)
+            times[name].append((clock() - t) / 1000)
+        t3 = clock()
+        rank_request(decider.policy, index, keys, len(tokens), BLOCK, reg.loads, keys[0])
+        t4 = clock()
+        times["ids"].append((t1 - t0) / 1000)
+        times["hash"].append((t2 - t1) / 1000)
+        # the policy's share: the ranking minus the walk it repeats
+        times["policy"].append(max(0.0, (t4 - t3) / 1000 - times["walk"][-1]))
+    return {k: pct(v, 50) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--entries", type=int, default=1_000_000, help="index size")
@@ -96,7 +154,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     print(f"{'prompt':>7} {'workers':>7} {'entries':>9} | {'kvroute p50':>11} {'p99':>8} |"
-          f" {'baseline p50':>12} {'p99':>8} | {'p99 ratio':>9}")
+          f" {'baseline p50':>12} {'p99':>8} | {'p99 ratio':>9} | p50 of: ids  hash  walk"
+          f" (dict map)  policy")
     for workers in (16, 128):
         rng = random.Random(args.seed)
         lengths = (1024, 8192, 32768)
@@ -106,22 +165,28 @@ def main() -> None:
         index, naive, reg = build(workers, args.entries,
                                   [p for ps in prompts.values() for p in ps], rng)
         build_s = time.perf_counter() - t0
+        dict_index = PrefixIndex(native=False)
+        for w, held in naive.items():
+            dict_index.add(w, held)
         decider = Decider(MODEL, BLOCK, KvrouteCost())
         hasher = BlockHasher(BLOCK, MODEL, native=False)  # the baseline is all Python
         policy = KvrouteCost()
         for n in lengths:
-            ps = prompts[n]
+            reqs = [received(p) for p in prompts[n]]
             # Same answers from both, or the comparison means nothing.
-            for p in ps[:5]:
-                assert decider.decide(p, index, reg).best == naive_decide(
-                    p, naive, reg, hasher, policy)
-            ours = timeit(functools.partial(decider.decide, index=index, registry=reg), ps,
-                          args.iters)
+            for r in reqs[:5]:
+                assert kvroute_decide(r, decider, index, reg) == naive_decide(
+                    r, naive, reg, hasher, policy)
+            ours = timeit(functools.partial(kvroute_decide, decider=decider, index=index,
+                                            reg=reg), reqs, args.iters)
             base = timeit(functools.partial(naive_decide, naive=naive, reg=reg, hasher=hasher,
-                                            policy=policy), ps, max(30, args.iters // 5))
+                                            policy=policy), reqs, max(30, args.iters // 5))
+            st = stages(reqs, decider, index, dict_index, reg, args.iters)
             print(f"{n:>7} {workers:>7} {index.entries():>9} | {pct(ours, 50):>9.0f}us"
                   f" {pct(ours, 99):>6.0f}us | {pct(base, 50):>10.0f}us {pct(base, 99):>6.0f}us"
-                  f" | {pct(base, 99) / pct(ours, 99):>8.1f}x", flush=True)
+                  f" | {pct(base, 99) / pct(ours, 99):>8.1f}x | {st['ids']:>11.0f} "
+                  f"{st['hash']:>5.0f} {st['walk']:>5.0f} ({st['walk_dict']:>6.0f})"
+                  f" {st['policy']:>7.0f}", flush=True)
         print(f"        (index of {index.entries():,} entries built in {build_s:.1f}s)")
 
 

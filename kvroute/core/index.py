@@ -2,9 +2,9 @@
 
 Design (the hot path of every routing decision):
 
-* Workers are given small integer *slots*; the holders of a key are one Python int used as a
-  bitmask over slots, so intersecting "who holds every block so far" is one ``&`` whatever
-  the number of workers.
+* Workers are given small integer *slots*; the holders of a key are a bitmask over slots
+  (:mod:`kvroute.core.holders`: a C table with the mask words inline, or a dict of ints), so
+  intersecting "who holds every block so far" is one ``&`` whatever the number of workers.
 * ``match`` walks a prompt's keys in order with a running mask of workers that hold the whole
   prefix so far, and stops at the first key nobody in that mask holds: a cold prompt costs one
   lookup, and the caller's lazy key iterator hashes no further.
@@ -22,8 +22,8 @@ Design (the hot path of every routing decision):
 
 Invariants:
 
-* ``_holders[k]`` is never 0: a key with no holder is deleted.
-* For every slot ``s`` and key ``k``: bit ``s`` of ``_holders[k]`` is set iff ``k`` is in
+* ``_holders.get(k)`` is 0 only for a key that is not stored: a key with no holder is deleted.
+* For every slot ``s`` and key ``k``: bit ``s`` of ``_holders.get(k)`` is set iff ``k`` is in
   ``_keys_of[worker(s)]`` (really stored) or in ``_pred_of[worker(s)]`` (predicted).
 * ``count``, ``keys_of`` and ``entries`` report real keys only.
 * A slot is reused only after its worker has been removed and all its keys cleared.
@@ -32,14 +32,16 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
+
+from kvroute.core.holders import make_holders
 
 
 class PrefixIndex:
     """Key -> worker bitmask, plus each worker's key set (for removal and snapshots)."""
 
-    def __init__(self) -> None:
-        self._holders: dict[int, int] = {}
+    def __init__(self, native: bool = True) -> None:
+        self._holders = make_holders(native)  # the C map when built (same results, faster)
         self._slot_of: dict[str, int] = {}
         self._worker_of_slot: dict[int, str] = {}
         self._keys_of: dict[str, dict[int, None]] = {}  # a set that the collector skips
@@ -88,13 +90,11 @@ class PrefixIndex:
 
     def add(self, worker: str, keys: Iterable[int]) -> None:
         slot = self._slot(worker)
-        bit = 1 << slot
+        keys = _listed(keys)
         mine = self._keys_of[worker]
         pred = self._pred_of[worker]
-        holders = self._holders
-        for k in keys:
-            holders[k] = holders.get(k, 0) | bit
-            mine[k] = None
+        self._holders.set_bit(keys, slot)
+        mine.update(dict.fromkeys(keys))
         if pred:
             for k in [k for k in pred if k in mine]:
                 del pred[k]  # confirmed by the engine
@@ -111,28 +111,17 @@ class PrefixIndex:
 
     def _drop(self, slot: int, keys: Iterable[int], keep: Container[int]) -> None:
         """Clear ``slot``'s bit on ``keys``, except those in ``keep``."""
-        clear = ~(1 << slot)
-        holders = self._holders
-        for k in keys:
-            if k in keep:
-                continue
-            m = holders.get(k, 0) & clear
-            if m:
-                holders[k] = m
-            else:
-                holders.pop(k, None)
+        self._holders.clear_bit([k for k in keys if k not in keep] if keep else keys, slot)
 
     def predict(self, worker: str, keys: Iterable[int], deadline: float) -> None:
         """``worker`` is expected to store ``keys`` soon: match them as held until
         ``deadline`` (on the caller's clock) unless a real store confirms them first."""
-        bit = 1 << self._slot(worker)
+        slot = self._slot(worker)
         mine = self._keys_of[worker]
         pred = self._pred_of[worker]
-        holders = self._holders
         new = tuple(k for k in keys if k not in mine)
-        for k in new:
-            holders[k] = holders.get(k, 0) | bit
-            pred[k] = deadline
+        self._holders.set_bit(new, slot)
+        pred.update(dict.fromkeys(new, deadline))
         if new:
             heapq.heappush(self._pred_heap, (deadline, worker, new))
 
@@ -188,30 +177,10 @@ class PrefixIndex:
 
         Stops consuming ``keys`` at the first block that no worker still matching holds.
         """
-        holders = self._holders
-        it = iter(keys)
-        first = next(it, None)
-        if first is None:
-            return {}
-        active = holders.get(first, 0)
-        if not active:
-            return {}
-        result: dict[str, int] = {}
-        depth = 1
-        for k in it:
-            nxt = active & holders.get(k, 0)
-            if nxt != active:
-                self._record(active & ~nxt, depth, result)
-                if not nxt:
-                    return result
-                active = nxt
-            depth += 1
-        self._record(active, depth, result)
-        return result
-
-    def _record(self, mask: int, depth: int, out: dict[str, int]) -> None:
         names = self._worker_of_slot
-        while mask:
-            low = mask & -mask
-            out[names[low.bit_length() - 1]] = depth
-            mask ^= low
+        return {names[s]: depth for s, depth in self._holders.walk(keys).items()}
+
+
+def _listed(keys: Iterable[int]) -> Sequence[int]:
+    """``keys`` as a list or tuple (read twice by ``add``)."""
+    return keys if isinstance(keys, (list, tuple)) else list(keys)

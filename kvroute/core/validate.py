@@ -44,13 +44,17 @@ def check_sampling(req: common_pb2.GenerateRequest, limits: Limits) -> int:
     return s.max_tokens
 
 
-def check_tokens(tokens: Sequence[int], limits: Limits, field: str = "token_ids") -> None:
+def check_tokens(tokens: Sequence[int], limits: Limits, field: str = "token_ids",
+                 top: int | None = None) -> None:
+    """``top`` is the largest id when the caller has it already (``request_token_ids``):
+    ``max`` over a protobuf container costs ~80 ns a token."""
     if not tokens:
         raise InvalidRequestError(field, "the prompt is empty")
     if len(tokens) > limits.max_prompt_tokens:
         raise InvalidRequestError(field, f"prompt of {len(tokens)} tokens exceeds the limit of "
                                     f"{limits.max_prompt_tokens}")
-    top = max(tokens)
+    if top is None:
+        top = max(tokens)
     if top >= limits.vocab_size:
         raise InvalidRequestError(field, f"token id {top} is out of range [0, {limits.vocab_size})")
 

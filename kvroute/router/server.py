@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -39,6 +40,7 @@ from kvroute.core.validate import (
     check_sampling,
     check_tokens,
 )
+from kvroute.core.wire import request_token_ids
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.decide import Decider, Decision, NoWorkersError
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
@@ -52,6 +54,47 @@ log = logging.getLogger("kvroute.router")
 SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 _DOWN_S = 2.0  # how long a worker that refused a request is skipped
 _MAX_ATTEMPTS = 2  # the chosen worker, then the next-best once
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A GenerateRequest as gRPC delivered it: parsed, and the bytes it was parsed from, in
+    which its token ids are read without a Python int each (:mod:`kvroute.core.wire`)."""
+
+    msg: common_pb2.GenerateRequest
+    wire: bytes
+
+    @classmethod
+    def parse(cls, wire: bytes) -> Received:
+        return cls(common_pb2.GenerateRequest.FromString(wire), wire)
+
+
+def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
+    """Serve ``service`` as kvroute.v1.Router, as the generated
+    ``add_RouterServicer_to_server`` does, except that each request keeps its wire bytes."""
+
+    async def route(r: Received, context: grpc.aio.ServicerContext
+                    ) -> router_pb2.RouteResponse:
+        return await service.Route(r.msg, context, r.wire)
+
+    async def generate(r: Received, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        async for resp in service.Generate(r.msg, context, r.wire):
+            yield resp
+
+    handlers = {
+        "Route": grpc.unary_unary_rpc_method_handler(
+            route, request_deserializer=Received.parse,
+            response_serializer=router_pb2.RouteResponse.SerializeToString),
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate, request_deserializer=Received.parse,
+            response_serializer=common_pb2.GenerateResponse.SerializeToString),
+    }
+    missing = set(router_pb2.DESCRIPTOR.services_by_name["Router"].methods_by_name) - set(handlers)
+    if missing:  # a method added to router.proto must be added here too
+        raise RuntimeError(f"kvroute.v1.Router methods without a handler: {sorted(missing)}")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -71,7 +114,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     # -- shared front half -------------------------------------------------------------------
 
-    def _prompt(self, req: common_pb2.GenerateRequest) -> Sequence[int]:
+    def _prompt(self, req: common_pb2.GenerateRequest, wire: bytes | None) -> Sequence[int]:
         check_names(req, self._cfg.model)
         if req.token_ids and req.text:
             raise InvalidRequestError("text", "give token_ids or text, not both")
@@ -82,8 +125,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             tokens: Sequence[int] = self._tok.encode(req.text)
             check_tokens(tokens, self._limits, "text")
             return tokens
-        tokens = req.token_ids
-        check_tokens(tokens, self._limits)
+        tokens, top = request_token_ids(req, wire)
+        check_tokens(tokens, self._limits, top=top)
         return tokens
 
     def _decide(self, tokens: Sequence[int], req: common_pb2.GenerateRequest) -> Decision:
@@ -98,10 +141,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
     # -- RPCs ------------------------------------------------------------------------------
 
     async def Route(  # noqa: N802 - gRPC method name
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+        wire: bytes | None = None,
     ) -> router_pb2.RouteResponse:
+        """``wire``: the bytes ``request`` was parsed from (:func:`add_router_service`)."""
         try:
-            tokens = self._prompt(request)
+            tokens = self._prompt(request, wire)
             d = self._decide(tokens, request)
         except InvalidRequestError as exc:
             self._m.requests.labels("Route", "invalid").inc()
@@ -129,11 +174,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return resp
 
     async def Generate(  # noqa: N802 - gRPC method name
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+        wire: bytes | None = None,
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """``wire``: the bytes ``request`` was parsed from (:func:`add_router_service`)."""
         t0 = time.perf_counter()
         try:
-            tokens = self._prompt(request)
+            tokens = self._prompt(request, wire)
             check_sampling(request, self._limits)
             d = self._decide(tokens, request)
         except InvalidRequestError as exc:
@@ -363,7 +410,7 @@ class RouterApp:
         self.port = bind(server, cfg.host, cfg.port)
         self.service = RouterService(cfg, self.decider, self.mirror, self.registry,
                                      self.channels, self.metrics, self._tok)
-        router_pb2_grpc.add_RouterServicer_to_server(self.service, server)
+        add_router_service(self.service, server)
         self._health = add_standard_services(server, [SERVICE])
         await server.start()
         self._server = server

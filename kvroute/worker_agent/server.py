@@ -30,6 +30,7 @@ from kvroute.core.validate import (
     check_sampling,
     check_tokens,
 )
+from kvroute.core.wire import request_token_ids
 from kvroute.v1 import common_pb2, worker_agent_pb2, worker_agent_pb2_grpc
 from kvroute.worker_agent.controller import ProgramError, ProgramLimits, ProgramRuntime
 from kvroute.worker_agent.engines.base import Engine, EngineError, EngineRequest
@@ -82,7 +83,8 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
                 raise InvalidRequestError(
                     "text", "the agent takes token ids; send text to the router")
             max_tokens = check_sampling(request, self._limits)
-            check_tokens(request.token_ids, self._limits)
+            prompt, top = request_token_ids(request)
+            check_tokens(prompt, self._limits, top=top)
         except InvalidRequestError as exc:
             self._m.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -92,7 +94,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
                 yield resp
             return
         ereq = EngineRequest(
-            request_id=rid, token_ids=list(request.token_ids), max_tokens=max_tokens,
+            request_id=rid, token_ids=list(prompt), max_tokens=max_tokens,
             cache_salt=request.cache_salt, seed=request.sampling.seed,
             stop_token_ids=frozenset(request.sampling.stop_token_ids),
             temperature=request.sampling.temperature,

@@ -114,3 +114,21 @@ def test_bad_tokens_raise_on_both_paths(native: bool) -> None:
         h.keys([1, 2**32])
     with pytest.raises((OverflowError, TypeError)):
         h.keys([-1, 0])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_uint32_buffer_hashes_like_its_list(native: bool) -> None:
+    # The router hands the hasher an array('I') decoded off the wire (kvroute/core/wire.py);
+    # the C path reads it in place, and any other buffer as a sequence of ints.
+    import random
+    from array import array
+
+    rng = random.Random(9)
+    toks = [rng.randrange(2**32) for _ in range(100)]
+    h = BlockHasher(8, "m", "s", native=native)
+    want = h.keys(toks)
+    assert h.keys(array("I", toks)) == want
+    assert h.keys(memoryview(array("I", toks))) == want
+    strided = memoryview(array("I", [x for t in toks for x in (t, 0)]))[::2]
+    assert h.keys(strided) == want  # not contiguous: read as a sequence
+    assert h.keys(array("Q", toks)) == want  # 8-byte items: read as ints

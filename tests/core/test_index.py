@@ -6,8 +6,8 @@ from kvroute.core.index import PrefixIndex
 from tests.support import collector_visits
 
 
-def test_longest_prefix_per_worker() -> None:
-    idx = PrefixIndex()
+def test_longest_prefix_per_worker(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.add("a", [1, 2, 3, 4])
     idx.add("b", [1, 2])
     idx.add("c", [9])
@@ -18,14 +18,14 @@ def test_longest_prefix_per_worker() -> None:
     assert idx.match([]) == {}
 
 
-def test_a_hole_ends_the_prefix() -> None:
-    idx = PrefixIndex()
+def test_a_hole_ends_the_prefix(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.add("a", [1, 3])  # block 2 evicted: only the first block is a usable prefix
     assert idx.match([1, 2, 3]) == {"a": 1}
 
 
-def test_match_stops_consuming_at_first_miss() -> None:
-    idx = PrefixIndex()
+def test_match_stops_consuming_at_first_miss(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.add("a", [1, 2])
     consumed = []
 
@@ -38,8 +38,8 @@ def test_match_stops_consuming_at_first_miss() -> None:
     assert consumed == [1, 2, 3]
 
 
-def test_remove_and_clear() -> None:
-    idx = PrefixIndex()
+def test_remove_and_clear(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.add("a", [1, 2, 3])
     idx.add("b", [1, 2, 3])
     idx.remove("a", [3, 99])
@@ -52,8 +52,8 @@ def test_remove_and_clear() -> None:
     assert idx.workers() == ["b"]
 
 
-def test_slots_are_reused_without_leaking_keys() -> None:
-    idx = PrefixIndex()
+def test_slots_are_reused_without_leaking_keys(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.add("a", [1])
     idx.remove_worker("a")
     idx.add("z", [2])  # takes a's slot
@@ -61,17 +61,17 @@ def test_slots_are_reused_without_leaking_keys() -> None:
     assert idx.match([2]) == {"z": 1}
 
 
-def test_replace_worker_is_a_snapshot_load() -> None:
-    idx = PrefixIndex()
+def test_replace_worker_is_a_snapshot_load(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.add("a", [1, 2, 3])
     idx.replace_worker("a", [7, 8])
     assert idx.keys_of("a") == {7, 8}
     assert idx.match([1]) == {}
 
 
-def test_against_a_naive_model() -> None:
+def test_against_a_naive_model(native: bool) -> None:
     rng = random.Random(3)
-    idx = PrefixIndex()
+    idx = PrefixIndex(native=native)
     naive: dict[str, set[int]] = {}
     workers = [f"w{i}" for i in range(70)]  # more than 64 slots: bitmasks past one word
     for _ in range(3000):
@@ -102,8 +102,8 @@ def test_against_a_naive_model() -> None:
     assert idx.entries() == sum(len(s) for s in naive.values())
 
 
-def test_predictions_match_until_they_expire_or_are_confirmed() -> None:
-    idx = PrefixIndex()
+def test_predictions_match_until_they_expire_or_are_confirmed(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.add("a", [1])
     idx.predict("b", [1, 2, 3], deadline=10.0)
     assert idx.match([1, 2, 3]) == {"a": 1, "b": 3}
@@ -114,8 +114,8 @@ def test_predictions_match_until_they_expire_or_are_confirmed() -> None:
     assert idx.match([1, 2, 3]) == {"a": 1, "b": 2}
 
 
-def test_predictions_survive_a_real_evict_and_clear_and_vice_versa() -> None:
-    idx = PrefixIndex()
+def test_predictions_survive_a_real_evict_and_clear_and_vice_versa(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.add("w", [1, 2])
     idx.predict("w", [2, 3], deadline=5.0)  # 2 already real: not a prediction
     assert idx.predicted("w") == 1
@@ -131,8 +131,8 @@ def test_predictions_survive_a_real_evict_and_clear_and_vice_versa() -> None:
     assert idx.match([4]) == {} and idx.expire(2.0) == 0
 
 
-def test_a_later_prediction_extends_the_deadline() -> None:
-    idx = PrefixIndex()
+def test_a_later_prediction_extends_the_deadline(native: bool) -> None:
+    idx = PrefixIndex(native=native)
     idx.predict("w", [1], deadline=1.0)
     idx.predict("w", [1], deadline=3.0)
     idx.expire(2.0)
@@ -141,10 +141,10 @@ def test_a_later_prediction_extends_the_deadline() -> None:
     assert idx.match([1]) == {}
 
 
-def test_the_collector_has_nothing_to_walk_per_key() -> None:
+def test_the_collector_has_nothing_to_walk_per_key(native: bool) -> None:
     # The router holds the index for life, and every full collection walks whatever of it
     # the collector tracks: with a set per worker, 1M entries made that a ~100 ms stall.
-    idx = PrefixIndex()
+    idx = PrefixIndex(native=native)
     for w in ("a", "b", "c"):
         idx.add(w, [0])
     one_key_each = collector_visits(idx)

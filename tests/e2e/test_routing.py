@@ -12,7 +12,7 @@ import pytest
 
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.policies import KvrouteCost
-from tests.support import AgentProc, generate, route, wait_for
+from tests.support import AgentProc, generate, route, token_ids_wire, wait_for
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -77,6 +77,42 @@ async def test_malformed_requests_get_invalid_argument(cluster) -> None:
             await generate(router.port, kw.pop("tokens", None), **kw)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
         assert needle in err.value.details(), err.value.details()
+
+
+async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
+    # The router reads the ids from the bytes gRPC received (kvroute/core/wire.py); a client
+    # may write them unpacked or in several packed records, and must get the same answer.
+    from kvroute.v1 import common_pb2, router_pb2
+
+    for w in ("a", "b"):
+        await cluster.agent(w)
+    router = await cluster.router()
+    await wait_for(lambda: len(router.registry.loads) == 2, what="2 workers registered")
+    system = prompt(1024, 11)
+    first = await generate(router.port, system + prompt(50, 12))
+    holder = first[0].worker_id
+    await wait_for(lambda: router.mirror.index.count(holder) >= 1024 // 16, what="indexed")
+    tokens = system + prompt(200, 13)
+    tail = common_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(max_tokens=2)).SerializeToString()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+        raw_route = ch.unary_unary("/kvroute.v1.Router/Route",
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=router_pb2.RouteResponse.FromString)
+        raw_generate = ch.unary_stream(
+            "/kvroute.v1.Router/Generate", request_serializer=lambda b: b,
+            response_deserializer=common_pb2.GenerateResponse.FromString)
+        encodings = ("packed", "unpacked", "split")
+        for how in encodings:  # Route first: it changes no cache
+            r = await raw_route(token_ids_wire(tokens, how) + tail)
+            assert (r.worker_id, r.prompt_tokens, r.cached_tokens) == (holder, 1224, 1024), how
+        for how in encodings:
+            out = [x async for x in raw_generate(token_ids_wire(tokens, how) + tail)]
+            assert out[0].worker_id == holder and out[-1].usage.prompt_tokens == 1224, how
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await raw_route(token_ids_wire([1, 50257, 2], how) + tail)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "token id 50257 is out of range" in err.value.details(), how
 
 
 async def test_text_prompts_with_a_tokenizer(cluster) -> None:

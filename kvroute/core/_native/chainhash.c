@@ -3,9 +3,10 @@
  *   key_i = XXH3_64(le64(key_{i-1}) || le32(t_{iB}) .. le32(t_{iB+B-1})),  key_{-1} = seed
  *
  * chain_keys(tokens, block_size, seed) -> list[int]
- *   tokens: any sequence of ints in [0, 2**32) (a list, a protobuf repeated field, an
- *   array('I')). Only full blocks are keyed. Raises OverflowError / TypeError like the
- *   pure-Python path. The xxHash header is vendored from xxHash 0.8 (BSD-2-Clause, see
+ *   tokens: any sequence of ints in [0, 2**32) (a list, a protobuf repeated field), or a
+ *   buffer of native uint32 (array('I'), as kvroute/core/wire.py decodes a request's
+ *   token_ids), which is read in place without a Python int per token. Only full blocks
+ *   are keyed. Raises OverflowError / TypeError like the pure-Python path. The xxHash header is vendored from xxHash 0.8 (BSD-2-Clause, see
  *   LICENSE.xxhash).
  */
 #define PY_SSIZE_T_CLEAN
@@ -24,6 +25,26 @@ static void put_le32(unsigned char *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
+/* A buffer of native uint32 token ids (array('I'), numpy uint32), else 0 with view unset. */
+static int get_u32_buffer(PyObject *obj, Py_buffer *view) {
+    if (!PyObject_CheckBuffer(obj)) return 0;
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear(); /* not contiguous: read it as a sequence instead */
+        return 0;
+    }
+    const char *f = view->format ? view->format : "B";
+    int little = 1;
+    little = *(const unsigned char *)&little;
+    int native_u32 = view->itemsize == 4 &&
+        (!strcmp(f, "I") || !strcmp(f, "=I") || !strcmp(f, "@I") ||
+         (little && !strcmp(f, "<I")) || (!little && !strcmp(f, ">I")));
+    if (!native_u32) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *chain_keys(PyObject *self, PyObject *args) {
     PyObject *tokens;
     Py_ssize_t block_size;
@@ -33,31 +54,45 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "block_size must be > 0, got %zd", block_size);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer view;
+    int buffered = get_u32_buffer(tokens, &view);
+    PyObject *seq = NULL;
+    PyObject **items = NULL;
+    const uint32_t *ids = NULL;
+    Py_ssize_t n;
+    if (buffered) {
+        ids = (const uint32_t *)view.buf;
+        n = view.len / 4;
+    } else {
+        seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
+        if (seq == NULL) return NULL;
+        items = PySequence_Fast_ITEMS(seq);
+        n = PySequence_Fast_GET_SIZE(seq);
+    }
     Py_ssize_t blocks = n / block_size;
     PyObject *out = PyList_New(blocks);
     unsigned char *buf = PyMem_Malloc(8 + 4 * (size_t)block_size);
     if (out == NULL || buf == NULL) {
-        Py_XDECREF(out);
-        Py_DECREF(seq);
-        PyMem_Free(buf);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto fail;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     uint64_t prev = (uint64_t)seed;
     for (Py_ssize_t b = 0; b < blocks; b++) {
         put_le64(buf, prev);
         for (Py_ssize_t j = 0; j < block_size; j++) {
-            PyObject *item = items[b * block_size + j];
-            unsigned long v = PyLong_AsUnsignedLong(item);
-            if (v == (unsigned long)-1 && PyErr_Occurred()) goto fail;
-            if (v > 0xFFFFFFFFUL) {
-                PyErr_SetString(PyExc_OverflowError, "token id does not fit in uint32");
-                goto fail;
+            uint32_t t;
+            if (ids != NULL) {
+                t = ids[b * block_size + j];
+            } else {
+                unsigned long v = PyLong_AsUnsignedLong(items[b * block_size + j]);
+                if (v == (unsigned long)-1 && PyErr_Occurred()) goto fail;
+                if (v > 0xFFFFFFFFUL) {
+                    PyErr_SetString(PyExc_OverflowError, "token id does not fit in uint32");
+                    goto fail;
+                }
+                t = (uint32_t)v;
             }
-            put_le32(buf + 8 + 4 * j, (uint32_t)v);
+            put_le32(buf + 8 + 4 * j, t);
         }
         prev = XXH3_64bits(buf, 8 + 4 * (size_t)block_size);
         PyObject *key = PyLong_FromUnsignedLongLong(prev);
@@ -65,12 +100,14 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(out, b, key);
     }
     PyMem_Free(buf);
-    Py_DECREF(seq);
+    if (buffered) PyBuffer_Release(&view);
+    Py_XDECREF(seq);
     return out;
 fail:
     PyMem_Free(buf);
-    Py_DECREF(seq);
-    Py_DECREF(out);
+    if (buffered) PyBuffer_Release(&view);
+    Py_XDECREF(seq);
+    Py_XDECREF(out);
     return NULL;
 }
 
