@@ -196,9 +196,7 @@ class KvrouteCost:
         full_miss = beta * work(p, 0, attn)  # most workers match nothing
         # kw * kv_usage * capacity tokens == kw * blocks held * block size
         costs = {
-            w: full_miss + ld.pending_prefill_tokens
-            + dw * (ld.running if ld.running > ld.inflight else ld.inflight)
-            + (kw * (ld.capacity_blocks - ld.free_blocks) * bs if ld.capacity_blocks else 0.0)
+            w: full_miss + ld.pending_prefill_tokens + dw * ld.busy + kw * ld.used_blocks * bs
             for w, ld in loads.items()
         }
         cached: dict[str, int] = {}

@@ -374,10 +374,7 @@ class DynamoKvRouter:
         for w, ld in query.loads.items():
             overlap = query.cached_tokens(w) / bs
             prefill = max(ld.pending_prefill_tokens / bs + prompt_blocks - overlap, 0.0)
-            if ld.capacity_blocks > 0:
-                held = float(ld.capacity_blocks - ld.free_blocks)
-            else:
-                held = max(ld.running, ld.inflight) * prompt_blocks
+            held = float(ld.used_blocks) if ld.capacity_blocks > 0 else ld.busy * prompt_blocks
             out[w] = self.prefill_load_scale * prefill + held + prompt_blocks
         return out
 
@@ -435,10 +432,10 @@ class PrebleE2:
         loads = query.loads
         if best > p - best:
             keys = {w: (-cached[w], loads[w].pending_prefill_tokens,
-                        max(loads[w].running, loads[w].inflight)) for w in loads}
+                        loads[w].busy) for w in loads}
             return rank_by_key(query, keys, lambda w: p - cached[w])
         keys = {w: (loads[w].pending_prefill_tokens + p - cached[w],
-                    max(loads[w].running, loads[w].inflight)) for w in loads}
+                    loads[w].busy) for w in loads}
         return rank_by_key(query, keys, lambda w: keys[w][0])
 
 
