@@ -1,0 +1,184 @@
+"""Benchmark: what the router adds to a request, over real gRPC and a real Redis.
+
+A real redis-server; one real ``CachePublisher`` per worker (as each agent runs) writes its
+snapshot and heartbeat: ``--entries`` (block, worker) entries in all, each query prompt's
+prefix cached to a random depth on 1-4 workers. A real router (``RouterApp``) mirrors them.
+A client on loopback then times, interleaved call by call on one channel:
+
+* **bare RPC** -- the baseline: a unary RPC that takes the same GenerateRequest (parsed as
+  the generated code parses it) and answers with an empty message, served in the same
+  process: gRPC's own round trip carrying the prompt;
+* **Route** -- ``kvroute.v1.Router/Route`` with the prompt's token ids: the full decision,
+  and a RouteResponse listing every worker;
+* **Route, generated registration** -- the same servicer registered with the generated
+  ``add_RouterServicer_to_server`` on a second port: the request's wire bytes are not kept,
+  so its token ids are read from the request re-serialized (``kvroute/core/wire.py``).
+
+    python bench/router_rpc.py [--workers 128] [--entries 200000] [--iters 300]
+
+Prints p50/p99 in microseconds and what Route adds over the bare RPC at p50: the decision,
+the servicer's bookkeeping and the RouteResponse (every live worker, best first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+
+from kvroute.core.blocks import BlockHasher
+from kvroute.core.config import RouterConfig
+from kvroute.core.redis_conn import connect
+from kvroute.core.redis_schema import Heartbeat, RedisKeys
+from kvroute.demo.procs import Children, find_redis_server, wait_redis
+from kvroute.router.server import RouterApp
+from kvroute.v1 import common_pb2, router_pb2_grpc
+from kvroute.worker_agent.publisher import CachePublisher
+
+BLOCK = 16
+MODEL = "bench"
+LENGTHS = (1024, 8192, 32768)
+
+
+def worker_keys(workers: int, entries: int, prompts: list[list[int]], rng: random.Random
+                ) -> dict[str, list[int]]:
+    """Each worker's cached keys: the query prompts' prefixes, then random background."""
+    hasher = BlockHasher(BLOCK, MODEL)
+    held: dict[str, set[int]] = {f"w{i:03d}": set() for i in range(workers)}
+    names = list(held)
+    for p in prompts:
+        keys = hasher.keys(p)
+        for w in rng.sample(names, rng.randint(1, 4)):
+            held[w].update(keys[: rng.randint(len(keys) // 4, len(keys))])
+    per_worker = max(0, entries - sum(map(len, held.values()))) // workers
+    for w in names:
+        held[w].update(rng.getrandbits(64) for _ in range(per_worker))
+    return {w: list(ks) for w, ks in held.items()}
+
+
+async def timed(call: Callable[[], Awaitable[object]]) -> float:
+    t0 = time.perf_counter_ns()
+    await call()
+    return (time.perf_counter_ns() - t0) / 1000
+
+
+def pct(xs: list[float], q: int) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+
+
+async def run(args: argparse.Namespace, redis_url: str) -> None:
+    rng = random.Random(args.seed)
+    prompts = {n: [[rng.randrange(50257) for _ in range(n)] for _ in range(10)]
+               for n in LENGTHS}
+    held = worker_keys(args.workers, args.entries,
+                       [p for ps in prompts.values() for p in ps], rng)
+    keys = RedisKeys(MODEL)
+    pubs_by: dict[str, CachePublisher] = {}
+    for w, ks in held.items():
+        load = dict(running=rng.randint(0, 8), pending_prefill_tokens=rng.randint(0, 4000),
+                    capacity_blocks=100_000, free_blocks=100_000 - len(ks), max_running=64)
+
+        def beat(w: str = w, load: dict[str, int] = load) -> Heartbeat:
+            return Heartbeat(w, "127.0.0.1:1", pubs_by[w].epoch, block_size=BLOCK,
+                             ttl_s=30.0, **load)
+
+        pubs_by[w] = CachePublisher(connect(redis_url), keys, w, lambda ks=ks: ks, beat,
+                                    heartbeat_s=5.0, heartbeat_ttl_s=30.0)
+    pubs = list(pubs_by.values())
+    t0 = time.perf_counter()
+    for p in pubs:
+        await p.start()
+    while not all(p.seq for p in pubs):
+        await asyncio.sleep(0.05)
+    total = sum(map(len, held.values()))
+    router = RouterApp(RouterConfig(redis=redis_url, port=0, model=MODEL, block_size=BLOCK,
+                                    log_level="warning", max_prompt_tokens=65536))
+    await router.start(wait_for_redis_s=30)
+    deadline = time.monotonic() + 120
+    while (router.mirror.index.entries() < total
+           or len(router.registry.loads) < args.workers):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the router mirrored {router.mirror.index.entries()} of {total} "
+                             f"entries, {len(router.registry.loads)} of {args.workers} workers")
+        await asyncio.sleep(0.1)
+    print(f"{args.workers} workers, {total:,} index entries written and mirrored in "
+          f"{time.perf_counter() - t0:.1f}s")
+
+    async def take(_req: common_pb2.GenerateRequest, _ctx: object) -> bytes:
+        return b""
+
+    generated = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(router.service, generated)
+    generated.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Null", {
+        "Take": grpc.unary_unary_rpc_method_handler(
+            take, request_deserializer=common_pb2.GenerateRequest.FromString,
+            response_serializer=bytes)}),))
+    gen_port = generated.add_insecure_port("127.0.0.1:0")
+    await generated.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{gen_port}") as ch2:
+            route = router_pb2_grpc.RouterStub(ch).Route
+            route_gen = router_pb2_grpc.RouterStub(ch2).Route
+            bare_call = ch2.unary_unary(
+                "/bench.Null/Take",
+                request_serializer=common_pb2.GenerateRequest.SerializeToString,
+                response_deserializer=bytes)
+            print(f"{'prompt':>7} | {'bare RPC p50':>12} {'p99':>7} | {'Route p50':>9} {'p99':>7}"
+                  f" | {'added p50':>9} | {'generated reg. p50':>18} {'p99':>7}")
+            for n in LENGTHS:
+                reqs = [common_pb2.GenerateRequest(token_ids=p, model=MODEL)
+                        for p in prompts[n]]
+                for r in reqs:  # same answer on both registrations, and warm channels
+                    a, b = await route(r), await route_gen(r)
+                    assert (a.worker_id, a.cached_tokens) == (b.worker_id, b.cached_tokens)
+                calls: dict[str, list[float]] = {"bare": [], "route": [], "gen": []}
+                for i in range(args.iters):
+                    r = reqs[i % len(reqs)]
+                    order = [("bare", lambda r=r: bare_call(r)),
+                             ("route", lambda r=r: route(r)),
+                             ("gen", lambda r=r: route_gen(r))]
+                    for name, call in order[i % 3:] + order[: i % 3]:
+                        calls[name].append(await timed(call))
+                bare, ours, gen = calls["bare"], calls["route"], calls["gen"]
+                print(f"{n:>7} | {pct(bare, 50):>10.0f}us {pct(bare, 99):>5.0f}us |"
+                      f" {pct(ours, 50):>7.0f}us {pct(ours, 99):>5.0f}us |"
+                      f" {pct(ours, 50) - pct(bare, 50):>7.0f}us |"
+                      f" {pct(gen, 50):>16.0f}us {pct(gen, 99):>5.0f}us", flush=True)
+    finally:
+        await generated.stop(0)
+        await router.stop()
+        for p in pubs:
+            await p.stop(deregister=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=128)
+    ap.add_argument("--entries", type=int, default=200_000, help="index size")
+    ap.add_argument("--iters", type=int, default=300, help="calls timed per prompt length")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
+        children = Children(Path(tmp))
+        port = children.free_port()
+        redis = children.spawn("redis", [find_redis_server(), "--port", str(port), "--bind",
+                                         "127.0.0.1", "--save", "", "--appendonly", "no"],
+                               stop_last=True)
+        url = f"redis://127.0.0.1:{port}/0"
+        try:
+            asyncio.run(wait_redis(url, redis, 10))
+            asyncio.run(run(args, url))
+        finally:
+            children.stop_all()
+
+
+if __name__ == "__main__":
+    main()
