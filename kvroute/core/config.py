@@ -63,6 +63,9 @@ class RouterConfig(CommonConfig):
                                  "prediction stands for before it is sent anyway")
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
+    route_candidates: int = opt(0, "most workers a Route response lists as candidates, best "
+                                "first (0: every live worker; listing 128 costs ~0.2-0.3 ms "
+                                "a call)")
     discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
     k8s_namespace: str = opt("", "kubernetes discovery: namespace (default: the pod's own)")
     k8s_selector: str = opt("app.kubernetes.io/component=worker",
@@ -77,6 +80,9 @@ class RouterConfig(CommonConfig):
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
                 need = "> 0" if positive else ">= 0"
                 raise SystemExit(f"{_flag(name)} must be a finite number {need}, got {v!r}")
+        if self.route_candidates < 0:
+            raise SystemExit(f"{_flag('route_candidates')} must be >= 0 (0: every worker), "
+                             f"got {self.route_candidates}")
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             cached_tokens=d.cached_tokens(d.best), prompt_tokens=len(tokens),
             policy=self._decider.policy.name, degraded=not self._mirror.available,
         )
-        for s in d.ranked:
+        most = self._cfg.route_candidates
+        for s in d.ranked[:most] if most else d.ranked:
             info = self._registry.get(s.worker)
             resp.candidates.add(worker_id=s.worker, address=info.address if info else "",
                                 cached_tokens=d.cached_tokens(s.worker), cost=s.cost)

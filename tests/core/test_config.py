@@ -36,3 +36,9 @@ def test_coalescing_window_and_wait_are_checked() -> None:
                      ({"coalesce_wait_s": float("inf")}, "--coalesce-wait-s")):
         with pytest.raises(SystemExit, match=flag):
             RouterConfig(**kw)
+
+
+def test_route_candidates_must_not_be_negative() -> None:
+    assert RouterConfig().route_candidates == 0  # every live worker
+    with pytest.raises(SystemExit, match="--route-candidates must be >= 0"):
+        RouterConfig(route_candidates=-1)

@@ -341,3 +341,18 @@ async def test_policy_parameters_set_on_the_command_line_take_effect(cluster) ->
     assert {c.worker_id for c in doubled.candidates} == set(costs) == {"a", "b"}
     for c in doubled.candidates:
         assert c.cost - costs[c.worker_id] == pytest.approx(2.0 * work, rel=1e-6)
+
+
+async def test_route_candidates_caps_the_list_best_first(cluster) -> None:
+    for w in ("a", "b", "c"):
+        await cluster.agent(w)
+    every = await cluster.router()
+    capped = await cluster.router(route_candidates=2)
+    for r in (every, capped):
+        await wait_for(lambda r=r: len(r.registry.loads) == 3, what="3 workers registered")
+    tokens = prompt(300, 78)
+    full, short = await route(every.port, tokens), await route(capped.port, tokens)
+    assert len(full.candidates) == 3
+    assert [c.worker_id for c in short.candidates] == [c.worker_id for c in full.candidates[:2]]
+    assert short.worker_id == full.worker_id == short.candidates[0].worker_id
+    assert short.address == short.candidates[0].address
