@@ -15,6 +15,7 @@ A client on loopback then times, interleaved call by call on one channel:
   so its token ids are read from the request re-serialized (``kvroute/core/wire.py``).
 
     python bench/router_rpc.py [--workers 128] [--entries 200000] [--iters 300]
+                               [--route-candidates 0]
 
 Prints p50/p99 in microseconds and what Route adds over the bare RPC at p50: the decision,
 the servicer's bookkeeping and the RouteResponse (every live worker, best first).
@@ -99,7 +100,8 @@ async def run(args: argparse.Namespace, redis_url: str) -> None:
         await asyncio.sleep(0.05)
     total = sum(map(len, held.values()))
     router = RouterApp(RouterConfig(redis=redis_url, port=0, model=MODEL, block_size=BLOCK,
-                                    log_level="warning", max_prompt_tokens=65536))
+                                    log_level="warning", max_prompt_tokens=65536,
+                                    route_candidates=args.route_candidates))
     await router.start(wait_for_redis_s=30)
     deadline = time.monotonic() + 120
     while (router.mirror.index.entries() < total
@@ -165,6 +167,8 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=200_000, help="index size")
     ap.add_argument("--iters", type=int, default=300, help="calls timed per prompt length")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--route-candidates", type=int, default=0,
+                    help="the router's --route-candidates (0: list every worker)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
         children = Children(Path(tmp))
