@@ -28,9 +28,7 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import msgpack
 import zmq
@@ -206,25 +204,15 @@ async def run_agent(n: int, redis_url: str | None) -> tuple[float, int]:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from kvroute.demo.procs import Children, find_redis_server, wait_redis
+    from kvroute.demo.procs import scratch_redis
 
     n = args.batches
     n_events, n_blocks = events_in(make_payloads(n))
-    with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
-        children = Children(Path(tmp))
-        port = children.free_port()
-        redis = children.spawn("redis", [find_redis_server(), "--port", str(port), "--bind",
-                                         "127.0.0.1", "--save", "", "--appendonly", "no"],
-                               stop_last=True)
-        url = f"redis://127.0.0.1:{port}/0"
-        try:
-            await wait_redis(url, redis, 10)
-            rows = [("baseline: zmq recv + msgpack decode", run_baseline(n)),
-                    ("agent ingest (vllm adapter)", (await run_agent(n, None))[0])]
-            secs, held = await run_agent(n, url)
-            rows.append(("agent ingest + publish to Redis", secs))
-        finally:
-            children.stop_all()
+    async with scratch_redis() as url:
+        rows = [("baseline: zmq recv + msgpack decode", run_baseline(n)),
+                ("agent ingest (vllm adapter)", (await run_agent(n, None))[0])]
+        secs, held = await run_agent(n, url)
+        rows.append(("agent ingest + publish to Redis", secs))
     base = rows[0][1]
     print(f"{n} batches = {n_events} vLLM events ({n_blocks} blocks), "
           f"{os.cpu_count()} CPUs, held at the end: {held} blocks")

@@ -27,10 +27,8 @@ import argparse
 import asyncio
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import grpc
 
@@ -38,7 +36,7 @@ from kvroute.core.blocks import BlockHasher
 from kvroute.core.config import RouterConfig
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys
-from kvroute.demo.procs import Children, find_redis_server, wait_redis
+from kvroute.demo.procs import scratch_redis
 from kvroute.router.server import RouterApp
 from kvroute.v1 import common_pb2, router_pb2_grpc
 from kvroute.worker_agent.publisher import CachePublisher
@@ -74,7 +72,12 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
 
 
-async def run(args: argparse.Namespace, redis_url: str) -> None:
+async def run(args: argparse.Namespace) -> None:
+    async with scratch_redis() as redis_url:
+        await measure(args, redis_url)
+
+
+async def measure(args: argparse.Namespace, redis_url: str) -> None:
     rng = random.Random(args.seed)
     prompts = {n: [[rng.randrange(50257) for _ in range(n)] for _ in range(10)]
                for n in LENGTHS}
@@ -170,19 +173,7 @@ def main() -> None:
     ap.add_argument("--route-candidates", type=int, default=0,
                     help="the router's --route-candidates (0: list every worker)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
-        children = Children(Path(tmp))
-        port = children.free_port()
-        redis = children.spawn("redis", [find_redis_server(), "--port", str(port), "--bind",
-                                         "127.0.0.1", "--save", "", "--appendonly", "no"],
-                               stop_last=True)
-        url = f"redis://127.0.0.1:{port}/0"
-        try:
-            asyncio.run(wait_redis(url, redis, 10))
-            asyncio.run(run(args, url))
-        finally:
-            children.stop_all()
-
+    asyncio.run(run(args))
 
 if __name__ == "__main__":
     main()

@@ -218,19 +218,25 @@ static int check_slot(Py_ssize_t slot) {
     return 0;
 }
 
-static PyObject *HolderMap_set_bit(HolderMap *m, PyObject *args) {
+/* The (keys, slot) arguments of set_bit and clear_bit: every key converted (so a bad one
+ * raises before any change), and the slot's mask word and bit. Returns the keys (free them
+ * with PyMem_Free) or NULL on error. */
+static uint64_t *bit_args(PyObject *args, Py_ssize_t *n, size_t *word, uint64_t *bit) {
     PyObject *keys;
     Py_ssize_t slot;
     if (!PyArg_ParseTuple(args, "On", &keys, &slot) || check_slot(slot) < 0) return NULL;
+    *word = (size_t)slot / 64;
+    *bit = 1ULL << (slot % 64);
+    return keys_all(keys, n);
+}
+
+static PyObject *HolderMap_set_bit(HolderMap *m, PyObject *args) {
     Py_ssize_t n;
-    uint64_t *ks = keys_all(keys, &n);
+    size_t word;
+    uint64_t bit;
+    uint64_t *ks = bit_args(args, &n, &word, &bit);
     if (ks == NULL) return NULL;
-    size_t word = (size_t)slot / 64;
-    uint64_t bit = 1ULL << (slot % 64);
-    if (word >= m->width) {
-        size_t cap = m->cap ? m->cap : MIN_CAP;
-        if (relayout(m, cap, word + 1) < 0) goto fail;
-    }
+    if (word >= m->width && relayout(m, m->cap ? m->cap : MIN_CAP, word + 1) < 0) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         int inserted;
         uint64_t *e = find_or_insert(m, ks[i], &inserted);
@@ -246,21 +252,16 @@ fail:
 }
 
 static PyObject *HolderMap_clear_bit(HolderMap *m, PyObject *args) {
-    PyObject *keys;
-    Py_ssize_t slot;
-    if (!PyArg_ParseTuple(args, "On", &keys, &slot) || check_slot(slot) < 0) return NULL;
     Py_ssize_t n;
-    uint64_t *ks = keys_all(keys, &n);
+    size_t word;
+    uint64_t bit;
+    uint64_t *ks = bit_args(args, &n, &word, &bit);
     if (ks == NULL) return NULL;
-    size_t word = (size_t)slot / 64;
-    uint64_t bit = 1ULL << (slot % 64);
-    if (word < m->width) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uint64_t *e = find(m, ks[i]);
-            if (e == NULL) continue;
-            e[1 + word] &= ~bit;
-            if (is_empty(e, m->width)) erase(m, e);
-        }
+    for (Py_ssize_t i = 0; word < m->width && i < n; i++) {
+        uint64_t *e = find(m, ks[i]);
+        if (e == NULL) continue;
+        e[1 + word] &= ~bit;
+        if (is_empty(e, m->width)) erase(m, e);
     }
     PyMem_Free(ks);
     Py_RETURN_NONE;
