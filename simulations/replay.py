@@ -213,8 +213,8 @@ class Replayer:
                 # As the router: a held request is no burst member's producer (the router
                 # adds it only once sent, when the prefix is stored), so a burst's later
                 # members wait for its first member, not for each other.
-                index.predict(chosen.name, req.keys, now + ttl)
-                inflight.add(req, chosen.name, req.keys)
+                # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
+                inflight.add(req, chosen.name, index.predict(chosen.name, req.keys, now + ttl))
                 producers.append(req)
             if now >= next_sample:
                 samples.append((now, [lw.inflight for lw in loads.values()]))

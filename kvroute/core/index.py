@@ -32,7 +32,8 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from itertools import filterfalse
 
 from kvroute.core.holders import make_holders
 
@@ -109,21 +110,24 @@ class PrefixIndex:
             mine.pop(k, None)  # not del: a batch may name a key twice
         self._drop(slot, present, keep=self._pred_of[worker])
 
-    def _drop(self, slot: int, keys: Iterable[int], keep: Container[int]) -> None:
+    def _drop(self, slot: int, keys: Iterable[int], keep: Collection[int]) -> None:
         """Clear ``slot``'s bit on ``keys``, except those in ``keep``."""
-        self._holders.clear_bit([k for k in keys if k not in keep] if keep else keys, slot)
+        self._holders.clear_bit(list(filterfalse(keep.__contains__, keys)) if keep else keys,
+                                slot)
 
-    def predict(self, worker: str, keys: Iterable[int], deadline: float) -> None:
+    def predict(self, worker: str, keys: Iterable[int], deadline: float) -> tuple[int, ...]:
         """``worker`` is expected to store ``keys`` soon: match them as held until
-        ``deadline`` (on the caller's clock) unless a real store confirms them first."""
+        ``deadline`` (on the caller's clock) unless a real store confirms them first.
+        Returns the keys predicted: those ``worker`` does not really hold already."""
         slot = self._slot(worker)
         mine = self._keys_of[worker]
         pred = self._pred_of[worker]
-        new = tuple(k for k in keys if k not in mine)
+        new = tuple(filterfalse(mine.__contains__, keys))
         self._holders.set_bit(new, slot)
         pred.update(dict.fromkeys(new, deadline))
         if new:
             heapq.heappush(self._pred_heap, (deadline, worker, new))
+        return new
 
     def expire(self, now: float) -> int:
         """Drop predictions whose deadline has passed. Returns how many were dropped."""
@@ -137,7 +141,7 @@ class PrefixIndex:
                 continue
             stale = [k for k in keys if pred.get(k) == deadline]
             for k in stale:
-                del pred[k]
+                pred.pop(k, None)  # not del: a prompt may name a key twice
             self._drop(slot, stale, keep=self._keys_of[worker])
             n += len(stale)
         return n

@@ -11,9 +11,12 @@ only its own suffix. :class:`InflightPrefixes` finds the request to wait for.
 
 Invariants:
 
-* ``_by_key[(w, k)]`` is the latest request sent to ``w`` whose prompt has block ``k`` and that
-  has not been dropped; ``_entries[id(r)]`` holds ``r`` and exactly the ``(w, k)`` entries
-  naming it (keyed by identity: requests need not be hashable; holding ``r`` keeps its id).
+* ``_by_key[w][k]`` is the latest request sent to ``w`` whose prompt has block ``k`` and that
+  has not been dropped; ``_entries[id(r)]`` holds ``r`` and every ``(w, keys)`` it was added
+  with, which covers every entry naming it (keyed by identity: requests need not be hashable;
+  holding ``r`` keeps its id). No ``_by_key[w]`` is left empty.
+* A prompt's keys go in and out with dict operations that loop in C (``dict.fromkeys``,
+  ``map``): an 8k-token prompt has 512 keys, and this runs for every routed request.
 * ``producer`` returns a request only for a block matched on ``w`` by prediction alone (the
   index does not really hold it there): a really stored block needs no wait.
 """
@@ -21,6 +24,8 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import is_
 from typing import Generic, TypeVar
 
 from kvroute.core.index import PrefixIndex
@@ -32,22 +37,28 @@ class InflightPrefixes(Generic[R]):
     """Requests whose prefill has not finished, by (worker, block key) of their prompts."""
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[str, int], R] = {}
-        self._entries: dict[int, tuple[R, list[tuple[str, int]]]] = {}
+        self._by_key: dict[str, dict[int, R]] = {}
+        self._entries: dict[int, tuple[R, list[tuple[str, Sequence[int]]]]] = {}
 
     def add(self, request: R, worker: str, keys: Sequence[int]) -> None:
-        """``request``, sent to ``worker``, will store ``keys`` (its prompt's block keys)."""
-        entries = [(worker, k) for k in keys]
-        for e in entries:
-            self._by_key[e] = request
-        self._entries.setdefault(id(request), (request, []))[1].extend(entries)
+        """``request``, sent to ``worker``, will store ``keys``: the blocks of its prompt
+        predicted there (``PrefixIndex.predict`` returns them; a block ``worker`` really holds
+        already makes nobody wait)."""
+        self._by_key.setdefault(worker, {}).update(dict.fromkeys(keys, request))
+        self._entries.setdefault(id(request), (request, []))[1].append((worker, keys))
 
     def drop(self, request: R) -> None:
         """``request`` has its first token (its prefix is stored) or has ended."""
-        _, entries = self._entries.pop(id(request), (None, ()))
-        for e in entries:
-            if self._by_key.get(e) is request:
-                del self._by_key[e]
+        _, added = self._entries.pop(id(request), (None, ()))
+        for worker, keys in added:
+            on = self._by_key.get(worker)
+            if on is None:
+                continue
+            # Only the entries still naming this request: a later one may have taken a key.
+            for k in list(compress(keys, map(is_, map(on.get, keys), repeat(request)))):
+                on.pop(k, None)  # not del: a prompt may name a key twice
+            if not on:
+                del self._by_key[worker]
 
     def producer(self, index: PrefixIndex, worker: str, keys: Sequence[int],
                  matched_blocks: int) -> R | None:
@@ -60,7 +71,8 @@ class InflightPrefixes(Generic[R]):
         key = keys[m - 1]
         if index.holds(worker, key):
             return None
-        return self._by_key.get((worker, key))
+        on = self._by_key.get(worker)
+        return None if on is None else on.get(key)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -242,8 +242,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # Siblings arriving before this request's store events find it here, and
                 # wait for its first token (see _await_producer). Added just before the
                 # try whose finally releases it, so no path leaves it behind.
-                self._mirror.index.predict(w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
-                self._inflight.add(stored, w, d.keys)
+                # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
+                predicted = self._mirror.index.predict(
+                    w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
+                self._inflight.add(stored, w, predicted)
             try:
                 async for resp in call:
                     if not started:

@@ -117,7 +117,7 @@ def test_predictions_match_until_they_expire_or_are_confirmed(native: bool) -> N
 def test_predictions_survive_a_real_evict_and_clear_and_vice_versa(native: bool) -> None:
     idx = PrefixIndex(native=native)
     idx.add("w", [1, 2])
-    idx.predict("w", [2, 3], deadline=5.0)  # 2 already real: not a prediction
+    assert idx.predict("w", [2, 3], deadline=5.0) == (3,)  # 2 already real: not predicted
     assert idx.predicted("w") == 1
     idx.clear_worker("w")
     assert idx.match([1]) == {}
