@@ -14,11 +14,17 @@ A client on loopback then times, interleaved call by call on one channel:
   ``add_RouterServicer_to_server`` on a second port: the request's wire bytes are not kept,
   so its token ids are read from the request re-serialized (``kvroute/core/wire.py``).
 
-    python bench/router_rpc.py [--workers 128] [--entries 200000] [--iters 300]
-                               [--route-candidates 0]
+Then the main path: ``Generate`` (one token) through a router in front of ``--agents`` real
+agents (``sim`` engine, no modelled latency), against the same request sent straight to the
+agent the router chose, interleaved call by call: the difference is the router's hop --
+the decision, coalescing bookkeeping, a second gRPC call, and relaying the stream.
 
-Prints p50/p99 in microseconds and what Route adds over the bare RPC at p50: the decision,
-the servicer's bookkeeping and the RouteResponse (every live worker, best first).
+    python bench/router_rpc.py [--workers 128] [--entries 200000] [--iters 300]
+                               [--route-candidates 0] [--agents 4]
+
+Prints p50/p99 in microseconds and what Route adds over the bare RPC at p50 (the decision,
+the servicer's bookkeeping and the RouteResponse: every live worker, best first), then what
+the router adds to Generate over a direct call at p50.
 """
 
 from __future__ import annotations
@@ -33,13 +39,14 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from kvroute.core.blocks import BlockHasher
-from kvroute.core.config import RouterConfig
+from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys
 from kvroute.demo.procs import scratch_redis
 from kvroute.router.server import RouterApp
-from kvroute.v1 import common_pb2, router_pb2_grpc
+from kvroute.v1 import common_pb2, router_pb2_grpc, worker_agent_pb2_grpc
 from kvroute.worker_agent.publisher import CachePublisher
+from kvroute.worker_agent.server import AgentApp
 
 BLOCK = 16
 MODEL = "bench"
@@ -75,6 +82,57 @@ def pct(xs: list[float], q: int) -> float:
 async def run(args: argparse.Namespace) -> None:
     async with scratch_redis() as redis_url:
         await measure(args, redis_url)
+        await measure_generate(args, redis_url)
+
+
+async def measure_generate(args: argparse.Namespace, redis_url: str) -> None:
+    model = f"{MODEL}-generate"  # its own Redis keys: none of the synthetic workers above
+    agents = [AgentApp(AgentConfig(redis=redis_url, port=0, model=model, block_size=BLOCK,
+                                   worker_id=f"a{i}", time_scale=0.0, heartbeat_s=0.2,
+                                   capacity_blocks=65536, log_level="warning",
+                                   max_prompt_tokens=65536))
+              for i in range(args.agents)]
+    for a in agents:
+        await a.start()
+    router = RouterApp(RouterConfig(redis=redis_url, port=0, model=model, block_size=BLOCK,
+                                    log_level="warning", max_prompt_tokens=65536))
+    await router.start(wait_for_redis_s=30)
+    try:
+        while len(router.registry.loads) < args.agents:
+            await asyncio.sleep(0.05)
+        rng = random.Random(args.seed + 1)
+        print(f"\nGenerate, 1 token, {args.agents} sim agents (no modelled latency)")
+        print(f"{'prompt':>7} | {'direct p50':>10} {'p99':>7} | {'via router p50':>14} {'p99':>7}"
+              f" | {'added p50':>9}")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+            via = router_pb2_grpc.RouterStub(ch).Generate
+            direct = {a.worker_id: worker_agent_pb2_grpc.WorkerAgentStub(
+                grpc.aio.insecure_channel(f"127.0.0.1:{a.port}")).Generate for a in agents}
+            for n in LENGTHS:
+                reqs = [common_pb2.GenerateRequest(
+                    token_ids=[rng.randrange(50257) for _ in range(n)], model=model,
+                    sampling=common_pb2.SamplingParams(max_tokens=1)) for _ in range(10)]
+                home = {}
+                for i, r in enumerate(reqs):  # cache each prompt; learn where it lives
+                    first = [x async for x in via(r)]
+                    home[i] = first[0].worker_id
+                calls: dict[str, list[float]] = {"direct": [], "via": []}
+                for i in range(args.iters):
+                    r = reqs[i % len(reqs)]
+                    order = [("direct", direct[home[i % len(reqs)]]), ("via", via)]
+                    for name, stub in order if i % 2 else order[::-1]:
+                        t0 = time.perf_counter_ns()
+                        out = [x async for x in stub(r)]
+                        calls[name].append((time.perf_counter_ns() - t0) / 1000)
+                        assert out[-1].usage.prompt_tokens == n
+                d, v = calls["direct"], calls["via"]
+                print(f"{n:>7} | {pct(d, 50):>8.0f}us {pct(d, 99):>5.0f}us |"
+                      f" {pct(v, 50):>12.0f}us {pct(v, 99):>5.0f}us |"
+                      f" {pct(v, 50) - pct(d, 50):>7.0f}us", flush=True)
+    finally:
+        await router.stop()
+        for a in agents:
+            await a.stop()
 
 
 async def measure(args: argparse.Namespace, redis_url: str) -> None:
@@ -170,6 +228,7 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=200_000, help="index size")
     ap.add_argument("--iters", type=int, default=300, help="calls timed per prompt length")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--agents", type=int, default=4, help="real agents behind Generate")
     ap.add_argument("--route-candidates", type=int, default=0,
                     help="the router's --route-candidates (0: list every worker)")
     args = ap.parse_args()
