@@ -11,12 +11,13 @@ only its own suffix. :class:`InflightPrefixes` finds the request to wait for.
 
 Invariants:
 
-* ``_by_key[w][k]`` is the latest request sent to ``w`` whose prompt has block ``k`` and that
-  has not been dropped; ``_entries[id(r)]`` holds ``r`` and every ``(w, keys)`` it was added
+* ``_by_key[w][k]`` is the latest request sent to ``w`` whose prefill will store block ``k``
+  there (a block of its prompt that ``w`` was predicted, not known, to hold) and that has
+  not been dropped; ``_entries[id(r)]`` holds ``r`` and every ``(w, keys)`` it was added
   with, which covers every entry naming it (keyed by identity: requests need not be hashable;
   holding ``r`` keeps its id). No ``_by_key[w]`` is left empty.
-* A prompt's keys go in and out with dict operations that loop in C (``dict.fromkeys``,
-  ``map``): an 8k-token prompt has 512 keys, and this runs for every routed request.
+* Keys go in and out with dict operations that loop in C (``dict.fromkeys``, ``map``): a
+  cold 8k-token prompt has 512 of them, and this runs for every routed request.
 * ``producer`` returns a request only for a block matched on ``w`` by prediction alone (the
   index does not really hold it there): a really stored block needs no wait.
 """
