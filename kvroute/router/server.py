@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvroute.core.agent_client import AgentChannels
 from kvroute.core.config import RouterConfig
@@ -59,14 +60,20 @@ _MAX_ATTEMPTS = 2  # the chosen worker, then the next-best once
 @dataclass(frozen=True, slots=True)
 class Received:
     """A GenerateRequest as gRPC delivered it: parsed, and the bytes it was parsed from, in
-    which its token ids are read without a Python int each (:mod:`kvroute.core.wire`)."""
+    which its token ids are read without a Python int each (:mod:`kvroute.core.wire`).
+    Bytes that do not parse give ``msg`` None and the reason in ``error``: raised in a
+    deserializer, the failure would reach the client as INTERNAL, not INVALID_ARGUMENT."""
 
-    msg: common_pb2.GenerateRequest
+    msg: common_pb2.GenerateRequest | None
     wire: bytes
+    error: str = ""
 
     @classmethod
     def parse(cls, wire: bytes) -> Received:
-        return cls(common_pb2.GenerateRequest.FromString(wire), wire)
+        try:
+            return cls(common_pb2.GenerateRequest.FromString(wire), wire)
+        except DecodeError as exc:
+            return cls(None, wire, f"malformed GenerateRequest ({len(wire)} bytes): {exc}")
 
 
 def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
@@ -75,10 +82,16 @@ def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
 
     async def route(r: Received, context: grpc.aio.ServicerContext
                     ) -> router_pb2.RouteResponse:
+        if r.msg is None:
+            service.invalid("Route")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.error)
         return await service.Route(r.msg, context, r.wire)
 
     async def generate(r: Received, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        if r.msg is None:
+            service.invalid("Generate")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.error)
         async for resp in service.Generate(r.msg, context, r.wire):
             yield resp
 
@@ -111,6 +124,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
         # Requests sent on with predicted entries whose first token has not come back.
         self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes()
+
+    def invalid(self, method: str) -> None:
+        """Count a request refused as INVALID_ARGUMENT before it reached ``method``."""
+        self._m.requests.labels(method, "invalid").inc()
 
     # -- shared front half -------------------------------------------------------------------
 

@@ -113,6 +113,14 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
                 await raw_route(token_ids_wire([1, 50257, 2], how) + tail)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "token id 50257 is out of range" in err.value.details(), how
+        for call in (raw_route, lambda b: raw_generate(b).read()):
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # not a message at all
+                await call(b"\x0a\x05\x01")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed GenerateRequest (3 bytes)" in err.value.details()
+    invalid = router.metrics.registry.get_sample_value(
+        "kvroute_router_requests_total", {"rpc": "Route", "outcome": "invalid"})
+    assert invalid == 4  # three bad ids (one per encoding), one malformed message
 
 
 async def test_text_prompts_with_a_tokenizer(cluster) -> None:
