@@ -22,6 +22,7 @@ from kvroute.core.grpc_util import (
     set_serving,
     start_metrics,
 )
+from kvroute.core.native import native_builds
 from kvroute.core.placement import (
     ForkSegment,
     Overflow,
@@ -436,10 +437,16 @@ class RouterApp:
         self._server = server
         await set_serving(self._health, [SERVICE], True)
         self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, self.metrics.registry)
+        native = native_builds()
         log.info("router serving", extra={"kv": {
             "port": self.port, "policy": cfg.policy, "model": cfg.model,
             "block_size": cfg.block_size, "redis": cfg.redis,
-            "metrics_port": cfg.metrics_port or "off"}})
+            "metrics_port": cfg.metrics_port or "off", "native": native}})
+        missing = sorted(name for name, built in native.items() if not built)
+        if missing:
+            log.warning("C builds missing, their pure-Python paths run (same results, several "
+                        "times slower per decision; install with a C compiler)",
+                        extra={"kv": {"missing": missing}})
         return self.port
 
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -364,3 +364,19 @@ async def test_route_candidates_caps_the_list_best_first(cluster) -> None:
     assert [c.worker_id for c in short.candidates] == [c.worker_id for c in full.candidates[:2]]
     assert short.worker_id == full.worker_id == short.candidates[0].worker_id
     assert short.address == short.candidates[0].address
+
+
+async def test_the_router_says_which_c_builds_run(cluster, caplog, monkeypatch) -> None:
+    import logging
+
+    from kvroute.core import holders
+
+    caplog.set_level(logging.INFO, "kvroute.router")
+    await cluster.router()
+    serving = [r for r in caplog.records if r.getMessage() == "router serving"]
+    assert serving[-1].kv["native"] == {"chainhash": True, "holders": True, "wire": True}
+    assert not [r for r in caplog.records if "C builds missing" in r.getMessage()]
+    monkeypatch.setattr(holders, "NATIVE_AVAILABLE", False)  # as a build without a compiler
+    await cluster.router()
+    warned = [r for r in caplog.records if "C builds missing" in r.getMessage()]
+    assert warned and warned[-1].kv["missing"] == ["holders"]
