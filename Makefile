@@ -23,7 +23,7 @@ test: setup lint
 lint: setup
 	$(BIN)/ruff check .
 
-# Regenerate the committed gRPC stubs (tests/test_proto_stubs.py fails when they are stale).
+# Regenerate the committed gRPC stubs (tests/test_grpc_surface.py fails when they are stale).
 proto: setup
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. \
 		--grpc_python_out=. $(PROTOS)
