@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.grpc_util import Received
 from kvroute.core.index import PrefixIndex
 from kvroute.core.policies import KvrouteCost, RouteQuery
 from kvroute.core.redis_schema import Heartbeat
@@ -32,7 +33,6 @@ from kvroute.core.validate import Limits, check_tokens
 from kvroute.core.wire import request_token_ids
 from kvroute.router.decide import Decider, rank_request
 from kvroute.router.registry import WorkerRegistry
-from kvroute.router.server import Received
 from kvroute.v1 import common_pb2
 
 BLOCK = 16

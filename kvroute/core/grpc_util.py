@@ -1,17 +1,23 @@
-"""What both gRPC servers share: health checking, reflection, metrics endpoint, shutdown."""
+"""What both gRPC servers share: health checking, reflection, metrics endpoint, shutdown, and
+handlers that keep a GenerateRequest's wire bytes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
+
+from kvroute.v1 import common_pb2
 
 log = logging.getLogger("kvroute")
 
@@ -56,3 +62,69 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A GenerateRequest as gRPC delivered it: parsed, and the bytes it was parsed from, in
+    which its token ids are read without a Python int each (:mod:`kvroute.core.wire`).
+    Bytes that do not parse give ``msg`` None and the reason in ``error``: raised in a
+    deserializer, the failure would reach the client as INTERNAL, not INVALID_ARGUMENT."""
+
+    msg: common_pb2.GenerateRequest | None
+    wire: bytes
+    error: str = ""
+
+    @classmethod
+    def parse(cls, wire: bytes) -> Received:
+        try:
+            return cls(common_pb2.GenerateRequest.FromString(wire), wire)
+        except DecodeError as exc:
+            return cls(None, wire, f"malformed GenerateRequest ({len(wire)} bytes): {exc}")
+
+
+def wire_keeping_handler(
+    method: Callable[..., Any], response_serializer: Callable[[Any], bytes], *, stream: bool,
+    on_invalid: Callable[[], None],
+) -> grpc.RpcMethodHandler:
+    """The handler of an RPC taking a GenerateRequest, for a servicer method called as
+    ``method(request, context, wire)`` (``wire``: the bytes ``request`` was parsed from). A
+    body that does not parse is refused with INVALID_ARGUMENT after ``on_invalid()``."""
+
+    async def refuse(r: Received, context: grpc.aio.ServicerContext) -> None:
+        on_invalid()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.error)
+
+    if stream:
+        async def streamed(r: Received, context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[Any]:
+            if r.msg is None:
+                await refuse(r, context)
+            async for resp in method(r.msg, context, r.wire):
+                yield resp
+
+        return grpc.unary_stream_rpc_method_handler(
+            streamed, request_deserializer=Received.parse,
+            response_serializer=response_serializer)
+
+    async def unary(r: Received, context: grpc.aio.ServicerContext) -> Any:
+        if r.msg is None:
+            await refuse(r, context)
+        reply: Awaitable[Any] = method(r.msg, context, r.wire)
+        return await reply
+
+    return grpc.unary_unary_rpc_method_handler(
+        unary, request_deserializer=Received.parse, response_serializer=response_serializer)
+
+
+def add_handlers(server: grpc.aio.Server, service: ServiceDescriptor,
+                 handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+    """Serve ``handlers`` as ``service``, as generated ``add_*Servicer_to_server`` code
+    does; every method of the service must have one."""
+    missing = set(service.methods_by_name) - set(handlers)
+    if missing:  # a method added to the .proto must be added to the handlers too
+        raise RuntimeError(f"{service.full_name} methods without a handler: {sorted(missing)}")
+    handlers = dict(handlers)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

@@ -6,7 +6,7 @@ several times the whole routing decision. Here the field is read as the bytes of
 encoding (the request's wire bytes parsed by a one-field view message, in C) and its varints
 decoded in C (``kvroute/core/_native/wire.c``) into an ``array('I')``: 4 bytes per id and no
 objects, which the C block hasher reads in place. The wire bytes are the ones gRPC received
-(the router's servicer keeps them: ``kvroute.router.server.Received``), else the parsed
+(the router and the agent keep them: ``kvroute.core.grpc_util.Received``), else the parsed
 request re-serialized (~70 µs for 8k ids), which upb always writes packed.
 
 A client may legally write the ids unpacked, or as several packed records: the view then

@@ -7,20 +7,20 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvroute.core.agent_client import AgentChannels
 from kvroute.core.config import RouterConfig
 from kvroute.core.grpc_util import (
+    add_handlers,
     add_standard_services,
     bind,
     install_signal_handlers,
     set_serving,
     start_metrics,
+    wire_keeping_handler,
 )
 from kvroute.core.native import native_builds
 from kvroute.core.placement import (
@@ -58,57 +58,16 @@ _DOWN_S = 2.0  # how long a worker that refused a request is skipped
 _MAX_ATTEMPTS = 2  # the chosen worker, then the next-best once
 
 
-@dataclass(frozen=True, slots=True)
-class Received:
-    """A GenerateRequest as gRPC delivered it: parsed, and the bytes it was parsed from, in
-    which its token ids are read without a Python int each (:mod:`kvroute.core.wire`).
-    Bytes that do not parse give ``msg`` None and the reason in ``error``: raised in a
-    deserializer, the failure would reach the client as INTERNAL, not INVALID_ARGUMENT."""
-
-    msg: common_pb2.GenerateRequest | None
-    wire: bytes
-    error: str = ""
-
-    @classmethod
-    def parse(cls, wire: bytes) -> Received:
-        try:
-            return cls(common_pb2.GenerateRequest.FromString(wire), wire)
-        except DecodeError as exc:
-            return cls(None, wire, f"malformed GenerateRequest ({len(wire)} bytes): {exc}")
-
-
 def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
-    """Serve ``service`` as kvroute.v1.Router, as the generated
-    ``add_RouterServicer_to_server`` does, except that each request keeps its wire bytes."""
-
-    async def route(r: Received, context: grpc.aio.ServicerContext
-                    ) -> router_pb2.RouteResponse:
-        if r.msg is None:
-            service.invalid("Route")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.error)
-        return await service.Route(r.msg, context, r.wire)
-
-    async def generate(r: Received, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        if r.msg is None:
-            service.invalid("Generate")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.error)
-        async for resp in service.Generate(r.msg, context, r.wire):
-            yield resp
-
-    handlers = {
-        "Route": grpc.unary_unary_rpc_method_handler(
-            route, request_deserializer=Received.parse,
-            response_serializer=router_pb2.RouteResponse.SerializeToString),
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            generate, request_deserializer=Received.parse,
-            response_serializer=common_pb2.GenerateResponse.SerializeToString),
-    }
-    missing = set(router_pb2.DESCRIPTOR.services_by_name["Router"].methods_by_name) - set(handlers)
-    if missing:  # a method added to router.proto must be added here too
-        raise RuntimeError(f"kvroute.v1.Router methods without a handler: {sorted(missing)}")
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    """Serve ``service`` as kvroute.v1.Router, each request keeping its wire bytes."""
+    add_handlers(server, router_pb2.DESCRIPTOR.services_by_name["Router"], {
+        "Route": wire_keeping_handler(
+            service.Route, router_pb2.RouteResponse.SerializeToString, stream=False,
+            on_invalid=lambda: service.invalid("Route")),
+        "Generate": wire_keeping_handler(
+            service.Generate, common_pb2.GenerateResponse.SerializeToString, stream=True,
+            on_invalid=lambda: service.invalid("Generate")),
+    })
 
 
 class RouterService(router_pb2_grpc.RouterServicer):

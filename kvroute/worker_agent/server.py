@@ -15,11 +15,13 @@ import grpc
 from kvroute.core.agent_client import AgentChannels
 from kvroute.core.config import AgentConfig
 from kvroute.core.grpc_util import (
+    add_handlers,
     add_standard_services,
     bind,
     install_signal_handlers,
     set_serving,
     start_metrics,
+    wire_keeping_handler,
 )
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, check_name
@@ -73,9 +75,15 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         self._m = metrics
         self._programs = programs
 
+    def invalid(self) -> None:
+        """Count a request refused as INVALID_ARGUMENT."""
+        self._m.requests.labels("invalid").inc()
+
     async def Generate(  # noqa: N802 - gRPC method name
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+        wire: bytes | None = None,
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """``wire``: the bytes ``request`` was parsed from (:func:`add_agent_service`)."""
         t0 = time.perf_counter()
         try:
             check_names(request, self._model)
@@ -83,10 +91,10 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
                 raise InvalidRequestError(
                     "text", "the agent takes token ids; send text to the router")
             max_tokens = check_sampling(request, self._limits)
-            prompt, top = request_token_ids(request)
+            prompt, top = request_token_ids(request, wire)
             check_tokens(prompt, self._limits, top=top)
         except InvalidRequestError as exc:
-            self._m.requests.labels("invalid").inc()
+            self.invalid()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id or f"{self._worker}-{time.monotonic_ns():x}"
         if request.HasField("program"):
@@ -175,6 +183,18 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         )
 
 
+def add_agent_service(service: AgentService, server: grpc.aio.Server) -> None:
+    """Serve ``service`` as kvroute.v1.WorkerAgent, each Generate keeping its wire bytes."""
+    add_handlers(server, worker_agent_pb2.DESCRIPTOR.services_by_name["WorkerAgent"], {
+        "Generate": wire_keeping_handler(
+            service.Generate, common_pb2.GenerateResponse.SerializeToString, stream=True,
+            on_invalid=service.invalid),
+        "GetLoad": grpc.unary_unary_rpc_method_handler(
+            service.GetLoad, request_deserializer=worker_agent_pb2.GetLoadRequest.FromString,
+            response_serializer=common_pb2.WorkerLoad.SerializeToString),
+    })
+
+
 class AgentApp:
     """One agent: engine + gRPC server + Redis publisher + metrics. Start, then stop."""
 
@@ -189,6 +209,7 @@ class AgentApp:
         self.publisher: CachePublisher | None = None
         self._channels = AgentChannels()  # to other agents: a program's overflow children
         self.programs: ProgramRuntime | None = None
+        self.metrics: AgentMetrics | None = None  # set at start
 
     async def start(self) -> int:
         cfg = self.cfg
@@ -197,7 +218,7 @@ class AgentApp:
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{self.port}"
         check_name("worker id", self.worker_id)
         advertise = cfg.advertise or f"{cfg.host}:{self.port}"
-        metrics = AgentMetrics(self.worker_id)
+        metrics = self.metrics = AgentMetrics(self.worker_id)
         # The engine knows its vocabulary (tiny's byte vocab is 258): ids past it are the
         # caller's mistake (INVALID_ARGUMENT), not an engine failure.
         vocab = min(cfg.vocab_size, getattr(self.engine, "vocab_size", cfg.vocab_size))
@@ -209,7 +230,7 @@ class AgentApp:
             max_new_tokens=cfg.max_new_tokens, vocab_size=vocab), cfg.tokenizer, self.worker_id,
             channels=self._channels)
         self.programs = programs
-        worker_agent_pb2_grpc.add_WorkerAgentServicer_to_server(
+        add_agent_service(
             AgentService(self.worker_id, cfg.model, self.engine, limits, metrics, programs),
             server)
         self._health = add_standard_services(server, [SERVICE])

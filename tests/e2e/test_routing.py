@@ -380,3 +380,29 @@ async def test_the_router_says_which_c_builds_run(cluster, caplog, monkeypatch) 
     await cluster.router()
     warned = [r for r in caplog.records if "C builds missing" in r.getMessage()]
     assert warned and warned[-1].kv["missing"] == ["holders"]
+
+
+async def test_the_agent_reads_every_encoding_and_refuses_garbage(cluster) -> None:
+    from kvroute.v1 import common_pb2, worker_agent_pb2, worker_agent_pb2_grpc
+
+    a = await cluster.agent("a")
+    tokens = prompt(300, 79)
+    tail = common_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(max_tokens=2)).SerializeToString()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
+        raw = ch.unary_stream("/kvroute.v1.WorkerAgent/Generate",
+                              request_serializer=lambda b: b,
+                              response_deserializer=common_pb2.GenerateResponse.FromString)
+        for how in ("packed", "unpacked", "split"):
+            out = [x async for x in raw(token_ids_wire(tokens, how) + tail)]
+            assert out[-1].usage.prompt_tokens == 300, how
+            assert sum(len(x.token_ids) for x in out) == 2, how
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw(b"\x0a\x05\x01").read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "malformed GenerateRequest" in err.value.details()
+        load = await worker_agent_pb2_grpc.WorkerAgentStub(ch).GetLoad(
+            worker_agent_pb2.GetLoadRequest())
+        assert load.worker_id == "a"
+    assert a.metrics.registry.get_sample_value(
+        "kvroute_agent_requests_total", {"outcome": "invalid"}) == 1
