@@ -138,10 +138,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
             policy=self._decider.policy.name, degraded=not self._mirror.available,
         )
         most = self._cfg.route_candidates
+        add, matched = resp.candidates.add, d.query.matched_blocks
         for s in d.ranked[:most] if most else d.ranked:
+            # add() then field sets: half the cost of add(**fields) in upb, and at 128
+            # workers this list costs more than the decision.
+            c = add()
+            c.worker_id = s.worker
+            c.cost = s.cost
             info = self._registry.get(s.worker)
-            resp.candidates.add(worker_id=s.worker, address=info.address if info else "",
-                                cached_tokens=d.cached_tokens(s.worker), cost=s.cost)
+            if info is not None:
+                c.address = info.address
+            if s.worker in matched:
+                c.cached_tokens = d.cached_tokens(s.worker)
         resp.address = resp.candidates[0].address
         if request.HasField("program") and self._cfg.program_overflow:
             seg = fork_segment(request.program)
