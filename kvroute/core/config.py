@@ -64,7 +64,7 @@ class RouterConfig(CommonConfig):
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
     route_candidates: int = opt(0, "most workers a Route response lists as candidates, best "
-                                "first (0: every live worker; listing 128 adds ~0.5 ms to "
+                                "first (0: every live worker; listing 128 adds ~0.2-0.5 ms to "
                                 "a call)")
     discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
     k8s_namespace: str = opt("", "kubernetes discovery: namespace (default: the pod's own)")
