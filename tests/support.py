@@ -176,21 +176,12 @@ async def route(port: int, tokens: list[int]) -> object:
         return await router_pb2_grpc.RouterStub(ch).Route(req)
 
 
-def varint(v: int) -> bytes:
-    """Protobuf's base-128 varint encoding of ``v`` >= 0."""
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
 def token_ids_wire(ids: list[int], how: str) -> bytes:
     """GenerateRequest.token_ids (field 1) on the wire, written ``packed`` (one record, as
     every protobuf library writes proto3), ``unpacked`` (a record per id) or ``split`` (two
     packed records): all three are valid encodings of the same field."""
+    from kvroute.core.wire import varint
+
     def packed(part: list[int]) -> bytes:
         body = b"".join(varint(t) for t in part)
         return b"\x0a" + varint(len(body)) + body

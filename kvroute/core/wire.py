@@ -76,3 +76,22 @@ def request_token_ids(req: common_pb2.GenerateRequest, wire: bytes | None = None
             return got
     ids = req.token_ids[:]  # a slice is the container's fastest copy
     return ids, max(ids, default=0)
+
+
+def with_string_field(wire: bytes, field: str, value: str) -> bytes:
+    """``wire`` (a serialized GenerateRequest) with the string ``field`` set to ``value``. A
+    parser keeps the last occurrence of a singular field (concatenated messages merge), so
+    appending the field sets it; the rest of the request is not serialized again."""
+    number = common_pb2.GenerateRequest.DESCRIPTOR.fields_by_name[field].number
+    data = value.encode()
+    return wire + varint(number << 3 | 2) + varint(len(data)) + data
+
+
+def varint(v: int) -> bytes:
+    """Protobuf's base-128 varint encoding of ``v`` >= 0."""
+    out = bytearray()
+    while v > 0x7F:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)

@@ -42,7 +42,7 @@ from kvroute.core.validate import (
     check_sampling,
     check_tokens,
 )
-from kvroute.core.wire import request_token_ids
+from kvroute.core.wire import request_token_ids, with_string_field
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.decide import Decider, Decision, NoWorkersError
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
@@ -177,12 +177,21 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
         rid = request.request_id or uuid.uuid4().hex
+        # A plain request goes on as the bytes it came in, with the router's request id
+        # appended when it had none: serializing an 8k-token prompt again costs ~0.2 ms (32k:
+        # ~0.8 ms). A text prompt, a program or a client's placement is rewritten instead.
+        relay = wire is not None and not request.text and not request.HasField("program") \
+            and not request.HasField("placement")
         fwd = common_pb2.GenerateRequest()
-        fwd.CopyFrom(request)
-        fwd.request_id = rid
-        if request.text:
-            fwd.ClearField("text")
-            fwd.token_ids.extend(tokens)
+        if relay:
+            assert wire is not None
+            payload = wire if request.request_id else with_string_field(wire, "request_id", rid)
+        else:
+            fwd.CopyFrom(request)
+            fwd.request_id = rid
+            if request.text:
+                fwd.ClearField("text")
+                fwd.token_ids.extend(tokens)
         decode_text = bool(request.text) and self._tok is not None
         errors: list[str] = []
         # A program's branches run on the chosen worker (they weigh on its load as that many
@@ -205,7 +214,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if sent:
                 self._m.retries.inc()  # a worker skipped above is not a retry
             sent += 1
-            overflow = self._place(fwd, seg, weights, w, d)
+            overflow = () if relay else self._place(fwd, seg, weights, w, d)
             self._m.overflow.inc(sum(len(o.children) for o in overflow))
             if overflow:
                 log.info("program fork split across workers", extra={"kv": {
@@ -221,7 +230,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             started = False
             done = False
             failure: grpc.aio.AioRpcError | None = None
-            call = self._channels.stub(info.address).Generate(fwd)
+            call = (self._channels.generate_wire(info.address)(payload) if relay
+                    else self._channels.stub(info.address).Generate(fwd))
             stored = asyncio.Event()  # set at this attempt's first token, or when it ends
             if predicting:
                 # Siblings arriving before this request's store events find it here, and

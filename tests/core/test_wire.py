@@ -8,9 +8,9 @@ from array import array
 import pytest
 
 from kvroute.core import wire
-from kvroute.core.wire import request_token_ids
+from kvroute.core.wire import request_token_ids, varint, with_string_field
 from kvroute.v1 import common_pb2, program_pb2
-from tests.support import token_ids_wire, varint
+from tests.support import token_ids_wire
 
 
 def received(**fields: object) -> common_pb2.GenerateRequest:
@@ -87,3 +87,17 @@ def test_the_decoder_reads_uint32_varints_as_protobuf_does() -> None:
         unpack(b"\xff" * 11 + b"\x01")
     with pytest.raises(TypeError):
         unpack("not bytes")  # type: ignore[arg-type]
+
+
+def test_a_string_field_appended_to_the_wire_sets_it() -> None:
+    sent = common_pb2.GenerateRequest(token_ids=[1, 2, 3], model="m", session_id="s",
+                                      sampling=common_pb2.SamplingParams(max_tokens=4))
+    for rid in ("r1", "é" * 100, ""):  # a length past 127 takes a two-byte varint
+        got = common_pb2.GenerateRequest.FromString(
+            with_string_field(sent.SerializeToString(), "request_id", rid))
+        want = common_pb2.GenerateRequest()
+        want.CopyFrom(sent)
+        want.request_id = rid
+        assert got == want
+    assert [varint(v) for v in (0, 127, 128, 300)] == [b"\x00", b"\x7f", b"\x80\x01",
+                                                        b"\xac\x02"]

@@ -406,3 +406,29 @@ async def test_the_agent_reads_every_encoding_and_refuses_garbage(cluster) -> No
         assert load.worker_id == "a"
     assert a.metrics.registry.get_sample_value(
         "kvroute_agent_requests_total", {"outcome": "invalid"}) == 1
+
+
+async def test_generate_relays_the_request_as_it_came_in(cluster) -> None:
+    # A plain request goes on to the agent as the bytes the router received, with the
+    # router's request id appended when it had none (kvroute.core.wire.with_string_field).
+    from kvroute.v1 import common_pb2, worker_agent_pb2_grpc
+
+    a = await cluster.agent("a")
+    router = await cluster.router()
+    await wait_for(lambda: len(router.registry.loads) == 1, what="worker registered")
+    tokens = prompt(500, 80)
+    out = await generate(router.port, tokens, max_tokens=4)
+    rid = out[0].request_id
+    assert len(rid) == 32 and all(r.request_id == rid for r in out)
+    named = await generate(router.port, tokens, max_tokens=4, request_id="mine-1")
+    assert {r.request_id for r in named} == {"mine-1"}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
+        direct = [r async for r in worker_agent_pb2_grpc.WorkerAgentStub(ch).Generate(
+            common_pb2.GenerateRequest(token_ids=tokens,
+                                       sampling=common_pb2.SamplingParams(max_tokens=4)))]
+    # The sim engine's tokens are a function of the prompt: the agent got the same one.
+    def ids(rs: list[Any]) -> list[int]:
+        return [t for r in rs for t in r.token_ids]
+
+    assert ids(out) == ids(named) == ids(direct) and len(ids(out)) == 4
+    assert out[-1].usage.prompt_tokens == 500
