@@ -25,7 +25,8 @@ class RouterMetrics:
                                 ["rpc", "outcome"], registry=r)
         self.decision_seconds = Histogram(
             "kvroute_router_decision_seconds",
-            "Routing decision latency (key hashing + index lookup + policy)",
+            "Routing decision latency (the prompt's ids read and checked, or tokenized; key "
+            "hashing; index lookup; policy)",
             buckets=DECISION_BUCKETS, registry=r)
         self.ttft = Histogram("kvroute_router_ttft_seconds",
                               "Time to first token seen at the router", buckets=LATENCY_BUCKETS,
