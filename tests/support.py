@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -193,3 +194,21 @@ def token_ids_wire(ids: list[int], how: str) -> bytes:
     if how == "split":
         return packed(ids[: len(ids) // 2]) + packed(ids[len(ids) // 2:])
     raise ValueError(how)
+
+
+def request_wire(ids: list[int], how: str, max_tokens: int = 2) -> bytes:
+    """A whole GenerateRequest on the wire: ``ids`` written as ``token_ids_wire`` does, then
+    ``sampling.max_tokens``."""
+    from kvroute.v1 import common_pb2
+
+    sampling = common_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens)).SerializeToString()
+    return token_ids_wire(ids, how) + sampling
+
+
+def raw_rpc(channel: Any, method: str, response_type: Any, *, stream: bool) -> Any:
+    """A call of ``/kvroute.v1.<method>`` that sends bytes as they are (no serializer): how a
+    test writes a request in an encoding the generated stubs never produce."""
+    make = channel.unary_stream if stream else channel.unary_unary
+    return make(f"/kvroute.v1.{method}", request_serializer=None,
+                response_deserializer=response_type.FromString)

@@ -16,8 +16,8 @@ Invariants:
   not been dropped; ``_entries[id(r)]`` holds ``r`` and every ``(w, keys)`` it was added
   with, which covers every entry naming it (keyed by identity: requests need not be hashable;
   holding ``r`` keeps its id). No ``_by_key[w]`` is left empty.
-* Keys go in and out with dict operations that loop in C (``dict.fromkeys``, ``map``): a
-  cold 8k-token prompt has 512 of them, and this runs for every routed request.
+* Only predicted blocks are added (``PrefixIndex.predict`` returns them): a warm session's
+  prompt adds just its new suffix, a cold 8k-token prompt 512 keys.
 * ``producer`` returns a request only for a block matched on ``w`` by prediction alone (the
   index does not really hold it there): a really stored block needs no wait.
 """
@@ -25,8 +25,6 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import compress, repeat
-from operator import is_
 from typing import Generic, TypeVar
 
 from kvroute.core.index import PrefixIndex
@@ -55,9 +53,9 @@ class InflightPrefixes(Generic[R]):
             on = self._by_key.get(worker)
             if on is None:
                 continue
-            # Only the entries still naming this request: a later one may have taken a key.
-            for k in list(compress(keys, map(is_, map(on.get, keys), repeat(request)))):
-                on.pop(k, None)  # not del: a prompt may name a key twice
+            for k in keys:  # only entries still naming it: a later request may own a key
+                if on.get(k) is request:
+                    del on[k]
             if not on:
                 del self._by_key[worker]
 

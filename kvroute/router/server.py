@@ -129,7 +129,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             tokens = self._prompt(request, wire)
             d = self._decide(tokens, request, t0)
         except InvalidRequestError as exc:
-            self._m.requests.labels("Route", "invalid").inc()
+            self.invalid("Route")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoWorkersError as exc:
             self._m.requests.labels("Route", "unavailable").inc()
@@ -173,7 +173,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             check_sampling(request, self._limits)
             d = self._decide(tokens, request, t0)
         except InvalidRequestError as exc:
-            self._m.requests.labels("Generate", "invalid").inc()
+            self.invalid("Generate")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoWorkersError as exc:
             self._m.requests.labels("Generate", "unavailable").inc()
@@ -183,13 +183,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # A plain request goes on as the bytes it came in, with the router's request id
         # appended when it had none: serializing an 8k-token prompt again costs ~0.2 ms (32k:
         # ~0.8 ms). A text prompt, a program or a client's placement is rewritten instead.
-        relay = wire is not None and not request.text and not request.HasField("program") \
-            and not request.HasField("placement")
-        fwd = common_pb2.GenerateRequest()
-        if relay:
-            assert wire is not None
+        payload = None
+        if wire is not None and not request.text and not request.HasField("program") \
+                and not request.HasField("placement"):
             payload = wire if request.request_id else with_string_field(wire, "request_id", rid)
-        else:
+        relay = payload is not None
+        fwd = common_pb2.GenerateRequest()
+        if not relay:
             fwd.CopyFrom(request)
             fwd.request_id = rid
             if request.text:
@@ -233,7 +233,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             started = False
             done = False
             failure: grpc.aio.AioRpcError | None = None
-            call = (self._channels.generate_wire(info.address)(payload) if relay
+            call = (self._channels.generate_wire(info.address)(payload) if payload is not None
                     else self._channels.stub(info.address).Generate(fwd))
             stored = asyncio.Event()  # set at this attempt's first token, or when it ends
             if predicting:

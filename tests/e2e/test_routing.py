@@ -12,7 +12,7 @@ import pytest
 
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.policies import KvrouteCost
-from tests.support import AgentProc, generate, route, token_ids_wire, wait_for
+from tests.support import AgentProc, generate, raw_rpc, request_wire, route, wait_for
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -93,24 +93,19 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
     holder = first[0].worker_id
     await wait_for(lambda: router.mirror.index.count(holder) >= 1024 // 16, what="indexed")
     tokens = system + prompt(200, 13)
-    tail = common_pb2.GenerateRequest(
-        sampling=common_pb2.SamplingParams(max_tokens=2)).SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
-        raw_route = ch.unary_unary("/kvroute.v1.Router/Route",
-                                   request_serializer=lambda b: b,
-                                   response_deserializer=router_pb2.RouteResponse.FromString)
-        raw_generate = ch.unary_stream(
-            "/kvroute.v1.Router/Generate", request_serializer=lambda b: b,
-            response_deserializer=common_pb2.GenerateResponse.FromString)
+        raw_route = raw_rpc(ch, "Router/Route", router_pb2.RouteResponse, stream=False)
+        raw_generate = raw_rpc(ch, "Router/Generate", common_pb2.GenerateResponse,
+                               stream=True)
         encodings = ("packed", "unpacked", "split")
         for how in encodings:  # Route first: it changes no cache
-            r = await raw_route(token_ids_wire(tokens, how) + tail)
+            r = await raw_route(request_wire(tokens, how))
             assert (r.worker_id, r.prompt_tokens, r.cached_tokens) == (holder, 1224, 1024), how
         for how in encodings:
-            out = [x async for x in raw_generate(token_ids_wire(tokens, how) + tail)]
+            out = [x async for x in raw_generate(request_wire(tokens, how))]
             assert out[0].worker_id == holder and out[-1].usage.prompt_tokens == 1224, how
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await raw_route(token_ids_wire([1, 50257, 2], how) + tail)
+                await raw_route(request_wire([1, 50257, 2], how))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "token id 50257 is out of range" in err.value.details(), how
         for call in (raw_route, lambda b: raw_generate(b).read()):
@@ -387,14 +382,10 @@ async def test_the_agent_reads_every_encoding_and_refuses_garbage(cluster) -> No
 
     a = await cluster.agent("a")
     tokens = prompt(300, 79)
-    tail = common_pb2.GenerateRequest(
-        sampling=common_pb2.SamplingParams(max_tokens=2)).SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
-        raw = ch.unary_stream("/kvroute.v1.WorkerAgent/Generate",
-                              request_serializer=lambda b: b,
-                              response_deserializer=common_pb2.GenerateResponse.FromString)
+        raw = raw_rpc(ch, "WorkerAgent/Generate", common_pb2.GenerateResponse, stream=True)
         for how in ("packed", "unpacked", "split"):
-            out = [x async for x in raw(token_ids_wire(tokens, how) + tail)]
+            out = [x async for x in raw(request_wire(tokens, how))]
             assert out[-1].usage.prompt_tokens == 300, how
             assert sum(len(x.token_ids) for x in out) == 2, how
         with pytest.raises(grpc.aio.AioRpcError) as err:
