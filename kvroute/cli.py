@@ -1,4 +1,5 @@
-"""The ``kvroute`` command: ``router``, ``agent``, ``demo``, ``policies``."""
+"""The ``kvroute`` command: ``router``, ``agent``, ``demo``, ``policies``, ``replay``, ``tune``,
+``gen``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from collections.abc import Sequence
 from kvroute import __version__
 from kvroute.core.config import AgentConfig, RouterConfig, add_arguments, from_namespace
 from kvroute.core.logs import setup_logging
+
+
+class RawDefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                           argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and a description kept as written (a formula)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     from simulations.cli import add_arguments as add_replay_arguments
 
     add_replay_arguments(rp)
+    import simulations.tune
+    from simulations.tune import add_arguments as add_tune_arguments
+
+    tp = sub.add_parser("tune", help="search a policy's parameters on a trace for the variant "
+                        "that beats the peers", formatter_class=RawDefaultsFormatter,
+                        description=simulations.tune.__doc__)
+
+    add_tune_arguments(tp)
     gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
                         "fork)", formatter_class=fmt)
     from simulations.generators import add_arguments as add_gen_arguments
@@ -82,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from simulations.cli import run as run_replay
 
         return run_replay(args)
+    if args.command == "tune":
+        from simulations.tune import run as run_tune
+
+        return run_tune(args)
     if args.command == "demo":
         from kvroute.demo.run import run_demo
 

@@ -7,6 +7,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute.core.config import PREDICT_TTL_S
@@ -27,25 +28,13 @@ from simulations.trace import Trace, TraceError, load
 SWEEP_LOADS = (0.5, 0.65, 0.8, 0.95)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace and the simulated cluster: shared by ``kvroute replay`` and ``kvroute tune``."""
     p.add_argument("trace", help="trace file: Mooncake JSONL (hash_ids) or JSONL with token_ids")
     p.add_argument("--workers", type=int, default=16, help="simulated workers")
     p.add_argument("--capacity-blocks", type=int, default=0,
                    help="KV blocks per worker (default: 480k tokens' worth, an A100-80GB "
                         "serving Llama-3.1-8B)")
-    p.add_argument("--policies", default="all",
-                   help=f"comma-separated, or 'all': {', '.join(sorted(REGISTRY))}; each may "
-                        "override parameters, e.g. kvroute:hold=2:batch_weight=1 (`kvroute "
-                        "policies` lists them), to compare variants side by side")
-    rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--rate-scale", type=float, default=1.0,
-                      help="replay this many times faster than recorded")
-    rate.add_argument("--load", type=float, default=None,
-                      help="replay at this fraction of the cluster's capacity (overrides "
-                           "--rate-scale)")
-    rate.add_argument("--sweep", action="store_true",
-                      help=f"replay at loads {', '.join(map(str, SWEEP_LOADS))} and plot TTFT "
-                           "against load")
     p.add_argument("--propagation-ms", type=float, default=50.0,
                    help="delay before the router sees a cache event (agent -> Redis -> router)")
     p.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
@@ -74,9 +63,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="repeat the trace this many times back to back (speed tests)")
     p.add_argument("--seed", type=int, default=0, help="seed for randomised policies")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_cluster_arguments(p)
+    p.add_argument("--policies", default="all",
+                   help=f"comma-separated, or 'all': {', '.join(sorted(REGISTRY))}; each may "
+                        "override parameters, e.g. kvroute:hold=2:batch_weight=1 (`kvroute "
+                        "policies` lists them), to compare variants side by side")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--rate-scale", type=float, default=1.0,
+                      help="replay this many times faster than recorded")
+    rate.add_argument("--load", type=float, default=None,
+                      help="replay at this fraction of the cluster's capacity (overrides "
+                           "--rate-scale)")
+    rate.add_argument("--sweep", action="store_true",
+                      help=f"replay at loads {', '.join(map(str, SWEEP_LOADS))} and plot TTFT "
+                           "against load")
     p.add_argument("--out", type=Path, default=None,
                    help="write results.json, results.csv and PNG plots here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--jitter", default=None, metavar="F,F,...",
                    help="replay each policy at these factors of the rate (e.g. 0.98,1,1.02), "
                         "report the averages, and say whether each lead holds at every "
@@ -106,8 +112,9 @@ def make_policies(specs: str, seed: int) -> list[Callable[[], Policy]]:
     return [functools.partial(make_policy, spec, seed) for spec in chosen]
 
 
-def _progress(label: str, total: int, enabled: bool) -> tuple[Callable[[int], None],
-                                                               Callable[[], None]]:
+def progress_bar(label: str, total: int, enabled: bool, unit: str = "req"
+                 ) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """(update(done so far), close) for a tqdm bar on stderr; no-ops when not ``enabled``."""
     if not enabled:
         return (lambda n: None), (lambda: None)
     try:
@@ -115,7 +122,7 @@ def _progress(label: str, total: int, enabled: bool) -> tuple[Callable[[int], No
     except ImportError:  # a plain line per policy is enough without tqdm
         print(f"  {label} ...", file=sys.stderr, flush=True)
         return (lambda n: None), (lambda: None)
-    bar = tqdm(total=total, desc=f"{label:<13}", unit="req", leave=False, file=sys.stderr)
+    bar = tqdm(total=total, desc=f"{label:<13}", unit=unit, leave=False, file=sys.stderr)
 
     def update(n: int) -> None:
         bar.update(n - bar.n)
@@ -128,7 +135,7 @@ def replay_all(trace: Trace, factories: Sequence[Callable[[], Policy]], spec: Cl
     results, rows = [], []
     for make in factories:
         policy = make()
-        update, close = _progress(policy.name, len(trace.requests), progress)
+        update, close = progress_bar(policy.name, len(trace.requests), progress)
         t0 = time.perf_counter()
         res = Replayer(trace, policy, spec, progress=update).run()
         res.wall_s = time.perf_counter() - t0
@@ -138,27 +145,30 @@ def replay_all(trace: Trace, factories: Sequence[Callable[[], Policy]], spec: Cl
     return results, rows
 
 
-def run(args: argparse.Namespace) -> int:
-    from simulations.report import plot_replay, plot_sweep, table, write_results
+@dataclass(frozen=True)
+class Setup:
+    """A loaded trace and the cluster it replays on."""
 
-    # Arguments first: a bad one should not wait for a large trace to load.
-    factories = make_policies(args.policies, args.seed)
-    try:
-        jitters = parse_jitters(args.jitter) if args.jitter is not None else ()
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    if args.focus is not None:
-        named = [f().name for f in factories]
-        if not jitters or args.focus not in named:
-            raise SystemExit(f"error: --focus needs --jitter and one of --policies "
-                             f"({', '.join(named)}); got {args.focus!r}")
+    trace: Trace
+    spec: ClusterSpec
+    base_rps: float  # the trace's own request rate
+    capacity_rps: float  # the cluster's estimated capacity for this trace's requests
+
+    def scale_for(self, load: float) -> float:
+        """The rate factor that offers ``load`` x the cluster's capacity."""
+        return load * self.capacity_rps / self.base_rps
+
+
+def prepare(args: argparse.Namespace) -> Setup | None:
+    """Check the cluster arguments, load the trace (its bad lines reported) and describe it;
+    None after printing why the trace cannot be read. Exits on a bad argument."""
     if args.workers < 1 or args.max_batch < 1 or args.prefill_budget < 1:
         raise SystemExit("--workers, --max-batch and --prefill-budget must be >= 1")
     try:
         trace = load(args.trace, strict=args.strict, token_block_size=args.token_block_size)
     except TraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return None
     for line in trace.skipped[:10]:
         print(f"warning: skipped {line}", file=sys.stderr)
     if len(trace.skipped) > 10:
@@ -180,15 +190,37 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"{len(too_big)} requests exceed one worker's KV capacity of "
                          f"{cap * trace.block_size} tokens (first: #{too_big[0]}); raise "
                          "--capacity-blocks")
-    bounds = {
-        "global LRU": hit_ratio(trace, global_lru_hits(trace, cap * args.workers)),
-        "infinite cache": hit_ratio(trace, infinite_cache_hits(trace)),
-    }
     base_rps = len(trace.requests) / max(trace.duration_s, 1e-9)
     capacity = capacity_rps(trace, args.workers, cap, cost)
     print(f"trace {trace.source}: {len(trace.requests)} requests over {trace.duration_s:.0f} s "
           f"({base_rps:.2f} req/s), block {trace.block_size} tokens; cluster: {args.workers} "
           f"workers x {cap} blocks; capacity ~{capacity:.2f} req/s", flush=True)
+    return Setup(trace, spec, base_rps, capacity)
+
+
+def run(args: argparse.Namespace) -> int:
+    from simulations.report import plot_replay, plot_sweep, table, write_results
+
+    # Arguments first: a bad one should not wait for a large trace to load.
+    factories = make_policies(args.policies, args.seed)
+    try:
+        jitters = parse_jitters(args.jitter) if args.jitter is not None else ()
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.focus is not None:
+        named = [f().name for f in factories]
+        if not jitters or args.focus not in named:
+            raise SystemExit(f"error: --focus needs --jitter and one of --policies "
+                             f"({', '.join(named)}); got {args.focus!r}")
+    setup = prepare(args)
+    if setup is None:
+        return 2
+    trace, spec, cap = setup.trace, setup.spec, setup.spec.capacity_blocks
+    base_rps, capacity = setup.base_rps, setup.capacity_rps
+    bounds = {
+        "global LRU": hit_ratio(trace, global_lru_hits(trace, cap * args.workers)),
+        "infinite cache": hit_ratio(trace, infinite_cache_hits(trace)),
+    }
 
     def at(scale: float) -> Trace:
         return trace.scaled(scale) if scale != 1.0 else trace
@@ -224,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         sweep: dict[float, list[PolicyMetrics]] = {}
         sweep_runs: dict[float, list[Jittered]] = {}
         for ld in SWEEP_LOADS:
-            scale = ld * capacity / base_rps
+            scale = setup.scale_for(ld)
             print(f"\n== load {ld:.0%} of capacity (rate x{scale:.2f})", flush=True)
             _, rows, runs = compare(scale)
             report(rows, runs)
@@ -233,11 +265,11 @@ def run(args: argparse.Namespace) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             for ld, rows in sweep.items():
                 write_results(args.out / f"load_{int(ld * 100)}", rows, bounds,
-                              {"load": ld, "rate_scale": ld * capacity / base_rps,
+                              {"load": ld, "rate_scale": setup.scale_for(ld),
                                "jitters": list(jitters)}, sweep_runs[ld], args.focus)
             print(f"wrote {plot_sweep(args.out, sweep, sweep_runs)}")
         return 0
-    scale = args.load * capacity / base_rps if args.load is not None else args.rate_scale
+    scale = setup.scale_for(args.load) if args.load is not None else args.rate_scale
     load_frac = base_rps * scale / capacity
     print(f"replaying at rate x{scale:.2f} = {load_frac:.0%} of capacity", flush=True)
     results, rows, runs = compare(scale)

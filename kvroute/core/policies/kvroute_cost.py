@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvroute.core.load import WorkerLoad
 from kvroute.core.policies.base import (
@@ -170,6 +171,23 @@ class KvrouteCost:
     batch_tokens: int = 8192
     transfer_cost: float = 1.0
     name: str = "kvroute"
+
+    # The values ``kvroute tune`` tries for each parameter: a few steps either side of the
+    # default, within the range the formula is meant for (``hold`` 1000: never leave a
+    # holder for balance; ``attn`` is a property of the model and ``transfer_cost`` of the
+    # cluster, so neither is tuned).
+    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
+        "miss_weight": (1.0, 1.5, 2.0, 3.0, 4.0),
+        "stickiness": (0.5, 1.0, 2.0),
+        "decode_weight": (8.0, 16.0, 32.0, 64.0),
+        "kv_weight": (0.0, 0.05, 0.1, 0.2),
+        "kv_decay": (0.5, 1.0, 2.0),
+        "affinity_weight": (1.0, 3.0, 6.0),
+        "hold": (1.0, 2.0, 3.0, 5.0, 10.0, 1000.0),
+        "hold_min": (0.0, 0.2, 0.35, 0.5, 0.7),
+        "batch_weight": (0.0, 0.75, 1.5, 3.0),
+        "batch_tokens": (2048, 4096, 8192, 16384),
+    }
 
     def __post_init__(self) -> None:
         # The ranges the formula assumes (parameters come from users: ``kvroute:hold=2``).

@@ -1,0 +1,471 @@
+"""kvroute tune: search a policy's parameters on a trace for the variant that beats the
+peers, and print the spec to deploy.
+
+A user's traffic is not the generators': the parameters that win on one workload are not
+those that win on another. This replays the peers once, then the policy's start (its
+defaults, or --policy's overrides) and variants of it, each at every load and rate jitter
+(averaged, so a lead is not a coin toss: simulations/compare.py), and keeps the variant that
+beats the best peer at the most loads.
+
+Scoring, at each load L, against the best peer on each metric separately:
+
+    mean_L = 1 - ttft_mean / min_peers(ttft_mean)          # > 0: lower mean TTFT
+    p99_L  = 1 - ttft_p99 / min_peers(ttft_p99)
+    hit_L  = 100 * (hit_ratio - max_peers(hit_ratio))       # points; > 0: more hits
+    won_L  = mean_L >= 0 and p99_L >= 0 and hit_L >= 0     # the README policy table's test
+    worst  = min_L min(mean_L, p99_L, hit_L * hit_weight / 100)
+
+Variants are ranked by loads won, then by worst (hit_weight: how many percent of TTFT one
+point of hit ratio is worth, default 10). The search: the start, then random draws from the
+policy's TUNING grid (half the budget), then steps from the best so far to the neighbouring
+grid values of one parameter at a time, while a step improves on it. Every replay is
+deterministic, so the result depends only on --seed and the budget, not on --jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import multiprocessing.queues
+import os
+import queue
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvroute.core.policies import make_policy, parameters
+from kvroute.core.policies.spec import SEPARATOR, parse_spec
+from simulations.cli import (
+    Setup,
+    add_cluster_arguments,
+    make_policies,
+    prepare,
+    progress_bar,
+)
+from simulations.compare import DEFAULT_JITTERS, Jittered, parse_jitters
+from simulations.metrics import PolicyMetrics, measure
+from simulations.replay import Replayer
+
+DEFAULT_PEERS = "llmd,preble,chwbl,sglang,dynamo,mooncake_local"
+DEFAULT_LOADS = (0.5, 0.65, 0.8, 0.95)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_cluster_arguments(p)
+    p.add_argument("--policy", default="kvroute",
+                   help="the policy to tune (one with a TUNING grid), optionally with "
+                        "overrides to start from, e.g. kvroute:hold=5")
+    p.add_argument("--peers", default=DEFAULT_PEERS,
+                   help="comma-separated policies to beat (specs, as --policies of replay)")
+    p.add_argument("--loads", default=",".join(map(str, DEFAULT_LOADS)),
+                   help="fractions of the cluster's capacity to replay at")
+    p.add_argument("--jitter", default=",".join(map(str, DEFAULT_JITTERS)), metavar="F,F,...",
+                   help="rate factors each load is replayed at; metrics are their averages")
+    p.add_argument("--trials", type=int, default=32,
+                   help="variants to replay, the default included")
+    p.add_argument("--hit-weight", type=float, default=10.0,
+                   help="percent of TTFT one point of hit ratio is worth in the worst margin")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="replays run at once (processes)")
+    p.add_argument("--out", type=Path, default=None, help="write tune.json here")
+
+
+@dataclass(frozen=True)
+class Margins:
+    """One variant against the best peer on each metric at one load."""
+
+    load: float
+    mean: float  # 1 - mean TTFT / best peer's: > 0 is faster
+    p99: float  # 1 - p99 TTFT / best peer's
+    hit: float  # hit ratio minus the best peer's, in points
+
+    @property
+    def won(self) -> bool:
+        return self.mean >= 0 and self.p99 >= 0 and self.hit >= 0
+
+    def worst(self, hit_weight: float) -> float:
+        return min(self.mean, self.p99, self.hit * hit_weight / 100)
+
+
+def margins(mine: PolicyMetrics, peers: Sequence[PolicyMetrics], load: float) -> Margins:
+    """``mine`` against the best of ``peers`` on each metric (see the module docstring)."""
+    if not peers:
+        raise ValueError("no peers to compare with")
+    best_mean = min(p.ttft_mean_s for p in peers)
+    best_p99 = min(p.ttft_p99_s for p in peers)
+    best_hit = max(p.hit_ratio for p in peers)
+    return Margins(load, 1 - mine.ttft_mean_s / best_mean if best_mean else 0.0,
+                   1 - mine.ttft_p99_s / best_p99 if best_p99 else 0.0,
+                   100 * (mine.hit_ratio - best_hit))
+
+
+@dataclass(frozen=True)
+class Trial:
+    spec: str
+    params: Mapping[str, float]  # every tuned parameter's value
+    metrics: Mapping[float, PolicyMetrics]  # load -> jitter-averaged
+    margins: tuple[Margins, ...]
+
+    @property
+    def wins(self) -> int:
+        return sum(m.won for m in self.margins)
+
+    def worst(self, hit_weight: float) -> float:
+        return min(m.worst(hit_weight) for m in self.margins)
+
+    def score(self, hit_weight: float) -> tuple[int, float]:
+        return self.wins, self.worst(hit_weight)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What is searched: a registry policy's ``TUNING`` values per parameter, its defaults,
+    the values the search starts from, and overrides of parameters it does not tune (kept in
+    every variant)."""
+
+    name: str
+    values: Mapping[str, tuple[float, ...]]
+    defaults: Mapping[str, object]
+    start: Mapping[str, float]
+    fixed: Mapping[str, str]
+
+    def spec(self, params: Mapping[str, float]) -> str:
+        """The spec of the variant with ``params``: the fixed overrides, then the tuned
+        values that differ from the policy's defaults, in the grid's order."""
+        changed = [f"{k}={v:g}" for k, v in params.items() if v != self.defaults[k]]
+        return SEPARATOR.join([self.name, *(f"{k}={v}" for k, v in self.fixed.items()),
+                               *changed])
+
+
+def tuning_grid(policy_spec: str) -> Grid:
+    """The grid for ``policy_spec`` (a registry name, with overrides to start from); a start
+    value off the grid joins it. ValueError when the policy has no ``TUNING`` grid."""
+    name, overrides = parse_spec(policy_spec)
+    start_policy = make_policy(policy_spec)
+    values = dict(getattr(type(start_policy), "TUNING", {}))
+    if not values:
+        raise ValueError(f"policy {name!r} declares no TUNING grid; tunable: kvroute")
+    start = {k: float(getattr(start_policy, k)) for k in values}
+    for k in values:
+        if start[k] not in values[k]:
+            values[k] = tuple(sorted({*values[k], start[k]}))
+    return Grid(name, values, parameters(make_policy(name)), start,
+                {k: v for k, v in overrides.items() if k not in values})
+
+
+def random_params(grid: Mapping[str, Sequence[float]], rng: random.Random) -> dict[str, float]:
+    return {k: float(rng.choice(values)) for k, values in grid.items()}
+
+
+def neighbours(grid: Mapping[str, Sequence[float]],
+               params: Mapping[str, float]) -> list[dict[str, float]]:
+    """Every variant of ``params`` with one parameter moved to an adjacent grid value."""
+    out = []
+    for k, values in grid.items():
+        i = values.index(params[k])
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(values):
+                out.append({**params, k: float(values[j])})
+    return out
+
+
+@dataclass
+class Evaluator:
+    """Replays policy specs at every (load, jitter), ``jobs`` at a time, in forked worker
+    processes that inherit the loaded trace (only specs and metrics cross the pipes)."""
+
+    setup: Setup
+    loads: Sequence[float]
+    jitters: Sequence[float]
+    jobs: int
+    seed: int
+    on_replay: Callable[[], None] = lambda: None
+    _procs: list[multiprocessing.process.BaseProcess] = field(default_factory=list,
+                                                              init=False)
+    _tasks: multiprocessing.queues.Queue | None = field(default=None, init=False)
+    _results: multiprocessing.queues.Queue | None = field(default=None, init=False)
+
+    def replay(self, spec: str, scale: float) -> PolicyMetrics:
+        trace = self.setup.trace.scaled(scale)
+        return measure(Replayer(trace, make_policy(spec, self.seed), self.setup.spec).run())
+
+    def _serve(self, tasks: multiprocessing.queues.Queue,
+               results: multiprocessing.queues.Queue) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+        for key, spec, scale in iter(tasks.get, None):
+            try:
+                results.put((key, self.replay(spec, scale)))
+            except Exception as exc:  # reported by the parent, which stops the search
+                results.put((key, f"{type(exc).__name__}: {exc}"))
+
+    def __enter__(self) -> Evaluator:
+        if self.jobs > 1:
+            ctx = multiprocessing.get_context("fork")
+            self._tasks, self._results = ctx.Queue(), ctx.Queue()
+            self._procs = [ctx.Process(target=self._serve, args=(self._tasks, self._results),
+                                       daemon=True) for _ in range(self.jobs)]
+            for proc in self._procs:
+                proc.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None:  # interrupted or failed: replays in progress are not wanted
+            for proc in self._procs:
+                proc.terminate()
+            if self._tasks is not None:
+                # Tasks no worker will read: exiting must not wait to flush them to the pipe.
+                self._tasks.cancel_join_thread()
+        elif self._tasks is not None:
+            for _ in self._procs:
+                self._tasks.put(None)
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+    def _next_result(self, results: multiprocessing.queues.Queue
+                     ) -> tuple[tuple[str, float, float], PolicyMetrics | str]:
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                # A worker killed from outside (OOM) would leave its replay unanswered.
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"a replay worker died (exit code {dead[0].exitcode})"
+                                       ) from None
+
+    def run(self, specs: Sequence[str],
+            finished: Callable[[str, dict[float, PolicyMetrics]], None] | None = None,
+            ) -> dict[str, dict[float, PolicyMetrics]]:
+        """spec -> load -> metrics averaged over the jitters. ``finished(spec, those)`` is
+        called for each spec as soon as its last replay is in (so in completion order)."""
+        if len(set(specs)) != len(specs):
+            raise ValueError(f"a spec listed twice: {', '.join(specs)}")
+        work = [(s, ld, j) for s in specs for ld in self.loads for j in self.jitters]
+        left = Counter(s for s, _, _ in work)
+        done: dict[tuple[str, float, float], PolicyMetrics] = {}
+        out: dict[str, dict[float, PolicyMetrics]] = {}
+
+        def got(key: tuple[str, float, float], m: PolicyMetrics) -> None:
+            done[key] = m
+            self.on_replay()
+            spec = key[0]
+            left[spec] -= 1
+            if not left[spec]:
+                out[spec] = {ld: Jittered(spec, tuple(done[(spec, ld, j)]
+                                                      for j in self.jitters)).mean()
+                             for ld in self.loads}
+                if finished is not None:
+                    finished(spec, out[spec])
+
+        if self._tasks is None or self._results is None:
+            for key in work:
+                got(key, self.replay(key[0], self.setup.scale_for(key[1]) * key[2]))
+        else:
+            for key in work:
+                self._tasks.put((key, key[0], self.setup.scale_for(key[1]) * key[2]))
+            for _ in work:
+                key, result = self._next_result(self._results)
+                if isinstance(result, str):
+                    raise RuntimeError(f"replay of {key[0]} at load {key[1]:g} x{key[2]:g} "
+                                       f"failed: {result}")
+                got(key, result)
+        return {spec: out[spec] for spec in specs}
+
+
+@dataclass
+class Search:
+    """The variants tried so far; the best by :meth:`Trial.score`."""
+
+    grid: Grid
+    peers: Mapping[float, Sequence[PolicyMetrics]]  # load -> each peer's metrics
+    hit_weight: float
+    trials: list[Trial] = field(default_factory=list)
+
+    def spec(self, params: Mapping[str, float]) -> str:
+        return self.grid.spec(params)
+
+    def untried(self, candidates: Iterable[Mapping[str, float]], limit: int) -> list[dict]:
+        seen = {t.spec for t in self.trials}
+        out: list[dict] = []
+        for c in candidates:
+            s = self.spec(c)
+            if s not in seen and len(out) < limit:
+                seen.add(s)
+                out.append(dict(c))
+        return out
+
+    def trial(self, params: Mapping[str, float],
+              metrics: Mapping[float, PolicyMetrics]) -> Trial:
+        return Trial(self.spec(params), dict(params), dict(metrics),
+                     tuple(margins(metrics[ld], self.peers[ld], ld) for ld in sorted(metrics)))
+
+    def best(self) -> Trial:
+        return max(self.trials, key=lambda t: t.score(self.hit_weight))
+
+
+def tune(evaluator: Evaluator, search: Search, trials: int, rng: random.Random,
+         report: Callable[[Trial], None]) -> Trial:
+    """Run the search (see the module docstring) within ``trials`` variants; the best.
+    ``report`` sees each variant as its replays complete; the search adds each batch in
+    the order it drew them, so the outcome does not depend on which replay ends first."""
+
+    def evaluate(batch: list[dict[str, float]]) -> None:
+        by_spec = {search.spec(p): p for p in batch}
+        results = evaluator.run(list(by_spec),
+                                lambda spec, m: report(search.trial(by_spec[spec], m)))
+        search.trials.extend(search.trial(p, results[s]) for s, p in by_spec.items())
+
+    first = search.untried([search.grid.start], 1)
+    evaluate(first + search.untried((random_params(search.grid.values, rng)
+                                     for _ in range(20 * trials)), max(0, trials // 2 - 1)))
+    while len(search.trials) < trials:
+        best = search.best()
+        steps = neighbours(search.grid.values, best.params)
+        rng.shuffle(steps)  # a budget too small for every step samples them evenly
+        batch = search.untried(steps, trials - len(search.trials))
+        if not batch:
+            break  # a local optimum: every one-step neighbour tried
+        evaluate(batch)
+        if search.best() is best:
+            break  # no step improved on it
+    return search.best()
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def _row(m: PolicyMetrics) -> str:
+    return f"{m.ttft_mean_s:.4g} / {m.ttft_p99_s:.4g} / {m.hit_ratio:.2%}"
+
+
+def run(args: argparse.Namespace) -> int:
+    # Arguments first: a bad one should not wait for a large trace to load.
+    try:
+        grid = tuning_grid(args.policy)
+        jitters = parse_jitters(args.jitter)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    try:
+        loads = sorted({float(x) for x in args.loads.split(",") if x.strip()})
+    except ValueError:
+        loads = []
+    if not loads or any(not 0 < ld <= 2 for ld in loads):
+        raise SystemExit(f"error: --loads takes fractions of capacity in (0, 2], got "
+                         f"{args.loads!r}")
+    peer_specs = [p.strip() for p in args.peers.split(",") if p.strip()]
+    if not peer_specs or grid.name in [parse_spec(p)[0] for p in peer_specs]:
+        raise SystemExit(f"error: --peers must name at least one policy other than {grid.name}")
+    peer_names = [f().name for f in make_policies(",".join(peer_specs), args.seed)]
+    if args.trials < 1 or args.jobs < 1:
+        raise SystemExit("error: --trials and --jobs must be >= 1")
+    if not math.isfinite(args.hit_weight) or args.hit_weight < 0:
+        raise SystemExit("error: --hit-weight must be a finite number >= 0")
+    setup = prepare(args)
+    if setup is None:
+        return 2
+    per_policy = len(loads) * len(jitters)
+    total = per_policy * (len(peer_specs) + args.trials)
+    print(f"tuning {args.policy} against {', '.join(peer_names)}: loads "
+          f"{', '.join(f'{ld:.0%}' for ld in loads)} x rate jitters "
+          f"{', '.join(f'x{j:g}' for j in jitters)} ({per_policy} replays a variant), up to "
+          f"{args.trials} variants, {args.jobs} at once", flush=True)
+    t0 = time.perf_counter()
+    search: Search | None = None
+    completed: list[Trial] = []  # in the order their replays completed
+    interrupted = False
+    bar_closers: list[Callable[[], None]] = []
+    try:
+        # The workers fork first: no progress-bar thread exists yet to be copied half-way.
+        with Evaluator(setup, loads, jitters, args.jobs, args.seed) as ev:
+            update, close = progress_bar("replays", total, not args.no_progress
+                                         and sys.stderr.isatty(), unit="replay")
+            bar_closers.append(close)
+            count = [0]
+
+            def tick() -> None:
+                count[0] += 1
+                update(count[0])
+
+            ev.on_replay = tick
+            peer_runs = ev.run(peer_specs)
+            print(f"peers replayed in {time.perf_counter() - t0:.0f} s; variants, as their "
+                  "replays complete (worst: the lowest margin; see kvroute tune --help):",
+                  flush=True)
+            search = Search(grid,
+                            {ld: [peer_runs[s][ld] for s in peer_specs] for ld in loads},
+                            args.hit_weight)
+
+            def report(t: Trial) -> None:
+                completed.append(t)
+                print(f"  {len(completed):3d}  wins {t.wins}/{len(loads)}  worst "
+                      f"{_pct(t.worst(args.hit_weight))}  {t.spec}", flush=True)
+
+            tune(ev, search, args.trials, random.Random(args.seed), report)
+    except KeyboardInterrupt:
+        interrupted = True
+    for close_bar in bar_closers:
+        close_bar()
+    if search is None or not completed:
+        print("interrupted before any variant was replayed", file=sys.stderr)
+        return 130
+    trials = completed if interrupted else search.trials
+    best = max(trials, key=lambda t: t.score(args.hit_weight))
+    first = next((t for t in trials if t.spec == grid.spec(grid.start)), None)
+    print(f"\n{'interrupted: ' if interrupted else ''}{len(trials)} variants and "
+          f"{len(peer_specs)} peers in {time.perf_counter() - t0:.0f} s")
+    summarize(search, first, best, args.hit_weight)
+    print(f"deploy: kvroute router --policy '{best.spec}'   or, with Helm: "
+          f"--set router.policy='{best.spec}'")
+    print("tuned on this trace: confirm on another one (kvroute replay TRACE2 --jitter "
+          f"{','.join(f'{j:g}' for j in jitters)} --policies "
+          f"'{grid.spec(grid.start)},{best.spec},{','.join(peer_specs)}')")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "tune.json"
+        path.write_text(json.dumps({
+            "trace": setup.trace.source, "policy": args.policy, "peers": peer_specs,
+            "loads": loads, "jitters": list(jitters), "hit_weight": args.hit_weight,
+            "seed": args.seed, "interrupted": interrupted, "best": best.spec,
+            "peer_metrics": {f"{ld:g}": [m.row() for m in search.peers[ld]] for ld in loads},
+            "trials": [{"spec": t.spec, "params": t.params, "wins": t.wins,
+                        "worst": t.worst(args.hit_weight),
+                        "margins": [asdict(m) for m in t.margins],
+                        "metrics": {f"{ld:g}": m.row() for ld, m in t.metrics.items()}}
+                       for t in trials],
+        }, indent=2))
+        print(f"wrote {path}")
+    return 130 if interrupted else 0
+
+
+def summarize(search: Search, first: Trial | None, best: Trial, hit_weight: float) -> None:
+    """The best peer on each metric at each load, the start and the best variant there."""
+    print("best peer at each load (mean TTFT s / p99 TTFT s / hit ratio), then the start and "
+          "the best variant, with their margins:")
+    shown = [("start", first), ("best", best)] if first is not None else [("best", best)]
+    for i, ld in enumerate(sorted(search.peers)):
+        ps = search.peers[ld]
+        bm = min(ps, key=lambda m: m.ttft_mean_s)
+        bq = min(ps, key=lambda m: m.ttft_p99_s)
+        bh = max(ps, key=lambda m: m.hit_ratio)
+        print(f"  {ld:4.0%}  peers {bm.ttft_mean_s:.4g} ({bm.policy}) / {bq.ttft_p99_s:.4g} "
+              f"({bq.policy}) / {bh.hit_ratio:.2%} ({bh.policy})")
+        for label, t in shown:
+            m = t.margins[i]
+            print(f"        {label:5s} {_row(t.metrics[ld])}   mean {_pct(m.mean)}, p99 "
+                  f"{_pct(m.p99)}, hit {m.hit:+.2f} pts{'  WON' if m.won else ''}")
+    loads = len(search.peers)
+    line = (f"\nbest: {best.spec}  (wins {best.wins}/{loads} loads, worst margin "
+            f"{_pct(best.worst(hit_weight))}")
+    if first is not None:
+        line += f"; start {first.spec}: {first.wins}/{loads}, {_pct(first.worst(hit_weight))}"
+    print(line + ")")
