@@ -25,6 +25,7 @@ deterministic, so the result depends only on --seed and the budget, not on --job
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing
@@ -36,7 +37,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="percent of TTFT one point of hit ratio is worth in the worst margin")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="replays run at once (processes)")
+    p.add_argument("--check", action="append", default=[], metavar="TRACE",
+                   help="after the search, replay the start and the best variant (and the "
+                        "peers) on this other trace too, and recommend the best only if it "
+                        "holds up there (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="write tune.json here")
 
 
@@ -370,33 +375,84 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --trials and --jobs must be >= 1")
     if not math.isfinite(args.hit_weight) or args.hit_weight < 0:
         raise SystemExit("error: --hit-weight must be a finite number >= 0")
+    missing = [c for c in args.check if not Path(c).is_file()]
+    if missing:
+        raise SystemExit(f"error: --check: no such file: {', '.join(missing)}")
     setup = prepare(args)
     if setup is None:
         return 2
     per_policy = len(loads) * len(jitters)
-    total = per_policy * (len(peer_specs) + args.trials)
     print(f"tuning {args.policy} against {', '.join(peer_names)}: loads "
           f"{', '.join(f'{ld:.0%}' for ld in loads)} x rate jitters "
           f"{', '.join(f'x{j:g}' for j in jitters)} ({per_policy} replays a variant), up to "
           f"{args.trials} variants, {args.jobs} at once", flush=True)
     t0 = time.perf_counter()
+    search, trials, interrupted = _search(args, setup, grid, peer_specs, loads, jitters)
+    if search is None or not trials:
+        print("interrupted before any variant was replayed", file=sys.stderr)
+        return 130
+    best = max(trials, key=lambda t: t.score(args.hit_weight))
+    first = next((t for t in trials if t.spec == grid.spec(grid.start)), None)
+    print(f"\n{'interrupted: ' if interrupted else ''}{len(trials)} variants and "
+          f"{len(peer_specs)} peers in {time.perf_counter() - t0:.0f} s")
+    summarize(search, first, best, args.hit_weight)
+    checks: list[dict[str, object]] = []
+    pick = best
+    for path in [] if interrupted else args.check:
+        try:
+            held = _check(args, path, grid, list({t.spec: t for t in (first, best)
+                                                  if t is not None}.values()),
+                          peer_specs, loads, jitters)
+        except KeyboardInterrupt:
+            interrupted = True
+            break
+        if held is None:
+            return 2
+        checks.append({"trace": path, **{t.spec: {"wins": t.wins,
+                                                  "worst": t.worst(args.hit_weight),
+                                                  "margins": [asdict(m) for m in t.margins]}
+                                         for t in held}})
+        if first is not None and held[-1].score(args.hit_weight) < \
+                held[0].score(args.hit_weight):
+            pick = first  # the search fit the first trace's accidents
+    if pick is not best:
+        print(f"\nthe best variant did not hold up on every --check trace: keep {pick.spec}")
+    print(f"deploy: kvroute router --policy '{pick.spec}'   or, with Helm: "
+          f"--set router.policy='{pick.spec}'")
+    if not args.check:
+        print("tuned on this trace: confirm on another one (kvroute tune TRACE --check TRACE2, "
+              f"or kvroute replay TRACE2 --jitter {','.join(f'{j:g}' for j in jitters)} "
+              f"--policies '{grid.spec(grid.start)},{best.spec},{','.join(peer_specs)}')")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "tune.json"
+        path.write_text(json.dumps({
+            "trace": setup.trace.source, "policy": args.policy, "peers": peer_specs,
+            "loads": loads, "jitters": list(jitters), "hit_weight": args.hit_weight,
+            "seed": args.seed, "interrupted": interrupted, "best": best.spec,
+            "recommended": pick.spec, "checks": checks,
+            "peer_metrics": {f"{ld:g}": [m.row() for m in search.peers[ld]] for ld in loads},
+            "trials": [{"spec": t.spec, "params": t.params, "wins": t.wins,
+                        "worst": t.worst(args.hit_weight),
+                        "margins": [asdict(m) for m in t.margins],
+                        "metrics": {f"{ld:g}": m.row() for ld, m in t.metrics.items()}}
+                       for t in trials],
+        }, indent=2))
+        print(f"wrote {path}")
+    return 130 if interrupted else 0
+
+
+def _search(args: argparse.Namespace, setup: Setup, grid: Grid, peer_specs: list[str],
+            loads: list[float], jitters: Sequence[float]
+            ) -> tuple[Search | None, list[Trial], bool]:
+    """The peers' replays and the search: (the search, its trials, interrupted). On Ctrl-C,
+    the trials are those completed, in the order they completed."""
     search: Search | None = None
-    completed: list[Trial] = []  # in the order their replays completed
-    interrupted = False
-    bar_closers: list[Callable[[], None]] = []
+    completed: list[Trial] = []
+    t0 = time.perf_counter()
     try:
-        # The workers fork first: no progress-bar thread exists yet to be copied half-way.
-        with Evaluator(setup, loads, jitters, args.jobs, args.seed) as ev:
-            update, close = progress_bar("replays", total, not args.no_progress
-                                         and sys.stderr.isatty(), unit="replay")
-            bar_closers.append(close)
-            count = [0]
-
-            def tick() -> None:
-                count[0] += 1
-                update(count[0])
-
-            ev.on_replay = tick
+        with Evaluator(setup, loads, jitters, args.jobs, args.seed) as ev, \
+                _progress(args, ev, len(loads) * len(jitters) * (len(peer_specs) + args.trials)):
             peer_runs = ev.run(peer_specs)
             print(f"peers replayed in {time.perf_counter() - t0:.0f} s; variants, as their "
                   "replays complete (worst: the lowest margin; see kvroute tune --help):",
@@ -412,39 +468,54 @@ def run(args: argparse.Namespace) -> int:
 
             tune(ev, search, args.trials, random.Random(args.seed), report)
     except KeyboardInterrupt:
-        interrupted = True
-    for close_bar in bar_closers:
-        close_bar()
-    if search is None or not completed:
-        print("interrupted before any variant was replayed", file=sys.stderr)
-        return 130
-    trials = completed if interrupted else search.trials
-    best = max(trials, key=lambda t: t.score(args.hit_weight))
-    first = next((t for t in trials if t.spec == grid.spec(grid.start)), None)
-    print(f"\n{'interrupted: ' if interrupted else ''}{len(trials)} variants and "
-          f"{len(peer_specs)} peers in {time.perf_counter() - t0:.0f} s")
-    summarize(search, first, best, args.hit_weight)
-    print(f"deploy: kvroute router --policy '{best.spec}'   or, with Helm: "
-          f"--set router.policy='{best.spec}'")
-    print("tuned on this trace: confirm on another one (kvroute replay TRACE2 --jitter "
-          f"{','.join(f'{j:g}' for j in jitters)} --policies "
-          f"'{grid.spec(grid.start)},{best.spec},{','.join(peer_specs)}')")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / "tune.json"
-        path.write_text(json.dumps({
-            "trace": setup.trace.source, "policy": args.policy, "peers": peer_specs,
-            "loads": loads, "jitters": list(jitters), "hit_weight": args.hit_weight,
-            "seed": args.seed, "interrupted": interrupted, "best": best.spec,
-            "peer_metrics": {f"{ld:g}": [m.row() for m in search.peers[ld]] for ld in loads},
-            "trials": [{"spec": t.spec, "params": t.params, "wins": t.wins,
-                        "worst": t.worst(args.hit_weight),
-                        "margins": [asdict(m) for m in t.margins],
-                        "metrics": {f"{ld:g}": m.row() for ld, m in t.metrics.items()}}
-                       for t in trials],
-        }, indent=2))
-        print(f"wrote {path}")
-    return 130 if interrupted else 0
+        return search, completed, True
+    assert search is not None
+    return search, search.trials, False
+
+
+def _check(args: argparse.Namespace, path: str, grid: Grid, trials: Sequence[Trial],
+           peer_specs: list[str], loads: list[float], jitters: Sequence[float]
+           ) -> list[Trial] | None:
+    """``trials``' variants (the start, the best) replayed on the trace at ``path`` against
+    the peers replayed there: their trials on it, in order; None if it cannot be read."""
+    print(f"\ncheck on {path}:", flush=True)
+    setup = prepare(argparse.Namespace(**{**vars(args), "trace": path}))
+    if setup is None:
+        return None
+    specs = [t.spec for t in trials]
+    with Evaluator(setup, loads, jitters, args.jobs, args.seed) as ev, \
+            _progress(args, ev, len(loads) * len(jitters) * (len(peer_specs) + len(specs))):
+        runs = ev.run(peer_specs + specs)
+    there = Search(grid, {ld: [runs[s][ld] for s in peer_specs] for ld in loads},
+                   args.hit_weight)
+    out = [there.trial(t.params, runs[t.spec]) for t in trials]
+    labels = ("start", "best") if len(out) > 1 else ("best" if trials[0].spec != grid.spec(
+        grid.start) else "start = best",)
+    for label, t in zip(labels, out, strict=True):
+        print(f"  {label}: wins {t.wins}/{len(loads)}  worst "
+              f"{_pct(t.worst(args.hit_weight))}  {t.spec}  | " + "; ".join(
+                  f"{m.load:.0%} {_pct(m.mean)} / {_pct(m.p99)} / {m.hit:+.2f} pts"
+                  for m in t.margins), flush=True)
+    return out
+
+
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace, ev: Evaluator, replays: int) -> Iterator[None]:
+    """A progress bar over ``replays`` of ``ev``, closed on leaving (entered after the
+    evaluator: its workers fork before the bar's thread exists)."""
+    update, close = progress_bar("replays", replays,
+                                 not args.no_progress and sys.stderr.isatty(), unit="replay")
+    count = [0]
+
+    def tick() -> None:
+        count[0] += 1
+        update(count[0])
+
+    ev.on_replay = tick
+    try:
+        yield
+    finally:
+        close()
 
 
 def summarize(search: Search, first: Trial | None, best: Trial, hit_weight: float) -> None:

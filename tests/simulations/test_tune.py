@@ -168,11 +168,22 @@ def tune_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 def test_tune_prints_the_spec_to_deploy_and_writes_every_trial(chat: Path,
                                                                tmp_path: Path) -> None:
+    other = tmp_path / "other.jsonl"
+    write_jsonl(generate("chat", 160, 20.0, seed=6), other)
     ran = tune_cli(chat, "--workers", "4", "--loads", "0.6,0.9", "--jitter", "1",
                    "--trials", "4", "--peers", "llmd,round_robin", "--jobs", "2",
-                   "--predict-ttl-ms", "0", "--out", tmp_path)
+                   "--predict-ttl-ms", "0", "--check", other, "--out", tmp_path)
     assert ran.returncode == 0, ran.stderr
     doc = json.loads((tmp_path / "tune.json").read_text())
+    # The check replays the start and the best on the other trace; the best is recommended
+    # only if it scores at least the start's there.
+    (check,) = doc["checks"]
+    assert check["trace"] == str(other) and {"kvroute", doc["best"]} <= set(check)
+    start, best = check["kvroute"], check[doc["best"]]
+    holds = (best["wins"], best["worst"]) >= (start["wins"], start["worst"])
+    assert doc["recommended"] == (doc["best"] if holds else "kvroute")
+    assert f"deploy: kvroute router --policy '{doc['recommended']}'" in ran.stdout
+    assert f"check on {other}:" in ran.stdout
     assert doc["peers"] == ["llmd", "round_robin"] and doc["loads"] == [0.6, 0.9]
     trials = doc["trials"]
     assert trials[0]["spec"] == "kvroute" and 2 <= len(trials) <= 4
@@ -183,7 +194,6 @@ def test_tune_prints_the_spec_to_deploy_and_writes_every_trial(chat: Path,
         assert t["wins"] == sum(m["mean"] >= 0 and m["p99"] >= 0 and m["hit"] >= 0
                                 for m in t["margins"])
         make_policy(t["spec"])  # every spec deploys as printed
-    assert f"deploy: kvroute router --policy '{doc['best']}'" in ran.stdout
     assert "best peer at each load" in ran.stdout and " 60%  peers " in ran.stdout
 
 
@@ -196,6 +206,7 @@ def test_tune_prints_the_spec_to_deploy_and_writes_every_trial(chat: Path,
     (["--loads", "half"], "--loads takes fractions of capacity"),
     (["--jitter", "1,1"], "--jitter factors must differ"),
     (["--policy", "kvroute:hold=x"], "hold takes a number, got 'x'"),
+    (["--check", "/nonexistent.jsonl"], "--check: no such file: /nonexistent.jsonl"),
 ])
 def test_bad_arguments_are_refused_before_any_replay(chat: Path, args: list[str],
                                                      message: str) -> None:
