@@ -271,12 +271,15 @@ class Evaluator:
                 if finished is not None:
                     finished(spec, out[spec])
 
+        def scale(key: tuple[str, float, float]) -> float:
+            return self.setup.scale_for(key[1]) * key[2]
+
         if self._tasks is None or self._results is None:
             for key in work:
-                got(key, self.replay(key[0], self.setup.scale_for(key[1]) * key[2]))
+                got(key, self.replay(key[0], scale(key)))
         else:
             for key in work:
-                self._tasks.put((key, key[0], self.setup.scale_for(key[1]) * key[2]))
+                self._tasks.put((key, key[0], scale(key)))
             for _ in work:
                 key, result = self._next_result(self._results)
                 if isinstance(result, str):
@@ -298,12 +301,16 @@ class Search:
     def spec(self, params: Mapping[str, float]) -> str:
         return self.grid.spec(params)
 
-    def untried(self, candidates: Iterable[Mapping[str, float]], limit: int) -> list[dict]:
+    def untried(self, candidates: Iterable[Mapping[str, float]],
+                limit: int) -> list[dict[str, float]]:
+        """Up to ``limit`` of ``candidates`` not tried yet, without repeats, in order."""
         seen = {t.spec for t in self.trials}
-        out: list[dict] = []
+        out: list[dict[str, float]] = []
         for c in candidates:
+            if len(out) >= limit:
+                break
             s = self.spec(c)
-            if s not in seen and len(out) < limit:
+            if s not in seen:
                 seen.add(s)
                 out.append(dict(c))
         return out
