@@ -5,17 +5,19 @@ A user's traffic is not the generators': the parameters that win on one workload
 those that win on another. This replays the peers once, then the policy's start (its
 defaults, or --policy's overrides) and variants of it, each at every load and rate jitter
 (averaged, so a lead is not a coin toss: simulations/compare.py), and keeps the variant that
-beats the best peer at the most loads.
+beats the best peer at the most loads. Tuning on several traces at once (--also) finds a
+variant for all of them rather than one that fits a single trace's accidents.
 
-Scoring, at each load L, against the best peer on each metric separately:
+Scoring, at each load L of each trace tuned on (a cell), against the best peer there on
+each metric separately:
 
     mean_L = 1 - ttft_mean / min_peers(ttft_mean)          # > 0: lower mean TTFT
     p99_L  = 1 - ttft_p99 / min_peers(ttft_p99)
     hit_L  = 100 * (hit_ratio - max_peers(hit_ratio))       # points; > 0: more hits
     won_L  = mean_L >= 0 and p99_L >= 0 and hit_L >= 0     # the README policy table's test
-    worst  = min_L min(mean_L, p99_L, hit_L * hit_weight / 100)
+    worst  = min over cells of min(mean_L, p99_L, hit_L * hit_weight / 100)
 
-Variants are ranked by loads won, then by worst (hit_weight: how many percent of TTFT one
+Variants are ranked by cells won, then by worst (hit_weight: how many percent of TTFT one
 point of hit ratio is worth, default 10). The search: the start, then random draws from the
 policy's TUNING grid (half the budget), then steps from the best so far to the neighbouring
 grid values of one parameter at a time, while a step improves on it. Every replay is
@@ -75,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="percent of TTFT one point of hit ratio is worth in the worst margin")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="replays run at once (processes)")
+    p.add_argument("--also", action="append", default=[], metavar="TRACE",
+                   help="tune on this trace too: every variant is scored at each load of "
+                        "each trace (repeatable)")
     p.add_argument("--check", action="append", default=[], metavar="TRACE",
                    help="after the search, replay the start and the best variant (and the "
                         "peers) on this other trace too, and recommend the best only if it "
@@ -82,10 +87,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="write tune.json here")
 
 
+Cell = tuple[str, float]  # (trace label, load): where a variant is scored
+
+
 @dataclass(frozen=True)
 class Margins:
-    """One variant against the best peer on each metric at one load."""
+    """One variant against the best peer on each metric in one cell."""
 
+    trace: str
     load: float
     mean: float  # 1 - mean TTFT / best peer's: > 0 is faster
     p99: float  # 1 - p99 TTFT / best peer's
@@ -99,14 +108,14 @@ class Margins:
         return min(self.mean, self.p99, self.hit * hit_weight / 100)
 
 
-def margins(mine: PolicyMetrics, peers: Sequence[PolicyMetrics], load: float) -> Margins:
+def margins(mine: PolicyMetrics, peers: Sequence[PolicyMetrics], cell: Cell) -> Margins:
     """``mine`` against the best of ``peers`` on each metric (see the module docstring)."""
     if not peers:
         raise ValueError("no peers to compare with")
     best_mean = min(p.ttft_mean_s for p in peers)
     best_p99 = min(p.ttft_p99_s for p in peers)
     best_hit = max(p.hit_ratio for p in peers)
-    return Margins(load, 1 - mine.ttft_mean_s / best_mean if best_mean else 0.0,
+    return Margins(*cell, 1 - mine.ttft_mean_s / best_mean if best_mean else 0.0,
                    1 - mine.ttft_p99_s / best_p99 if best_p99 else 0.0,
                    100 * (mine.hit_ratio - best_hit))
 
@@ -115,7 +124,7 @@ def margins(mine: PolicyMetrics, peers: Sequence[PolicyMetrics], load: float) ->
 class Trial:
     spec: str
     params: Mapping[str, float]  # every tuned parameter's value
-    metrics: Mapping[float, PolicyMetrics]  # load -> jitter-averaged
+    metrics: Mapping[Cell, PolicyMetrics]  # jitter-averaged
     margins: tuple[Margins, ...]
 
     @property
@@ -183,10 +192,11 @@ def neighbours(grid: Mapping[str, Sequence[float]],
 
 @dataclass
 class Evaluator:
-    """Replays policy specs at every (load, jitter), ``jobs`` at a time, in forked worker
-    processes that inherit the loaded trace (only specs and metrics cross the pipes)."""
+    """Replays policy specs on every trace at every (load, jitter), ``jobs`` at a time, in
+    forked worker processes that inherit the loaded traces (only specs and metrics cross the
+    pipes)."""
 
-    setup: Setup
+    setups: Mapping[str, Setup]  # trace label -> its trace and cluster
     loads: Sequence[float]
     jitters: Sequence[float]
     jobs: int
@@ -197,16 +207,21 @@ class Evaluator:
     _tasks: multiprocessing.queues.Queue | None = field(default=None, init=False)
     _results: multiprocessing.queues.Queue | None = field(default=None, init=False)
 
-    def replay(self, spec: str, scale: float) -> PolicyMetrics:
-        trace = self.setup.trace.scaled(scale)
-        return measure(Replayer(trace, make_policy(spec, self.seed), self.setup.spec).run())
+    @property
+    def cells(self) -> list[Cell]:
+        return [(label, ld) for label in self.setups for ld in self.loads]
+
+    def replay(self, spec: str, label: str, scale: float) -> PolicyMetrics:
+        setup = self.setups[label]
+        return measure(Replayer(setup.trace.scaled(scale), make_policy(spec, self.seed),
+                                setup.spec).run())
 
     def _serve(self, tasks: multiprocessing.queues.Queue,
                results: multiprocessing.queues.Queue) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-        for key, spec, scale in iter(tasks.get, None):
+        for key, spec, label, scale in iter(tasks.get, None):
             try:
-                results.put((key, self.replay(spec, scale)))
+                results.put((key, self.replay(spec, label, scale)))
             except Exception as exc:  # reported by the parent, which stops the search
                 results.put((key, f"{type(exc).__name__}: {exc}"))
 
@@ -236,7 +251,7 @@ class Evaluator:
                 proc.kill()
 
     def _next_result(self, results: multiprocessing.queues.Queue
-                     ) -> tuple[tuple[str, float, float], PolicyMetrics | str]:
+                     ) -> tuple[tuple[str, str, float, float], PolicyMetrics | str]:
         while True:
             try:
                 return results.get(timeout=1.0)
@@ -248,43 +263,44 @@ class Evaluator:
                                        ) from None
 
     def run(self, specs: Sequence[str],
-            finished: Callable[[str, dict[float, PolicyMetrics]], None] | None = None,
-            ) -> dict[str, dict[float, PolicyMetrics]]:
-        """spec -> load -> metrics averaged over the jitters. ``finished(spec, those)`` is
+            finished: Callable[[str, dict[Cell, PolicyMetrics]], None] | None = None,
+            ) -> dict[str, dict[Cell, PolicyMetrics]]:
+        """spec -> cell -> metrics averaged over the jitters. ``finished(spec, those)`` is
         called for each spec as soon as its last replay is in (so in completion order)."""
         if len(set(specs)) != len(specs):
             raise ValueError(f"a spec listed twice: {', '.join(specs)}")
-        work = [(s, ld, j) for s in specs for ld in self.loads for j in self.jitters]
-        left = Counter(s for s, _, _ in work)
-        done: dict[tuple[str, float, float], PolicyMetrics] = {}
-        out: dict[str, dict[float, PolicyMetrics]] = {}
+        work = [(s, label, ld, j) for s in specs for label, ld in self.cells
+                for j in self.jitters]
+        left = Counter(key[0] for key in work)
+        done: dict[tuple[str, str, float, float], PolicyMetrics] = {}
+        out: dict[str, dict[Cell, PolicyMetrics]] = {}
 
-        def got(key: tuple[str, float, float], m: PolicyMetrics) -> None:
+        def got(key: tuple[str, str, float, float], m: PolicyMetrics) -> None:
             done[key] = m
             self.on_replay()
             spec = key[0]
             left[spec] -= 1
             if not left[spec]:
-                out[spec] = {ld: Jittered(spec, tuple(done[(spec, ld, j)]
-                                                      for j in self.jitters)).mean()
-                             for ld in self.loads}
+                out[spec] = {(label, ld): Jittered(spec, tuple(
+                    done[(spec, label, ld, j)] for j in self.jitters)).mean()
+                    for label, ld in self.cells}
                 if finished is not None:
                     finished(spec, out[spec])
 
-        def scale(key: tuple[str, float, float]) -> float:
-            return self.setup.scale_for(key[1]) * key[2]
+        def scale(key: tuple[str, str, float, float]) -> float:
+            return self.setups[key[1]].scale_for(key[2]) * key[3]
 
         if self._tasks is None or self._results is None:
             for key in work:
-                got(key, self.replay(key[0], scale(key)))
+                got(key, self.replay(key[0], key[1], scale(key)))
         else:
             for key in work:
-                self._tasks.put((key, key[0], scale(key)))
+                self._tasks.put((key, key[0], key[1], scale(key)))
             for _ in work:
                 key, result = self._next_result(self._results)
                 if isinstance(result, str):
-                    raise RuntimeError(f"replay of {key[0]} at load {key[1]:g} x{key[2]:g} "
-                                       f"failed: {result}")
+                    raise RuntimeError(f"replay of {key[0]} on {key[1]} at load {key[2]:g} "
+                                       f"x{key[3]:g} failed: {result}")
                 got(key, result)
         return {spec: out[spec] for spec in specs}
 
@@ -294,7 +310,7 @@ class Search:
     """The variants tried so far; the best by :meth:`Trial.score`."""
 
     grid: Grid
-    peers: Mapping[float, Sequence[PolicyMetrics]]  # load -> each peer's metrics
+    peers: Mapping[Cell, Sequence[PolicyMetrics]]  # each peer's metrics per cell
     hit_weight: float
     trials: list[Trial] = field(default_factory=list)
 
@@ -316,9 +332,9 @@ class Search:
         return out
 
     def trial(self, params: Mapping[str, float],
-              metrics: Mapping[float, PolicyMetrics]) -> Trial:
+              metrics: Mapping[Cell, PolicyMetrics]) -> Trial:
         return Trial(self.spec(params), dict(params), dict(metrics),
-                     tuple(margins(metrics[ld], self.peers[ld], ld) for ld in sorted(metrics)))
+                     tuple(margins(metrics[c], self.peers[c], c) for c in self.peers))
 
     def best(self) -> Trial:
         return max(self.trials, key=lambda t: t.score(self.hit_weight))
@@ -382,24 +398,27 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --trials and --jobs must be >= 1")
     if not math.isfinite(args.hit_weight) or args.hit_weight < 0:
         raise SystemExit("error: --hit-weight must be a finite number >= 0")
-    missing = [c for c in args.check if not Path(c).is_file()]
-    if missing:
-        raise SystemExit(f"error: --check: no such file: {', '.join(missing)}")
-    setup = prepare(args)
-    if setup is None:
+    for option, paths in (("--also", args.also), ("--check", args.check)):
+        missing = [c for c in paths if not Path(c).is_file()]
+        if missing:
+            raise SystemExit(f"error: {option}: no such file: {', '.join(missing)}")
+    setups = _prepare_all(args, [args.trace, *args.also])
+    if setups is None:
         return 2
-    per_policy = len(loads) * len(jitters)
-    print(f"tuning {args.policy} against {', '.join(peer_names)}: loads "
+    cells = len(setups) * len(loads)
+    print(f"tuning {args.policy} against {', '.join(peer_names)}: "
+          f"{len(setups)} trace{'s' if len(setups) > 1 else ''} x loads "
           f"{', '.join(f'{ld:.0%}' for ld in loads)} x rate jitters "
-          f"{', '.join(f'x{j:g}' for j in jitters)} ({per_policy} replays a variant), up to "
-          f"{args.trials} variants, {args.jobs} at once", flush=True)
+          f"{', '.join(f'x{j:g}' for j in jitters)} ({cells * len(jitters)} replays a variant), "
+          f"up to {args.trials} variants, {args.jobs} at once", flush=True)
     t0 = time.perf_counter()
-    search, trials, interrupted = _search(args, setup, grid, peer_specs, loads, jitters)
+    search, trials, interrupted = _search(args, setups, grid, peer_specs, loads, jitters)
     if search is None or not trials:
         print("interrupted before any variant was replayed", file=sys.stderr)
         return 130
     best = max(trials, key=lambda t: t.score(args.hit_weight))
-    first = next((t for t in trials if t.spec == grid.spec(grid.start)), None)
+    first_spec = grid.spec(grid.start)
+    first = next((t for t in trials if t.spec == first_spec), None)
     print(f"\n{'interrupted: ' if interrupted else ''}{len(trials)} variants and "
           f"{len(peer_specs)} peers in {time.perf_counter() - t0:.0f} s")
     summarize(search, first, best, args.hit_weight)
@@ -421,36 +440,56 @@ def run(args: argparse.Namespace) -> int:
                                          for t in held}})
         if first is not None and held[-1].score(args.hit_weight) < \
                 held[0].score(args.hit_weight):
-            pick = first  # the search fit the first trace's accidents
+            pick = first  # the search fit the tuning traces' accidents
     if pick is not best:
         print(f"\nthe best variant did not hold up on every --check trace: keep {pick.spec}")
     print(f"deploy: kvroute router --policy '{pick.spec}'   or, with Helm: "
           f"--set router.policy='{pick.spec}'")
     if not args.check:
-        print("tuned on this trace: confirm on another one (kvroute tune TRACE --check TRACE2, "
-              f"or kvroute replay TRACE2 --jitter {','.join(f'{j:g}' for j in jitters)} "
-              f"--policies '{grid.spec(grid.start)},{best.spec},{','.join(peer_specs)}')")
+        print("tuned on this traffic: confirm on other traffic (kvroute tune TRACE --check "
+              f"TRACE2, or kvroute replay TRACE2 --jitter {','.join(f'{j:g}' for j in jitters)}"
+              f" --policies '{','.join(dict.fromkeys([first_spec, best.spec, *peer_specs]))}')")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "tune.json"
         path.write_text(json.dumps({
-            "trace": setup.trace.source, "policy": args.policy, "peers": peer_specs,
-            "loads": loads, "jitters": list(jitters), "hit_weight": args.hit_weight,
-            "seed": args.seed, "interrupted": interrupted, "best": best.spec,
-            "recommended": pick.spec, "checks": checks,
-            "peer_metrics": {f"{ld:g}": [m.row() for m in search.peers[ld]] for ld in loads},
+            "traces": {label: s.trace.source for label, s in setups.items()},
+            "policy": args.policy, "peers": peer_specs, "loads": loads,
+            "jitters": list(jitters), "hit_weight": args.hit_weight, "seed": args.seed,
+            "interrupted": interrupted, "best": best.spec, "recommended": pick.spec,
+            "checks": checks,
+            "peer_metrics": [{"trace": c[0], "load": c[1],
+                              "metrics": [m.row() for m in search.peers[c]]}
+                             for c in search.peers],
             "trials": [{"spec": t.spec, "params": t.params, "wins": t.wins,
                         "worst": t.worst(args.hit_weight),
                         "margins": [asdict(m) for m in t.margins],
-                        "metrics": {f"{ld:g}": m.row() for ld, m in t.metrics.items()}}
+                        "metrics": [{"trace": c[0], "load": c[1], **m.row()}
+                                    for c, m in t.metrics.items()]}
                        for t in trials],
         }, indent=2))
         print(f"wrote {path}")
     return 130 if interrupted else 0
 
 
-def _search(args: argparse.Namespace, setup: Setup, grid: Grid, peer_specs: list[str],
-            loads: list[float], jitters: Sequence[float]
+def _prepare_all(args: argparse.Namespace, paths: Sequence[str]) -> dict[str, Setup] | None:
+    """Each trace loaded on the cluster of ``args``, by label (its file name, or its path
+    where two share a name); None if one cannot be read."""
+    names = [Path(p).name for p in paths]
+    out: dict[str, Setup] = {}
+    for path, name in zip(paths, names, strict=True):
+        label = name if names.count(name) == 1 else path
+        if label in out:
+            raise SystemExit(f"error: {path} given twice")
+        setup = prepare(argparse.Namespace(**{**vars(args), "trace": path}))
+        if setup is None:
+            return None
+        out[label] = setup
+    return out
+
+
+def _search(args: argparse.Namespace, setups: Mapping[str, Setup], grid: Grid,
+            peer_specs: list[str], loads: list[float], jitters: Sequence[float]
             ) -> tuple[Search | None, list[Trial], bool]:
     """The peers' replays and the search: (the search, its trials, interrupted). On Ctrl-C,
     the trials are those completed, in the order they completed."""
@@ -458,19 +497,19 @@ def _search(args: argparse.Namespace, setup: Setup, grid: Grid, peer_specs: list
     completed: list[Trial] = []
     t0 = time.perf_counter()
     try:
-        with Evaluator(setup, loads, jitters, args.jobs, args.seed) as ev, \
-                _progress(args, ev, len(loads) * len(jitters) * (len(peer_specs) + args.trials)):
+        with Evaluator(setups, loads, jitters, args.jobs, args.seed) as ev, \
+                _progress(args, ev, len(ev.cells) * len(jitters)
+                          * (len(peer_specs) + args.trials)):
             peer_runs = ev.run(peer_specs)
             print(f"peers replayed in {time.perf_counter() - t0:.0f} s; variants, as their "
                   "replays complete (worst: the lowest margin; see kvroute tune --help):",
                   flush=True)
-            search = Search(grid,
-                            {ld: [peer_runs[s][ld] for s in peer_specs] for ld in loads},
-                            args.hit_weight)
+            search = Search(grid, {c: [peer_runs[s][c] for s in peer_specs]
+                                   for c in ev.cells}, args.hit_weight)
 
             def report(t: Trial) -> None:
                 completed.append(t)
-                print(f"  {len(completed):3d}  wins {t.wins}/{len(loads)}  worst "
+                print(f"  {len(completed):3d}  wins {t.wins}/{len(t.margins)}  worst "
                       f"{_pct(t.worst(args.hit_weight))}  {t.spec}", flush=True)
 
             tune(ev, search, args.trials, random.Random(args.seed), report)
@@ -486,20 +525,20 @@ def _check(args: argparse.Namespace, path: str, grid: Grid, trials: Sequence[Tri
     """``trials``' variants (the start, the best) replayed on the trace at ``path`` against
     the peers replayed there: their trials on it, in order; None if it cannot be read."""
     print(f"\ncheck on {path}:", flush=True)
-    setup = prepare(argparse.Namespace(**{**vars(args), "trace": path}))
-    if setup is None:
+    setups = _prepare_all(args, [path])
+    if setups is None:
         return None
     specs = [t.spec for t in trials]
-    with Evaluator(setup, loads, jitters, args.jobs, args.seed) as ev, \
-            _progress(args, ev, len(loads) * len(jitters) * (len(peer_specs) + len(specs))):
+    with Evaluator(setups, loads, jitters, args.jobs, args.seed) as ev, \
+            _progress(args, ev, len(ev.cells) * len(jitters) * (len(peer_specs) + len(specs))):
         runs = ev.run(peer_specs + specs)
-    there = Search(grid, {ld: [runs[s][ld] for s in peer_specs] for ld in loads},
-                   args.hit_weight)
+        there = Search(grid, {c: [runs[s][c] for s in peer_specs] for c in ev.cells},
+                       args.hit_weight)
     out = [there.trial(t.params, runs[t.spec]) for t in trials]
     labels = ("start", "best") if len(out) > 1 else ("best" if trials[0].spec != grid.spec(
         grid.start) else "start = best",)
     for label, t in zip(labels, out, strict=True):
-        print(f"  {label}: wins {t.wins}/{len(loads)}  worst "
+        print(f"  {label}: wins {t.wins}/{len(t.margins)}  worst "
               f"{_pct(t.worst(args.hit_weight))}  {t.spec}  | " + "; ".join(
                   f"{m.load:.0%} {_pct(m.mean)} / {_pct(m.p99)} / {m.hit:+.2f} pts"
                   for m in t.margins), flush=True)
@@ -526,24 +565,27 @@ def _progress(args: argparse.Namespace, ev: Evaluator, replays: int) -> Iterator
 
 
 def summarize(search: Search, first: Trial | None, best: Trial, hit_weight: float) -> None:
-    """The best peer on each metric at each load, the start and the best variant there."""
+    """The best peer on each metric in each cell, the start and the best variant there."""
     print("best peer at each load (mean TTFT s / p99 TTFT s / hit ratio), then the start and "
           "the best variant, with their margins:")
     shown = [("start", first), ("best", best)] if first is not None else [("best", best)]
-    for i, ld in enumerate(sorted(search.peers)):
-        ps = search.peers[ld]
+    several = len({trace for trace, _ in search.peers}) > 1
+    for i, cell in enumerate(search.peers):
+        ps = search.peers[cell]
         bm = min(ps, key=lambda m: m.ttft_mean_s)
         bq = min(ps, key=lambda m: m.ttft_p99_s)
         bh = max(ps, key=lambda m: m.hit_ratio)
-        print(f"  {ld:4.0%}  peers {bm.ttft_mean_s:.4g} ({bm.policy}) / {bq.ttft_p99_s:.4g} "
+        where = f"{cell[0]} {cell[1]:.0%}" if several else f"{cell[1]:4.0%}"
+        print(f"  {where}  peers {bm.ttft_mean_s:.4g} ({bm.policy}) / {bq.ttft_p99_s:.4g} "
               f"({bq.policy}) / {bh.hit_ratio:.2%} ({bh.policy})")
         for label, t in shown:
             m = t.margins[i]
-            print(f"        {label:5s} {_row(t.metrics[ld])}   mean {_pct(m.mean)}, p99 "
+            print(f"        {label:5s} {_row(t.metrics[cell])}   mean {_pct(m.mean)}, p99 "
                   f"{_pct(m.p99)}, hit {m.hit:+.2f} pts{'  WON' if m.won else ''}")
-    loads = len(search.peers)
-    line = (f"\nbest: {best.spec}  (wins {best.wins}/{loads} loads, worst margin "
+    n = len(search.peers)
+    what = "cells (trace x load)" if several else "loads"
+    line = (f"\nbest: {best.spec}  (wins {best.wins}/{n} {what}, worst margin "
             f"{_pct(best.worst(hit_weight))}")
     if first is not None:
-        line += f"; start {first.spec}: {first.wins}/{loads}, {_pct(first.worst(hit_weight))}"
+        line += f"; start {first.spec}: {first.wins}/{n}, {_pct(first.worst(hit_weight))}"
     print(line + ")")

@@ -35,16 +35,17 @@ from tests.support import stop_process
 def test_margins_are_against_the_best_peer_on_each_metric_separately() -> None:
     peers = [metrics("fast", 0.10, 0.80, 0.70), metrics("tail", 0.20, 0.50, 0.60),
              metrics("sticky", 0.30, 0.90, 0.80)]
-    m = margins(metrics("mine", 0.09, 0.55, 0.79), peers, 0.8)
+    m = margins(metrics("mine", 0.09, 0.55, 0.79), peers, ("t", 0.8))
+    assert (m.trace, m.load) == ("t", 0.8)
     assert m.mean == pytest.approx(0.1) and m.p99 == pytest.approx(-0.1)
     assert m.hit == pytest.approx(-1.0)  # points below "sticky"
     assert not m.won
     assert m.worst(10.0) == pytest.approx(-0.1)  # -1 point x 10 %/point = -10%
     assert m.worst(20.0) == pytest.approx(-0.2)
-    won = margins(metrics("mine", 0.10, 0.50, 0.80), peers, 0.8)
+    won = margins(metrics("mine", 0.10, 0.50, 0.80), peers, ("t", 0.8))
     assert won.won and won.worst(10.0) == pytest.approx(0.0)  # a tie on each counts as won
     with pytest.raises(ValueError, match="no peers"):
-        margins(metrics("mine", 0.1, 0.5, 0.8), [], 0.8)
+        margins(metrics("mine", 0.1, 0.5, 0.8), [], ("t", 0.8))
 
 
 def test_the_grid_holds_only_values_the_policy_accepts_and_its_defaults() -> None:
@@ -109,18 +110,25 @@ def small_setup(path: Path) -> Setup:
                  capacity_rps(trace, 4, cap, CostModel()))
 
 
-def test_forked_workers_give_the_same_figures_as_one_process(chat: Path) -> None:
-    setup = small_setup(chat)
+def test_forked_workers_give_the_same_figures_as_one_process(chat: Path,
+                                                             tmp_path: Path) -> None:
+    other = tmp_path / "rag.jsonl"
+    write_jsonl(generate("rag", 120, 20.0, seed=2), other)
+    setups = {"chat": small_setup(chat), "rag": small_setup(other)}
     specs = ["kvroute", "llmd", "kvroute:hold=10"]
     ticks: list[int] = []
-    with Evaluator(setup, (0.5, 0.9), (0.98, 1.0), jobs=1, seed=0) as one:
+    with Evaluator(setups, (0.5, 0.9), (0.98, 1.0), jobs=1, seed=0) as one:
         inline = one.run(specs)
-    with Evaluator(setup, (0.5, 0.9), (0.98, 1.0), jobs=2, seed=0,
+    with Evaluator(setups, (0.5, 0.9), (0.98, 1.0), jobs=2, seed=0,
                    on_replay=lambda: ticks.append(1)) as two:
         forked = two.run(specs)
         assert len(two._procs) == 2 and all(p.is_alive() for p in two._procs)
     assert not any(p.is_alive() for p in two._procs)  # stopped on leaving
-    assert len(ticks) == len(specs) * 2 * 2
+    assert len(ticks) == len(specs) * 2 * 2 * 2  # traces x loads x jitters
+    assert list(inline["kvroute"]) == [("chat", 0.5), ("chat", 0.9), ("rag", 0.5), ("rag", 0.9)]
+    # Each cell is its own trace's replay: the traces' request counts tell them apart.
+    assert {c: m.requests for c, m in inline["llmd"].items()} == {
+        ("chat", 0.5): 160, ("chat", 0.9): 160, ("rag", 0.5): 120, ("rag", 0.9): 120}
     strip = {s: {ld: {k: v for k, v in m.row().items() if k != "wall_s"}
                  for ld, m in per.items()} for s, per in inline.items()}
     assert strip == {s: {ld: {k: v for k, v in m.row().items() if k != "wall_s"}
@@ -130,16 +138,17 @@ def test_forked_workers_give_the_same_figures_as_one_process(chat: Path) -> None
 
 
 def test_a_failing_replay_is_reported_not_hung(chat: Path) -> None:
-    with Evaluator(small_setup(chat), (0.5,), (1.0,), jobs=2, seed=0) as ev, \
+    with Evaluator({"chat": small_setup(chat)}, (0.5,), (1.0,), jobs=2, seed=0) as ev, \
             pytest.raises(RuntimeError, match=r"replay of kvroute:hold_min=2 .* failed"):
         ev.run(["kvroute:hold_min=2"])  # out of range: raised inside the worker
 
 
 def run_search(setup: Setup, trials: int, seed: int) -> Search:
-    with Evaluator(setup, (0.8,), (1.0,), jobs=1, seed=0) as ev:
+    with Evaluator({"chat": setup}, (0.8,), (1.0,), jobs=1, seed=0) as ev:
         peers = ev.run(["llmd", "round_robin"])
+        cell = ("chat", 0.8)
         search = Search(tuning_grid("kvroute"),
-                        {0.8: [peers["llmd"][0.8], peers["round_robin"][0.8]]}, 10.0)
+                        {cell: [peers["llmd"][cell], peers["round_robin"][cell]]}, 10.0)
         tune(ev, search, trials, random.Random(seed), lambda t: None)
     return search
 
@@ -155,7 +164,8 @@ def test_the_search_starts_from_the_default_never_repeats_and_keeps_the_best(
     assert all(best.score(10.0) >= t.score(10.0) for t in search.trials)
     # Margins are recomputed from the figures, not carried over.
     for t in search.trials:
-        assert t.margins[0] == margins(t.metrics[0.8], search.peers[0.8], 0.8)
+        cell = ("chat", 0.8)
+        assert t.margins == (margins(t.metrics[cell], search.peers[cell], cell),)
     # Deterministic for a seed; another seed draws other variants.
     assert [t.spec for t in run_search(setup, 5, seed=1).trials] == specs
     assert [t.spec for t in run_search(setup, 5, seed=2).trials] != specs
@@ -197,6 +207,26 @@ def test_tune_prints_the_spec_to_deploy_and_writes_every_trial(chat: Path,
     assert "best peer at each load" in ran.stdout and " 60%  peers " in ran.stdout
 
 
+def test_tuning_on_several_traces_scores_every_trace_at_every_load(chat: Path,
+                                                                    tmp_path: Path) -> None:
+    rag = tmp_path / "rag.jsonl"
+    write_jsonl(generate("rag", 120, 20.0, seed=2), rag)
+    ran = tune_cli(chat, "--also", rag, "--workers", "4", "--loads", "0.6,0.9", "--jitter",
+                   "1", "--trials", "2", "--peers", "llmd", "--jobs", "2", "--out", tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    doc = json.loads((tmp_path / "tune.json").read_text())
+    assert doc["traces"] == {"chat.jsonl": str(chat), "rag.jsonl": str(rag)}
+    cells = [("chat.jsonl", 0.6), ("chat.jsonl", 0.9), ("rag.jsonl", 0.6), ("rag.jsonl", 0.9)]
+    assert [(p["trace"], p["load"]) for p in doc["peer_metrics"]] == cells
+    for t in doc["trials"]:
+        assert [(m["trace"], m["load"]) for m in t["margins"]] == cells
+        assert [(m["trace"], m["load"]) for m in t["metrics"]] == cells
+        assert {m["trace"]: m["requests"] for m in t["metrics"]} == {"chat.jsonl": 160,
+                                                                     "rag.jsonl": 120}
+    assert "2 traces x loads 60%, 90%" in ran.stdout
+    assert "cells (trace x load)" in ran.stdout and "  rag.jsonl 90%  peers " in ran.stdout
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--policy", "llmd"], "declares no TUNING grid"),
     (["--peers", "kvroute:hold=2"], "--peers must name at least one policy other than"),
@@ -207,6 +237,7 @@ def test_tune_prints_the_spec_to_deploy_and_writes_every_trial(chat: Path,
     (["--jitter", "1,1"], "--jitter factors must differ"),
     (["--policy", "kvroute:hold=x"], "hold takes a number, got 'x'"),
     (["--check", "/nonexistent.jsonl"], "--check: no such file: /nonexistent.jsonl"),
+    (["--also", "/nonexistent.jsonl"], "--also: no such file: /nonexistent.jsonl"),
 ])
 def test_bad_arguments_are_refused_before_any_replay(chat: Path, args: list[str],
                                                      message: str) -> None:
