@@ -66,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("tune", help="search a policy's parameters on a trace for the variant "
                         "that beats the peers", formatter_class=RawDefaultsFormatter,
                         description=simulations.tune.__doc__)
-
     add_tune_arguments(tp)
     gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
                         "fork)", formatter_class=fmt)
