@@ -84,8 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy = factory()
             doc = (type(policy).__doc__ or "").strip()
             params = ", ".join(f"{k}={v}" for k, v in parameters(policy).items())
+            grid = getattr(type(policy), "TUNING", {})
+            tuned = ("\n    searched by `kvroute tune --policy " + name + "`: " + "; ".join(
+                f"{k} in {', '.join(f'{v:g}' for v in vs)}" for k, vs in grid.items())
+                if grid else "")
             print(f"{name}\n    " + doc.replace("\n", "\n    ")
-                  + f"\n\n    parameters (override as {name}:PARAM=VALUE): {params or 'none'}\n")
+                  + f"\n\n    parameters (override as {name}:PARAM=VALUE): {params or 'none'}"
+                  + tuned + "\n")
         return 0
     if args.command == "gen":
         from simulations.generators import run as run_gen

@@ -276,3 +276,16 @@ def test_ctrl_c_stops_the_workers_and_reports_the_best_so_far(chat: Path,
     doc = json.loads((tmp_path / "tune.json").read_text())
     assert doc["interrupted"] and 2 <= len(doc["trials"]) < 400
     assert not [k for k in kids if Path(f"/proc/{k}").exists()]  # no replay left running
+
+
+def test_kvroute_policies_shows_the_grid_tune_searches() -> None:
+    ran = subprocess.run([sys.executable, "-m", "kvroute", "policies"], capture_output=True,
+                         text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    grid = tuning_grid("kvroute")
+    line = next(x for x in ran.stdout.splitlines()
+                if "searched by `kvroute tune --policy kvroute`" in x)
+    for k, values in grid.values.items():
+        assert f"{k} in {', '.join(f'{v:g}' for v in values)}" in line
+    # A policy without a grid says nothing of tuning.
+    assert "searched by" not in ran.stdout.split("\nllmd\n", 1)[1].split("\nmooncake\n")[0]
