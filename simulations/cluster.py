@@ -41,6 +41,7 @@ Stretches of pure decoding with no arrival and no finish are run in one jump.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable
@@ -69,7 +70,7 @@ class SimRequest:
     first_token_s: float = math.nan
     finished_s: float = math.nan
     blocks: list[int] = field(default_factory=list)
-    remaining: int = 0
+    done_step: int = 0  # its worker's decode-step count when its last token is out
     after: SimRequest | None = None  # not admitted before this one's prefill has finished
     ready_s: float = 0.0  # no first token before (a KV transfer it waits for)
     received_tokens: int = 0  # of its prefix, fetched from another worker before admission
@@ -102,7 +103,12 @@ class SimWorker:
         # Requests held (by the agent or router, not in the engine's queue) until the request
         # they follow (``after``) has its first token: they then join the queue's tail.
         self.held: list[SimRequest] = []
-        self.running: list[SimRequest] = []
+        # The decoding batch, a heap by ``done_step`` (then by join order): a decode
+        # stretch jumps to its first finish and an iteration frees only what finished,
+        # instead of counting down every sequence at every step.
+        self.running: list[tuple[int, int, SimRequest]] = []
+        self.steps = 0  # decode steps run (each gives every running sequence a token)
+        self._joined = 0  # sequences that joined the batch: the heap's tie-break
         self.prefilling: list[SimRequest] = []  # chunked prefills in progress, oldest first
         self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
         self.prefill_tokens = 0  # uncached tokens actually prefilled
@@ -291,11 +297,21 @@ class SimWorker:
         self._admitted_end = end
         for r in first:
             r.first_token_s = max(end, r.ready_s)
-            r.remaining = r.output_tokens - 1
-        self._finish_step(end, 1, self.running)
-        self.running.extend(r for r in first if not self._done(r, end))
+        self._finish_step(end, 1)
+        for r in first:
+            left = r.output_tokens - 1
+            if left <= 0:
+                self._finish(r, end)
+            else:
+                r.done_step = self.steps + left
+                heapq.heappush(self.running, (r.done_step, self._joined, r))
+                self._joined += 1
         self.busy_s += end - start
         self.t = end
+
+    def tokens_left(self, r: SimRequest) -> int:
+        """Tokens a running sequence has still to produce."""
+        return r.done_step - self.steps
 
     def _release_held(self, now: float) -> None:
         """Queue the held requests whose ``after`` has its first token by ``now``, in the
@@ -312,28 +328,31 @@ class SimWorker:
         # Nothing changes before the next finish (the queue head cannot be admitted until
         # one frees blocks or a batch slot; arrivals only join the tail): jump to it, but
         # not past `until`, so the load the router sees then is exact.
-        k = min(r.remaining for r in self.running)
+        k = self.running[0][0] - self.steps
         if until != math.inf:
             k = min(k, max(1, math.ceil((until - self.t) / step)))
         end = self.t + k * step
         self._now = end
-        self._finish_step(end, k, self.running)
+        self._finish_step(end, k)
         self.busy_s += end - self.t
         self.t = end
 
-    def _finish_step(self, end: float, k: int, running: list[SimRequest]) -> None:
-        still = []
-        for r in running:
-            r.remaining -= k
-            if not self._done(r, end):
-                still.append(r)
-        running[:] = still
+    def _finish_step(self, end: float, k: int) -> None:
+        """``k`` decode steps ending at ``end``: the sequences whose last token they produce
+        finish, in the order they joined the batch (the order their blocks are freed in
+        decides which the LRU evicts first)."""
+        self.steps += k
+        heap = self.running
+        if heap and heap[0][0] <= self.steps:
+            done = []
+            while heap and heap[0][0] <= self.steps:
+                done.append(heapq.heappop(heap))
+            done.sort(key=lambda entry: entry[1])
+            for _, _, r in done:
+                self._finish(r, end)
 
-    def _done(self, r: SimRequest, end: float) -> bool:
-        if r.remaining > 0:
-            return False
+    def _finish(self, r: SimRequest, end: float) -> None:
         r.finished_s = end
         self.pool.free(r.blocks)
         r.blocks = []
         self.finished.append(r)
-        return True

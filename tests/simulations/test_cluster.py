@@ -49,9 +49,10 @@ def test_only_held_requests_left_idle_until_their_release() -> None:
 
 
 def chunked_run(chunked: bool, until: float = math.inf
-                ) -> tuple[SimRequest, SimRequest, SimRequest, list[float]]:
+                ) -> tuple[SimRequest, SimRequest, SimRequest, list[float], SimWorker]:
     """A decoding request, then a 4096-token prompt and a short one behind it, budget 1024,
-    run until ``until``. Returns them and the times the long prompt's blocks were stored."""
+    run until ``until``. Returns them, the times the long prompt's blocks were stored and
+    the worker."""
     stores: list[float] = []
 
     def sink(t: float, worker: str, ev: CacheEvent) -> None:
@@ -70,12 +71,12 @@ def chunked_run(chunked: bool, until: float = math.inf
     w.advance(until)
     if until == math.inf:
         assert w.prefill_tokens == 32 + 4096 + 64
-    return decoder, long, short, stores
+    return decoder, long, short, stores, w
 
 
 def test_chunked_prefill_decodes_between_chunks_and_stores_each_chunk() -> None:
-    d0, long0, short0, stores0 = chunked_run(False)
-    d1, long1, short1, stores1 = chunked_run(True)
+    d0, long0, short0, stores0, _ = chunked_run(False)
+    d1, long1, short1, stores1, _ = chunked_run(True)
     # Whole: one iteration prefills the long prompt and the decoder gets one token; the
     # short one follows in the next iteration. Chunked: 1023 tokens an iteration (the
     # decoder's token takes one), five iterations, the decoder gets a token in each, and
@@ -88,8 +89,8 @@ def test_chunked_prefill_decodes_between_chunks_and_stores_each_chunk() -> None:
     # The decoder kept decoding through the long prefill: by the time the whole prefill
     # ends, four chunk iterations gave it four tokens, the whole prefill one.
     at = long0.first_token_s - 1e-9
-    whole, chunked = chunked_run(False, at)[0], chunked_run(True, at)[0]
-    assert whole.remaining - chunked.remaining == 3
+    (whole, *_, w0), (chunked, *_, w1) = chunked_run(False, at), chunked_run(True, at)
+    assert w0.tokens_left(whole) - w1.tokens_left(chunked) == 3
     for r in (d0, long0, short0, d1, long1, short1):
         assert math.isfinite(r.finished_s) and r.cached_tokens == 0
 
