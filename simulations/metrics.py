@@ -28,6 +28,8 @@ class PolicyMetrics:
     wall_s: float  # how long the replay took on this machine
     fetched_ratio: float = 0.0  # prompt tokens whose KV came from another worker (Mooncake)
     moved_ratio: float = 0.0  # prompt tokens cached elsewhere, not where the policy sent them
+    # prompt tokens an earlier request had sent whose prefill was not done when it arrived
+    inflight_ratio: float = 0.0
 
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -52,7 +54,36 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         throughput_rps=len(reqs) / span if span > 0 else math.inf,
         imbalance=float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0,
         wall_s=res.wall_s, fetched_ratio=fetched / prompt,
-        moved_ratio=sum(r.moved_tokens for r in reqs) / prompt)
+        moved_ratio=sum(r.moved_tokens for r in reqs) / prompt,
+        inflight_ratio=sum(inflight_misses(res)) / prompt)
+
+
+def inflight_misses(res: ReplayResult) -> list[int]:
+    """Per request, the tokens of its prefix that an earlier request had already brought
+    (so an infinite cache would hit them) but whose first prefill had not finished anywhere
+    when it arrived, and that it neither got nor was moved away from: hits no router sees
+    in time, lost to bursts sharing a new prefix. The router's coalescing
+    (``--predict-ttl-ms``) recovers them."""
+    reqs = res.requests
+    if not reqs or not res.workers:
+        return []
+    bs = res.workers[0].block_size
+    ready: dict[int, float] = {}  # key -> when a prefill holding it first ended
+    for r in reqs:
+        for k in r.keys:
+            if not ready.get(k, math.inf) <= r.first_token_s:
+                ready[k] = r.first_token_s
+    seen: set[int] = set()
+    out = []
+    for r in sorted(reqs, key=lambda r: r.arrival_s):
+        n = _leading_hits(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs), seen)
+        done = 0
+        while done < n and ready[r.keys[done]] <= r.arrival_s:
+            done += 1
+        missed = n * bs - r.cached_tokens - r.moved_tokens
+        out.append(max(0, min(missed, (n - done) * bs)))
+        seen.update(r.keys)
+    return out
 
 
 def _cacheable(prompt_tokens: int, n_keys: int, block_size: int) -> int:

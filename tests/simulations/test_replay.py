@@ -127,6 +127,36 @@ def test_moves_off_a_cached_prefix_are_counted(mooncake: Trace) -> None:
     assert rr.hit_ratio + rr.moved_ratio <= bound + 1e-9
 
 
+def test_a_prefix_still_being_prefilled_is_counted_in_flight() -> None:
+    from simulations.metrics import inflight_misses
+    from simulations.trace import TraceRequest
+
+    prefix = tuple(range(100, 164))  # 64 blocks of 16 tokens, ~90 ms of prefill
+    burst = [TraceRequest(0.0, 1040, 2, (*prefix, 1)),  # its own last block
+             TraceRequest(0.001, 1040, 2, (*prefix, 2)),  # arrives during the first's
+             TraceRequest(5.0, 1040, 2, (*prefix, 3))]  # long after: cached by then
+    tr = Trace(burst, 16)
+    # Round robin sends the second elsewhere while the first computes the prefix: the
+    # second's 1024 prefix tokens are lost to the burst, not moved (nothing cached yet).
+    res = run(tr, "round_robin", workers=2, predict_ttl_s=0.0)
+    assert inflight_misses(res) == [0, 1024, 0]
+    assert [r.cached_tokens for r in res.requests] == [0, 0, 1024]
+    m = measure(res)
+    assert m.inflight_ratio == pytest.approx(1024 / 3120) and m.moved_ratio == 0
+    # The router's coalescing holds the second for the first's prefill: a hit, none lost.
+    res = run(tr, "kvroute", workers=2, predict_ttl_s=0.01)
+    assert [r.cached_tokens for r in res.requests] == [0, 1024, 1024]
+    assert inflight_misses(res) == [0, 0, 0]
+
+
+def test_hits_moves_and_bursts_stay_within_the_bound(mooncake: Trace) -> None:
+    tr = head(mooncake, 600, 2.0)
+    bound = hit_ratio(tr, infinite_cache_hits(tr))
+    for name in ("round_robin", "llmd", "kvroute", "mooncake_local"):
+        m = measure(run(tr, name, workers=8, predict_ttl_s=0.0))
+        assert m.hit_ratio + m.moved_ratio + m.inflight_ratio <= bound + 1e-9, name
+
+
 def test_mooncake_ordering_holds_at_high_load(mooncake: Trace) -> None:
     """FAST'25 (conversation trace): random >> load balancing > cache-aware, in mean TTFT."""
     tr = head(mooncake, 1500, 2.0)
