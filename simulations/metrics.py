@@ -28,8 +28,10 @@ class PolicyMetrics:
     wall_s: float  # how long the replay took on this machine
     fetched_ratio: float = 0.0  # prompt tokens whose KV came from another worker (Mooncake)
     moved_ratio: float = 0.0  # prompt tokens cached elsewhere, not where the policy sent them
-    # prompt tokens an earlier request had sent whose prefill was not done when it arrived
+    # prompt tokens the router could not see yet (see ``unseen_misses``): still being
+    # prefilled when the request arrived, or prefilled but their event not yet arrived
     inflight_ratio: float = 0.0
+    stale_ratio: float = 0.0
 
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -45,6 +47,7 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     fetched = sum(min(r.received_tokens, r.cached_tokens) for r in reqs)
     cached = sum(r.cached_tokens for r in reqs) - fetched
     span = max(r.finished_s for r in reqs) - min(r.arrival_s for r in reqs)
+    unseen = unseen_misses(res)
     prefilled = np.array([w.prefill_tokens for w in res.workers], dtype=float)
     return PolicyMetrics(
         policy=res.policy, requests=len(reqs), hit_ratio=cached / prompt,
@@ -55,15 +58,21 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         imbalance=float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0,
         wall_s=res.wall_s, fetched_ratio=fetched / prompt,
         moved_ratio=sum(r.moved_tokens for r in reqs) / prompt,
-        inflight_ratio=sum(inflight_misses(res)) / prompt)
+        inflight_ratio=sum(f for f, _ in unseen) / prompt,
+        stale_ratio=sum(s for _, s in unseen) / prompt)
 
 
-def inflight_misses(res: ReplayResult) -> list[int]:
-    """Per request, the tokens of its prefix that an earlier request had already brought
-    (so an infinite cache would hit them) but whose first prefill had not finished anywhere
-    when it arrived, and that it neither got nor was moved away from: hits no router sees
-    in time, lost to bursts sharing a new prefix. The router's coalescing
-    (``--predict-ttl-ms``) recovers them."""
+def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
+    """Per request, the tokens of its prefix that an earlier request had already brought (so
+    an infinite cache would hit them) but that the router could not see when it routed this
+    one, and that it neither got nor was moved away from: ``(in flight, stale)``.
+
+    * in flight: their first prefill had not ended anywhere when it arrived (bursts sharing
+      a new prefix; the router's coalescing, ``--predict-ttl-ms``, recovers them);
+    * stale: it had ended, but less than the propagation delay before (the cache event was
+      still on its way to the router's index).
+
+    What remains of a request's loss against the infinite cache is evictions."""
     reqs = res.requests
     if not reqs or not res.workers:
         return []
@@ -77,11 +86,14 @@ def inflight_misses(res: ReplayResult) -> list[int]:
     out = []
     for r in sorted(reqs, key=lambda r: r.arrival_s):
         n = _leading_hits(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs), seen)
-        done = 0
+        done = visible = 0  # leading blocks prefilled / whose event had reached the router
         while done < n and ready[r.keys[done]] <= r.arrival_s:
             done += 1
-        missed = n * bs - r.cached_tokens - r.moved_tokens
-        out.append(max(0, min(missed, (n - done) * bs)))
+        while visible < done and ready[r.keys[visible]] + res.propagation_s <= r.arrival_s:
+            visible += 1
+        missed = max(0, n * bs - r.cached_tokens - r.moved_tokens)
+        flight = min(missed, (n - done) * bs)
+        out.append((flight, min(missed - flight, (done - visible) * bs)))
         seen.update(r.keys)
     return out
 

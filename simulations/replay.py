@@ -72,6 +72,7 @@ class ReplayResult:
     workers: list[SimWorker]
     load_samples: list[tuple[float, list[int]]]  # (time, outstanding requests per worker)
     wall_s: float = 0.0
+    propagation_s: float = 0.0  # how late the router saw each cache event
 
 
 class Replayer:
@@ -225,4 +226,5 @@ class Replayer:
             w.advance(math.inf)
         if self._progress is not None:
             self._progress(len(reqs))
-        return ReplayResult(self.policy.name, reqs, self.workers, samples)
+        return ReplayResult(self.policy.name, reqs, self.workers, samples,
+                            propagation_s=self.spec.propagation_s)

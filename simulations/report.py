@@ -17,25 +17,26 @@ from simulations.replay import ReplayResult
 
 def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
     wide = max(13, *(len(r.policy) for r in rows))  # variants: kvroute:hold=2
-    head = (f"{'policy':<{wide}} {'hit':>6} {'moved':>6} {'flight':>6} {'TTFT mean':>9} "
-            f"{'p50':>7} "
-            f"{'p99':>8} {'E2E mean':>8} {'p99':>8} {'req/s':>6} {'imbal':>6} {'wall':>6}")
+    head = (f"{'policy':<{wide}} {'hit':>6} {'moved':>6} {'flight':>6} {'stale':>6} "
+            f"{'TTFT mean':>9} {'p50':>7} {'p99':>8} {'E2E mean':>8} {'p99':>8} {'req/s':>6} "
+            f"{'imbal':>6} {'wall':>6}")
     lines = [head, "-" * len(head)]
     best = min(r.ttft_mean_s for r in rows)
     for r in sorted(rows, key=lambda r: r.ttft_mean_s):
         mark = " *" if r.ttft_mean_s == best else ""
         lines.append(
             f"{r.policy:<{wide}} {r.hit_ratio:>6.1%} {r.moved_ratio:>6.1%} "
-            f"{r.inflight_ratio:>6.1%} "
+            f"{r.inflight_ratio:>6.1%} {r.stale_ratio:>6.1%} "
             f"{r.ttft_mean_s:>8.2f}s {r.ttft_p50_s:>6.2f}s {r.ttft_p99_s:>7.2f}s "
             f"{r.e2e_mean_s:>7.2f}s {r.e2e_p99_s:>7.2f}s "
             f"{r.throughput_rps:>6.2f} {r.imbalance:>6.2f} {r.wall_s:>5.1f}s{mark}")
     lines.append("bounds on the hit ratio: " + ", ".join(
         f"{k} {v:.1%}" for k, v in bounds.items()))
     lines.append("moved: prompt tokens cached on another worker than the one the policy chose "
-                 "(hits given up for balance); flight: prompt tokens an earlier request had "
-                 "sent but not yet prefilled when it arrived (hits no router sees; "
-                 "--predict-ttl-ms coalesces them)")
+                 "(hits given up for balance); flight: tokens an earlier request had brought "
+                 "but was still prefilling when it arrived (--predict-ttl-ms coalesces them); "
+                 "stale: prefilled, but their cache event not yet at the router "
+                 "(--propagation-ms)")
     lines += [f"{r.policy} also fetched {r.fetched_ratio:.1%} of prompt tokens' KV from other "
               "workers (not counted as hits)" for r in rows if r.fetched_ratio]
     return "\n".join(lines)

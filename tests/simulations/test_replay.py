@@ -127,26 +127,40 @@ def test_moves_off_a_cached_prefix_are_counted(mooncake: Trace) -> None:
     assert rr.hit_ratio + rr.moved_ratio <= bound + 1e-9
 
 
-def test_a_prefix_still_being_prefilled_is_counted_in_flight() -> None:
-    from simulations.metrics import inflight_misses
+def test_a_prefix_the_router_cannot_see_yet_is_counted_in_flight_or_stale() -> None:
+    from simulations.metrics import unseen_misses
     from simulations.trace import TraceRequest
 
     prefix = tuple(range(100, 164))  # 64 blocks of 16 tokens, ~90 ms of prefill
-    burst = [TraceRequest(0.0, 1040, 2, (*prefix, 1)),  # its own last block
-             TraceRequest(0.001, 1040, 2, (*prefix, 2)),  # arrives during the first's
-             TraceRequest(5.0, 1040, 2, (*prefix, 3))]  # long after: cached by then
-    tr = Trace(burst, 16)
-    # Round robin sends the second elsewhere while the first computes the prefix: the
-    # second's 1024 prefix tokens are lost to the burst, not moved (nothing cached yet).
+    first_ends = 0.0915  # its prefill (1040 tokens), then one decode step
+    tr = Trace([TraceRequest(0.0, 1040, 2, (*prefix, 1)),  # its own last block
+                TraceRequest(0.001, 1040, 2, (*prefix, 2)),  # while the first prefills
+                TraceRequest(5.0, 1040, 2, (*prefix, 3))], 16)  # long after: cached
+    # Round robin sends the second elsewhere while the first computes the prefix: its 1024
+    # prefix tokens are lost in flight, not moved (nothing cached yet); the third hits.
     res = run(tr, "round_robin", workers=2, predict_ttl_s=0.0)
-    assert inflight_misses(res) == [0, 1024, 0]
+    assert res.requests[0].first_token_s == pytest.approx(first_ends, abs=0.002)
     assert [r.cached_tokens for r in res.requests] == [0, 0, 1024]
+    assert unseen_misses(res) == [(0, 0), (1024, 0), (0, 0)]
     m = measure(res)
     assert m.inflight_ratio == pytest.approx(1024 / 3120) and m.moved_ratio == 0
     # The router's coalescing holds the second for the first's prefill: a hit, none lost.
     res = run(tr, "kvroute", workers=2, predict_ttl_s=0.01)
     assert [r.cached_tokens for r in res.requests] == [0, 1024, 1024]
-    assert inflight_misses(res) == [0, 0, 0]
+    assert unseen_misses(res) == [(0, 0)] * 3
+    # 20 ms after the first's prefill ended, round robin sends a sharer to a third worker:
+    # the prefix is cached on the first's, but its event (50 ms) has not reached the
+    # router, so the miss is stale; delivered at once, the router saw it: moved.
+    tr = Trace([TraceRequest(0.0, 1040, 2, (*prefix, 1)),
+                TraceRequest(0.001, 64, 2, (7, 8, 9, 10)),  # unrelated, to the second
+                TraceRequest(first_ends + 0.02, 1040, 2, (*prefix, 3))], 16)
+    late = run(tr, "round_robin", workers=3, predict_ttl_s=0.0)
+    assert [r.worker for r in late.requests] == ["w00", "w01", "w02"]
+    assert late.requests[2].cached_tokens == 0 and late.requests[2].moved_tokens == 0
+    assert unseen_misses(late)[2] == (0, 1024)
+    assert measure(late).stale_ratio == pytest.approx(1024 / 2144)
+    now = run(tr, "round_robin", workers=3, predict_ttl_s=0.0, propagation_s=0.0)
+    assert now.requests[2].moved_tokens == 1024 and unseen_misses(now)[2] == (0, 0)
 
 
 def test_hits_moves_and_bursts_stay_within_the_bound(mooncake: Trace) -> None:
@@ -154,7 +168,8 @@ def test_hits_moves_and_bursts_stay_within_the_bound(mooncake: Trace) -> None:
     bound = hit_ratio(tr, infinite_cache_hits(tr))
     for name in ("round_robin", "llmd", "kvroute", "mooncake_local"):
         m = measure(run(tr, name, workers=8, predict_ttl_s=0.0))
-        assert m.hit_ratio + m.moved_ratio + m.inflight_ratio <= bound + 1e-9, name
+        assert m.hit_ratio + m.moved_ratio + m.inflight_ratio + m.stale_ratio \
+            <= bound + 1e-9, name
 
 
 def test_mooncake_ordering_holds_at_high_load(mooncake: Trace) -> None:
