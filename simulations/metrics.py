@@ -72,7 +72,9 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
     * stale: it had ended, but less than the propagation delay before (the cache event was
       still on its way to the router's index).
 
-    What remains of a request's loss against the infinite cache is evictions."""
+    What remains of a request's loss against the infinite cache is evictions. A prefill ends
+    at its request's first token (with ``--chunked-prefill`` its early chunks are stored
+    sooner, so a few of those tokens count as in flight a little too long)."""
     reqs = res.requests
     if not reqs or not res.workers:
         return []
