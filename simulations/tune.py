@@ -420,7 +420,8 @@ def run(args: argparse.Namespace) -> int:
     first_spec = grid.spec(grid.start)
     first = next((t for t in trials if t.spec == first_spec), None)
     print(f"\n{'interrupted: ' if interrupted else ''}{len(trials)} variants and "
-          f"{len(peer_specs)} peers in {time.perf_counter() - t0:.0f} s")
+          f"{len(peer_specs)} peer{'s' if len(peer_specs) > 1 else ''} in "
+          f"{time.perf_counter() - t0:.0f} s")
     summarize(search, first, best, args.hit_weight)
     checks: list[dict[str, object]] = []
     pick = best
@@ -507,10 +508,16 @@ def _search(args: argparse.Namespace, setups: Mapping[str, Setup], grid: Grid,
             search = Search(grid, {c: [peer_runs[s][c] for s in peer_specs]
                                    for c in ev.cells}, args.hit_weight)
 
+            t1 = time.perf_counter()
+
             def report(t: Trial) -> None:
                 completed.append(t)
-                print(f"  {len(completed):3d}  wins {t.wins}/{len(t.margins)}  worst "
-                      f"{_pct(t.worst(args.hit_weight))}  {t.spec}", flush=True)
+                spent = time.perf_counter() - t1
+                # Variants cost about the same; the search may stop early, so "up to".
+                left = spent / len(completed) * (args.trials - len(completed))
+                print(f"  {len(completed):3d}/{args.trials}  wins {t.wins}/{len(t.margins)}  "
+                      f"worst {_pct(t.worst(args.hit_weight))}  {t.spec}  "
+                      f"[{spent:.0f} s, up to ~{left:.0f} s left]", flush=True)
 
             tune(ev, search, args.trials, random.Random(args.seed), report)
     except KeyboardInterrupt:
