@@ -137,6 +137,18 @@ class Trial:
     def score(self, hit_weight: float) -> tuple[int, float]:
         return self.wins, self.worst(hit_weight)
 
+    def to_json(self, hit_weight: float) -> dict[str, object]:
+        return {"spec": self.spec, "params": self.params, "wins": self.wins,
+                "worst": self.worst(hit_weight), "margins": [asdict(m) for m in self.margins],
+                "metrics": [{"trace": c[0], "load": c[1], **m.row()}
+                            for c, m in self.metrics.items()]}
+
+
+def best_of(trials: Iterable[Trial], hit_weight: float) -> Trial:
+    """The variant with the most cells won, then the best worst margin (the first drawn
+    among equals)."""
+    return max(trials, key=lambda t: t.score(hit_weight))
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -337,7 +349,14 @@ class Search:
                      tuple(margins(metrics[c], self.peers[c], c) for c in self.peers))
 
     def best(self) -> Trial:
-        return max(self.trials, key=lambda t: t.score(self.hit_weight))
+        return best_of(self.trials, self.hit_weight)
+
+    @classmethod
+    def against(cls, grid: Grid, runs: Mapping[str, Mapping[Cell, PolicyMetrics]],
+                peer_specs: Sequence[str], hit_weight: float) -> Search:
+        """A search scored against the peers' figures in ``runs`` (an evaluator's)."""
+        cells = next(iter(runs.values())).keys()
+        return cls(grid, {c: [runs[s][c] for s in peer_specs] for c in cells}, hit_weight)
 
 
 def tune(evaluator: Evaluator, search: Search, trials: int, rng: random.Random,
@@ -416,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
     if search is None or not trials:
         print("interrupted before any variant was replayed", file=sys.stderr)
         return 130
-    best = max(trials, key=lambda t: t.score(args.hit_weight))
+    best = best_of(trials, args.hit_weight)
     first_spec = grid.spec(grid.start)
     first = next((t for t in trials if t.spec == first_spec), None)
     print(f"\n{'interrupted: ' if interrupted else ''}{len(trials)} variants and "
@@ -435,10 +454,7 @@ def run(args: argparse.Namespace) -> int:
             break
         if held is None:
             return 2
-        checks.append({"trace": path, **{t.spec: {"wins": t.wins,
-                                                  "worst": t.worst(args.hit_weight),
-                                                  "margins": [asdict(m) for m in t.margins]}
-                                         for t in held}})
+        checks.append({"trace": path, **{t.spec: t.to_json(args.hit_weight) for t in held}})
         if first is not None and held[-1].score(args.hit_weight) < \
                 held[0].score(args.hit_weight):
             pick = first  # the search fit the tuning traces' accidents
@@ -462,12 +478,7 @@ def run(args: argparse.Namespace) -> int:
             "peer_metrics": [{"trace": c[0], "load": c[1],
                               "metrics": [m.row() for m in search.peers[c]]}
                              for c in search.peers],
-            "trials": [{"spec": t.spec, "params": t.params, "wins": t.wins,
-                        "worst": t.worst(args.hit_weight),
-                        "margins": [asdict(m) for m in t.margins],
-                        "metrics": [{"trace": c[0], "load": c[1], **m.row()}
-                                    for c, m in t.metrics.items()]}
-                       for t in trials],
+            "trials": [t.to_json(args.hit_weight) for t in trials],
         }, indent=2))
         print(f"wrote {path}")
     return 130 if interrupted else 0
@@ -505,8 +516,7 @@ def _search(args: argparse.Namespace, setups: Mapping[str, Setup], grid: Grid,
             print(f"peers replayed in {time.perf_counter() - t0:.0f} s; variants, as their "
                   "replays complete (worst: the lowest margin; see kvroute tune --help):",
                   flush=True)
-            search = Search(grid, {c: [peer_runs[s][c] for s in peer_specs]
-                                   for c in ev.cells}, args.hit_weight)
+            search = Search.against(grid, peer_runs, peer_specs, args.hit_weight)
 
             t1 = time.perf_counter()
 
@@ -539,12 +549,11 @@ def _check(args: argparse.Namespace, path: str, grid: Grid, trials: Sequence[Tri
     with Evaluator(setups, loads, jitters, args.jobs, args.seed) as ev, \
             _progress(args, ev, len(ev.cells) * len(jitters) * (len(peer_specs) + len(specs))):
         runs = ev.run(peer_specs + specs)
-        there = Search(grid, {c: [runs[s][c] for s in peer_specs] for c in ev.cells},
-                       args.hit_weight)
+    there = Search.against(grid, runs, peer_specs, args.hit_weight)
     out = [there.trial(t.params, runs[t.spec]) for t in trials]
-    labels = ("start", "best") if len(out) > 1 else ("best" if trials[0].spec != grid.spec(
-        grid.start) else "start = best",)
-    for label, t in zip(labels, out, strict=True):
+    start = grid.spec(grid.start)
+    for t in out:
+        label = "best" if t.spec != start else "start" if len(out) > 1 else "start = best"
         print(f"  {label}: wins {t.wins}/{len(t.margins)}  worst "
               f"{_pct(t.worst(args.hit_weight))}  {t.spec}  | " + "; ".join(
                   f"{m.load:.0%} {_pct(m.mean)} / {_pct(m.p99)} / {m.hit:+.2f} pts"
