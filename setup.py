@@ -25,5 +25,13 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        Extension(
+            "kvroute.core._kvcost",  # kvroute's default policy (policies/kvroute_cost.py)
+            sources=["kvroute/core/_native/kvcost.c"],
+            include_dirs=["kvroute/core/_native"],
+            # no fused multiply-add: the costs must round exactly as the Python path's
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            optional=True,
+        ),
     ]
 )

@@ -3,22 +3,25 @@
 For prompts of 1k, 8k and 32k tokens and clusters of 16 and 128 workers, over an index of at
 least 1M (block, worker) entries, time what the router runs per request once gRPC has parsed
 it: the prompt's ids out of the request's wire bytes and checked (``request_token_ids``,
-``check_tokens``), then ``Decider.decide`` (key hashing, index walk, policy). The baseline,
-measured in the same run, is the straightforward design: the ids read from the protobuf
-container, every block hashed in Python, each worker's key set walked until its first miss,
-then the same policy.
+``check_tokens``), then ``Decider.decide`` (key hashing, index walk, policy). Each case runs
+on a quiet cluster (nothing queued) and a loaded one (0-4 requests queued per worker, so the
+policy's batch and affinity terms run). The baseline, measured in the same run, is the
+straightforward design: the ids read from the protobuf container, every block hashed in
+Python, each worker's key set walked until its first miss, then the same policy in Python.
 
     python bench/routing_decision.py [--entries 1000000] [--iters 300]
 
 Prints p50/p99 in microseconds and the baseline/kvroute ratio (higher is better), then the
 p50 of each stage of kvroute's decision, with the index walk also timed on the pure-Python
-holder map (``PrefixIndex(native=False)``), interleaved with the C one in the same loop.
+holder map (``PrefixIndex(native=False)``) and the policy on its Python path
+(``KvrouteCost.rank_python``), each interleaved with its C build in the same loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import random
 import statistics
 import time
@@ -41,7 +44,7 @@ LIMITS = Limits(vocab_size=50257, max_prompt_tokens=65536, max_new_tokens=1)
 
 
 def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.Random
-          ) -> tuple[PrefixIndex, dict[str, set[int]], WorkerRegistry]:
+          ) -> tuple[PrefixIndex, dict[str, set[int]], list[str]]:
     """An index of ``entries`` (block, worker) pairs: background chains, plus each query
     prompt's prefix cached (to a random depth) on 1-4 random workers."""
     index = PrefixIndex()
@@ -59,11 +62,17 @@ def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.
         background = [rng.getrandbits(64) for _ in range(per_worker)]
         index.add(w, background)
         naive[w].update(background)
+    return index, naive, names
+
+
+def registry(names: list[str], queued: int, rng: random.Random) -> WorkerRegistry:
+    """Heartbeats of a running cluster, with 0..``2 * queued`` requests queued per worker."""
     reg = WorkerRegistry({}, BLOCK)
     reg.apply_heartbeats({w: Heartbeat(w, f"127.0.0.1:{i}", "e", running=rng.randint(0, 8),
+                                       queued=rng.randint(0, 2 * queued),
                                        pending_prefill_tokens=rng.randint(0, 4000))
                           for i, w in enumerate(names)})
-    return index, naive, reg
+    return reg
 
 
 def received(tokens: list[int]) -> Received:
@@ -95,8 +104,11 @@ def naive_decide(req: Received, naive: dict[str, set[int]],
             n += 1
         if n:
             matched[w] = n
-    q = RouteQuery(len(tokens), BLOCK, matched, reg.loads, keys[0] if keys else 0)
-    return policy.rank(q)[0].worker
+    affinity = keys[0] if keys else 0
+    top = max(matched.values(), default=0)  # the family: the first block nobody caches
+    family = keys[top] if top < len(keys) else affinity
+    q = RouteQuery(len(tokens), BLOCK, matched, reg.loads, affinity, family)
+    return policy.rank_python(q)[0].worker
 
 
 def timeit(fn: Callable[[Received], object], prompts: list[Received], iters: int
@@ -118,10 +130,12 @@ def pct(xs: list[float], q: float) -> float:
 
 def stages(reqs: list[Received], decider: Decider, index: PrefixIndex,
            dict_index: PrefixIndex, reg: WorkerRegistry, iters: int) -> dict[str, float]:
-    """p50 of each stage of kvroute's decision (and of the walk on the dict holder map,
-    interleaved with the C one), in microseconds."""
+    """p50 of each stage of kvroute's decision (and of the walk on the dict holder map and
+    the policy's Python path, each interleaved with its C build), in microseconds."""
     times: dict[str, list[float]] = {"ids": [], "hash": [], "walk": [], "walk_dict": [],
-                                     "policy": []}
+                                     "policy": [], "policy_py": []}
+    policy = decider.policy
+    assert isinstance(policy, KvrouteCost)
     hasher = decider.hasher("")
     clock = time.perf_counter_ns
     for i in range(iters):
@@ -137,13 +151,15 @@ def stages(reqs: list[Received], decider: Decider, index: PrefixIndex,
             t = clock()
             ix.match(keys)
             times[name].append((clock() - t) / 1000)
-        t3 = clock()
-        rank_request(decider.policy, index, keys, len(tokens), BLOCK, reg.loads, keys[0])
-        t4 = clock()
+        query = rank_request(policy, index, keys, len(tokens), BLOCK, reg.loads,
+                             keys[0]).query
+        ranks = [(policy.rank, "policy"), (policy.rank_python, "policy_py")]
+        for rank, name in ranks if i % 2 else ranks[::-1]:
+            t = clock()
+            rank(query)
+            times[name].append((clock() - t) / 1000)
         times["ids"].append((t1 - t0) / 1000)
         times["hash"].append((t2 - t1) / 1000)
-        # the policy's share: the ranking minus the walk it repeats
-        times["policy"].append(max(0.0, (t4 - t3) / 1000 - times["walk"][-1]))
     return {k: pct(v, 50) for k, v in times.items()}
 
 
@@ -153,17 +169,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300, help="decisions timed per case")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
-    print(f"{'prompt':>7} {'workers':>7} {'entries':>9} | {'kvroute p50':>11} {'p99':>8} |"
+    print(f"{'prompt':>7} {'workers':>7} {'queued':>6} | {'kvroute p50':>11} {'p99':>8} |"
           f" {'baseline p50':>12} {'p99':>8} | {'p99 ratio':>9} | p50 of: ids  hash  walk"
-          f" (dict map)  policy")
+          f" (dict map)  policy (python)")
     for workers in (16, 128):
         rng = random.Random(args.seed)
         lengths = (1024, 8192, 32768)
         prompts = {n: [[rng.randrange(50257) for _ in range(n)] for _ in range(20)]
                    for n in lengths}
         t0 = time.perf_counter()
-        index, naive, reg = build(workers, args.entries,
-                                  [p for ps in prompts.values() for p in ps], rng)
+        index, naive, names = build(workers, args.entries,
+                                    [p for ps in prompts.values() for p in ps], rng)
         build_s = time.perf_counter() - t0
         dict_index = PrefixIndex(native=False)
         for w, held in naive.items():
@@ -171,7 +187,8 @@ def main() -> None:
         decider = Decider(MODEL, BLOCK, KvrouteCost())
         hasher = BlockHasher(BLOCK, MODEL, native=False)  # the baseline is all Python
         policy = KvrouteCost()
-        for n in lengths:
+        for n, queued in itertools.product(lengths, (0, 2)):
+            reg = registry(names, queued, rng)
             reqs = [received(p) for p in prompts[n]]
             # Same answers from both, or the comparison means nothing.
             for r in reqs[:5]:
@@ -182,11 +199,12 @@ def main() -> None:
             base = timeit(functools.partial(naive_decide, naive=naive, reg=reg, hasher=hasher,
                                             policy=policy), reqs, max(30, args.iters // 5))
             st = stages(reqs, decider, index, dict_index, reg, args.iters)
-            print(f"{n:>7} {workers:>7} {index.entries():>9} | {pct(ours, 50):>9.0f}us"
+            print(f"{n:>7} {workers:>7} {'0' if not queued else f'0-{2 * queued}':>6} |"
+                  f" {pct(ours, 50):>9.0f}us"
                   f" {pct(ours, 99):>6.0f}us | {pct(base, 50):>10.0f}us {pct(base, 99):>6.0f}us"
                   f" | {pct(base, 99) / pct(ours, 99):>8.1f}x | {st['ids']:>11.0f} "
                   f"{st['hash']:>5.0f} {st['walk']:>5.0f} ({st['walk_dict']:>6.0f})"
-                  f" {st['policy']:>7.0f}", flush=True)
+                  f" {st['policy']:>7.0f} ({st['policy_py']:>6.0f})", flush=True)
         print(f"        (index of {index.entries():,} entries built in {build_s:.1f}s)")
 
 

@@ -31,6 +31,10 @@ class WorkerLoad:
     # a load changes far less often than it is read (128 workers: ~15 us less per ranking).
     busy: int = field(init=False, repr=False, compare=False)
     used_blocks: int = field(init=False, repr=False, compare=False)
+    # What the C build of kvroute's policy reads, one attribute per worker instead of seven
+    # (kvroute/core/_native/kvcost.c): pending_prefill_tokens, busy, used_blocks, queued,
+    # max_batched_tokens, max_running, occupied.
+    packed: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # busy: sequences decoding there (the router's own count when higher);
@@ -38,6 +42,9 @@ class WorkerLoad:
         object.__setattr__(self, "busy", max(self.running, self.inflight))
         object.__setattr__(self, "used_blocks", self.capacity_blocks - self.free_blocks
                            if self.capacity_blocks > 0 else 0)
+        object.__setattr__(self, "packed", (
+            self.pending_prefill_tokens, self.busy, self.used_blocks, self.queued,
+            self.max_batched_tokens, self.max_running, self.occupied))
 
     @property
     def occupied(self) -> int:

@@ -10,12 +10,20 @@ from typing import ClassVar
 
 from kvroute.core.load import WorkerLoad
 from kvroute.core.policies.base import (
+    Ranking,
     RouteQuery,
     Scored,
     fetch_plan,
     rank_by_cost,
     rendezvous_order,
 )
+
+try:  # the optional C build of the same ranking (setup.py); absent, the Python path runs
+    from kvroute.core._kvcost import rank as _native_rank
+except ImportError:  # pragma: no cover - depends on the build
+    _native_rank = None
+
+NATIVE_AVAILABLE = _native_rank is not None
 
 
 def work(n: int, c: int, attn: float) -> float:
@@ -201,6 +209,23 @@ class KvrouteCost:
             raise ValueError(f"batch_tokens must be >= 1; got {self.batch_tokens}")
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
+        """The ranking by the formula above: in C when it is built (the router's and the
+        simulator's queries, whose loads and matches are dicts), else :meth:`rank_python`;
+        both give the same workers in the same order with the same costs."""
+        loads, matched = query.loads, query.matched_blocks
+        if _native_rank is None or type(loads) is not dict or type(matched) is not dict:
+            return self.rank_python(query)
+        if not loads:
+            return []
+        params = (self.miss_weight, self.stickiness, self.decode_weight, self.kv_weight,
+                  self.kv_decay, self.affinity_weight, self.attn, self.hold, self.hold_min,
+                  self.batch_weight, self.batch_tokens, self.transfer_cost)
+        order, costs = _native_rank(params, loads, matched, query.prompt_tokens,
+                                    query.block_size, query.affinity, query.family)
+        return Ranking(order, costs)
+
+    def rank_python(self, query: RouteQuery) -> Sequence[Scored]:
+        """The formula in Python: the reference the C build is checked against."""
         p = query.prompt_tokens
         bs = query.block_size
         matched = query.matched_blocks

@@ -1,0 +1,309 @@
+/* kvroute's default policy (KvrouteCost.rank, kvroute/core/policies/kvroute_cost.py) in C:
+ * the same ranking, bit for bit, without a Python loop over the workers.
+ *
+ * rank(params, loads, matched, prompt_tokens, block_size, affinity, family)
+ *     -> (workers best first, their costs)
+ *
+ *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
+ *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost), floats
+ *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
+ *            kvroute/core/load.py for its fields)
+ *   matched: dict worker -> matched blocks
+ *
+ * The formula and its reasons are documented on the Python class, which is the reference:
+ * tests/core/test_kvcost_native.py checks both paths give the same workers and the same
+ * costs on random clusters. To stay bit-identical, every expression keeps the Python
+ * path's order of operations and int->double conversions (setup.py builds this file with
+ * -ffp-contract=off, so no fused multiply-add changes a rounding), and ties go the way
+ * Python's stable sorts and min() send them: cheapest first, then the rendezvous hash of
+ * the request's affinity, then the order of ``loads``.
+ *
+ * Why C: under load the Python path's loops over 128 workers took ~240 us per decision,
+ * most of the routing decision (bench/routing_decision.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
+       P_BATCH, P_BATCH_TOKENS, P_TRANSFER, N_PARAMS };
+
+/* WorkerLoad.packed, in this order */
+enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, N_LOAD };
+
+typedef struct {
+    PyObject *name;      /* borrowed from loads */
+    long long f[N_LOAD];
+    long long cached;    /* tokens of the prompt cached there */
+    double cost;
+    uint64_t tie;        /* rendezvous hash, for sorting */
+    Py_ssize_t idx;      /* position in loads: the last tie-break */
+} Worker;
+
+/* work(n, c) = n * (1 + attn * (c + n / 2)), as kvroute_cost.work computes it */
+static double work(long long n, long long c, double attn) {
+    return (double)n * (1.0 + attn * ((double)c + (double)n / 2.0));
+}
+
+/* The orders the ranking needs, each total (positions are unique): by cost then position,
+ * by rendezvous hash then position. */
+static inline int cost_before(const Worker *x, const Worker *y) {
+    if (x->cost != y->cost) return x->cost < y->cost;
+    return x->idx < y->idx;
+}
+
+static inline int tie_before(const Worker *x, const Worker *y) {
+    if (x->tie != y->tie) return x->tie < y->tie;
+    return x->idx < y->idx;
+}
+
+/* A merge sort of Worker pointers with the comparison inlined: glibc's qsort, calling its
+ * comparator through a pointer, was a third of the ranking's time at 128 workers. ``tmp``
+ * holds n pointers. */
+#define DEFINE_SORT(NAME, BEFORE)                                                         \
+    static void NAME(Worker **a, Worker **tmp, Py_ssize_t n) {                            \
+        for (Py_ssize_t w = 1; w < n; w *= 2) {                                           \
+            for (Py_ssize_t lo = 0; lo < n - w; lo += 2 * w) {                            \
+                Py_ssize_t mid = lo + w, hi = lo + 2 * w < n ? lo + 2 * w : n;            \
+                Py_ssize_t i = lo, j = mid, k = 0;                                        \
+                if (!BEFORE(a[mid], a[mid - 1])) continue; /* already in order */         \
+                while (i < mid && j < hi) tmp[k++] = BEFORE(a[j], a[i]) ? a[j++] : a[i++];  \
+                while (i < mid) tmp[k++] = a[i++];                                        \
+                memcpy(a + lo, tmp, (size_t)k * sizeof(Worker *));                        \
+            }                                                                             \
+        }                                                                                 \
+    }
+
+DEFINE_SORT(sort_by_cost, cost_before)
+DEFINE_SORT(sort_by_tie, tie_before)
+
+/* tie_break(seed, worker) of kvroute/core/policies/base.py: XXH3_64(utf8(worker), seed) */
+static int set_ties(Worker **ws, Py_ssize_t n, uint64_t seed) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len;
+        const char *s = PyUnicode_AsUTF8AndSize(ws[i]->name, &len);
+        if (s == NULL) return -1;
+        ws[i]->tie = XXH3_64bits_withSeed(s, (size_t)len, seed);
+    }
+    return 0;
+}
+
+/* Sort by cost, equal costs by the rendezvous hash of ``seed`` (then by position): hashes
+ * are computed for tied workers alone, as rank_by_cost does, since costs rarely tie. */
+static int sort_ranking(Worker **ws, Worker **tmp, Py_ssize_t n, uint64_t seed) {
+    sort_by_cost(ws, tmp, n);
+    for (Py_ssize_t i = 0, j; i < n; i = j) {
+        for (j = i + 1; j < n && ws[j]->cost == ws[i]->cost; j++) {}
+        if (j - i > 1) {
+            if (set_ties(ws + i, j - i, seed) < 0) return -1;
+            sort_by_tie(ws + i, tmp, j - i);
+        }
+    }
+    return 0;
+}
+
+static PyObject *packed_name;  /* "packed", interned once */
+
+static int read_load(PyObject *load, Worker *w) {
+    PyObject *packed = PyObject_GetAttr(load, packed_name);
+    if (packed == NULL) return -1;
+    if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != N_LOAD) {
+        PyErr_SetString(PyExc_TypeError, "WorkerLoad.packed must be a tuple of 7 ints");
+        Py_DECREF(packed);
+        return -1;
+    }
+    for (int k = 0; k < N_LOAD; k++) {
+        w->f[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(packed, k));
+        if (w->f[k] == -1 && PyErr_Occurred()) {
+            Py_DECREF(packed);
+            return -1;
+        }
+    }
+    Py_DECREF(packed);
+    return 0;
+}
+
+static PyObject *rank(PyObject *self, PyObject *args) {
+    PyObject *params, *loads, *matched;
+    long long p, bs;
+    unsigned long long affinity, family;
+    if (!PyArg_ParseTuple(args, "O!O!O!LLKK", &PyTuple_Type, &params, &PyDict_Type, &loads,
+                          &PyDict_Type, &matched, &p, &bs, &affinity, &family))
+        return NULL;
+    if (PyTuple_GET_SIZE(params) != N_PARAMS) {
+        PyErr_Format(PyExc_ValueError, "params must hold %d values", N_PARAMS);
+        return NULL;
+    }
+    double prm[N_PARAMS];
+    for (int k = 0; k < N_PARAMS; k++) {
+        prm[k] = PyFloat_AsDouble(PyTuple_GET_ITEM(params, k));
+        if (prm[k] == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    Py_ssize_t n = PyDict_GET_SIZE(loads);
+    Worker *ws = PyMem_Calloc(n ? n : 1, sizeof(Worker));
+    /* the order being built, and the merge sort's scratch */
+    Worker **by = PyMem_Calloc(n ? 2 * n : 1, sizeof(Worker *));
+    if (ws == NULL || by == NULL) {
+        PyMem_Free(ws);
+        PyMem_Free(by);
+        return PyErr_NoMemory();
+    }
+    Worker **tmp = by + n;
+    for (Py_ssize_t k = 0; k < n; k++) by[k] = &ws[k];
+    PyObject *result = NULL, *order = NULL, *costs = NULL;
+    const double attn = prm[P_ATTN];
+
+    /* Read the loads and each worker's cached prefix; sum the queues. */
+    long long sum_queued = 0, top = 0;
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(loads, &pos, &key, &value)) {
+        Worker *w = &ws[i];
+        w->name = key;
+        w->idx = i++;
+        if (!PyUnicode_Check(key)) {
+            PyErr_SetString(PyExc_TypeError, "worker names must be str");
+            goto done;
+        }
+        if (read_load(value, w) < 0) goto done;
+        sum_queued += w->f[L_QUEUED];
+        PyObject *m = PyDict_GetItemWithError(matched, key);
+        if (m == NULL) {
+            if (PyErr_Occurred()) goto done;
+            continue;
+        }
+        long long blocks = PyLong_AsLongLong(m);
+        if (blocks == -1 && PyErr_Occurred()) goto done;
+        if (blocks < 0) {
+            PyErr_SetString(PyExc_ValueError, "matched block counts must be >= 0");
+            goto done;
+        }
+        long long c = blocks * bs;
+        w->cached = c < p ? c : p;  /* min(m * bs, p) */
+        if (w->cached > top) top = w->cached;
+    }
+    if (i != n) {
+        PyErr_SetString(PyExc_RuntimeError, "loads changed size during the ranking");
+        goto done;
+    }
+
+    const double mean_queued = (double)sum_queued / (double)n;
+    const double beta = prm[P_MISS] * (1.0 + prm[P_STICK] * mean_queued);
+    const double kw = prm[P_KV] / (1.0 + prm[P_KV_DECAY] * mean_queued);
+    const double dw = prm[P_DECODE];
+    const double full_miss = beta * work(p, 0, attn);
+    for (i = 0; i < n; i++) {
+        Worker *w = &ws[i];
+        w->cost = full_miss + (double)w->f[L_PENDING] + dw * (double)w->f[L_BUSY]
+                  + kw * (double)w->f[L_USED] * (double)bs;
+        if (w->cached)
+            w->cost += beta * work(p - w->cached, w->cached, attn) - full_miss;
+    }
+
+    const double tc = prm[P_TRANSFER];
+    if (top && tc < 1) {  /* a worker may fetch the longest cached prefix */
+        const double fetched = beta * work(p - top, top, attn);
+        for (i = 0; i < n; i++) {
+            Worker *w = &ws[i];
+            if (w->cached < top) {
+                double own = beta * work(p - w->cached, w->cached, attn);
+                double gain = own - fetched - beta * tc * (double)(top - w->cached);
+                w->cost -= gain > 0.0 ? gain : 0.0;
+            }
+        }
+    }
+
+    if (prm[P_BATCH] > 0 && mean_queued > 0) {  /* the batch term */
+        const double bw = prm[P_BATCH];
+        for (i = 0; i < n; i++) {
+            Worker *w = &ws[i];
+            if (!w->f[L_QUEUED]) continue;
+            long long new_tokens = p - w->cached;
+            double budget = w->f[L_BUDGET] ? (double)w->f[L_BUDGET] : prm[P_BATCH_TOKENS];
+            if ((double)(w->f[L_PENDING] + new_tokens) <= budget)
+                w->cost += bw * (double)w->f[L_QUEUED] * work(new_tokens, w->cached, attn);
+        }
+    }
+
+    if (top && prm[P_HOLD] > 0 && !((double)top < prm[P_HOLD_MIN] * (double)p)) {
+        /* The hold rule. The holder: the cheapest worker caching ``top``, the first of
+         * those in ``matched``'s order on equal costs (Python's min over it). */
+        Worker *holder = NULL, *cheapest = &ws[0];
+        for (i = 1; i < n; i++)
+            if (ws[i].cost < cheapest->cost) cheapest = &ws[i];
+        pos = 0;
+        while (PyDict_Next(matched, &pos, &key, &value)) {
+            for (i = 0; i < n; i++) {
+                if (ws[i].cached != top) continue;
+                int same = ws[i].name == key ? 1 : PyObject_RichCompareBool(ws[i].name, key,
+                                                                             Py_EQ);
+                if (same < 0) goto done;
+                if (same) {
+                    if (holder == NULL || ws[i].cost < holder->cost) holder = &ws[i];
+                    break;
+                }
+            }
+        }
+        long long c0 = cheapest->cached;
+        int full = holder->f[L_MAX_RUNNING]
+                   && holder->f[L_OCCUPIED] >= holder->f[L_MAX_RUNNING];
+        if (c0 < top && !full) {
+            double redo = beta * (work(p - c0, c0, attn) - work(p - top, top, attn));
+            double fetch = beta * tc * (double)(top - c0);
+            if (fetch < redo) redo = fetch;
+            if ((double)(holder->f[L_PENDING] - cheapest->f[L_PENDING]) < prm[P_HOLD] * redo)
+                holder->cost = nextafter(cheapest->cost, -INFINITY);
+        }
+    }
+
+    /* The affinity term: rank in the family's rendezvous order x step. */
+    const double spread = prm[P_AFFINITY] * (mean_queued - 1.0) * (double)(p - top);
+    if (spread > 0 && n > 1) {
+        const double step = spread / (double)(n - 1);
+        if (set_ties(by, n, (uint64_t)family) < 0) goto done;
+        sort_by_tie(by, tmp, n);
+        for (i = 0; i < n; i++) by[i]->cost += (double)i * step;
+    }
+
+    if (sort_ranking(by, tmp, n, (uint64_t)affinity) < 0) goto done;
+    order = PyList_New(n);
+    costs = PyList_New(n);
+    if (order == NULL || costs == NULL) goto done;
+    for (i = 0; i < n; i++) {
+        PyObject *c = PyFloat_FromDouble(by[i]->cost);
+        if (c == NULL) goto done;
+        PyList_SET_ITEM(costs, i, c);
+        Py_INCREF(by[i]->name);
+        PyList_SET_ITEM(order, i, by[i]->name);
+    }
+    result = PyTuple_Pack(2, order, costs);
+done:
+    Py_XDECREF(order);
+    Py_XDECREF(costs);
+    PyMem_Free(ws);
+    PyMem_Free(by);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"rank", rank, METH_VARARGS,
+     "rank(params, loads, matched, prompt_tokens, block_size, affinity, family) -> "
+     "(workers best first, costs): KvrouteCost.rank in C"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvroute.core._kvcost",
+    "kvroute's default policy in C (see kvroute/core/policies/kvroute_cost.py).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__kvcost(void) {
+    packed_name = PyUnicode_InternFromString("packed");
+    if (packed_name == NULL) return NULL;
+    return PyModule_Create(&module);
+}

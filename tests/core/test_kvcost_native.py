@@ -1,0 +1,103 @@
+"""The C build of kvroute's policy (kvroute/core/_native/kvcost.c) against its Python
+reference (``KvrouteCost.rank_python``): the same workers, in the same order, with the same
+costs to the last bit, on random clusters."""
+
+from __future__ import annotations
+
+import random
+from types import MappingProxyType
+
+import pytest
+
+from kvroute.core.load import WorkerLoad
+from kvroute.core.policies import KvrouteCost, RouteQuery, kvroute_cost
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    if not kvroute_cost.NATIVE_AVAILABLE:
+        pytest.fail("kvroute.core._kvcost was not built; see setup.py")
+
+
+def random_policy(rng: random.Random) -> KvrouteCost:
+    """Defaults, or a draw from the tuning grid, sometimes with KV transfers."""
+    if rng.random() < 0.2:
+        return KvrouteCost()
+    params = {k: rng.choice(v) for k, v in KvrouteCost.TUNING.items()}
+    if rng.random() < 0.3:
+        params["transfer_cost"] = rng.choice((0.122, 0.5))
+    return KvrouteCost(**params)
+
+
+def random_query(rng: random.Random) -> RouteQuery:
+    """A cluster of 1-40 workers. Loads are drawn from few values so that costs tie (idle
+    workers, equal queues) and several workers hold the longest prefix: the tie-breaks must
+    agree too."""
+    n = rng.randint(1, 40)
+    idle = rng.random() < 0.3
+    loads = {}
+    for i in range(n):
+        q = 0 if idle else rng.choice((0, 0, 1, 2, 5))
+        running = 0 if idle else rng.choice((0, 1, 8, 64))
+        cap = rng.choice((0, 4096))
+        loads[f"worker-{rng.randrange(10**6)}-{i}"] = WorkerLoad(
+            inflight=running + q + rng.choice((0, 0, 1)), running=running, queued=q,
+            free_blocks=rng.randint(0, cap), capacity_blocks=cap,
+            pending_prefill_tokens=0 if idle else rng.choice((0, 512, 3000, 20000)),
+            max_running=rng.choice((0, 64)),
+            max_batched_tokens=rng.choice((0, 2048, 8192)))
+    bs = rng.choice((16, 64))
+    p = rng.randint(1, 20000)
+    names = list(loads)
+    matched = {w: rng.choice((1, p // bs // 2 or 1, p // bs, p // bs + 3))
+               for w in rng.sample(names, rng.randint(0, n))}
+    matched[f"gone-{rng.randrange(100)}"] = 5  # a worker the loads no longer list
+    return RouteQuery(p, bs, matched, loads, rng.getrandbits(64), rng.getrandbits(64))
+
+
+def test_c_and_python_rank_alike_on_random_clusters() -> None:
+    rng = random.Random(7)
+    held = spread = tied = 0
+    for _ in range(3000):
+        policy, query = random_policy(rng), random_query(rng)
+        want = list(policy.rank_python(query))
+        got = list(policy.rank(query))
+        assert got == want, (policy, query)
+        costs = [s.cost for s in want]
+        tied += len(set(costs)) < len(costs)
+        mean_q = sum(ld.queued for ld in query.loads.values()) / len(query.loads)
+        spread += mean_q > 1
+        held += policy.hold > 0 and bool(query.matched_blocks)
+    # the draws reached the tie-breaks, the affinity term and the hold rule
+    assert tied > 300 and spread > 300 and held > 1000
+
+
+def test_the_c_path_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(3)
+    query = random_query(rng)
+    calls = []
+    native = kvroute_cost._native_rank
+
+    def counting(*args: object) -> object:
+        calls.append(args)
+        return native(*args)
+
+    monkeypatch.setattr(kvroute_cost, "_native_rank", counting)
+    KvrouteCost().rank(query)
+    assert len(calls) == 1
+    # Loads that are not a dict (a read-only view) take the Python path, same answer.
+    view = RouteQuery(query.prompt_tokens, query.block_size, query.matched_blocks,
+                      MappingProxyType(dict(query.loads)), query.affinity, query.family)
+    assert list(KvrouteCost().rank(view)) == list(KvrouteCost().rank_python(query))
+    assert len(calls) == 1
+    assert KvrouteCost().rank(RouteQuery(10, 16, {}, {})) == []
+
+
+def test_bad_input_is_refused_not_misread() -> None:
+    loads = {"a": WorkerLoad(), "b": WorkerLoad(queued=1)}
+    with pytest.raises(ValueError, match="matched block counts"):
+        KvrouteCost().rank(RouteQuery(100, 16, {"a": -1}, loads))
+    with pytest.raises(AttributeError, match="packed"):
+        KvrouteCost().rank(RouteQuery(100, 16, {}, {"a": WorkerLoad(), "b": object()}))
+    with pytest.raises(TypeError, match="str"):
+        KvrouteCost().rank(RouteQuery(100, 16, {}, {1: WorkerLoad()}))
