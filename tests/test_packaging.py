@@ -1,0 +1,134 @@
+"""The installable artefacts: the wheel the Dockerfile installs, and the Dockerfile against the
+Helm chart that runs its image.
+
+No Docker engine runs here, so the image itself is not built: the wheel is built the way the
+Dockerfile's build stage builds it (``pip wheel``), unpacked, and run on its own (every module
+imported from it, its C builds loaded, its commands answering); the Dockerfile is read for
+what the chart relies on (user, command, extras, ports) and for files it copies."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    # As the Dockerfile's build stage, less the dependencies (the venv has them) and build
+    # isolation (no index needed); the C builds are compiled into the wheel.
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(out), str(ROOT)],
+                   check=True, cwd=out, timeout=300)
+    (whl,) = out.glob("kvroute-*.whl")
+    return whl
+
+
+def test_the_wheel_holds_the_c_builds_the_stubs_and_the_command(wheel: Path) -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert wheel.name.startswith(f"kvroute-{version}-cp{sys.version_info.major}"
+                                 f"{sys.version_info.minor}-")
+    names = zipfile.ZipFile(wheel).namelist()
+    built = {re.sub(r"\..*", "", Path(n).name) for n in names if n.endswith(".so")}
+    assert built == {"_chainhash", "_holders", "_wire", "_kvcost"}
+    for stub in ("common_pb2.py", "router_pb2_grpc.py", "worker_agent_pb2_grpc.py",
+                 "program_pb2.py"):
+        assert f"kvroute/v1/{stub}" in names
+    assert "simulations/replay.py" in names  # kvroute replay / tune / gen
+    entry = zipfile.ZipFile(wheel).read(
+        f"kvroute-{version}.dist-info/entry_points.txt").decode()
+    assert re.search(r"^kvroute = kvroute\.cli:main$", entry, re.M)
+
+
+def test_the_unpacked_wheel_runs_on_its_own(wheel: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    probe = """
+import importlib, json, pkgutil
+import kvroute, simulations
+from kvroute.core.native import native_builds
+mods = [m.name for p in (kvroute, simulations)
+        for m in pkgutil.walk_packages(p.__path__, p.__name__ + ".")
+        if not m.name.endswith("__main__")]
+files = [importlib.import_module(m).__file__ for m in mods]
+print(json.dumps({"mods": len(mods), "files": files, "native": native_builds()}))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout)
+    assert got["mods"] > 60
+    # Every module came from the wheel, not from the source tree.
+    assert all(f.startswith(str(site)) for f in got["files"] if f), got["files"][:3]
+    assert got["native"] == {"chainhash": True, "holders": True, "wire": True, "kvcost": True}
+    for command in ("router", "agent", "replay", "tune"):
+        run = subprocess.run([sys.executable, "-m", "kvroute", command, "--help"], env=env,
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert f"kvroute {command}" in run.stdout
+
+
+def dockerfile() -> str:
+    return DOCKERFILE.read_text()
+
+
+def test_the_dockerfile_runs_the_image_as_the_chart_expects() -> None:
+    text = dockerfile()
+    helpers = (ROOT / "helm/kvroute/templates/_helpers.tpl").read_text()
+    ctx = re.search(r'define "kvroute.containerSecurityContext".*?end', helpers, re.S)
+    assert ctx is not None
+    uid = re.search(r"runAsUser: (\d+)", ctx.group(0))
+    gid = re.search(r"runAsGroup: (\d+)", ctx.group(0))
+    assert uid and gid
+    # The chart's pods run as non-root with this UID/GID: the image's user must be it.
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users[-1] == f"{uid.group(1)}:{gid.group(1)}"
+    # The chart runs `kvroute router` / `kvroute agent` with command ["kvroute"].
+    for template in ("router/deployment.yaml", "workers/statefulset.yaml"):
+        assert 'command: ["kvroute"]' in (ROOT / "helm/kvroute/templates" / template).read_text()
+    assert re.findall(r"^ENTRYPOINT (.*)$", text, re.M)[-1] == '["kvroute"]'
+    # The chart's default discovery watches pods: the kubernetes extra must be installed.
+    values = yaml.safe_load((ROOT / "helm/kvroute/values.yaml").read_text())
+    assert values["router"]["discovery"] == "kubernetes"
+    assert '"kvroute[kubernetes]"' in text and '".[kubernetes]"' in text
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "kubernetes" in extras
+    # The ports the chart's containers listen on are the ones the image declares.
+    exposed = {int(p) for line in re.findall(r"^EXPOSE (.*)$", text, re.M)
+               for p in line.split()}
+    agent = values["workers"]["agent"]
+    assert exposed == {values["router"]["grpcPort"], values["router"]["metricsPort"],
+                       agent["grpcPort"], agent["metricsPort"]}
+
+
+def test_the_dockerfile_builds_from_files_that_exist() -> None:
+    text = dockerfile()
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "requires-python"]
+    python = re.search(r"^ARG PYTHON=(\S+)$", text, re.M)
+    assert python and requires == f">={python.group(1)}"
+    copies = [line.split()[1:-1] for line in re.findall(r"^COPY (?!--from).*$", text, re.M)]
+    assert copies
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for sources in copies:
+        for src in sources:
+            assert (ROOT / src).exists(), src
+            assert src not in ignored, f"{src} is copied but .dockerignore drops it"
+    # setup.py compiles these: they must be in the build context
+    setup = (ROOT / "setup.py").read_text()
+    for c in re.findall(r'"(kvroute/core/_native/\w+\.c)"', setup):
+        assert (ROOT / c).exists()
+        assert any(c.startswith(src) for sources in copies for src in sources)
