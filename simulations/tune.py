@@ -6,7 +6,10 @@ those that win on another. This replays the peers once, then the policy's start 
 defaults, or --policy's overrides) and variants of it, each at every load and rate jitter
 (averaged, so a lead is not a coin toss: simulations/compare.py), and keeps the variant that
 beats the best peer at the most loads. Tuning on several traces at once (--also) finds a
-variant for all of them rather than one that fits a single trace's accidents.
+variant for all of them rather than one that fits a single trace's accidents. kvroute's
+policy is tuned by default; the peers that declare a grid (--policy llmd, sglang, dynamo,
+chwbl) can be tuned too, against kvroute's default and the other peers: does a tuned peer
+beat kvroute on this traffic?
 
 Scoring, at each load L of each trace tuned on (a cell), against the best peer there on
 each metric separately:
@@ -43,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvroute.core.policies import make_policy, parameters
+from kvroute.core.policies import REGISTRY, make_policy, parameters
 from kvroute.core.policies.spec import SEPARATOR, parse_spec
 from simulations.cli import (
     Setup,
@@ -60,13 +63,21 @@ DEFAULT_PEERS = "llmd,preble,chwbl,sglang,dynamo,mooncake_local"
 DEFAULT_LOADS = (0.5, 0.65, 0.8, 0.95)
 
 
+def default_peers(tuned: str) -> list[str]:
+    """What ``tuned`` is scored against without --peers: the six peers, and kvroute's
+    default in place of the tuned policy when that is a peer."""
+    return [p for p in ("kvroute", *DEFAULT_PEERS.split(",")) if p != tuned]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p)
     p.add_argument("--policy", default="kvroute",
                    help="the policy to tune (one with a TUNING grid), optionally with "
                         "overrides to start from, e.g. kvroute:hold=5")
-    p.add_argument("--peers", default=DEFAULT_PEERS,
-                   help="comma-separated policies to beat (specs, as --policies of replay)")
+    p.add_argument("--peers", default=None,
+                   help=f"comma-separated policies to beat (specs, as --policies of replay; "
+                        f"default {DEFAULT_PEERS}, with kvroute instead of the tuned policy "
+                        f"when that is one of them)")
     p.add_argument("--loads", default=",".join(map(str, DEFAULT_LOADS)),
                    help="fractions of the cluster's capacity to replay at")
     p.add_argument("--jitter", default=",".join(map(str, DEFAULT_JITTERS)), metavar="F,F,...",
@@ -177,7 +188,9 @@ def tuning_grid(policy_spec: str) -> Grid:
     start_policy = make_policy(policy_spec)
     values = dict(getattr(type(start_policy), "TUNING", {}))
     if not values:
-        raise ValueError(f"policy {name!r} declares no TUNING grid; tunable: kvroute")
+        tunable = sorted(n for n, f in REGISTRY.items() if getattr(type(f()), "TUNING", None))
+        raise ValueError(f"policy {name!r} declares no TUNING grid; tunable: "
+                         f"{', '.join(tunable)}")
     start = {k: float(getattr(start_policy, k)) for k in values}
     for k in values:
         if start[k] not in values[k]:
@@ -409,7 +422,8 @@ def run(args: argparse.Namespace) -> int:
     if not loads or any(not 0 < ld <= 2 for ld in loads):
         raise SystemExit(f"error: --loads takes fractions of capacity in (0, 2], got "
                          f"{args.loads!r}")
-    peer_specs = [p.strip() for p in args.peers.split(",") if p.strip()]
+    peer_specs = default_peers(grid.name) if args.peers is None else [
+        p.strip() for p in args.peers.split(",") if p.strip()]
     if not peer_specs or grid.name in [parse_spec(p)[0] for p in peer_specs]:
         raise SystemExit(f"error: --peers must name at least one policy other than {grid.name}")
     peer_names = [f().name for f in make_policies(",".join(peer_specs), args.seed)]

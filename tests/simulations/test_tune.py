@@ -48,19 +48,27 @@ def test_margins_are_against_the_best_peer_on_each_metric_separately() -> None:
         margins(metrics("mine", 0.1, 0.5, 0.8), [], ("t", 0.8))
 
 
-def test_the_grid_holds_only_values_the_policy_accepts_and_its_defaults() -> None:
-    grid = tuning_grid("kvroute")
-    assert grid.name == "kvroute" and set(grid.values) <= set(grid.defaults)
+@pytest.mark.parametrize("name", ["kvroute", "llmd", "sglang", "dynamo", "chwbl"])
+def test_the_grid_holds_only_values_the_policy_accepts_and_its_defaults(name: str) -> None:
+    grid = tuning_grid(name)
+    assert grid.name == name and set(grid.values) <= set(grid.defaults)
     assert grid.start == {k: float(grid.defaults[k]) for k in grid.values}  # type: ignore[arg-type]
     assert not grid.fixed
     for k, values in grid.values.items():
         assert list(values) == sorted(set(values)), k
         assert grid.defaults[k] in values, f"{k}: the default is not on the grid"
         for v in values:
-            make_policy(grid.spec({**grid.start, k: v}))  # accepted, in range
+            policy = make_policy(grid.spec({**grid.start, k: v}))  # accepted, in range
+            assert getattr(policy, k) == v
+    assert "seed" not in grid.values
+
+
+def test_what_is_not_tuned_and_a_start_off_the_grid() -> None:
+    grid = tuning_grid("kvroute")
     assert "attn" not in grid.values and "transfer_cost" not in grid.values
-    with pytest.raises(ValueError, match="no TUNING grid"):
-        tuning_grid("llmd")
+    with pytest.raises(ValueError, match="no TUNING grid; tunable: chwbl, dynamo, kvroute, "
+                                         "kvroute_fetch, llmd, sglang"):
+        tuning_grid("preble")
     # A start off the grid joins it, so the search can step from it.
     off = tuning_grid("kvroute:hold=4")
     assert off.start["hold"] == 4.0 and 4.0 in off.values["hold"]
@@ -227,8 +235,27 @@ def test_tuning_on_several_traces_scores_every_trace_at_every_load(chat: Path,
     assert "cells (trace x load)" in ran.stdout and "  rag.jsonl 90%  peers " in ran.stdout
 
 
+def test_a_peer_is_tuned_against_kvroute_and_the_other_peers(chat: Path,
+                                                              tmp_path: Path) -> None:
+    ran = tune_cli(chat, "--policy", "llmd", "--workers", "4", "--loads", "0.9", "--jitter",
+                   "1", "--trials", "3", "--jobs", "2", "--out", tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    doc = json.loads((tmp_path / "tune.json").read_text())
+    assert doc["peers"] == ["kvroute", "preble", "chwbl", "sglang", "dynamo",
+                            "mooncake_local"]
+    trials = doc["trials"]
+    assert trials[0]["spec"] == "llmd" and len(trials) == 3
+    for t in trials[1:]:
+        assert t["spec"].startswith("llmd:")
+        assert set(make_policy(t["spec"]).name.split(":")[1:]) <= {
+            f"{k}={v:g}" for k, vs in tuning_grid("llmd").values.items() for v in vs}
+    assert f"deploy: kvroute router --policy '{doc['recommended']}'" in ran.stdout
+
+
 @pytest.mark.parametrize(("args", "message"), [
-    (["--policy", "llmd"], "declares no TUNING grid"),
+    (["--policy", "preble"], "declares no TUNING grid"),
+    (["--policy", "llmd", "--peers", "llmd:queue_weight=2"],
+     "--peers must name at least one policy other than llmd"),
     (["--peers", "kvroute:hold=2"], "--peers must name at least one policy other than"),
     (["--peers", "nope"], "unknown policy 'nope'"),
     (["--trials", "0"], "--trials and --jobs must be >= 1"),
@@ -287,5 +314,7 @@ def test_kvroute_policies_shows_the_grid_tune_searches() -> None:
                 if "searched by `kvroute tune --policy kvroute`" in x)
     for k, values in grid.values.items():
         assert f"{k} in {', '.join(f'{v:g}' for v in values)}" in line
+    for peer in ("llmd", "sglang", "dynamo", "chwbl"):
+        assert f"searched by `kvroute tune --policy {peer}`" in ran.stdout
     # A policy without a grid says nothing of tuning.
-    assert "searched by" not in ran.stdout.split("\nllmd\n", 1)[1].split("\nmooncake\n")[0]
+    assert "searched by" not in ran.stdout.split("\npreble\n", 1)[1].split("\nrandom\n")[0]

@@ -14,6 +14,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import xxhash
 
@@ -123,6 +124,11 @@ class ConsistentHashBoundedLoads:
     load_factor: float = 1.25
     replication: int = 256
     name: str = "chwbl"
+    # ``kvroute tune --policy chwbl``: the bound around KubeAI's default (the ring's size
+    # only smooths the spread).
+    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
+        "load_factor": (1.1, 1.25, 1.5, 2.0, 3.0),
+    }
     # The ring depends only on the worker set; rebuilt when it changes.
     _ring_for: tuple[str, ...] = field(default=(), init=False, repr=False)
     _ring_hashes: list[int] = field(default_factory=list, init=False, repr=False)
@@ -218,6 +224,12 @@ class SglangCacheAware:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     name: str = "sglang"
+    # ``kvroute tune --policy sglang``: each threshold either side of the router's default.
+    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
+        "cache_threshold": (0.1, 0.3, 0.5, 0.7),
+        "balance_abs_threshold": (16, 32, 64, 128, 256),
+        "balance_rel_threshold": (1.1, 1.25, 1.5, 2.0, 3.0),
+    }
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         loads = {w: outstanding(ld) for w, ld in query.loads.items()}
@@ -279,6 +291,12 @@ class LlmdPrecisePrefix:
     queue_weight: float = 1.0
     seed: int = 0
     name: str = "llmd"
+    # ``kvroute tune --policy llmd``: the scorer weights (only their ratios matter).
+    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
+        "prefix_weight": (0.5, 1.0, 2.0, 3.0, 4.0, 8.0),
+        "kv_util_weight": (0.0, 0.5, 1.0, 2.0),
+        "queue_weight": (0.5, 1.0, 2.0),
+    }
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -362,6 +380,11 @@ class DynamoKvRouter:
     temperature: float = 0.0
     seed: int = 0
     name: str = "dynamo"
+    # ``kvroute tune --policy dynamo``: the prefill weight and the sampling temperature.
+    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
+        "prefill_load_scale": (0.25, 0.5, 1.0, 2.0, 4.0),
+        "temperature": (0.0, 0.1, 0.5, 1.0),
+    }
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
