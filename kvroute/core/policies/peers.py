@@ -380,9 +380,10 @@ class DynamoKvRouter:
     temperature: float = 0.0
     seed: int = 0
     name: str = "dynamo"
-    # ``kvroute tune --policy dynamo``: the prefill weight and the sampling temperature.
+    # ``kvroute tune --policy dynamo``: the prefill weight (large: least queued plus own
+    # prefill, KV held only breaking near-ties) and the sampling temperature.
     TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
-        "prefill_load_scale": (0.25, 0.5, 1.0, 2.0, 4.0),
+        "prefill_load_scale": (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
         "temperature": (0.0, 0.1, 0.5, 1.0),
     }
     _rng: random.Random = field(init=False, repr=False)
