@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from routing_decision import BLOCK, MODEL, build, pct
+from routing_decision import BLOCK, MODEL, build, pct, registry
 
 from kvroute.core.index import PrefixIndex
 from kvroute.core.policies import KvrouteCost
@@ -148,7 +148,8 @@ def main() -> None:
     prompts = [[rng.randrange(50257) for _ in range(PROMPT_TOKENS)] for _ in range(10)]
     floor = statistics.median(full_pauses(3))  # this process with no index at all
     t0 = time.perf_counter()
-    index, _, reg = build(args.workers, args.entries, prompts, rng)  # drops build's own sets
+    index, _, names = build(args.workers, args.entries, prompts, rng)  # drops build's own sets
+    reg = registry(names, 0, rng)
     print(f"(index of {index.entries():,} entries over {args.workers} workers built in"
           f" {time.perf_counter() - t0:.1f}s; full gc before building it: {floor:.1f}ms)")
     decider = Decider(MODEL, BLOCK, KvrouteCost())

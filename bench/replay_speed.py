@@ -5,7 +5,7 @@ and replayed at its recorded rate x2 through every policy. Prints the wall time 
 (target: under 10 s) and its ratio to round-robin's, measured in the same run (round-robin
 does no index lookup, so the ratio is the price of each policy's routing work).
 
-    python bench/replay_speed.py [--trace PATH] [--tile 3] [--rate-scale 2]
+    python bench/replay_speed.py [--trace PATH] [--tile 3] [--rate-scale 2] [--policies all]
 """
 
 from __future__ import annotations
@@ -28,11 +28,15 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=SHARED)
     ap.add_argument("--tile", type=int, default=3)
     ap.add_argument("--rate-scale", type=float, default=2.0)
+    ap.add_argument("--policies", default="all",
+                    help="comma-separated policies (round_robin, the baseline, is always run)")
     args = ap.parse_args()
     trace = load(args.trace).tiled(args.tile).scaled(args.rate_scale)
     print(f"{len(trace.requests)} requests, 16 workers")
     walls: dict[str, float] = {}
-    for name, make in zip(sorted(REGISTRY), make_policies("all", 0), strict=True):
+    names = sorted(REGISTRY) if args.policies == "all" else \
+        list(dict.fromkeys(["round_robin", *args.policies.split(",")]))
+    for name, make in zip(names, make_policies(",".join(names), 0), strict=True):
         t0 = time.perf_counter()
         Replayer(trace, make(), ClusterSpec(workers=16)).run()
         walls[name] = time.perf_counter() - t0
