@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROTOS := $(wildcard proto/kvroute/v1/*.proto)
 
-.PHONY: setup demo test lint proto bench clean tools chart monitoring
+.PHONY: setup demo test lint proto bench clean tools chart monitoring image
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,13 @@ chart: tools
 
 monitoring: tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/monitoring
+
+# The image the Helm chart runs (needs a Docker engine; tests/test_packaging.py checks the
+# wheel it installs and the Dockerfile against the chart without one).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= kvroute/kvroute:$(VERSION)
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info .cache

@@ -112,6 +112,12 @@ def test_the_dockerfile_runs_the_image_as_the_chart_expects() -> None:
     agent = values["workers"]["agent"]
     assert exposed == {values["router"]["grpcPort"], values["router"]["metricsPort"],
                        agent["grpcPort"], agent["metricsPort"]}
+    # `make image` tags it as the chart pulls it by default: repository:appVersion.
+    chart = yaml.safe_load((ROOT / "helm/kvroute/Chart.yaml").read_text())
+    make = subprocess.run(["make", "-n", "image"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=30, check=True)
+    tag = f"{values['image']['repository']}:{chart['appVersion']}"
+    assert make.stdout.strip() == f"docker build -t {tag} ."
 
 
 def test_the_dockerfile_builds_from_files_that_exist() -> None:
