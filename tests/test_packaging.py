@@ -114,8 +114,9 @@ def test_the_dockerfile_runs_the_image_as_the_chart_expects() -> None:
                        agent["grpcPort"], agent["metricsPort"]}
     # `make image` tags it as the chart pulls it by default: repository:appVersion.
     chart = yaml.safe_load((ROOT / "helm/kvroute/Chart.yaml").read_text())
-    make = subprocess.run(["make", "-n", "image"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=30, check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL")}
+    make = subprocess.run(["make", "--no-print-directory", "-n", "image"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=30, check=True)
     tag = f"{values['image']['repository']}:{chart['appVersion']}"
     assert make.stdout.strip() == f"docker build -t {tag} ."
 
