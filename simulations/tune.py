@@ -61,6 +61,7 @@ from simulations.replay import Replayer
 
 DEFAULT_PEERS = "llmd,preble,chwbl,sglang,dynamo,mooncake_local"
 DEFAULT_LOADS = (0.5, 0.65, 0.8, 0.95)
+NEVER = 1000.0  # a grid value this large means "never" (kvroute's hold): no edge beyond it
 
 
 def default_peers(tuned: str) -> list[str]:
@@ -179,6 +180,20 @@ class Grid:
         changed = [f"{k}={v:g}" for k, v in params.items() if v != self.defaults[k]]
         return SEPARATOR.join([self.name, *(f"{k}={v}" for k, v in self.fixed.items()),
                                *changed])
+
+    def edges(self, params: Mapping[str, float]) -> list[str]:
+        """The parameters of ``params`` at the end of their grid that the search could not
+        pass: the largest value tried (unless it stands for "never", as ``hold`` 1000 does),
+        or the smallest when above 0 (no parameter goes below 0), each as
+        ``"name=value (largest|smallest tried)"``. The best may lie beyond."""
+        out = []
+        for k, values in self.values.items():
+            v = params[k]
+            if len(values) > 1 and v == values[-1] and v < NEVER:
+                out.append(f"{k}={v:g} (largest tried)")
+            elif len(values) > 1 and v == values[0] and v > 0:
+                out.append(f"{k}={v:g} (smallest tried)")
+        return out
 
 
 def tuning_grid(policy_spec: str) -> Grid:
@@ -488,6 +503,7 @@ def run(args: argparse.Namespace) -> int:
             "policy": args.policy, "peers": peer_specs, "loads": loads,
             "jitters": list(jitters), "hit_weight": args.hit_weight, "seed": args.seed,
             "interrupted": interrupted, "best": best.spec, "recommended": pick.spec,
+            "best_at_grid_edge": search.grid.edges(best.params),
             "checks": checks,
             "peer_metrics": [{"trace": c[0], "load": c[1],
                               "metrics": [m.row() for m in search.peers[c]]}
@@ -619,3 +635,8 @@ def summarize(search: Search, first: Trial | None, best: Trial, hit_weight: floa
     if first is not None:
         line += f"; start {first.spec}: {first.wins}/{n}, {_pct(first.worst(hit_weight))}"
     print(line + ")")
+    edges = search.grid.edges(best.params)
+    if edges:
+        print(f"at the end of the grid: {', '.join(edges)}: the best may lie beyond; to search "
+              f"there, start from it (--policy '{best.spec}' with those values moved on: a "
+              f"start off the grid joins it)")

@@ -76,6 +76,25 @@ def test_what_is_not_tuned_and_a_start_off_the_grid() -> None:
     assert off.spec(off.start) == "kvroute:hold=4"
 
 
+def test_a_best_at_the_end_of_its_grid_is_pointed_out() -> None:
+    grid = tuning_grid("dynamo")
+    top = grid.values["prefill_load_scale"][-1]
+    assert grid.edges(grid.start) == []  # defaults inside the grid; temperature 0 is a floor
+    assert grid.edges({**grid.start, "prefill_load_scale": top}) == [
+        f"prefill_load_scale={top:g} (largest tried)"]
+    low = grid.values["prefill_load_scale"][0]
+    assert grid.edges({**grid.start, "prefill_load_scale": low}) == [
+        f"prefill_load_scale={low:g} (smallest tried)"]
+    kv = tuning_grid("kvroute")
+    # hold 1000 stands for "never leave a holder": nothing lies beyond it
+    assert kv.edges({**kv.start, "hold": 1000.0, "miss_weight": 4.0}) == [
+        "miss_weight=4 (largest tried)"]
+    # an extended start (off the grid) moves the edge
+    further = tuning_grid(f"dynamo:prefill_load_scale={2 * top:g}")
+    assert further.edges({**further.start}) == [f"prefill_load_scale={2 * top:g} (largest tried)"]
+    assert further.edges({**further.start, "prefill_load_scale": top}) == []
+
+
 def test_specs_name_only_what_differs_keep_what_is_not_tuned_and_round_trip() -> None:
     grid = tuning_grid("kvroute")
     assert grid.spec(grid.start) == "kvroute"
@@ -250,6 +269,9 @@ def test_a_peer_is_tuned_against_kvroute_and_the_other_peers(chat: Path,
         assert set(make_policy(t["spec"]).name.split(":")[1:]) <= {
             f"{k}={v:g}" for k, vs in tuning_grid("llmd").values.items() for v in vs}
     assert f"deploy: kvroute router --policy '{doc['recommended']}'" in ran.stdout
+    best = next(t for t in trials if t["spec"] == doc["best"])
+    assert doc["best_at_grid_edge"] == tuning_grid("llmd").edges(best["params"])
+    assert ("at the end of the grid: " in ran.stdout) == bool(doc["best_at_grid_edge"])
 
 
 @pytest.mark.parametrize(("args", "message"), [
