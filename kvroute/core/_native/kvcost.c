@@ -250,8 +250,9 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             }
         }
         long long c0 = cheapest->cached;
-        int full = holder->f[L_MAX_RUNNING]
-                   && holder->f[L_OCCUPIED] >= holder->f[L_MAX_RUNNING];
+        /* (holder is found: ``top`` came from a worker whose name ``matched`` holds) */
+        int full = holder == NULL || (holder->f[L_MAX_RUNNING]
+                                      && holder->f[L_OCCUPIED] >= holder->f[L_MAX_RUNNING]);
         if (c0 < top && !full) {
             double redo = beta * (work(p - c0, c0, attn) - work(p - top, top, attn));
             double fetch = beta * tc * (double)(top - c0);
