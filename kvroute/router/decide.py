@@ -72,7 +72,7 @@ class Decider:
             # Shorter than a block: spread by content rather than piling on one worker.
             affinity = keys[0] if keys else xxhash.xxh3_64_intdigest(tokens_to_bytes(tokens))
         return rank_request(self.policy, index, keys, len(tokens), self.block_size, loads,
-                            affinity, registry.compatible, session=bool(session_id))
+                            affinity, registry.match_filter, session=bool(session_id))
 
 
 def rank_request(

@@ -10,13 +10,15 @@ Invariants:
 * With a gate set (Kubernetes discovery), a heartbeat worker is routable only while the gate
   lists it (its pod exists and is Ready), at the address the gate gives; static workers are
   not gated. The heartbeat still says how loaded it is.
+* ``_incompatible`` is exactly the known workers whose last heartbeat's block size or key
+  scheme differs from ours (their index matches are dropped from decisions).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvroute.core.load import WorkerLoad
@@ -63,6 +65,7 @@ class WorkerRegistry:
         self._gate_warned: set[str] = set()
         self._gate_listed = False
         self._gate_seen: set[str] = set()  # ids the gate ever knew: a deleted pod is no news
+        self._incompatible: set[str] = set()  # known workers whose keys cannot match ours
         for w in self._workers:
             self._refresh(w)
 
@@ -78,6 +81,12 @@ class WorkerRegistry:
     def compatible(self, worker: str) -> bool:
         info = self._workers.get(worker)
         return info is not None and info.compatible
+
+    @property
+    def match_filter(self) -> Callable[[str], bool] | None:
+        """What a decision filters index matches by: :meth:`compatible`, or None while every
+        known worker is (the common case: no call per matched worker)."""
+        return self.compatible if self._incompatible else None
 
     # -- heartbeats ------------------------------------------------------------------------
 
@@ -107,11 +116,16 @@ class WorkerRegistry:
                                   "our_block_size": self._block_size,
                                   "its_scheme": hb.key_scheme, "our_scheme": KEY_SCHEME}})
             info.compatible = ok
+            if ok:
+                self._incompatible.discard(w)
+            else:
+                self._incompatible.add(w)
             self._refresh(w)
         expired = [w for w, i in self._workers.items()
                    if expire and not i.static and w not in beats]
         for w in expired:
             del self._workers[w]
+            self._incompatible.discard(w)
             self.loads.pop(w, None)
         return added, expired
 

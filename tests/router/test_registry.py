@@ -68,3 +68,31 @@ def test_a_program_weighs_as_its_fanout() -> None:
     assert reg.loads["s"].inflight == 4
     reg.end("s", sequences=4)
     assert reg.loads["s"].inflight == 0
+
+
+def test_matches_of_workers_whose_keys_cannot_match_are_dropped() -> None:
+    from kvroute.core.index import PrefixIndex
+    from kvroute.core.policies import KvrouteCost
+    from kvroute.router.decide import Decider
+
+    reg = WorkerRegistry({}, 16)
+    good = {w: Heartbeat(w, f"127.0.0.1:{i}", "e") for i, w in enumerate(("a", "b"))}
+    reg.apply_heartbeats(good)
+    assert reg.match_filter is None  # all compatible: no call per matched worker
+    decider = Decider("m", 16, KvrouteCost())
+    tokens = list(range(64))
+    index = PrefixIndex()
+    index.add("b", decider.hasher("").keys(tokens))
+    assert decider.decide(tokens, index, reg).query.matched_blocks == {"b": 4}
+    # b restarts with another block size: its index entries cannot be trusted.
+    reg.apply_heartbeats({**good, "b": Heartbeat("b", "127.0.0.1:1", "e", block_size=32)})
+    assert reg.match_filter is not None and not reg.match_filter("b")
+    assert decider.decide(tokens, index, reg).query.matched_blocks == {}
+    assert "b" in reg.loads  # still routable, by load
+    reg.apply_heartbeats(good)  # fixed
+    assert reg.match_filter is None
+    assert decider.decide(tokens, index, reg).query.matched_blocks == {"b": 4}
+    reg.apply_heartbeats({**good, "b": Heartbeat("b", "127.0.0.1:1", "e", key_scheme="v0")})
+    assert reg.match_filter is not None
+    reg.apply_heartbeats({"a": good["a"]})  # b's heartbeat expires: forgotten
+    assert reg.match_filter is None
