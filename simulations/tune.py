@@ -467,7 +467,8 @@ def run(args: argparse.Namespace) -> int:
     best = best_of(trials, args.hit_weight)
     first_spec = grid.spec(grid.start)
     first = next((t for t in trials if t.spec == first_spec), None)
-    print(f"\n{'interrupted: ' if interrupted else ''}{len(trials)} variants and "
+    print(f"\n{'interrupted: ' if interrupted else ''}{len(trials)} "
+          f"variant{'s' if len(trials) > 1 else ''} and "
           f"{len(peer_specs)} peer{'s' if len(peer_specs) > 1 else ''} in "
           f"{time.perf_counter() - t0:.0f} s")
     summarize(search, first, best, args.hit_weight)
