@@ -34,7 +34,7 @@ from kvroute.core.policies import KvrouteCost, RouteQuery
 from kvroute.core.redis_schema import Heartbeat
 from kvroute.core.validate import Limits, check_tokens
 from kvroute.core.wire import request_token_ids
-from kvroute.router.decide import Decider, rank_request
+from kvroute.router.decide import Decider, prefix_family, rank_request
 from kvroute.router.registry import WorkerRegistry
 from kvroute.v1 import common_pb2
 
@@ -105,9 +105,8 @@ def naive_decide(req: Received, naive: dict[str, set[int]],
         if n:
             matched[w] = n
     affinity = keys[0] if keys else 0
-    top = max(matched.values(), default=0)  # the family: the first block nobody caches
-    family = keys[top] if top < len(keys) else affinity
-    q = RouteQuery(len(tokens), BLOCK, matched, reg.loads, affinity, family)
+    q = RouteQuery(len(tokens), BLOCK, matched, reg.loads, affinity,
+                   prefix_family(keys, matched, affinity))
     return policy.rank_python(q)[0].worker
 
 

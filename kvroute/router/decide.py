@@ -95,10 +95,13 @@ def rank_request(
     if index is not None:
         matched = {w: n for w, n in index.match(keys).items()
                    if w in loads and (compatible is None or compatible(w))}
-    family = affinity
-    if not session:
-        top = max(matched.values(), default=0)
-        if top < len(keys):
-            family = keys[top]
+    family = affinity if session else prefix_family(keys, matched, affinity)
     query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family)
     return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())
+
+
+def prefix_family(keys: Sequence[int], matched: Mapping[str, int], default: int) -> int:
+    """A session-less request's family (:class:`RouteQuery`): the key of the first block no
+    worker caches, else ``default`` (the whole prompt is cached somewhere)."""
+    top = max(matched.values(), default=0)
+    return keys[top] if top < len(keys) else default

@@ -231,26 +231,44 @@ static PyObject *rank(PyObject *self, PyObject *args) {
     }
 
     if (top && prm[P_HOLD] > 0 && !((double)top < prm[P_HOLD_MIN] * (double)p)) {
-        /* The hold rule. The holder: the cheapest worker caching ``top``, the first of
-         * those in ``matched``'s order on equal costs (Python's min over it). */
-        Worker *holder = NULL, *cheapest = &ws[0];
+        /* The hold rule. Nothing to keep when the cheapest worker holds ``top`` too. */
+        Worker *cheapest = &ws[0];
         for (i = 1; i < n; i++)
             if (ws[i].cost < cheapest->cost) cheapest = &ws[i];
-        pos = 0;
-        while (PyDict_Next(matched, &pos, &key, &value)) {
-            for (i = 0; i < n; i++) {
-                if (ws[i].cached != top) continue;
-                int same = ws[i].name == key ? 1 : PyObject_RichCompareBool(ws[i].name, key,
-                                                                             Py_EQ);
-                if (same < 0) goto done;
-                if (same) {
-                    if (holder == NULL || ws[i].cost < holder->cost) holder = &ws[i];
-                    break;
-                }
+        const long long c0 = cheapest->cached;
+        /* The holder: the cheapest worker caching ``top``; on equal costs the first of them
+         * in ``matched``'s order (Python's min over it), looked up only then: one pass
+         * over the workers, not one per match. */
+        Worker *holder = NULL;
+        int tied = 0;
+        for (i = 0; c0 < top && i < n; i++) {
+            if (ws[i].cached != top) continue;
+            if (holder == NULL || ws[i].cost < holder->cost) {
+                holder = &ws[i];
+                tied = 0;
+            } else if (ws[i].cost == holder->cost) {
+                tied = 1;
             }
         }
-        long long c0 = cheapest->cached;
-        /* (holder is found: ``top`` came from a worker whose name ``matched`` holds) */
+        if (tied) {
+            const double least = holder->cost;
+            Worker *first = NULL;
+            pos = 0;
+            while (first == NULL && PyDict_Next(matched, &pos, &key, &value)) {
+                for (i = 0; i < n; i++) {
+                    if (ws[i].cached != top || ws[i].cost != least) continue;
+                    int same = ws[i].name == key ? 1 : PyObject_RichCompareBool(
+                        ws[i].name, key, Py_EQ);
+                    if (same < 0) goto done;
+                    if (same) {
+                        first = &ws[i];
+                        break;
+                    }
+                }
+            }
+            if (first != NULL) holder = first;
+        }
+        /* (a holder exists when c0 < top: ``top`` came from a worker ``matched`` names) */
         int full = holder == NULL || (holder->f[L_MAX_RUNNING]
                                       && holder->f[L_OCCUPIED] >= holder->f[L_MAX_RUNNING]);
         if (c0 < top && !full) {
