@@ -17,10 +17,12 @@ from simulations.costmodel import CostModel
 from simulations.metrics import (
     PolicyMetrics,
     capacity_rps,
+    floor_summary,
     global_lru_hits,
     hit_ratio,
     infinite_cache_hits,
     measure,
+    ttft_floor,
 )
 from simulations.replay import ClusterSpec, Replayer, ReplayResult
 from simulations.trace import Trace, TraceError, load
@@ -221,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         "global LRU": hit_ratio(trace, global_lru_hits(trace, cap * args.workers)),
         "infinite cache": hit_ratio(trace, infinite_cache_hits(trace)),
     }
+    floor = ttft_floor(trace, spec.cost)  # the same at every rate: no queueing in it
 
     def at(scale: float) -> Trace:
         return trace.scaled(scale) if scale != 1.0 else trace
@@ -246,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         return kept[nominal], [j.mean() for j in runs], runs
 
     def report(rows: list[PolicyMetrics], runs: list[Jittered]) -> None:
-        print(table(rows, bounds), flush=True)
+        print(table(rows, bounds, floor_summary(floor)), flush=True)
         if runs:
             print(f"averaged over rate jitters {', '.join(f'x{j:g}' for j in jitters)}")
             for v in verdicts(runs, focus=args.focus):
@@ -264,10 +267,10 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             for ld, rows in sweep.items():
-                write_results(args.out / f"load_{int(ld * 100)}", rows, bounds,
+                write_results(args.out / f"load_{int(ld * 100)}", rows, bounds, floor,
                               {"load": ld, "rate_scale": setup.scale_for(ld),
                                "jitters": list(jitters)}, sweep_runs[ld], args.focus)
-            print(f"wrote {plot_sweep(args.out, sweep, sweep_runs)}")
+            print(f"wrote {plot_sweep(args.out, sweep, sweep_runs, floor)}")
         return 0
     scale = setup.scale_for(args.load) if args.load is not None else args.rate_scale
     load_frac = base_rps * scale / capacity
@@ -276,12 +279,12 @@ def run(args: argparse.Namespace) -> int:
     report(rows, runs)
     print("wall time per policy: " + ", ".join(f"{r.policy} {r.wall_s:.1f}s" for r in rows))
     if args.out:
-        write_results(args.out, rows, bounds, {
+        write_results(args.out, rows, bounds, floor, {
             "trace": trace.source, "requests": len(trace.requests), "workers": args.workers,
             "capacity_blocks": cap, "rate_scale": scale, "load": load_frac,
             "propagation_ms": args.propagation_ms, "seed": args.seed,
             "jitters": list(jitters), "focus": args.focus}, runs, args.focus)
-        for path in plot_replay(args.out, results, rows, bounds):
+        for path in plot_replay(args.out, results, rows, bounds, floor):
             print(f"wrote {path}")
         print(f"wrote {args.out / 'results.json'}, {args.out / 'results.csv'}")
     return 0

@@ -1,4 +1,5 @@
-"""What a replay measured, and the hit-ratio bounds it is compared with."""
+"""What a replay measured, and the bounds it is compared with: on the hit ratio, and on
+TTFT."""
 
 from __future__ import annotations
 
@@ -142,6 +143,27 @@ def global_lru_hits(trace: Trace, capacity_blocks: int) -> list[int]:
         while len(lru) > capacity_blocks:
             lru.popitem(last=False)
     return out
+
+
+def ttft_floor(trace: Trace, cost: CostModel) -> np.ndarray:
+    """Per request, a time to first token no policy can beat on this cluster model: its own
+    prefill alone, after every prefix token an earlier request brought (the infinite cache's
+    hits), on a worker with nothing else to do.
+
+    It bounds every request of every replay from below, whatever the load: a request's first
+    token ends an iteration that prefills at least its own uncached tokens (chunked or not:
+    chunks' costs add up to the whole prefill's), after at most the infinite cache's hits
+    (a worker caches, or fetches, only blocks an earlier request brought), and prefill time
+    falls as the cached part grows. So the floor's mean and percentiles bound the policies'
+    too: how far a policy's TTFT sits above them is what queueing and lost hits cost it."""
+    return np.array([cost.prefill_s(r.prompt_tokens - h, h)
+                     for r, h in zip(trace.requests, infinite_cache_hits(trace), strict=True)])
+
+
+def floor_summary(floor: np.ndarray) -> dict[str, float]:
+    """The floor's mean, p50 and p99, as the replay reports a policy's TTFT."""
+    return {"mean_s": float(floor.mean()), "p50_s": float(np.percentile(floor, 50)),
+            "p99_s": float(np.percentile(floor, 99))}
 
 
 def hit_ratio(trace: Trace, hits: list[int]) -> float:

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from simulations.compare import Jittered, verdicts
-from simulations.metrics import PolicyMetrics
+from simulations.metrics import PolicyMetrics, floor_summary
 from simulations.replay import ReplayResult
 
 
-def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
+def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
+          floor: dict[str, float] | None = None) -> str:
     wide = max(13, *(len(r.policy) for r in rows))  # variants: kvroute:hold=2
     head = (f"{'policy':<{wide}} {'hit':>6} {'moved':>6} {'flight':>6} {'stale':>6} "
             f"{'TTFT mean':>9} {'p50':>7} {'p99':>8} {'E2E mean':>8} {'p99':>8} {'req/s':>6} "
@@ -32,6 +33,10 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
             f"{r.throughput_rps:>6.2f} {r.imbalance:>6.2f} {r.wall_s:>5.1f}s{mark}")
     lines.append("bounds on the hit ratio: " + ", ".join(
         f"{k} {v:.1%}" for k, v in bounds.items()))
+    if floor is not None:
+        lines.append(f"TTFT floor (each request's own prefill after the infinite cache's hits, "
+                     f"nothing queued): mean {floor['mean_s']:.2f}s, p50 {floor['p50_s']:.2f}s, "
+                     f"p99 {floor['p99_s']:.2f}s; no policy's TTFT can be lower")
     lines.append("moved: prompt tokens cached on another worker than the one the policy chose "
                  "(hits given up for balance); flight: tokens an earlier request had brought "
                  "but was still prefilling when it arrived (--predict-ttl-ms coalesces them); "
@@ -43,12 +48,14 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float]) -> str:
 
 
 def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, float],
-                  meta: dict[str, object], runs: Sequence[Jittered] = (),
+                  floor: np.ndarray, meta: dict[str, object], runs: Sequence[Jittered] = (),
                   focus: str | None = None) -> None:
     """results.json and results.csv; with jittered ``runs``, ``rows`` are their averages
-    and results.json also holds each jitter's metrics and the verdicts."""
+    and results.json also holds each jitter's metrics and the verdicts. ``floor`` is the
+    per-request TTFT floor (``metrics.ttft_floor``); results.json holds its summary."""
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, object] = {"meta": meta, "bounds": bounds,
+                              "ttft_floor": floor_summary(floor),
                               "policies": [r.row() for r in rows]}
     if runs:
         doc["runs"] = {j.policy: [r.row() for r in j.runs] for j in runs}
@@ -75,14 +82,17 @@ def _plt():  # returns the matplotlib.pyplot module
 
 
 def plot_replay(out: Path, results: Sequence[ReplayResult], rows: Sequence[PolicyMetrics],
-                bounds: dict[str, float]) -> list[Path]:
-    """TTFT CDF per policy, hit ratio per policy against the bounds, load over time."""
+                bounds: dict[str, float], floor: np.ndarray) -> list[Path]:
+    """TTFT CDF per policy against the floor's, hit ratio per policy against the bounds,
+    load over time."""
     plt = _plt()
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for res in results:
         ttft = np.sort([r.first_token_s - r.arrival_s for r in res.requests])
         ax.plot(ttft, np.linspace(0, 1, len(ttft)), label=res.policy)
+    ax.plot(np.sort(floor), np.linspace(0, 1, len(floor)), "k--", linewidth=1,
+            label="floor (own prefill, nothing queued)")
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("fraction of requests")
@@ -117,9 +127,11 @@ def plot_replay(out: Path, results: Sequence[ReplayResult], rows: Sequence[Polic
 
 
 def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]],
-               runs: dict[float, list[Jittered]] | None = None) -> Path:
-    """Mean and p99 TTFT against load per policy; with jittered ``runs``, bars span the
-    jitters' range (where the lines cross inside the bars, the ranking is noise)."""
+               runs: dict[float, list[Jittered]] | None = None,
+               floor: np.ndarray | None = None) -> Path:
+    """Mean and p99 TTFT against load per policy, and the floor's (the same at every load);
+    with jittered ``runs``, bars span the jitters' range (where the lines cross inside the
+    bars, the ranking is noise)."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     loads = sorted(sweep)
@@ -135,6 +147,10 @@ def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]],
                 yerr = [[v - min(sp) for v, sp in zip(vals, spans, strict=True)],
                         [max(sp) - v for v, sp in zip(vals, spans, strict=True)]]
             ax.errorbar(loads, vals, yerr=yerr, marker="o", capsize=3, label=name)
+    if floor is not None:
+        summary = floor_summary(floor)
+        for ax, key in ((a1, "mean_s"), (a2, "p99_s")):
+            ax.axhline(summary[key], linestyle="--", color="k", linewidth=1, label="floor")
     for ax, title in ((a1, "mean TTFT"), (a2, "p99 TTFT")):
         ax.set_yscale("log")
         ax.set_xlabel("offered load (fraction of cluster capacity)")

@@ -36,9 +36,14 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
     assert doc["meta"]["load"] == pytest.approx(0.8) and doc["meta"]["jitters"] == []
     assert "runs" not in doc and "verdicts" not in doc
     inf = doc["bounds"]["infinite cache"]
+    floor = doc["ttft_floor"]
+    assert 0 < floor["p50_s"] <= floor["p99_s"] and floor["mean_s"] > 0
+    assert f"p99 {floor['p99_s']:.2f}s; no policy's TTFT can be lower" in ran.stdout
     for p in doc["policies"]:
         assert p["requests"] == 240 and 0 < p["hit_ratio"] <= inf
         assert p["ttft_p50_s"] <= p["ttft_p99_s"]
+        for key in ("mean_s", "p50_s", "p99_s"):
+            assert p[f"ttft_{key}"] >= floor[key]
     with (out / "results.csv").open() as f:
         assert [r["policy"] for r in csv.DictReader(f)] == [p["policy"] for p in doc["policies"]]
     for png in ("ttft_cdf.png", "hit_ratio.png", "load_over_time.png"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from simulations.metrics import (
     hit_ratio,
     infinite_cache_hits,
     measure,
+    ttft_floor,
 )
 from simulations.replay import ClusterSpec, Replayer
 from simulations.trace import Trace, TraceError, load, parse
@@ -101,6 +103,37 @@ def test_hit_ratio_never_exceeds_the_infinite_cache_bound(mooncake: Trace) -> No
     bound = hit_ratio(tr, infinite_cache_hits(tr))
     for name in sorted(REGISTRY):
         assert measure(run(tr, name, workers=4)).hit_ratio <= bound + 1e-12, name
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked", "programs"])
+def test_no_request_beats_the_ttft_floor(mooncake: Trace, mode: str) -> None:
+    """The floor (own prefill after the infinite cache's hits, nothing queued) bounds every
+    request's TTFT under every policy: with whole and chunked prefills, KV fetches
+    (mooncake), and forks run as programs; and the floor is met when nothing queues."""
+    from simulations.generators import generate
+
+    if mode == "programs":
+        recs = generate("fork", 300, rate_per_s=20.0, seed=5, block_size=64)
+        tr = parse([json.dumps(r) for r in recs])
+    else:
+        tr = head(mooncake, 500, 2.0)
+    spec = ClusterSpec(workers=4, chunked_prefill=mode == "chunked", programs=mode == "programs",
+                       prefill_budget=2048 if mode == "chunked" else 16384)
+    floor = ttft_floor(tr, spec.cost)
+    assert len(floor) == len(tr.requests) and (floor > 0).all()
+    for name in sorted(REGISTRY):
+        res = Replayer(tr, make_policy(name), spec).run()
+        ttft = [r.first_token_s - r.arrival_s for r in res.requests]
+        low = [(r.idx, t, f) for r, t, f in zip(res.requests, ttft, floor, strict=True)
+               if t < f - 1e-9]
+        assert not low, (name, low[:3])
+    # Spread far apart on one worker, each request waits for nothing and finds every prefix
+    # an earlier one brought: its TTFT is the floor's.
+    apart = Trace([replace(r, arrival_s=i * 1000.0) for i, r in enumerate(tr.requests[:50])],
+                  tr.block_size, tr.source)
+    res = Replayer(apart, make_policy("round_robin"), ClusterSpec(workers=1)).run()
+    assert [r.first_token_s - r.arrival_s for r in res.requests] == pytest.approx(
+        list(ttft_floor(apart, spec.cost)), rel=1e-9, abs=1e-9)
 
 
 def test_single_worker_every_policy_agrees(mooncake: Trace) -> None:
