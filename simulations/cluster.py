@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvroute.core.load import WorkerLoad
+from kvroute.core.load import ArrivalRate, WorkerLoad
 from kvroute.worker_agent.engines.base import CacheEvent
 from kvroute.worker_agent.engines.block_pool import BlockPool
 from simulations.costmodel import CostModel
@@ -117,7 +117,8 @@ class SimWorker:
         self.busy_s = 0.0
         self.finished: list[SimRequest] = []
         self._version = 0  # bumped on every state change, to reuse the load view
-        self._load_key: tuple[int, int, bool] | None = None
+        self._load_key: tuple[int, int, bool, int] | None = None
+        self.arrivals = ArrivalRate()  # requests routed here, as the router counts them
         self._admitted: list[SimRequest] = []  # prefilled in the latest admitting iteration
         self._admitted_end = 0.0  # ... which ends then (their first token)
         self._load = WorkerLoad()
@@ -130,15 +131,18 @@ class SimWorker:
 
         As the production router counts it, a request's uncached tokens stay pending until
         its first token: so those of the requests whose prefill iteration is still running at
-        ``now`` (it started before ``now`` and ends after) are pending too."""
+        ``now`` (it started before ``now`` and ends after) are pending too. The arrival rate
+        is read when the view is rebuilt, at least once a second (as often as the router
+        refreshes a worker's load from its heartbeat)."""
         prefilling = self._admitted_end > now
-        key = (self._version, cached_blocks, prefilling)
+        key = (self._version, cached_blocks, prefilling, math.floor(now))
         if self._load_key != key:
             self._load_key = key
-            self._load = self._build_load(cached_blocks, prefilling)
+            self._load = self._build_load(cached_blocks, prefilling, self.arrivals.at(now))
         return self._load
 
-    def _build_load(self, cached_blocks: int, prefilling: bool) -> WorkerLoad:
+    def _build_load(self, cached_blocks: int, prefilling: bool, arrival_rate: float
+                    ) -> WorkerLoad:
         pending = self.pending_prefill + sum(r.routed_uncached for r in self.prefilling)
         if prefilling:
             pending += sum(r.routed_uncached for r in self._admitted)
@@ -149,7 +153,8 @@ class SimWorker:
             queued=len(self.waiting), free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending, cached_blocks=cached_blocks,
-            max_running=self.max_batch, max_batched_tokens=self.prefill_budget)
+            max_running=self.max_batch, max_batched_tokens=self.prefill_budget,
+            arrival_rate=arrival_rate)
 
     def submit(self, req: SimRequest, now: float) -> None:
         if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:

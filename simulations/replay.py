@@ -209,6 +209,7 @@ class Replayer:
                 if parent is not None and not parent.first_token_s <= now:
                     req.after = parent
                     held = True
+            chosen.arrivals.add(now)  # as the router counts what it sends (registry.begin)
             chosen.submit(req, now)
             if ttl > 0 and not held:
                 # As the router: a held request is no burst member's producer (the router

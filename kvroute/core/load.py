@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# The window over which a worker's arrival rate is measured: long enough to span a chat
+# session's think time (its next turn comes back to the same cache), short enough to follow
+# a shift of traffic within a minute.
+ARRIVAL_TAU_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +22,8 @@ class WorkerLoad:
     ``max_batched_tokens`` is the most prompt tokens the engine prefills in one iteration
     (vLLM's ``--max-num-batched-tokens``; 0: unknown): requests queued together within it are
     admitted together, and each gets its first token only when all their prefills are done.
+    ``arrival_rate`` is requests per second sent to the worker lately (:class:`ArrivalRate`;
+    the only field that is not a count).
     """
 
     inflight: int = 0
@@ -27,14 +35,16 @@ class WorkerLoad:
     cached_blocks: int = 0
     max_running: int = 0
     max_batched_tokens: int = 0
+    arrival_rate: float = 0.0
     # Derived in __post_init__: a policy reads them for every worker on every decision, and
     # a load changes far less often than it is read (128 workers: ~15 us less per ranking).
     busy: int = field(init=False, repr=False, compare=False)
     used_blocks: int = field(init=False, repr=False, compare=False)
-    # What the C build of kvroute's policy reads, one attribute per worker instead of seven
+    cache_fill: float = field(init=False, repr=False, compare=False)
+    # What the C build of kvroute's policy reads, one attribute per worker instead of nine
     # (kvroute/core/_native/kvcost.c): pending_prefill_tokens, busy, used_blocks, queued,
-    # max_batched_tokens, max_running, occupied.
-    packed: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # max_batched_tokens, max_running, occupied (ints), cache_fill, arrival_rate (floats).
+    packed: tuple[int | float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # busy: sequences decoding there (the router's own count when higher);
@@ -42,9 +52,14 @@ class WorkerLoad:
         object.__setattr__(self, "busy", max(self.running, self.inflight))
         object.__setattr__(self, "used_blocks", self.capacity_blocks - self.free_blocks
                            if self.capacity_blocks > 0 else 0)
+        # cache_fill: the fraction of its blocks the index says hold cached prefixes (0 when
+        # the capacity is unknown; an index a little ahead of an eviction reads 1).
+        object.__setattr__(self, "cache_fill", min(1.0, self.cached_blocks / self.capacity_blocks)
+                           if self.capacity_blocks > 0 else 0.0)
         object.__setattr__(self, "packed", (
             self.pending_prefill_tokens, self.busy, self.used_blocks, self.queued,
-            self.max_batched_tokens, self.max_running, self.occupied))
+            self.max_batched_tokens, self.max_running, self.occupied, self.cache_fill,
+            float(self.arrival_rate)))
 
     @property
     def occupied(self) -> int:
@@ -58,3 +73,37 @@ class WorkerLoad:
         if self.capacity_blocks <= 0:
             return 0.0
         return self.used_blocks / self.capacity_blocks
+
+
+@dataclass(slots=True)
+class ArrivalRate:
+    """Requests per second sent to one worker lately: each arrival adds ``1 / tau_s`` to a
+    rate that decays as ``exp(-elapsed / tau_s)``, so a steady stream of ``r`` requests per
+    second reads ``r`` and a worker nobody sends to fades to 0 within a few ``tau_s``.
+
+    The router keeps one per worker for its own traffic, the agent one for all of its
+    worker's (its heartbeat's ``arrival_rate``), the replay simulator one per simulated
+    worker. Invariant: ``_rate`` is the rate at time ``_t``, the latest arrival's; reading
+    it (:meth:`at`) changes nothing. Times are seconds on any clock that never goes back.
+    """
+
+    tau_s: float = ARRIVAL_TAU_S
+    _rate: float = 0.0
+    _t: float = -math.inf
+
+    def __post_init__(self) -> None:
+        if not self.tau_s > 0:
+            raise ValueError(f"tau_s must be > 0, got {self.tau_s}")
+
+    def add(self, now: float, n: int = 1) -> None:
+        """``n`` requests arrived at ``now``."""
+        if now > self._t:
+            self._rate = self.at(now)
+            self._t = now
+        self._rate += n / self.tau_s
+
+    def at(self, now: float) -> float:
+        """The rate at ``now`` (not before the latest arrival)."""
+        if now <= self._t or self._rate == 0.0:
+            return self._rate
+        return self._rate * math.exp((self._t - now) / self.tau_s)

@@ -3,7 +3,9 @@
 Invariants:
 
 * ``loads`` has exactly one entry per routable worker, rebuilt for a worker whenever its
-  heartbeat or the router's own counters for it change, so the hot path only reads it.
+  heartbeat or the router's own counters for it change, so the hot path only reads it. Its
+  arrival rate (the larger of the heartbeat's, all routers' traffic, and our own) is read
+  at each rebuild: at least once a heartbeat scan, a fraction of its 30 s window.
 * A worker learned from heartbeats is forgotten when its heartbeat expires; a static worker
   is never forgotten, only marked down for ``down_s`` after a failed forward.
 * ``inflight`` and ``pending_prefill`` never go negative (every begin has exactly one end).
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvroute.core.load import WorkerLoad
+from kvroute.core.load import ArrivalRate, WorkerLoad
 from kvroute.core.redis_schema import KEY_SCHEME, Heartbeat
 
 log = logging.getLogger("kvroute.router.registry")
@@ -39,6 +41,7 @@ class WorkerInfo:
     pending_prefill: int = 0
     cached_blocks: int = 0
     first_seen: float = field(default_factory=time.monotonic)
+    arrivals: ArrivalRate = field(default_factory=ArrivalRate)  # our requests, by monotonic
 
 
 def parse_static(spec: str) -> dict[str, str]:
@@ -121,6 +124,9 @@ class WorkerRegistry:
             else:
                 self._incompatible.add(w)
             self._refresh(w)
+        for w, i in self._workers.items():
+            if i.static and w not in beats and w not in self._down:
+                self._refresh(w)  # no heartbeat to refresh it: its arrival rate decays here
         expired = [w for w, i in self._workers.items()
                    if expire and not i.static and w not in beats]
         for w in expired:
@@ -190,6 +196,7 @@ class WorkerRegistry:
         if info is not None:
             info.inflight += sequences
             info.pending_prefill += uncached_tokens
+            info.arrivals.add(time.monotonic())
             self._refresh(worker)
 
     def first_token(self, worker: str, uncached_tokens: int) -> None:
@@ -236,13 +243,16 @@ class WorkerRegistry:
         if self.gated_out(info):
             self.loads.pop(worker, None)
             return
-        if info.down_until > time.monotonic():
+        now = time.monotonic()
+        if info.down_until > now:
             return
         hb = info.heartbeat
+        rate = info.arrivals.at(now)
         if hb is None:
             self.loads[worker] = WorkerLoad(inflight=info.inflight,
                                             pending_prefill_tokens=info.pending_prefill,
-                                            cached_blocks=info.cached_blocks)
+                                            cached_blocks=info.cached_blocks,
+                                            arrival_rate=rate)
             return
         # The heartbeat counts every router's traffic but is up to one interval old; our own
         # counters are exact for our traffic. Take the larger of each.
@@ -256,4 +266,5 @@ class WorkerRegistry:
             cached_blocks=info.cached_blocks,
             max_running=hb.max_running,
             max_batched_tokens=hb.max_batched_tokens,
+            arrival_rate=max(hb.arrival_rate, rate),
         )

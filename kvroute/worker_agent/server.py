@@ -23,6 +23,7 @@ from kvroute.core.grpc_util import (
     start_metrics,
     wire_keeping_handler,
 )
+from kvroute.core.load import ArrivalRate
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, check_name
 from kvroute.core.validate import (
@@ -74,6 +75,9 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         self._limits = limits
         self._m = metrics
         self._programs = programs
+        # Requests received (from every router): the heartbeat's arrival_rate, so that each
+        # router sees the worker's whole traffic, not only its own.
+        self.arrivals = ArrivalRate()
 
     def invalid(self) -> None:
         """Count a request refused as INVALID_ARGUMENT."""
@@ -97,6 +101,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
             self.invalid()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id or f"{self._worker}-{time.monotonic_ns():x}"
+        self.arrivals.add(time.monotonic())
         if request.HasField("program"):
             async for resp in self._run_program(request, rid, context, t0):
                 yield resp
@@ -210,6 +215,7 @@ class AgentApp:
         self._channels = AgentChannels()  # to other agents: a program's overflow children
         self.programs: ProgramRuntime | None = None
         self.metrics: AgentMetrics | None = None  # set at start
+        self.service: AgentService | None = None  # set at start
 
     async def start(self) -> int:
         cfg = self.cfg
@@ -230,9 +236,9 @@ class AgentApp:
             max_new_tokens=cfg.max_new_tokens, vocab_size=vocab), cfg.tokenizer, self.worker_id,
             channels=self._channels)
         self.programs = programs
-        add_agent_service(
-            AgentService(self.worker_id, cfg.model, self.engine, limits, metrics, programs),
-            server)
+        service = self.service = AgentService(self.worker_id, cfg.model, self.engine, limits,
+                                              metrics, programs)
+        add_agent_service(service, server)
         self._health = add_standard_services(server, [SERVICE])
         engine = self.engine
 
@@ -243,7 +249,8 @@ class AgentApp:
                 running=ld.running, queued=ld.queued, free_blocks=ld.free_blocks,
                 capacity_blocks=ld.capacity_blocks,
                 pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
-                max_batched_tokens=ld.max_batched_tokens, block_size=cfg.block_size,
+                max_batched_tokens=ld.max_batched_tokens,
+                arrival_rate=service.arrivals.at(time.monotonic()), block_size=cfg.block_size,
                 ttl_s=cfg.heartbeat_ttl_s,
             )
 

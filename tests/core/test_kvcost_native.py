@@ -45,7 +45,9 @@ def random_query(rng: random.Random) -> RouteQuery:
             free_blocks=rng.randint(0, cap), capacity_blocks=cap,
             pending_prefill_tokens=0 if idle else rng.choice((0, 512, 3000, 20000)),
             max_running=rng.choice((0, 64)),
-            max_batched_tokens=rng.choice((0, 2048, 8192)))
+            max_batched_tokens=rng.choice((0, 2048, 8192)),
+            cached_blocks=rng.choice((0, 1000, 4096, 5000)),  # 5000: an index ahead of evictions
+            arrival_rate=0.0 if idle else rng.choice((0.0, 0.05, 1.5, 7.25)))
     bs = rng.choice((16, 64))
     p = rng.randint(1, 20000)
     names = list(loads)
@@ -57,7 +59,7 @@ def random_query(rng: random.Random) -> RouteQuery:
 
 def test_c_and_python_rank_alike_on_random_clusters() -> None:
     rng = random.Random(7)
-    held = spread = tied = 0
+    held = spread = tied = arrivals = 0
     for _ in range(3000):
         policy, query = random_policy(rng), random_query(rng)
         want = list(policy.rank_python(query))
@@ -68,8 +70,11 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
         mean_q = sum(ld.queued for ld in query.loads.values()) / len(query.loads)
         spread += mean_q > 1
         held += policy.hold > 0 and bool(query.matched_blocks)
-    # the draws reached the tie-breaks, the affinity term and the hold rule
-    assert tied > 300 and spread > 300 and held > 1000
+        room = 1 - sum(ld.cache_fill for ld in query.loads.values()) / len(query.loads)
+        arrivals += policy.arrival_weight > 0 and room > 0 and any(
+            ld.arrival_rate for ld in query.loads.values())
+    # the draws reached the tie-breaks, the affinity, hold and arrival terms
+    assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000
 
 
 def test_the_c_path_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -85,6 +85,38 @@ def test_kvroute_keeps_a_long_prefill_off_short_queued_requests() -> None:
     assert first(KvrouteCost(), waiting, 64) == "a"
 
 
+def test_kvroute_keeps_a_long_prefill_off_a_worker_many_requests_reach() -> None:
+    """The arrival term: a long prefill delays every request that reaches its worker while
+    it runs (half of it each, on average), so it goes where fewer arrive, even past a small
+    queue; a short one costs arrivals next to nothing and takes the shorter queue. Caches
+    without room turn the term off: there a placement decides what is evicted."""
+    def load(rate: float, fill: int = 0, **kw: int) -> WorkerLoad:
+        return WorkerLoad(arrival_rate=rate, capacity_blocks=1000, free_blocks=1000,
+                          cached_blocks=fill, **kw)
+
+    def first(pol: KvrouteCost, a: WorkerLoad, b: WorkerLoad, prompt: int) -> str:
+        return pol.rank(q({}, {"a": a, "b": b}, prompt=prompt))[0].worker
+
+    # 8000 tokens: ~9k units of work, 0.78 s of prefill; the ~3 requests that reach a (4/s)
+    # meanwhile wait ~0.39 s each: ~14k units, weighed 0.5, against b's 500-token queue.
+    busy, calm = load(4.0), load(0.25, pending_prefill_tokens=500)
+    assert first(KvrouteCost(arrival_weight=0), busy, calm, 8000) == "a"
+    assert first(KvrouteCost(), busy, calm, 8000) == "b"
+    assert first(KvrouteCost(), busy, calm, 200) == "a"
+    cost = KvrouteCost().rank(q({}, {"a": busy, "b": load(0.0)}, prompt=8000))
+    n = 8000 * (1 + KvrouteCost().attn * 4000)  # work(8000, 0)
+    extra = {s.worker: s.cost for s in cost}
+    assert extra["a"] - extra["b"] == pytest.approx(0.5 * 4.0 * 8.6e-5 * n * n / 2, rel=1e-9)
+    # Half the caches full: half the weight; all full: none.
+    half = {s.worker: s.cost for s in KvrouteCost().rank(
+        q({}, {"a": load(4.0, 1000), "b": load(0.0)}, prompt=8000))}
+    assert half["a"] - half["b"] == pytest.approx((extra["a"] - extra["b"]) / 2, rel=1e-9)
+    full = KvrouteCost().rank(q({}, {"a": load(4.0, 1000), "b": load(0.25, 1000,
+                                                                       pending_prefill_tokens=500)},
+                                prompt=8000))
+    assert full[0].worker == "a"
+
+
 def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:
     full = WorkerLoad(free_blocks=0, capacity_blocks=30000)
     empty = WorkerLoad(free_blocks=30000, capacity_blocks=30000)

@@ -67,3 +67,11 @@ def test_heartbeat_validation() -> None:
         Heartbeat.from_json('{"worker_id":"w","address":"","epoch":"e"}')
     with pytest.raises(ValueError, match="lacks"):
         Heartbeat.from_json('{"worker_id":"w"}')
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", arrival_rate=2.5)
+    assert Heartbeat.from_json(hb.to_json()).arrival_rate == 2.5
+    # An older agent sends none: unknown, 0.
+    assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').arrival_rate == 0
+    for bad in ("-1", "NaN", "Infinity", '"2"', "true", "null"):
+        with pytest.raises(ValueError, match="arrival_rate"):
+            Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
+                                f'"arrival_rate":{bad}}}')

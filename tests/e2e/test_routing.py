@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import time
 from typing import Any
 
 import grpc
@@ -325,6 +326,22 @@ async def test_router_replicas_share_one_view(cluster) -> None:
     assert second[0].worker_id == w and second[0].cached_tokens >= 1536
     await wait_for(lambda: r1.mirror.index.keys_of(w) == r2.mirror.index.keys_of(w),
                    what="identical mirrors")
+
+
+async def test_a_replica_sees_the_arrivals_another_sent(cluster) -> None:
+    """The agent counts every request it receives and its heartbeat carries the rate, so a
+    router replica that sent a worker nothing still sees the traffic the others sent."""
+    a = await cluster.agent("a")
+    r1 = await cluster.router()
+    r2 = await cluster.router()
+    await wait_for(lambda: "a" in r1.registry.loads and "a" in r2.registry.loads,
+                   what="both replicas see a")
+    for i in range(3):
+        await generate(r1.port, prompt(64, 60 + i))
+    assert r1.registry.loads["a"].arrival_rate == pytest.approx(3 / 30, rel=0.05)
+    assert a.service is not None and a.service.arrivals.at(time.monotonic()) > 0
+    await wait_for(lambda: r2.registry.loads["a"].arrival_rate > 0.09,
+                   what="replica 2 saw the agent's arrival rate")
 
 
 async def test_policy_parameters_set_on_the_command_line_take_effect(cluster) -> None:

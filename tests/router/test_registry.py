@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 
+from kvroute.core.load import ArrivalRate
 from kvroute.core.redis_schema import Heartbeat
 from kvroute.router.registry import WorkerRegistry, parse_static
 
@@ -26,6 +30,29 @@ def test_heartbeat_load_merges_with_local_counts() -> None:
     reg.end("w")
     assert reg.loads["w"].pending_prefill_tokens == 100
     assert reg.loads["w"].inflight == 0
+
+
+def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:
+    """The router counts what it sends (exact, immediate); the agent's heartbeat counts what
+    every router sent (up to a heartbeat old). A static worker has only ours."""
+    reg = WorkerRegistry({"s": "h:9"}, 16)
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=0.5)})
+    assert reg.loads["w"].arrival_rate == 0.5 and reg.loads["s"].arrival_rate == 0
+    for _ in range(60):  # 60 requests at once: 2/s over the 30 s window
+        reg.begin("w", 10)
+        reg.begin("s", 10)
+    assert reg.loads["w"].arrival_rate == pytest.approx(2.0, rel=0.01)
+    assert reg.loads["s"].arrival_rate == pytest.approx(2.0, rel=0.01)
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=9.0)})
+    assert reg.loads["w"].arrival_rate == 9.0
+    # A static worker without heartbeats is refreshed by each scan, so its rate decays: here
+    # its 60 requests are made two windows old.
+    old = ArrivalRate()
+    old.add(time.monotonic() - 60.0, n=60)
+    reg._workers["s"].arrivals = old
+    assert reg.loads["s"].arrival_rate == pytest.approx(2.0, rel=0.01)  # not rebuilt yet
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})
+    assert reg.loads["s"].arrival_rate == pytest.approx(2.0 / math.e ** 2, rel=0.01)
 
 
 def test_expiry_spares_static_workers_and_can_be_suspended() -> None:

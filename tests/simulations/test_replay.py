@@ -346,3 +346,28 @@ def test_mooncake_fetches_hot_prefixes_instead_of_recomputing_them() -> None:
     assert m_fetch.hit_ratio + m_fetch.fetched_ratio <= bound + 1e-9
     assert sum(w.received_tokens for w in fetch.workers) == \
         sum(r.received_tokens for r in moved)
+
+
+def test_the_router_sees_each_workers_arrival_rate() -> None:
+    """The replay counts what it routes to each worker as the router does (ArrivalRate, 30 s
+    window), and a policy reads that rate in the load view at every decision."""
+    from kvroute.core.load import ARRIVAL_TAU_S
+    from kvroute.core.policies import RoundRobin
+
+    seen: list[dict[str, float]] = []
+
+    class Recording(RoundRobin):
+        def rank(self, query):  # type: ignore[no-untyped-def]
+            seen.append({w: ld.arrival_rate for w, ld in query.loads.items()})
+            return super().rank(query)
+
+    tr = parse([json.dumps({"timestamp": 1000 * i, "input_length": 100, "output_length": 2,
+                            "hash_ids": [i]}) for i in range(40)])
+    res = Replayer(tr, Recording(), ClusterSpec(workers=2)).run()
+    for i, rates in enumerate(seen):
+        for w in rates:
+            want = sum(math.exp(-(i - j) / ARRIVAL_TAU_S) / ARRIVAL_TAU_S
+                       for j in range(i) if res.requests[j].worker == w)
+            assert rates[w] == pytest.approx(want, rel=1e-9, abs=1e-12), (i, w)
+    # A request every 2 s on each worker for 39 s: 0.5/s x (1 - e^(-39/30)), ~0.36.
+    assert 0.3 < min(seen[-1].values()) <= max(seen[-1].values()) < 0.4

@@ -5,7 +5,8 @@
  *     -> (workers best first, their costs)
  *
  *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
- *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost), floats
+ *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
+ *             arrival_weight, prefill_s_per_token), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -31,14 +32,17 @@
 #include "xxhash.h"
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
-       P_BATCH, P_BATCH_TOKENS, P_TRANSFER, N_PARAMS };
+       P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, N_PARAMS };
 
-/* WorkerLoad.packed, in this order */
+/* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill and arrival_rate */
 enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, N_LOAD };
+#define N_PACKED (N_LOAD + 2)
 
 typedef struct {
     PyObject *name;      /* borrowed from loads */
     long long f[N_LOAD];
+    double fill;         /* cache_fill */
+    double rate;         /* arrival_rate */
     long long cached;    /* tokens of the prompt cached there */
     double cost;
     uint64_t tie;        /* rendezvous hash, for sorting */
@@ -112,8 +116,9 @@ static PyObject *packed_name;  /* "packed", interned once */
 static int read_load(PyObject *load, Worker *w) {
     PyObject *packed = PyObject_GetAttr(load, packed_name);
     if (packed == NULL) return -1;
-    if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != N_LOAD) {
-        PyErr_SetString(PyExc_TypeError, "WorkerLoad.packed must be a tuple of 7 ints");
+    if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != N_PACKED) {
+        PyErr_SetString(PyExc_TypeError,
+                        "WorkerLoad.packed must be a tuple of 7 ints and 2 floats");
         Py_DECREF(packed);
         return -1;
     }
@@ -124,7 +129,10 @@ static int read_load(PyObject *load, Worker *w) {
             return -1;
         }
     }
+    w->fill = PyFloat_AsDouble(PyTuple_GET_ITEM(packed, N_LOAD));
+    w->rate = PyFloat_AsDouble(PyTuple_GET_ITEM(packed, N_LOAD + 1));
     Py_DECREF(packed);
+    if ((w->fill == -1.0 || w->rate == -1.0) && PyErr_Occurred()) return -1;
     return 0;
 }
 
@@ -160,6 +168,7 @@ static PyObject *rank(PyObject *self, PyObject *args) {
 
     /* Read the loads and each worker's cached prefix; sum the queues. */
     long long sum_queued = 0, top = 0;
+    double sum_fill = 0.0;
     Py_ssize_t pos = 0, i = 0;
     PyObject *key, *value;
     while (PyDict_Next(loads, &pos, &key, &value)) {
@@ -172,6 +181,7 @@ static PyObject *rank(PyObject *self, PyObject *args) {
         }
         if (read_load(value, w) < 0) goto done;
         sum_queued += w->f[L_QUEUED];
+        sum_fill += w->fill;
         PyObject *m = PyDict_GetItemWithError(matched, key);
         if (m == NULL) {
             if (PyErr_Occurred()) goto done;
@@ -287,6 +297,19 @@ static PyObject *rank(PyObject *self, PyObject *args) {
         if (set_ties(by, n, (uint64_t)family) < 0) goto done;
         sort_by_tie(by, tmp, n);
         for (i = 0; i < n; i++) by[i]->cost += (double)i * step;
+    }
+
+    /* The arrival term: the requests this prefill delays, while caches have room. */
+    const double room = 1.0 - sum_fill / (double)n;
+    if (prm[P_ARRIVAL] > 0 && room > 0) {
+        const double k = prm[P_ARRIVAL] * room * prm[P_PREFILL_S] / 2.0;
+        for (i = 0; i < n; i++) {
+            Worker *w = &ws[i];
+            if (w->rate > 0) {
+                double wk = work(p - w->cached, w->cached, attn);
+                w->cost += k * w->rate * wk * wk;
+            }
+        }
     }
 
     if (sort_ranking(by, tmp, n, (uint64_t)affinity) < 0) goto done;

@@ -44,6 +44,8 @@ class KvrouteCost:
                + kv * kv_usage_w * capacity_tokens_w         # KV held by running sequences
                + batch_weight * b_w * work(P - c_w, c_w)     # the queued first tokens it delays
                + affinity_weight * max(0, q - 1) * (P - c*) * r_w   # keep families apart
+               + arrival_weight * room * lambda_w * s * work(P - c_w, c_w)^2 / 2
+                                                             # the arrivals it delays
 
         work(n, c) = n * (1 + attn * (c + n / 2))            # n new tokens after c cached
         q          = mean_w(queued_w)                        # the cluster's mean queue
@@ -53,9 +55,13 @@ class KvrouteCost:
         c*         = max_w c_w                               # the longest prefix cached
         b_w        = queued_w  if pending_w + P - c_w <= budget_w  else 0
         budget_w   = w's max_batched_tokens (the engine's prefill budget), else batch_tokens
+        lambda_w   = requests per second sent to w lately (its arrival_rate)
+        room       = 1 - mean_w(cache_fill_w)                # the caches' free share
+        s          = prefill_s_per_token                     # seconds per unit of work
 
-    then the hold rule, before the affinity term: with ``h`` the worker holding the longest
-    cached prefix ``c_h`` (the cheaper one if several) and ``m`` the cheapest worker::
+    then the hold rule, before the affinity and arrival terms: with ``h`` the worker holding
+    the longest cached prefix ``c_h`` (the cheaper one if several) and ``m`` the cheapest
+    worker::
 
         if c_h >= hold_min * P  and  c_m < c_h  and  h has batch headroom
            and pending_h - pending_m < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h)):
@@ -123,6 +129,27 @@ class KvrouteCost:
       move on the whole cost instead (balance terms included, ``hold`` 0.75) moved more
       sessions, for 0.1-0.4 points less hit ratio on chat, agent and rag traffic and no
       better mean TTFT (its p99 was 1-5% lower on chat and rag).
+    * A long prefill delays every request that reaches its worker while it runs: an arrival
+      waits for the iteration in progress, on average half of it. With ``lambda_w``
+      requests per second reaching ``w`` (its ``arrival_rate``: what was sent there
+      lately; sessions and agent loops come back to the worker holding their cache), a
+      prefill of ``t`` seconds delays them by ``lambda_w * t^2 / 2`` seconds in all, which
+      is ``lambda_w * s * work^2 / 2`` in prefill-token units. Quadratic in the uncached
+      work, it is nothing for a chat turn (200 tokens at 4 requests/s: ~7 units) and
+      decides for a cold 8k-token prompt (~14k units), which goes where fewer requests
+      arrive. Neither the queue (what is already waiting) nor the batch term (what will be
+      admitted with it) sees these requests. The term fades as the caches fill
+      (``room``): once they are full, where a new prefix lands decides what it evicts and
+      where its family will follow. Without that gate (weight 1, in an experiment) the
+      Mooncake trace, whose caches stay 80-100% full, lost about 3 points of hit ratio at
+      50-80% load; with it, weight 1 still cost 1.3 points at 50%.
+      Against the same policy without it (``arrival_weight`` 0; seed 1, 16 workers, 7 rate
+      jitters): on the Mooncake trace, mean TTFT 10.6%, 17.4% and 3.5% lower at 65%, 80%
+      and 95% load (p99 9.0%, 18.6% and 2.9% lower) with 0.4-1.6 points more hit ratio,
+      and level at 50% (0.4 points less hit ratio); on chat and rag traffic mean and p99
+      up to 2.2% lower at level hit ratios; on agent and fork traffic level within the
+      noise (agent: 4.5% lower at 65%, 3% higher at 80%). Weight 1 gained more on agent
+      traffic but cost the Mooncake trace 4% of mean TTFT at 50%.
 
     Parameters (tuned with ``bench/policy_jitter.py`` on the Mooncake trace and the four
     generated workloads, 16 workers, 50-95% load; see README):
@@ -147,6 +174,11 @@ class KvrouteCost:
             report one (8192; vLLM V1 defaults its API server's ``max_num_batched_tokens``
             to 8192 on large GPUs and 2048 on smaller ones: give agents
             ``--max-batched-tokens``).
+        arrival_weight: weight of the delay a prefill imposes on the requests arriving
+            meanwhile (0.5; 0 turns the term off).
+        prefill_s_per_token: seconds of prefill per unit of work, to turn that delay into
+            work units: 8.6e-5 s for Llama-3.1-8B on an A100, like ``attn`` a property of
+            the model and GPU (``simulations/costmodel.py``).
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
@@ -158,9 +190,9 @@ class KvrouteCost:
     Measured (``bench/policy_jitter.py``, mean of rate jitters 0.98/1/1.02, 16 workers,
     against llm-d, Preble, CHWBL, SGLang, Dynamo and Mooncake without KV transfer; the full
     table is in the README): the best mean TTFT in all 20 cells (Mooncake trace and
-    ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load), the best p99 in 11, a hit
-    ratio at least the best peer's in 6, all three in 6; on the Mooncake trace at 80%
-    7.2 s / 47 s against llm-d's 14.6 s / 92 s. The hit ratio is within 0.03-0.13 points
+    ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load), the best p99 in 13, a hit
+    ratio at least the best peer's in 7, all three in 6; on the Mooncake trace at 80%
+    5.9 s / 35 s against llm-d's 14.6 s / 92 s. The hit ratio is within 0.03-0.15 points
     of the stickiest peer's on chat and rag. Against the earlier hold rule (whole cost,
     ``hold`` 0.75) this one raised the hit ratio 0.1-0.4 points on chat, agent and rag
     (seeds 1 and 2) at level mean TTFT, and p99 rose 1-5% on chat and rag.
@@ -178,6 +210,8 @@ class KvrouteCost:
     batch_weight: float = 1.5
     batch_tokens: int = 8192
     transfer_cost: float = 1.0
+    arrival_weight: float = 0.5
+    prefill_s_per_token: float = 8.6e-5
     name: str = "kvroute"
 
     # The values ``kvroute tune`` tries for each parameter: a few steps either side of the
@@ -200,6 +234,7 @@ class KvrouteCost:
         "hold_min": (0.0, 0.2, 0.35, 0.5, 0.7),
         "batch_weight": (0.0, 0.75, 1.5, 3.0),
         "batch_tokens": (2048, 4096, 8192, 16384),
+        "arrival_weight": (0.0, 0.5, 1.0, 2.0, 4.0),
     }
 
     def __post_init__(self) -> None:
@@ -212,6 +247,8 @@ class KvrouteCost:
                              f"(1: no transfers); got {self.transfer_cost}")
         if self.batch_tokens < 1:
             raise ValueError(f"batch_tokens must be >= 1; got {self.batch_tokens}")
+        if not self.prefill_s_per_token > 0:
+            raise ValueError(f"prefill_s_per_token must be > 0; got {self.prefill_s_per_token}")
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         """The ranking by the formula above: in C when it is built (the router's and the
@@ -224,7 +261,8 @@ class KvrouteCost:
             return []
         params = (self.miss_weight, self.stickiness, self.decode_weight, self.kv_weight,
                   self.kv_decay, self.affinity_weight, self.attn, self.hold, self.hold_min,
-                  self.batch_weight, self.batch_tokens, self.transfer_cost)
+                  self.batch_weight, self.batch_tokens, self.transfer_cost,
+                  self.arrival_weight, self.prefill_s_per_token)
         order, costs = _native_rank(params, loads, matched, query.prompt_tokens,
                                     query.block_size, query.affinity, query.family)
         return Ranking(order, costs)
@@ -273,6 +311,8 @@ class KvrouteCost:
             step = spread / (len(costs) - 1)
             for r, w in enumerate(rendezvous_order(aff, costs)):
                 costs[w] += r * step
+        if self.arrival_weight > 0:
+            self._arrivals(costs, cached, loads, p)
         return rank_by_cost(query, costs)
 
     def transfer(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
@@ -293,6 +333,22 @@ class KvrouteCost:
                 n = p - c
                 if ld.pending_prefill_tokens + n <= (ld.max_batched_tokens or default_budget):
                     costs[w] += bw * ld.queued * work(n, c, attn)
+
+    def _arrivals(self, costs: dict[str, float], cached: Mapping[str, int],
+                  loads: Mapping[str, WorkerLoad], p: int) -> None:
+        """The arrival term: the requests expected to reach each worker while this request's
+        prefill runs there, each delayed by half of it on average, while the caches have
+        room (see the class docstring). Adds to ``costs`` in place."""
+        room = 1.0 - sum(ld.cache_fill for ld in loads.values()) / len(loads)
+        if room <= 0:
+            return
+        k = self.arrival_weight * room * self.prefill_s_per_token / 2.0
+        attn = self.attn
+        for w, ld in loads.items():
+            if ld.arrival_rate > 0:
+                c = cached.get(w, 0)
+                wk = work(p - c, c, attn)
+                costs[w] += k * ld.arrival_rate * wk * wk
 
     def _hold(self, costs: dict[str, float], cached: dict[str, int], top: int,
               loads: Mapping[str, WorkerLoad], p: int, beta: float) -> None:

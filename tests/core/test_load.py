@@ -1,0 +1,38 @@
+"""The load view's derived fields and the arrival rate behind ``WorkerLoad.arrival_rate``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvroute.core.load import ArrivalRate, WorkerLoad
+
+
+def test_a_steady_stream_reads_its_rate_and_silence_fades() -> None:
+    rate = ArrivalRate(tau_s=10.0)
+    assert rate.at(0.0) == 0.0
+    for i in range(2000):  # 4 requests a second for 500 s: many windows
+        rate.add(i * 0.25)
+    assert rate.at(499.75) == pytest.approx(4.0, rel=0.05)
+    # No arrival for one window: down by e; reading does not change it.
+    assert rate.at(509.75) == pytest.approx(rate.at(499.75) / math.e)
+    assert rate.at(509.75) == rate.at(509.75)
+    assert rate.at(700.0) < 0.01
+    # A burst at one instant counts whole; a time before the latest arrival reads the latest.
+    burst = ArrivalRate(tau_s=10.0)
+    burst.add(5.0, n=3)
+    burst.add(5.0)
+    assert burst.at(5.0) == pytest.approx(0.4) and burst.at(1.0) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="tau_s"):
+        ArrivalRate(tau_s=0)
+
+
+def test_packed_carries_what_the_c_ranking_reads() -> None:
+    ld = WorkerLoad(inflight=3, running=2, queued=1, free_blocks=60, capacity_blocks=100,
+                    pending_prefill_tokens=500, cached_blocks=25, max_running=8,
+                    max_batched_tokens=2048, arrival_rate=1.5)
+    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 0.25, 1.5)
+    assert WorkerLoad(cached_blocks=130, capacity_blocks=100).cache_fill == 1.0  # index ahead
+    assert WorkerLoad(cached_blocks=130).cache_fill == 0.0  # capacity unknown
+    assert isinstance(WorkerLoad(arrival_rate=2).packed[-1], float)
