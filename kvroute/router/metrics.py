@@ -91,6 +91,11 @@ class _MirrorCollector(Collector):
                                     "Uncached prompt tokens queued per worker", labels=["worker"])
         blocks = GaugeMetricFamily("kvroute_router_worker_cached_blocks",
                                    "Blocks the index holds per worker", labels=["worker"])
+        arrivals = GaugeMetricFamily(
+            "kvroute_router_worker_arrival_rate",
+            "Requests per second reaching each worker lately (30 s window; the larger of this "
+            "router's count and the agent's heartbeat), as the policy sees it",
+            labels=["worker"])
         up = GaugeMetricFamily("kvroute_router_worker_routable",
                                "1 if the worker can be routed to", labels=["worker"])
         incompatible = GaugeMetricFamily(
@@ -103,6 +108,7 @@ class _MirrorCollector(Collector):
             inflight.add_metric([w], info.inflight)
             pending.add_metric([w], ld.pending_prefill_tokens if ld else 0)
             blocks.add_metric([w], m.index.count(w))
+            arrivals.add_metric([w], ld.arrival_rate if ld else 0.0)
             up.add_metric([w], int(ld is not None))
             incompatible.add_metric([w], int(not info.compatible))
-        yield from (inflight, pending, blocks, up, incompatible)
+        yield from (inflight, pending, blocks, arrivals, up, incompatible)
