@@ -4,7 +4,8 @@ change in rate can move one policy's TTFT by 5-20%), so each load is replayed at
 
     python bench/policy_jitter.py TRACE [--policies kvroute,llmd,preble,chwbl] [--loads ...]
 
-Prints, per load (fraction of the cluster's capacity, as `kvroute replay --load`), every
+Prints the trace's TTFT floor (``simulations.metrics.ttft_floor``: no policy's TTFT is
+lower), then, per load (fraction of the cluster's capacity, as `kvroute replay --load`), every
 policy's mean TTFT / p99 TTFT (s) and hit ratio, best mean first, then who leads on each and
 at how many jitters (a lead that does not hold at every jitter is within noise). The same
 comparison as `kvroute replay --jitter` (``simulations/compare.py``).
@@ -17,7 +18,13 @@ import argparse
 from kvroute.core.config import PREDICT_TTL_S
 from simulations.cli import make_policies
 from simulations.compare import DEFAULT_JITTERS, parse_jitters, replay_jittered, verdicts
-from simulations.metrics import PolicyMetrics, capacity_rps, measure
+from simulations.metrics import (
+    PolicyMetrics,
+    capacity_rps,
+    floor_summary,
+    measure,
+    ttft_floor,
+)
 from simulations.replay import ClusterSpec, Replayer
 from simulations.trace import load
 
@@ -51,6 +58,9 @@ def main() -> None:
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
     factories = make_policies(args.policies, 0)
     jitters = parse_jitters(args.jitters)
+    floor = floor_summary(ttft_floor(trace, spec.cost))
+    print(f"TTFT floor (no queueing, every earlier prefix cached): mean {floor['mean_s']:.4g} / "
+          f"p99 {floor['p99_s']:.4g} s at every load", flush=True)
     for ld in map(float, args.loads.split(",")):
         def at(factor: float, ld: float = ld) -> list[PolicyMetrics]:
             scaled = trace.scaled(ld * factor * capacity / base)
