@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvroute.core.config import PREDICT_TTL_S
+from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from simulations.cli import make_policies
 from simulations.compare import DEFAULT_JITTERS, parse_jitters, replay_jittered, verdicts
 from simulations.metrics import (
@@ -40,8 +40,12 @@ def main() -> None:
                          "first of --policies)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
-                    help="the router predicts a routed prompt's blocks this long and coalesces "
-                         "bursts on them (0: off, as peer routers; default: the router's)")
+                    help="the router predicts a routed prompt's blocks until stored, at most "
+                         "this long, and coalesces on them (0: off, as peer routers; default: "
+                         "the router's)")
+    ap.add_argument("--coalesce-share", type=float, default=COALESCE_SHARE,
+                    help="least share of an in-flight prefill a request waits for (default: "
+                         "the router's)")
     ap.add_argument("--prefill-budget", type=int, default=16384,
                     help="prompt tokens per iteration (vLLM's --max-num-batched-tokens)")
     ap.add_argument("--chunked-prefill", action="store_true",
@@ -54,7 +58,8 @@ def main() -> None:
     cap = 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
                        predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
-                       prefill_budget=args.prefill_budget, chunked_prefill=args.chunked_prefill)
+                       coalesce_share=args.coalesce_share, prefill_budget=args.prefill_budget,
+                       chunked_prefill=args.chunked_prefill)
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
     factories = make_policies(args.policies, 0)
     jitters = parse_jitters(args.jitters)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.core.config import PREDICT_TTL_S
+from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.policies import REGISTRY, Policy, make_policy
 from simulations.compare import Jittered, parse_jitters, replay_jittered, verdicts
 from simulations.costmodel import CostModel
@@ -40,10 +40,14 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--propagation-ms", type=float, default=50.0,
                    help="delay before the router sees a cache event (agent -> Redis -> router)")
     p.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
-                   help="router predicts a routed prompt's blocks on its worker for this long "
-                        "and holds a request routed on a prediction until that prefill is "
-                        "done, so a burst of siblings prefills its prefix once (0 = off; "
-                        "default: the router's)")
+                   help="router predicts a routed prompt's blocks on its worker until they "
+                        "are stored, at most this long, and holds a request routed on a "
+                        "prediction until that prefill is done, so requests sharing a new "
+                        "prefix prefill it once (0 = off; default: the router's)")
+    p.add_argument("--coalesce-share", type=float, default=COALESCE_SHARE,
+                   help="a request waits for an in-flight prefill only if it would get at "
+                        "least this fraction of it; else it is routed on what workers really "
+                        "hold (0: always wait; default: the router's)")
     p.add_argument("--programs", action="store_true",
                    help="run requests sharing a `program` id as one controller program: placed "
                         "once, shared prefix prefilled once, branches beside it")
@@ -166,6 +170,8 @@ def prepare(args: argparse.Namespace) -> Setup | None:
     None after printing why the trace cannot be read. Exits on a bad argument."""
     if args.workers < 1 or args.max_batch < 1 or args.prefill_budget < 1:
         raise SystemExit("--workers, --max-batch and --prefill-budget must be >= 1")
+    if not args.predict_ttl_ms >= 0 or not 0 <= args.coalesce_share <= 1:
+        raise SystemExit("--predict-ttl-ms must be >= 0 and --coalesce-share in [0, 1]")
     try:
         trace = load(args.trace, strict=args.strict, token_block_size=args.token_block_size)
     except TraceError as exc:
@@ -182,7 +188,8 @@ def prepare(args: argparse.Namespace) -> Setup | None:
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
                        propagation_s=args.propagation_ms / 1000, cost=cost,
-                       predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
+                       predict_ttl_s=args.predict_ttl_ms / 1000,
+                       coalesce_share=args.coalesce_share, programs=args.programs,
                        overflow=not args.no_overflow, max_batch=args.max_batch,
                        prefill_budget=args.prefill_budget,
                        chunked_prefill=args.chunked_prefill)

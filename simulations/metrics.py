@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvroute.core.index import leading_held
 from simulations.costmodel import CostModel
 from simulations.replay import ReplayResult
 from simulations.trace import Trace
@@ -88,7 +89,7 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
     seen: set[int] = set()
     out = []
     for r in sorted(reqs, key=lambda r: r.arrival_s):
-        n = _leading_hits(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs), seen)
+        n = leading_held(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs), seen)
         done = visible = 0  # leading blocks prefilled / whose event had reached the router
         while done < n and ready[r.keys[done]] <= r.arrival_s:
             done += 1
@@ -106,23 +107,13 @@ def _cacheable(prompt_tokens: int, n_keys: int, block_size: int) -> int:
     return min(n_keys, (prompt_tokens - 1) // block_size)
 
 
-def _leading_hits(keys: tuple[int, ...], limit: int, held: set[int] | OrderedDict[int, None]
-                  ) -> int:
-    n = 0
-    for k in keys[:limit]:
-        if k not in held:
-            break
-        n += 1
-    return n
-
-
 def infinite_cache_hits(trace: Trace) -> list[int]:
     """Cached tokens per request if one unbounded cache served every request."""
     seen: set[int] = set()
     bs = trace.block_size
     out = []
     for r in trace.requests:
-        out.append(_leading_hits(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs),
+        out.append(leading_held(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs),
                                  seen) * bs)
         seen.update(r.keys)
     return out
@@ -135,7 +126,7 @@ def global_lru_hits(trace: Trace, capacity_blocks: int) -> list[int]:
     bs = trace.block_size
     out = []
     for r in trace.requests:
-        out.append(_leading_hits(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs),
+        out.append(leading_held(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs),
                                  lru) * bs)
         for k in r.keys:
             lru[k] = None

@@ -8,12 +8,14 @@ routing decisions see stale state exactly as a real router does. A policy with a
 ``transfer(query, worker)`` method (Mooncake's) may have the chosen worker fetch a longer
 prefix's KV from another worker first: the replay performs that transfer
 (:meth:`SimWorker.receive`, timed by :meth:`CostModel.transfer_s`, one transfer at a time
-through each worker's NIC). With ``predict_ttl_s`` (the router's default, 10 ms)
+through each worker's NIC). With ``predict_ttl_s`` (the router's default, 30 s)
 the router predicts that a routed prompt's blocks will be on its worker until its events
 arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``,
 and a request routed there on a prediction is held until that prefill's first token
 (:class:`kvroute.router.coalesce.InflightPrefixes`): the worker queues it only then
-(``SimWorker.held``), as it would receive it from the router.
+(``SimWorker.held``), as it would receive it from the router. A request that would get less
+than ``coalesce_share`` of that prefill is decided again on what workers really hold instead
+(:func:`kvroute.router.decide.rerank_confirmed`), as the router does.
 The load view is the router's own accounting (requests outstanding, its estimate of
 uncached tokens not yet prefilled, released at each request's first token as the production
 router releases it) plus the engine's queue and batch, as an agent's heartbeat reports them.
@@ -37,13 +39,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvroute.core.config import PREDICT_TTL_S
+from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.index import PrefixIndex
 from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
 from kvroute.router.coalesce import InflightPrefixes
-from kvroute.router.decide import rank_request
+from kvroute.router.decide import rank_request, rerank_confirmed
 from kvroute.worker_agent.engines.base import CacheEvent
 from simulations.cluster import SimRequest, SimWorker
 from simulations.costmodel import CostModel
@@ -58,8 +60,10 @@ class ClusterSpec:
     prefill_budget: int = 16384
     chunked_prefill: bool = False  # vLLM V1's scheduler (see simulations/cluster.py)
     propagation_s: float = 0.05
-    # > 0: the router predicts a routed prompt's blocks this long, and coalesces on them
+    # > 0: the router predicts a routed prompt's blocks until stored, at most this long, and
+    # coalesces on them
     predict_ttl_s: float = PREDICT_TTL_S
+    coalesce_share: float = COALESCE_SHARE  # see kvroute.router.coalesce
     programs: bool = False  # run forks as controller programs (see Replayer)
     overflow: bool = True  # programs: split a fork that does not fit (router's placement)
     cost: CostModel = field(default_factory=CostModel)
@@ -138,7 +142,7 @@ class Replayer:
         transfer = getattr(self.policy, "transfer", None)  # policies that move KV
         # Program id -> where each branch (by arrival order) runs, after which prefill.
         placed: dict[str, list[tuple[SimWorker, SimRequest]]] = {}
-        inflight: InflightPrefixes[SimRequest] = InflightPrefixes()
+        inflight: InflightPrefixes[SimRequest] = InflightPrefixes(self.spec.coalesce_share)
         producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
@@ -164,6 +168,19 @@ class Replayer:
             loads = {w.name: w.load(index.count(w.name), now) for w in self.workers}
             d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
                              treq.affinity)
+            held = False
+            if ttl > 0 and not n_branches:
+                # Routed there on a prediction: held until that prefill's first token, if
+                # that prefill is mostly what it gets from it; else decided again on what
+                # workers really hold (as the router's Generate does).
+                m = d.query.matched_blocks.get(d.best, 0)
+                parent = inflight.producer(index, d.best, req.keys, m)
+                if parent is not None and not parent.first_token_s <= now:
+                    if inflight.worth_waiting(parent, index, d.best, req.keys, m, bs):
+                        req.after = parent
+                        held = True
+                    else:
+                        d = rerank_confirmed(self.policy, index, d, req.keys)
             chosen = by_name[d.best]
             req.routed_uncached = req.prompt_tokens - d.cached_tokens(d.best)
             if transfer is not None and (plan := transfer(d.query, d.best)) is not None:
@@ -201,14 +218,6 @@ class Replayer:
             q = d.query
             req.moved_tokens = max(map(q.cached_tokens, q.matched_blocks), default=0) \
                 - q.cached_tokens(chosen.name)
-            held = False
-            if ttl > 0 and req.after is None:
-                # Routed there on a prediction: held until that prefill's first token.
-                parent = inflight.producer(index, chosen.name, req.keys,
-                                           q.matched_blocks.get(chosen.name, 0))
-                if parent is not None and not parent.first_token_s <= now:
-                    req.after = parent
-                    held = True
             chosen.arrivals.add(now)  # as the router counts what it sends (registry.begin)
             chosen.submit(req, now)
             if ttl > 0 and not held:
@@ -216,7 +225,8 @@ class Replayer:
                 # adds it only once sent, when the prefix is stored), so a burst's later
                 # members wait for its first member, not for each other.
                 # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
-                inflight.add(req, chosen.name, index.predict(chosen.name, req.keys, now + ttl))
+                inflight.add(req, chosen.name, index.predict(chosen.name, req.keys, now + ttl),
+                             req.routed_uncached)
                 producers.append(req)
             if now >= next_sample:
                 samples.append((now, [lw.inflight for lw in loads.values()]))

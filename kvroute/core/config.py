@@ -18,10 +18,15 @@ from typing import Any, TypeVar, get_type_hints
 from kvroute.core.blocks import DEFAULT_BLOCK_SIZE
 
 ENV_PREFIX = "KVROUTE_"
-# Predicted entries' lifetime, and so the window within which a burst of requests sharing a
-# new prefix is coalesced (sent where the first went, after its prefill): the router's and
-# the replay simulator's default.
-PREDICT_TTL_S = 0.01
+# How long a predicted entry stands unless the engine's store event confirms it first, and
+# so the window within which a request sharing a new prefix is coalesced with the one in
+# flight (sent where it went, after its prefill): the router's and the replay simulator's
+# default. As long as a request may wait for it: a prediction should last until its prefill
+# is stored, which under load takes seconds (see README, "Coalescing").
+PREDICT_TTL_S = 30.0
+# The least fraction of an in-flight prefill a request must get from it to wait for it
+# (kvroute.router.coalesce).
+COALESCE_SHARE = 0.8
 T = TypeVar("T")
 
 
@@ -56,11 +61,15 @@ class RouterConfig(CommonConfig):
     connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next")
     redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts")
     predict_ttl_s: float = opt(PREDICT_TTL_S, "predict a routed prompt's blocks on its worker "
-                               "for this many seconds; a request routed there on a prediction "
-                               "waits for that prefill, so a burst sharing a new prefix "
-                               "prefills it once (0 = off; see README)")
+                               "until its engine reports them stored, for at most this many "
+                               "seconds; a request routed there on a prediction waits for "
+                               "that prefill, so requests sharing a new prefix prefill it "
+                               "once (0 = off; see README)")
     coalesce_wait_s: float = opt(30.0, "longest a request waits for the in-flight prefill a "
                                  "prediction stands for before it is sent anyway")
+    coalesce_share: float = opt(COALESCE_SHARE, "a request waits for an in-flight prefill only "
+                                "if it would get at least this fraction of it (else it is "
+                                "routed on what workers really hold; 0: always wait)")
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
     route_candidates: int = opt(0, "most workers a Route response lists as candidates, best "
@@ -80,6 +89,9 @@ class RouterConfig(CommonConfig):
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
                 need = "> 0" if positive else ">= 0"
                 raise SystemExit(f"{_flag(name)} must be a finite number {need}, got {v!r}")
+        if not 0.0 <= self.coalesce_share <= 1.0:  # also refuses NaN
+            raise SystemExit(f"{_flag('coalesce_share')} is a fraction, in [0, 1]; got "
+                             f"{self.coalesce_share!r}")
         if self.route_candidates < 0:
             raise SystemExit(f"{_flag('route_candidates')} must be >= 0 (0: every worker), "
                              f"got {self.route_candidates}")

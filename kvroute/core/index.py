@@ -32,7 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from itertools import filterfalse
 
 from kvroute.core.holders import make_holders
@@ -151,6 +151,12 @@ class PrefixIndex:
         keys = self._keys_of.get(worker)
         return keys is not None and key in keys
 
+    def confirmed(self, worker: str, keys: Sequence[int], depth: int) -> int:
+        """How many of the first ``depth`` ``keys`` ``worker`` really stores, leading ones
+        only: a match (``match``'s depth) without its predictions."""
+        mine = self._keys_of.get(worker)
+        return leading_held(keys, depth, mine) if mine else 0
+
     def predicted(self, worker: str) -> int:
         return len(self._pred_of.get(worker, ()))
 
@@ -183,6 +189,17 @@ class PrefixIndex:
         """
         names = self._worker_of_slot
         return {names[s]: depth for s, depth in self._holders.walk(keys).items()}
+
+
+def leading_held(keys: Sequence[int], limit: int, held: Container[int]) -> int:
+    """How many of the first ``limit`` ``keys`` are in ``held``, leading ones only (a
+    prefix ends at its first block not held)."""
+    n = 0
+    for k in keys[:limit]:
+        if k not in held:
+            break
+        n += 1
+    return n
 
 
 def _listed(keys: Iterable[int]) -> Sequence[int]:

@@ -9,13 +9,22 @@ Sent at once, a burst of siblings therefore queues on one worker and prefills th
 once per sibling; held until the first sibling's first token, each of the others prefills
 only its own suffix. :class:`InflightPrefixes` finds the request to wait for.
 
+Waiting pays only when the producer's prefill is mostly the part the sibling would get from
+it: the sibling waits for that whole prefill, the producer's own suffix included. Parallel
+calls of an agent loop share a few hundred tokens and each adds thousands of its own; held,
+each would wait out its sibling's suffix to save a short prefix. So a sibling waits only when
+the predicted part it matched is at least ``share`` of what its producer is prefilling
+(:meth:`InflightPrefixes.worth_waiting`); else it is routed again on what workers really hold
+(:func:`kvroute.router.decide.rerank_confirmed`), as if nothing were in flight.
+
 Invariants:
 
 * ``_by_key[w][k]`` is the latest request sent to ``w`` whose prefill will store block ``k``
   there (a block of its prompt that ``w`` was predicted, not known, to hold) and that has
-  not been dropped; ``_entries[id(r)]`` holds ``r`` and every ``(w, keys)`` it was added
-  with, which covers every entry naming it (keyed by identity: requests need not be hashable;
-  holding ``r`` keeps its id). No ``_by_key[w]`` is left empty.
+  not been dropped; ``_entries[id(r)]`` holds ``r``, the tokens it prefills and every
+  ``(w, keys)`` it was added with, which covers every entry naming it (keyed by identity:
+  requests need not be hashable; holding ``r`` keeps its id). No ``_by_key[w]`` is left
+  empty.
 * Only predicted blocks are added (``PrefixIndex.predict`` returns them): a warm session's
   prompt adds just its new suffix, a cold 8k-token prompt 512 keys.
 * ``producer`` returns a request only for a block matched on ``w`` by prediction alone (the
@@ -27,28 +36,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
+from kvroute.core.config import COALESCE_SHARE
 from kvroute.core.index import PrefixIndex
 
 R = TypeVar("R")
 
 
 class InflightPrefixes(Generic[R]):
-    """Requests whose prefill has not finished, by (worker, block key) of their prompts."""
+    """Requests whose prefill has not finished, by (worker, block key) of their prompts.
 
-    def __init__(self) -> None:
+    ``share``: the least fraction of a producer's prefill a sibling must get from it to wait
+    for it (see the module docstring; 0: always wait)."""
+
+    def __init__(self, share: float = COALESCE_SHARE) -> None:
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"coalesce share is a fraction, in [0, 1]; got {share}")
+        self.share = share
         self._by_key: dict[str, dict[int, R]] = {}
-        self._entries: dict[int, tuple[R, list[tuple[str, Sequence[int]]]]] = {}
+        self._entries: dict[int, tuple[R, int, list[tuple[str, Sequence[int]]]]] = {}
 
-    def add(self, request: R, worker: str, keys: Sequence[int]) -> None:
-        """``request``, sent to ``worker``, will store ``keys``: the blocks of its prompt
-        predicted there (``PrefixIndex.predict`` returns them; a block ``worker`` really holds
-        already makes nobody wait)."""
+    def add(self, request: R, worker: str, keys: Sequence[int], uncached: int) -> None:
+        """``request``, sent to ``worker`` to prefill ``uncached`` tokens, will store
+        ``keys``: the blocks of its prompt predicted there (``PrefixIndex.predict`` returns
+        them; a block ``worker`` really holds already makes nobody wait)."""
         self._by_key.setdefault(worker, {}).update(dict.fromkeys(keys, request))
-        self._entries.setdefault(id(request), (request, []))[1].append((worker, keys))
+        entry = self._entries.get(id(request))
+        if entry is None:
+            entry = self._entries[id(request)] = (request, uncached, [])
+        entry[2].append((worker, keys))
 
     def drop(self, request: R) -> None:
         """``request`` has its first token (its prefix is stored) or has ended."""
-        _, added = self._entries.pop(id(request), (None, ()))
+        _, _, added = self._entries.pop(id(request), (None, 0, ()))
         for worker, keys in added:
             on = self._by_key.get(worker)
             if on is None:
@@ -72,6 +91,18 @@ class InflightPrefixes(Generic[R]):
             return None
         on = self._by_key.get(worker)
         return None if on is None else on.get(key)
+
+    def worth_waiting(self, producer: R, index: PrefixIndex, worker: str,
+                      keys: Sequence[int], matched_blocks: int, block_size: int) -> bool:
+        """Whether a request matching ``matched_blocks`` of ``keys`` on ``worker`` should wait
+        for ``producer`` (from :meth:`producer`): the blocks it matched there only by
+        prediction are at least ``share`` of the tokens ``producer`` prefills."""
+        entry = self._entries.get(id(producer))
+        if entry is None:
+            return False  # dropped meanwhile: its prefix is stored, nothing to wait for
+        m = min(matched_blocks, len(keys))
+        gain = (m - index.confirmed(worker, keys, m)) * block_size
+        return gain >= self.share * entry[1]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -98,6 +99,18 @@ def rank_request(
     family = affinity if session else prefix_family(keys, matched, affinity)
     query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family)
     return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())
+
+
+def rerank_confirmed(policy: Policy, index: PrefixIndex, d: Decision,
+                     keys: Sequence[int]) -> Decision:
+    """``d`` decided again on the blocks workers really hold, predictions left out: for a
+    request that will not wait for the in-flight prefill a prediction stands for
+    (:meth:`~kvroute.router.coalesce.InflightPrefixes.worth_waiting`). ``keys`` are the
+    prompt's block keys; the loads, affinity and family stay ``d``'s."""
+    q = d.query
+    matched = {w: n for w, m in q.matched_blocks.items() if (n := index.confirmed(w, keys, m))}
+    query = dataclasses.replace(q, matched_blocks=matched)
+    return Decision(policy.rank(query), query, d.keys)
 
 
 def prefix_family(keys: Sequence[int], matched: Mapping[str, int], default: int) -> int:

@@ -47,6 +47,11 @@ class RouterMetrics:
             "kvroute_router_coalesced",
             "Requests held until an in-flight sibling's prefill stored the prefix they were "
             "routed to (--predict-ttl-s)", registry=r)
+        self.coalesce_declined = Counter(
+            "kvroute_router_coalesce_declined",
+            "Requests routed again on what workers really hold instead of waiting for an "
+            "in-flight prefill that was mostly another request's own (--coalesce-share)",
+            registry=r)
         self.coalesce_wait = Histogram(
             "kvroute_router_coalesce_wait_seconds",
             "How long a coalesced request waited for its sibling's first token",

@@ -44,7 +44,7 @@ from kvroute.core.validate import (
 )
 from kvroute.core.wire import request_token_ids, with_string_field
 from kvroute.router.coalesce import InflightPrefixes
-from kvroute.router.decide import Decider, Decision, NoWorkersError
+from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_confirmed
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
@@ -83,7 +83,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._tok = tokenizer
         self._limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
         # Requests sent on with predicted entries whose first token has not come back.
-        self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes()
+        self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(cfg.coalesce_share)
 
     def invalid(self, method: str) -> None:
         """Count a request refused as INVALID_ARGUMENT before it reached ``method``."""
@@ -207,7 +207,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             else None
         weights = seg.weights() if seg is not None else []
         predicting = self._cfg.predict_ttl_s > 0 and self._mirror.available and bool(d.keys)
-        waited = predicting and await self._await_producer(d, rid)
+        waited = False
+        if predicting:
+            d, waited = await self._coalesce(d, rid)
         sent = 0
         for cand in d.ranked[:_MAX_ATTEMPTS]:
             w = cand.worker
@@ -243,7 +245,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
                 predicted = self._mirror.index.predict(
                     w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
-                self._inflight.add(stored, w, predicted)
+                self._inflight.add(stored, w, predicted, uncached)
             try:
                 async for resp in call:
                     if not started:
@@ -302,17 +304,25 @@ class RouterService(router_pb2_grpc.RouterServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             "no worker could serve the request: " + "; ".join(errors))
 
-    async def _await_producer(self, d: Decision, rid: str) -> bool:
+    async def _coalesce(self, d: Decision, rid: str) -> tuple[Decision, bool]:
         """Coalescing: when the chosen worker matched the prompt's prefix only by a
         prediction, hold the request until the request that prediction stands for has its
         first token (its prefix is then stored), so it is prefilled once: an engine admits
         a queue in batches, and siblings admitted together each compute the whole prefix.
-        Gives up after ``coalesce_wait_s`` and sends it anyway. Returns whether it waited."""
+        Gives up after ``coalesce_wait_s`` and sends it anyway. When that prefill is mostly
+        the other request's own (``coalesce_share``), the request is decided again on what
+        workers really hold instead of waiting. Returns the decision to send by and whether
+        it waited."""
         w = d.best
-        stored = self._inflight.producer(self._mirror.index, w, d.keys,
-                                         d.query.matched_blocks.get(w, 0))
+        index = self._mirror.index
+        matched = d.query.matched_blocks.get(w, 0)
+        stored = self._inflight.producer(index, w, d.keys, matched)
         if stored is None or stored.is_set():
-            return False
+            return d, False
+        if not self._inflight.worth_waiting(stored, index, w, d.keys, matched,
+                                            self._decider.block_size):
+            self._m.coalesce_declined.inc()
+            return rerank_confirmed(self._decider.policy, index, d, d.keys), False
         self._m.coalesced.inc()
         t0 = time.perf_counter()
         # A held request is load on its worker already (other decisions see it queued).
@@ -331,7 +341,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._registry.first_token(w, uncached)
             self._registry.end(w)
             self._m.coalesce_wait.observe(time.perf_counter() - t0)
-        return True
+        return d, True
 
     def _release(self, stored: asyncio.Event) -> None:
         """This request's prefix is stored (first token) or it ended: wake its siblings."""

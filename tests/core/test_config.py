@@ -28,12 +28,18 @@ def test_from_env_with_overrides() -> None:
 
 
 def test_coalescing_window_and_wait_are_checked() -> None:
-    assert RouterConfig().predict_ttl_s == 0.01  # coalescing is on by default
+    # Coalescing is on by default: predictions last until stored, at most as long as a wait.
+    cfg = RouterConfig()
+    assert cfg.predict_ttl_s == cfg.coalesce_wait_s == 30.0 and cfg.coalesce_share == 0.8
     assert RouterConfig(predict_ttl_s=0).predict_ttl_s == 0  # off
+    assert RouterConfig(coalesce_share=0).coalesce_share == 0  # always wait
     for kw, flag in (({"predict_ttl_s": -1.0}, "--predict-ttl-s"),
                      ({"predict_ttl_s": float("nan")}, "--predict-ttl-s"),
                      ({"coalesce_wait_s": 0.0}, "--coalesce-wait-s"),
-                     ({"coalesce_wait_s": float("inf")}, "--coalesce-wait-s")):
+                     ({"coalesce_wait_s": float("inf")}, "--coalesce-wait-s"),
+                     ({"coalesce_share": 1.5}, "--coalesce-share"),
+                     ({"coalesce_share": -0.1}, "--coalesce-share"),
+                     ({"coalesce_share": float("nan")}, "--coalesce-share")):
         with pytest.raises(SystemExit, match=flag):
             RouterConfig(**kw)
 

@@ -114,6 +114,19 @@ def test_predictions_match_until_they_expire_or_are_confirmed(native: bool) -> N
     assert idx.match([1, 2, 3]) == {"a": 1, "b": 2}
 
 
+def test_confirmed_is_the_match_without_its_predictions(native: bool) -> None:
+    idx = PrefixIndex(native=native)
+    idx.add("w", [1, 2, 4])
+    idx.predict("w", [1, 2, 3, 4, 5], deadline=10.0)
+    assert idx.match([1, 2, 3, 4, 5]) == {"w": 5}
+    assert idx.confirmed("w", [1, 2, 3, 4, 5], 5) == 2  # 3 is only predicted: 4 is past it
+    assert idx.confirmed("w", [1, 2, 3], 1) == 1  # no deeper than asked
+    assert idx.confirmed("w", [9, 1], 2) == 0
+    assert idx.confirmed("nobody", [1], 1) == 0
+    idx.add("w", [3])  # the engine stored it
+    assert idx.confirmed("w", [1, 2, 3, 4, 5], 5) == 4
+
+
 def test_predictions_survive_a_real_evict_and_clear_and_vice_versa(native: bool) -> None:
     idx = PrefixIndex(native=native)
     idx.add("w", [1, 2])

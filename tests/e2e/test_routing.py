@@ -295,6 +295,25 @@ async def test_a_held_sibling_is_sent_anyway_after_coalesce_wait(cluster, caplog
     assert len(router.service._inflight) == 0
 
 
+async def test_a_request_is_not_held_for_a_prefill_that_is_mostly_anothers(cluster) -> None:
+    """Parallel agent calls share a short prefix and each add a long suffix: the second is
+    routed on what workers really hold instead of waiting out the first's own suffix
+    (--coalesce-share), and nothing is left behind."""
+    await cluster.agent("w0", time_scale=5.0)  # a 4k-token prefill takes ~2 s
+    router = await cluster.router(predict_ttl_s=5.0)
+    await wait_for(lambda: len(router.registry.loads) == 1, what="worker registered")
+    shared = prompt(512, 80)
+    first = asyncio.create_task(generate(router.port, shared + prompt(4096, 81), max_tokens=1))
+    await wait_for(lambda: router.mirror.index.predicted("w0"), what="prediction placed")
+    second = await generate(router.port, shared + prompt(32, 82), max_tokens=1)
+    out = await first
+    assert second[0].worker_id == out[0].worker_id == "w0"
+    assert router.metrics.coalesce_declined._value.get() == 1
+    assert router.metrics.coalesced._value.get() == 0  # it did not wait
+    assert len(router.service._inflight) == 0
+    assert router.registry.loads["w0"].inflight == 0
+
+
 async def test_held_siblings_skip_the_worker_their_producer_failed_on(cluster) -> None:
     """The worker running a burst's first request dies before its first token: the first
     request is retried on the next-best worker, and the held sibling wakes at once and goes

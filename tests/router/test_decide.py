@@ -1,13 +1,14 @@
-"""The routing decision's query: which prefix family a request belongs to."""
+"""The routing decision's query: which prefix family a request belongs to; deciding again
+without predictions."""
 
 from __future__ import annotations
 
 import xxhash
 
 from kvroute.core.index import PrefixIndex
-from kvroute.core.policies import KvrouteCost
+from kvroute.core.policies import KvrouteCost, make_policy
 from kvroute.core.redis_schema import Heartbeat
-from kvroute.router.decide import Decider
+from kvroute.router.decide import Decider, rerank_confirmed
 from kvroute.router.registry import WorkerRegistry
 
 BLOCK = 4
@@ -44,3 +45,18 @@ def test_a_session_is_its_own_family() -> None:
     index.add("a", decider.hasher("").keys(tokens)[:2])
     q = decider.decide(tokens, index, reg, session_id="s1").query
     assert q.affinity == q.family == xxhash.xxh3_64_intdigest(b"s1")
+
+
+def test_a_decision_again_counts_only_what_workers_really_hold() -> None:
+    decider, index, reg = _setup()
+    decider.policy = make_policy("llmd")  # prefix-first: goes wherever the prefix is longest
+    tokens = list(range(8 * BLOCK))
+    keys = decider.hasher("").keys(tokens)
+    index.add("a", keys[:3])
+    index.predict("b", keys[:6], deadline=1e9)  # a request in flight on b will store these
+    d = decider.decide(tokens, index, reg)
+    assert d.best == "b" and d.query.matched_blocks == {"a": 3, "b": 6}
+    again = rerank_confirmed(decider.policy, index, d, d.keys)
+    assert again.best == "a" and again.query.matched_blocks == {"a": 3}
+    assert (again.query.loads, again.query.family) == (d.query.loads, d.query.family)
+    assert again.keys == d.keys

@@ -18,7 +18,7 @@ from simulations.metrics import (
     ttft_floor,
 )
 from simulations.replay import ClusterSpec, Replayer
-from simulations.trace import Trace, TraceError, load, parse
+from simulations.trace import Trace, TraceError, TraceRequest, load, parse
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
     "mooncake_synthetic_trace.jsonl"
@@ -162,7 +162,7 @@ def test_moves_off_a_cached_prefix_are_counted(mooncake: Trace) -> None:
 
 def test_a_prefix_the_router_cannot_see_yet_is_counted_in_flight_or_stale() -> None:
     from simulations.metrics import unseen_misses
-    from simulations.trace import TraceRequest
+
 
     prefix = tuple(range(100, 164))  # 64 blocks of 16 tokens, ~90 ms of prefill
     first_ends = 0.0915  # its prefill (1040 tokens), then one decode step
@@ -196,6 +196,42 @@ def test_a_prefix_the_router_cannot_see_yet_is_counted_in_flight_or_stale() -> N
     assert now.requests[2].moved_tokens == 1024 and unseen_misses(now)[2] == (0, 0)
 
 
+def test_a_request_waits_for_an_in_flight_prefill_only_when_it_gets_most_of_it() -> None:
+    shared = tuple(range(100, 164))  # 64 blocks of 16 tokens
+    # A fork: the second branch gets 1024 of the 1040 tokens the first prefills: it waits
+    # for them (on one worker the policy has no other choice to make).
+    fork = Trace([TraceRequest(0.0, 1040, 2, (*shared, 1)),
+                  TraceRequest(0.001, 1040, 2, (*shared, 2))], 16)
+    res = run(fork, "kvroute", workers=1)
+    assert res.requests[1].after is res.requests[0]
+    assert res.requests[1].cached_tokens == 1024
+    # Parallel agent calls: 4 shared blocks, 60 of their own. The second is not held for
+    # the first's 1024-token prefill; with share 0 (always wait) it is.
+    agent = Trace([TraceRequest(0.0, 1024, 2, (*shared[:4], *range(200, 260))),
+                   TraceRequest(0.001, 1024, 2, (*shared[:4], *range(300, 360)))], 16)
+    res = run(agent, "kvroute", workers=1)
+    assert res.requests[1].after is None
+    always = run(agent, "kvroute", workers=1, coalesce_share=0.0)
+    assert always.requests[1].after is always.requests[0]
+
+
+def test_a_prediction_stands_until_its_prefill_is_stored() -> None:
+    """Under load a prefill may finish seconds after it was routed: the prediction lasts
+    until its store event (within the TTL), so a request sharing the prefix half a second
+    later still finds it in flight and waits for it."""
+    shared = tuple(range(100, 164))
+    busy = [TraceRequest(0.0, 12288, 2, tuple(range(1000 * i, 1000 * i + 768)))
+            for i in range(1, 3)]  # a second or more of prefill on each of the 2 workers
+    tr = Trace([*busy, TraceRequest(0.0, 1040, 2, (*shared, 1)),
+                TraceRequest(0.5, 1040, 2, (*shared, 2))], 16)
+    res = run(tr, "kvroute", workers=2)
+    assert res.requests[2].first_token_s > 1.0  # still in flight at 0.5 s
+    assert res.requests[3].after is res.requests[2]
+    assert res.requests[3].cached_tokens == 1024
+    # A 10 ms prediction is gone by then: nothing to wait for.
+    assert run(tr, "kvroute", workers=2, predict_ttl_s=0.01).requests[3].after is None
+
+
 def test_hits_moves_and_bursts_stay_within_the_bound(mooncake: Trace) -> None:
     tr = head(mooncake, 600, 2.0)
     bound = hit_ratio(tr, infinite_cache_hits(tr))
@@ -215,8 +251,10 @@ def test_mooncake_ordering_holds_at_high_load(mooncake: Trace) -> None:
 
 def test_propagation_delay_is_modelled(mooncake: Trace) -> None:
     tr = head(mooncake, 600, 1.5)
-    fresh = measure(run(tr, "kvroute", workers=8, propagation_s=0.0)).hit_ratio
-    stale = measure(run(tr, "kvroute", workers=8, propagation_s=30.0)).hit_ratio
+    # Without the router's predictions, which stand for its own requests until their events
+    # arrive (however late), staleness shows in full.
+    fresh = measure(run(tr, "kvroute", workers=8, propagation_s=0.0, predict_ttl_s=0)).hit_ratio
+    stale = measure(run(tr, "kvroute", workers=8, propagation_s=30.0, predict_ttl_s=0)).hit_ratio
     assert stale < fresh
 
 
