@@ -12,7 +12,8 @@ Design (the hot path of every routing decision):
 * *Predicted* entries (``predict``) stand for blocks a worker is about to store because a
   request was just routed there, before its engine's events arrive: a burst of siblings then
   finds the prefix where the first one went. They expire at a deadline unless a real store
-  confirms them.
+  confirms them. At most ``max_predicted`` predicted keys wait for their deadlines; past
+  that, the earliest deadline's go first.
 
 * Each worker's real keys are a ``dict`` mapping key -> None, not a ``set``: CPython's cyclic
   collector never tracks a dict that holds only ints (``gc.is_tracked`` is False), but it
@@ -37,12 +38,20 @@ from itertools import filterfalse
 
 from kvroute.core.holders import make_holders
 
+# The most predicted keys kept waiting for their deadline (~40 MB of key tuples): 3,000 cold
+# 5k-token prompts of 16-token blocks, 30 s of a 100-request/s router at the default TTL.
+MAX_PREDICTED_KEYS = 1 << 20
+
 
 class PrefixIndex:
     """Key -> worker bitmask, plus each worker's key set (for removal and snapshots)."""
 
-    def __init__(self, native: bool = True) -> None:
+    def __init__(self, native: bool = True, max_predicted: int = MAX_PREDICTED_KEYS) -> None:
         self._holders = make_holders(native)  # the C map when built (same results, faster)
+        # Predictions wait in the heap until their deadline, confirmed or not: bounding the
+        # keys it holds bounds the memory a burst of cold prompts takes (oldest go first).
+        self._max_predicted = max_predicted
+        self._pred_heap_keys = 0
         self._slot_of: dict[str, int] = {}
         self._worker_of_slot: dict[int, str] = {}
         self._keys_of: dict[str, dict[int, None]] = {}  # a set that the collector skips
@@ -127,6 +136,9 @@ class PrefixIndex:
         pred.update(dict.fromkeys(new, deadline))
         if new:
             heapq.heappush(self._pred_heap, (deadline, worker, new))
+            self._pred_heap_keys += len(new)
+            while self._pred_heap_keys > self._max_predicted:
+                self._expire_first()
         return new
 
     def expire(self, now: float) -> int:
@@ -134,17 +146,23 @@ class PrefixIndex:
         heap = self._pred_heap
         n = 0
         while heap and heap[0][0] <= now:
-            deadline, worker, keys = heapq.heappop(heap)
-            pred = self._pred_of.get(worker)
-            slot = self._slot_of.get(worker)
-            if pred is None or slot is None:
-                continue
-            stale = [k for k in keys if pred.get(k) == deadline]
-            for k in stale:
-                pred.pop(k, None)  # not del: a prompt may name a key twice
-            self._drop(slot, stale, keep=self._keys_of[worker])
-            n += len(stale)
+            n += self._expire_first()
         return n
+
+    def _expire_first(self) -> int:
+        """Drop the predictions made with the earliest deadline that were not confirmed or
+        predicted again since. Returns how many were dropped."""
+        deadline, worker, keys = heapq.heappop(self._pred_heap)
+        self._pred_heap_keys -= len(keys)
+        pred = self._pred_of.get(worker)
+        slot = self._slot_of.get(worker)
+        if pred is None or slot is None:
+            return 0
+        stale = [k for k in keys if pred.get(k) == deadline]
+        for k in stale:
+            pred.pop(k, None)  # not del: a prompt may name a key twice
+        self._drop(slot, stale, keep=self._keys_of[worker])
+        return len(stale)
 
     def holds(self, worker: str, key: int) -> bool:
         """Whether ``worker`` really stores ``key`` (a prediction does not count)."""

@@ -127,6 +127,18 @@ def test_confirmed_is_the_match_without_its_predictions(native: bool) -> None:
     assert idx.confirmed("w", [1, 2, 3, 4, 5], 5) == 4
 
 
+def test_predictions_beyond_the_bound_expire_oldest_first(native: bool) -> None:
+    idx = PrefixIndex(native=native, max_predicted=5)
+    idx.add("w", [1])
+    assert idx.predict("w", [1, 2, 3], deadline=10.0) == (2, 3)  # a real key is not counted
+    idx.predict("w", [4, 5, 6], deadline=11.0)  # 5 keys waiting: within the bound
+    assert idx.match([1, 2, 3]) == {"w": 3} and idx.predicted("w") == 5
+    idx.predict("x", [7], deadline=12.0)  # 6: the earliest deadline's keys go now
+    assert idx.match([1, 2, 3]) == {"w": 1} and idx.match([4, 5, 6]) == {"w": 3}
+    assert idx.predicted("w") == 3 and idx.predicted("x") == 1
+    assert idx.expire(11.5) == 3 and idx.expire(20.0) == 1 and len(idx) == 1
+
+
 def test_predictions_survive_a_real_evict_and_clear_and_vice_versa(native: bool) -> None:
     idx = PrefixIndex(native=native)
     idx.add("w", [1, 2])
