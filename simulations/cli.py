@@ -160,6 +160,17 @@ class Setup:
     base_rps: float  # the trace's own request rate
     capacity_rps: float  # the cluster's estimated capacity for this trace's requests
 
+    def meta(self) -> dict[str, object]:
+        """What a results.json must say to be compared with another: the trace, the cluster
+        and the router's settings."""
+        sp = self.spec
+        return {"trace": self.trace.source, "requests": len(self.trace.requests),
+                "workers": sp.workers, "capacity_blocks": sp.capacity_blocks,
+                "max_batch": sp.max_batch, "prefill_budget": sp.prefill_budget,
+                "chunked_prefill": sp.chunked_prefill, "programs": sp.programs,
+                "overflow": sp.overflow, "propagation_ms": sp.propagation_s * 1000,
+                "predict_ttl_ms": sp.predict_ttl_s * 1000, "coalesce_share": sp.coalesce_share}
+
     def scale_for(self, load: float) -> float:
         """The rate factor that offers ``load`` x the cluster's capacity."""
         return load * self.capacity_rps / self.base_rps
@@ -204,6 +215,11 @@ def prepare(args: argparse.Namespace) -> Setup | None:
     print(f"trace {trace.source}: {len(trace.requests)} requests over {trace.duration_s:.0f} s "
           f"({base_rps:.2f} req/s), block {trace.block_size} tokens; cluster: {args.workers} "
           f"workers x {cap} blocks; capacity ~{capacity:.2f} req/s", flush=True)
+    print("router: " + (f"coalescing on (predictions until stored, at most "
+                        f"{spec.predict_ttl_s:g} s; a request waits for a prefill it gets "
+                        f">= {spec.coalesce_share:g} of)" if spec.predict_ttl_s > 0 else
+                        "coalescing off (--predict-ttl-ms 0), as the peers' own routers")
+          + f"; cache events reach it after {args.propagation_ms:g} ms", flush=True)
     return Setup(trace, spec, base_rps, capacity)
 
 
@@ -275,8 +291,9 @@ def run(args: argparse.Namespace) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             for ld, rows in sweep.items():
                 write_results(args.out / f"load_{int(ld * 100)}", rows, bounds, floor,
-                              {"load": ld, "rate_scale": setup.scale_for(ld),
-                               "jitters": list(jitters)}, sweep_runs[ld], args.focus)
+                              {**setup.meta(), "load": ld, "rate_scale": setup.scale_for(ld),
+                               "seed": args.seed, "jitters": list(jitters),
+                               "focus": args.focus}, sweep_runs[ld], args.focus)
             print(f"wrote {plot_sweep(args.out, sweep, sweep_runs, floor)}")
         return 0
     scale = setup.scale_for(args.load) if args.load is not None else args.rate_scale
@@ -287,9 +304,7 @@ def run(args: argparse.Namespace) -> int:
     print("wall time per policy: " + ", ".join(f"{r.policy} {r.wall_s:.1f}s" for r in rows))
     if args.out:
         write_results(args.out, rows, bounds, floor, {
-            "trace": trace.source, "requests": len(trace.requests), "workers": args.workers,
-            "capacity_blocks": cap, "rate_scale": scale, "load": load_frac,
-            "propagation_ms": args.propagation_ms, "seed": args.seed,
+            **setup.meta(), "rate_scale": scale, "load": load_frac, "seed": args.seed,
             "jitters": list(jitters), "focus": args.focus}, runs, args.focus)
         for path in plot_replay(args.out, results, rows, bounds, floor):
             print(f"wrote {path}")

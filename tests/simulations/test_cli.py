@@ -34,6 +34,10 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
     doc = json.loads((out / "results.json").read_text())
     assert {p["policy"] for p in doc["policies"]} == {"kvroute", "round_robin"}
     assert doc["meta"]["load"] == pytest.approx(0.8) and doc["meta"]["jitters"] == []
+    # The router's settings are in the results, and said up front: the router's defaults.
+    assert (doc["meta"]["predict_ttl_ms"], doc["meta"]["coalesce_share"]) == (30000, 0.8)
+    assert (doc["meta"]["workers"], doc["meta"]["programs"]) == (4, False)
+    assert "router: coalescing on (predictions until stored, at most 30 s" in ran.stdout
     assert "runs" not in doc and "verdicts" not in doc
     inf = doc["bounds"]["infinite cache"]
     floor = doc["ttft_floor"]
@@ -102,6 +106,7 @@ def test_a_jittered_sweep_writes_each_load_and_the_plot(chat: Path, tmp_path: Pa
     for ld in (50, 65, 80, 95):
         doc = json.loads((tmp_path / f"load_{ld}" / "results.json").read_text())
         assert doc["meta"]["load"] == pytest.approx(ld / 100)
+        assert doc["meta"]["workers"] == 4 and doc["meta"]["trace"] == str(chat)
         assert {k: len(v) for k, v in doc["runs"].items()} == {"kvroute": 2, "round_robin": 2}
         assert len(doc["verdicts"]) == 3
     assert (tmp_path / "sweep_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
