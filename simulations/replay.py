@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.index import PrefixIndex
+from kvroute.core.load import PrefixDemand
 from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
@@ -144,6 +145,7 @@ class Replayer:
         placed: dict[str, list[tuple[SimWorker, SimRequest]]] = {}
         inflight: InflightPrefixes[SimRequest] = InflightPrefixes(self.spec.coalesce_share)
         producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
+        demand = PrefixDemand()  # as the router's decider keeps it
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
         for n, (req, treq) in enumerate(zip(reqs, self.trace.requests, strict=True)):
@@ -167,7 +169,7 @@ class Replayer:
                     inflight.drop(producers.popleft())
             loads = {w.name: w.load(index.count(w.name), now) for w in self.workers}
             d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
-                             treq.affinity)
+                             treq.affinity, demand=demand, now=now)
             held = False
             if ttl > 0 and not n_branches:
                 # Routed there on a prediction: held until that prefill's first token, if

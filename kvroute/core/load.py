@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 # The window over which a worker's arrival rate is measured: long enough to span a chat
@@ -107,3 +108,42 @@ class ArrivalRate:
         if now <= self._t or self._rate == 0.0:
             return self._rate
         return self._rate * math.exp((self._t - now) / self.tau_s)
+
+
+class PrefixDemand:
+    """Requests per second lately per cached prefix: how hot the prefix a request would hit
+    is, keyed by the block key its longest cached prefix ends at (``RouteQuery.prefix_rate``).
+
+    A shared document or few-shot block read by many requests keeps one key; a session's
+    history ends at a new block each turn, so a session reads ~0. One :class:`ArrivalRate`
+    per key, the ``max_keys`` most recently used kept (the oldest forgotten: a prefix nobody
+    asked for lately has no demand to remember). The router's decider and the replay
+    simulator keep one each; ``now`` is their clock.
+
+    Invariant: ``_rates`` holds at most ``max_keys`` entries, least recently observed first.
+    """
+
+    def __init__(self, tau_s: float = ARRIVAL_TAU_S, max_keys: int = 1 << 16) -> None:
+        if not tau_s > 0 or max_keys < 1:
+            raise ValueError(f"tau_s must be > 0 and max_keys >= 1, got {tau_s}, {max_keys}")
+        self.tau_s = tau_s
+        self.max_keys = max_keys
+        self._rates: OrderedDict[int, ArrivalRate] = OrderedDict()
+
+    def observe(self, key: int, now: float) -> float:
+        """The rate of the requests seen for ``key`` before this one, at ``now``; then
+        counts this one."""
+        rates = self._rates
+        r = rates.get(key)
+        if r is None:
+            r = rates[key] = ArrivalRate(self.tau_s)
+            if len(rates) > self.max_keys:
+                rates.popitem(last=False)
+        else:
+            rates.move_to_end(key)
+        before = r.at(now)
+        r.add(now)
+        return before
+
+    def __len__(self) -> int:
+        return len(self._rates)

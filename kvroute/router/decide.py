@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import xxhash
 
 from kvroute.core.blocks import BlockHasher, tokens_to_bytes
 from kvroute.core.index import PrefixIndex
-from kvroute.core.load import WorkerLoad
+from kvroute.core.load import PrefixDemand, WorkerLoad
 from kvroute.core.policies import Policy, RouteQuery, Scored
 from kvroute.router.registry import WorkerRegistry
 
@@ -42,6 +43,7 @@ class Decider:
         self.model = model
         self.block_size = block_size
         self.policy = policy
+        self.demand = PrefixDemand()  # how hot each cached prefix is (RouteQuery.prefix_rate)
         self._hashers: dict[str, BlockHasher] = {}
 
     def hasher(self, salt: str) -> BlockHasher:
@@ -73,7 +75,8 @@ class Decider:
             # Shorter than a block: spread by content rather than piling on one worker.
             affinity = keys[0] if keys else xxhash.xxh3_64_intdigest(tokens_to_bytes(tokens))
         return rank_request(self.policy, index, keys, len(tokens), self.block_size, loads,
-                            affinity, registry.match_filter, session=bool(session_id))
+                            affinity, registry.match_filter, session=bool(session_id),
+                            demand=self.demand, now=time.monotonic())
 
 
 def rank_request(
@@ -87,17 +90,23 @@ def rank_request(
     compatible: Callable[[str], bool] | None = None,
     *,
     session: bool = False,
+    demand: PrefixDemand | None = None,
+    now: float = 0.0,
 ) -> Decision:
     """Index lookup + policy: the part of a decision the router and the replay simulator
     share. Matches of workers not in ``loads`` (or not ``compatible``) are dropped.
     ``affinity`` is the session's hash when ``session``, else the first block's key; the
-    query's ``family`` is derived here (see :class:`RouteQuery`)."""
+    query's ``family`` is derived here (see :class:`RouteQuery`), and with ``demand`` its
+    ``prefix_rate``: the requests lately whose longest cached prefix ended at the same block
+    (this one counted, at ``now``, for the next)."""
     matched: dict[str, int] = {}
     if index is not None:
         matched = {w: n for w, n in index.match(keys).items()
                    if w in loads and (compatible is None or compatible(w))}
     family = affinity if session else prefix_family(keys, matched, affinity)
-    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family)
+    top = max(matched.values(), default=0)
+    rate = demand.observe(keys[top - 1], now) if demand is not None and top else 0.0
+    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family, rate)
     return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())
 
 

@@ -5,6 +5,7 @@ costs to the last bit, on random clusters."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
@@ -54,12 +55,13 @@ def random_query(rng: random.Random) -> RouteQuery:
     matched = {w: rng.choice((1, p // bs // 2 or 1, p // bs, p // bs + 3))
                for w in rng.sample(names, rng.randint(0, n))}
     matched[f"gone-{rng.randrange(100)}"] = 5  # a worker the loads no longer list
-    return RouteQuery(p, bs, matched, loads, rng.getrandbits(64), rng.getrandbits(64))
+    return RouteQuery(p, bs, matched, loads, rng.getrandbits(64), rng.getrandbits(64),
+                      rng.choice((0.0, 0.0, 0.2, 3.7)))
 
 
 def test_c_and_python_rank_alike_on_random_clusters() -> None:
     rng = random.Random(7)
-    held = spread = tied = arrivals = 0
+    held = spread = tied = arrivals = demanded = 0
     for _ in range(3000):
         policy, query = random_policy(rng), random_query(rng)
         want = list(policy.rank_python(query))
@@ -73,8 +75,10 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
         room = 1 - sum(ld.cache_fill for ld in query.loads.values()) / len(query.loads)
         arrivals += policy.arrival_weight > 0 and room > 0 and any(
             ld.arrival_rate for ld in query.loads.values())
-    # the draws reached the tie-breaks, the affinity, hold and arrival terms
-    assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000
+        if query.prefix_rate:  # a hot prefix: did its demand change the hold rule's verdict?
+            demanded += list(policy.rank_python(replace(query, prefix_rate=0.0))) != want
+    # the draws reached the tie-breaks, the affinity, hold and arrival terms, and demand
+    assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000 and demanded > 20
 
 
 def test_the_c_path_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:

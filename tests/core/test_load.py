@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvroute.core.load import ArrivalRate, WorkerLoad
+from kvroute.core.load import ArrivalRate, PrefixDemand, WorkerLoad
 
 
 def test_a_steady_stream_reads_its_rate_and_silence_fades() -> None:
@@ -38,3 +38,16 @@ def test_packed_carries_what_the_c_ranking_reads() -> None:
     assert WorkerLoad(cached_blocks=130, capacity_blocks=100).cache_fill == 1.0  # index ahead
     assert WorkerLoad(cached_blocks=130).cache_fill == 0.0  # capacity unknown
     assert isinstance(WorkerLoad(arrival_rate=2).packed[-1], float)
+
+
+def test_prefix_demand_counts_the_requests_before_and_forgets_the_oldest_keys() -> None:
+    d = PrefixDemand(tau_s=10.0, max_keys=2)
+    assert d.observe(7, 0.0) == 0.0  # the first request for a prefix finds no demand
+    assert d.observe(7, 0.0) == pytest.approx(0.1)  # one before it, 1/tau
+    assert d.observe(7, 10.0) == pytest.approx(0.2 / math.e)  # two, decayed over tau
+    assert d.observe(8, 10.0) == 0.0
+    d.observe(9, 10.0)  # a third key: the least recently observed (7) is forgotten
+    assert len(d) == 2 and d.observe(7, 10.0) == 0.0
+    assert d.observe(9, 10.0) == pytest.approx(0.1)  # 9 was kept (8 went for 7)
+    with pytest.raises(ValueError):
+        PrefixDemand(tau_s=0)

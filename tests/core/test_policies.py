@@ -63,6 +63,29 @@ def test_kvroute_holds_a_long_prefix_against_balance_but_not_a_queue() -> None:
     assert KvrouteCost(hold_min=0.3).rank(short)[0].worker == "a"
 
 
+def test_a_hot_prefix_leaves_a_backlogged_holder_sooner() -> None:
+    """The hold rule counts a holder's backlog once more per request the prefix's demand
+    brings over ``demand_horizon_s``: a document read 0.5 times a second gets a second copy
+    for a backlog that would not move a session (whose history is read once)."""
+    def kv(pending: int = 0) -> WorkerLoad:
+        return WorkerLoad(free_blocks=30000, capacity_blocks=30000,
+                          pending_prefill_tokens=pending)
+
+    # 960 of 1024 tokens cached on a: 3x the redo is ~5850 at rest.
+    loads = {"a": kv(5000), "b": kv()}
+    session = q({"a": 60}, loads)
+    hot = RouteQuery(1024, 16, {"a": 60}, loads, 1, 1, prefix_rate=0.5)
+    assert KvrouteCost().rank(session)[0].worker == "a"
+    assert KvrouteCost().rank(hot)[0].worker == "b"  # 5000 x (1 + 10 x 0.5) > 5850
+    assert KvrouteCost(demand_horizon_s=0).rank(hot)[0].worker == "a"
+    assert list(KvrouteCost().rank(hot)) == list(KvrouteCost().rank_python(hot))
+    # Demand never moves a request off a holder without a backlog.
+    idle = RouteQuery(1024, 16, {"a": 60}, {"a": kv(), "b": kv()}, 1, 1, prefix_rate=50.0)
+    assert KvrouteCost().rank(idle)[0].worker == "a"
+    with pytest.raises(ValueError, match="demand_horizon_s"):
+        KvrouteCost(demand_horizon_s=-1)
+
+
 def test_kvroute_keeps_a_long_prefill_off_short_queued_requests() -> None:
     """The batch term: a 6000-token prompt sent where three short requests wait would be
     prefilled in their iteration and delay their first tokens by its own prefill; a worker

@@ -60,3 +60,17 @@ def test_a_decision_again_counts_only_what_workers_really_hold() -> None:
     assert again.best == "a" and again.query.matched_blocks == {"a": 3}
     assert (again.query.loads, again.query.family) == (d.query.loads, d.query.family)
     assert again.keys == d.keys
+
+
+def test_a_decision_reads_how_hot_its_cached_prefix_is() -> None:
+    """``prefix_rate``: the requests before this one whose longest cached prefix ended at
+    the same block, whatever follows it."""
+    decider, index, reg = _setup()
+    doc = list(range(4 * BLOCK))
+    keys = decider.hasher("").keys(doc)
+    index.add("a", keys)
+    rates = [decider.decide(doc + [900 + i] * BLOCK, index, reg).query.prefix_rate
+             for i in range(3)]
+    assert rates[0] == 0.0 and 0 < rates[1] < rates[2]
+    cold = decider.decide(list(range(500, 500 + 4 * BLOCK)), index, reg).query
+    assert cold.prefix_rate == 0.0  # nothing cached: no prefix to be hot

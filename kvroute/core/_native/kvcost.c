@@ -1,12 +1,12 @@
 /* kvroute's default policy (KvrouteCost.rank, kvroute/core/policies/kvroute_cost.py) in C:
  * the same ranking, bit for bit, without a Python loop over the workers.
  *
- * rank(params, loads, matched, prompt_tokens, block_size, affinity, family)
+ * rank(params, loads, matched, prompt_tokens, block_size, affinity, family, prefix_rate)
  *     -> (workers best first, their costs)
  *
  *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
  *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
- *             arrival_weight, prefill_s_per_token), floats
+ *             arrival_weight, prefill_s_per_token, demand_horizon_s), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -32,7 +32,7 @@
 #include "xxhash.h"
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
-       P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, N_PARAMS };
+       P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill and arrival_rate */
 enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, N_LOAD };
@@ -140,8 +140,9 @@ static PyObject *rank(PyObject *self, PyObject *args) {
     PyObject *params, *loads, *matched;
     long long p, bs;
     unsigned long long affinity, family;
-    if (!PyArg_ParseTuple(args, "O!O!O!LLKK", &PyTuple_Type, &params, &PyDict_Type, &loads,
-                          &PyDict_Type, &matched, &p, &bs, &affinity, &family))
+    double prefix_rate;
+    if (!PyArg_ParseTuple(args, "O!O!O!LLKKd", &PyTuple_Type, &params, &PyDict_Type, &loads,
+                          &PyDict_Type, &matched, &p, &bs, &affinity, &family, &prefix_rate))
         return NULL;
     if (PyTuple_GET_SIZE(params) != N_PARAMS) {
         PyErr_Format(PyExc_ValueError, "params must hold %d values", N_PARAMS);
@@ -285,7 +286,10 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             double redo = beta * (work(p - c0, c0, attn) - work(p - top, top, attn));
             double fetch = beta * tc * (double)(top - c0);
             if (fetch < redo) redo = fetch;
-            if ((double)(holder->f[L_PENDING] - cheapest->f[L_PENDING]) < prm[P_HOLD] * redo)
+            /* a queue on a hot prefix's holder delays every request for it meanwhile */
+            double demand = 1.0 + prm[P_HORIZON] * prefix_rate;
+            if ((double)(holder->f[L_PENDING] - cheapest->f[L_PENDING]) * demand
+                    < prm[P_HOLD] * redo)
                 holder->cost = nextafter(cheapest->cost, -INFINITY);
         }
     }
@@ -334,7 +338,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"rank", rank, METH_VARARGS,
-     "rank(params, loads, matched, prompt_tokens, block_size, affinity, family) -> "
+     "rank(params, loads, matched, prompt_tokens, block_size, affinity, family, prefix_rate) "
+     "-> "
      "(workers best first, costs): KvrouteCost.rank in C"},
     {NULL, NULL, 0, NULL},
 };

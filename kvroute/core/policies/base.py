@@ -31,6 +31,9 @@ class RouteQuery:
     ``family`` (kvroute's placement key) is the session id's hash, else the key of the
     prompt's first block that no worker caches yet: below a system prompt every worker
     holds, requests diverge into families that the first block would lump together.
+    ``prefix_rate`` is how many requests per second lately had the same longest cached
+    prefix (:class:`~kvroute.core.load.PrefixDemand`): a hot shared document's is high, a
+    session's ~0.
     """
 
     prompt_tokens: int
@@ -39,6 +42,7 @@ class RouteQuery:
     loads: Mapping[str, WorkerLoad]
     affinity: int = 0
     family: int = 0
+    prefix_rate: float = 0.0
 
     def cached_tokens(self, worker: str) -> int:
         return min(self.matched_blocks.get(worker, 0) * self.block_size, self.prompt_tokens)

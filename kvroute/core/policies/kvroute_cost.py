@@ -64,8 +64,12 @@ class KvrouteCost:
     worker::
 
         if c_h >= hold_min * P  and  c_m < c_h  and  h has batch headroom
-           and pending_h - pending_m < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h)):
+           and (pending_h - pending_m) * (1 + demand_horizon_s * d)
+               < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h)):
             h goes first (its reported cost is just below cost_m)
+
+    where ``d`` is the prefix's demand: requests per second lately whose longest cached
+    prefix ended at the same block (``RouteQuery.prefix_rate``).
 
     ``P`` is the prompt length, ``c_w`` the tokens of its longest prefix cached on ``w``
     (matched blocks x block size), the rest comes from the load view (``inflight_w``, this
@@ -129,6 +133,24 @@ class KvrouteCost:
       move on the whole cost instead (balance terms included, ``hold`` 0.75) moved more
       sessions, for 0.1-0.4 points less hit ratio on chat, agent and rag traffic and no
       better mean TTFT (its p99 was 1-5% lower on chat and rag).
+    * A hot prefix is worth a second copy sooner than a session is. Every request that
+      wants it over the next ``demand_horizon_s`` seconds (``d`` per second) queues on its
+      holder's backlog, so the backlog counts ``1 + demand_horizon_s * d`` times; a
+      session's history ends at a new block each turn, so its ``d`` is ~0 and the rule is
+      unchanged for it. This matters once the router coalesces requests on prefixes still
+      in flight: before, a hot document's second request, arriving during its first
+      prefill, computed it elsewhere and so made a copy by accident; coalesced, it waited,
+      and the document kept one copy (rag traffic at 95% load: documents read 10 times or
+      more had 1.19 copies on average, then 1.0; their requests' mean TTFT rose from 70 to
+      84 ms). With ``demand_horizon_s`` 10 s, as shipped (router coalescing on; seed 1, 16
+      workers, jitter-averaged, against ``demand_horizon_s`` 0): rag's mean TTFT 2.1-5.0%
+      lower at 50-95% load for 0.09-0.19 points of hit ratio; agent, chat and fork within
+      2% (agent's p99 9% lower at 50%); the Mooncake trace 4.4% lower at 80% and 2.1%
+      higher at 95% (p99 +6%). Against the peers, cells won on all three rose from 8 to 10
+      of 16 on seed 2 and from 11 to 12 on seed 3 (13 of 20 on seed 1 either way). Without
+      coalescing (``--predict-ttl-ms 0``) the policy table's counts stay the same, but the
+      Mooncake trace's p99 at 80% rises 30% (44.9 s against 34.6 s; llm-d's is 91.9 s) and
+      rag's hit ratio falls 0.1-0.2 points: there the accidental copies still happen.
     * A long prefill delays every request that reaches its worker while it runs: an arrival
       waits for the iteration in progress, on average half of it. With ``lambda_w``
       requests per second reaching ``w`` (its ``arrival_rate``: what was sent there
@@ -179,6 +201,8 @@ class KvrouteCost:
         prefill_s_per_token: seconds of prefill per unit of work, to turn that delay into
             work units: 8.6e-5 s for Llama-3.1-8B on an A100, like ``attn`` a property of
             the model and GPU (``simulations/costmodel.py``).
+        demand_horizon_s: how long a hot prefix's demand is counted against its holder's
+            backlog in the hold rule (10 s; 0: demand ignored).
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
@@ -192,7 +216,7 @@ class KvrouteCost:
     table is in the README): the best mean TTFT in all 20 cells (Mooncake trace and
     ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load), the best p99 in 13, a hit
     ratio at least the best peer's in 7, all three in 6; on the Mooncake trace at 80%
-    5.9 s / 35 s against llm-d's 14.6 s / 92 s. The hit ratio is within 0.03-0.15 points
+    6.0 s / 45 s against llm-d's 14.6 s / 92 s. The hit ratio is within 0.1-0.22 points
     of the stickiest peer's on chat and rag. Against the earlier hold rule (whole cost,
     ``hold`` 0.75) this one raised the hit ratio 0.1-0.4 points on chat, agent and rag
     (seeds 1 and 2) at level mean TTFT, and p99 rose 1-5% on chat and rag.
@@ -212,6 +236,7 @@ class KvrouteCost:
     transfer_cost: float = 1.0
     arrival_weight: float = 0.5
     prefill_s_per_token: float = 8.6e-5
+    demand_horizon_s: float = 10.0
     name: str = "kvroute"
 
     # The values ``kvroute tune`` tries for each parameter: a few steps either side of the
@@ -235,6 +260,7 @@ class KvrouteCost:
         "batch_weight": (0.0, 0.75, 1.5, 3.0),
         "batch_tokens": (2048, 4096, 8192, 16384),
         "arrival_weight": (0.0, 0.5, 1.0, 2.0, 4.0),
+        "demand_horizon_s": (0.0, 3.0, 10.0, 30.0),
     }
 
     def __post_init__(self) -> None:
@@ -249,6 +275,8 @@ class KvrouteCost:
             raise ValueError(f"batch_tokens must be >= 1; got {self.batch_tokens}")
         if not self.prefill_s_per_token > 0:
             raise ValueError(f"prefill_s_per_token must be > 0; got {self.prefill_s_per_token}")
+        if not self.demand_horizon_s >= 0:
+            raise ValueError(f"demand_horizon_s must be >= 0; got {self.demand_horizon_s}")
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         """The ranking by the formula above: in C when it is built (the router's and the
@@ -262,9 +290,10 @@ class KvrouteCost:
         params = (self.miss_weight, self.stickiness, self.decode_weight, self.kv_weight,
                   self.kv_decay, self.affinity_weight, self.attn, self.hold, self.hold_min,
                   self.batch_weight, self.batch_tokens, self.transfer_cost,
-                  self.arrival_weight, self.prefill_s_per_token)
+                  self.arrival_weight, self.prefill_s_per_token, self.demand_horizon_s)
         order, costs = _native_rank(params, loads, matched, query.prompt_tokens,
-                                    query.block_size, query.affinity, query.family)
+                                    query.block_size, query.affinity, query.family,
+                                    query.prefix_rate)
         return Ranking(order, costs)
 
     def rank_python(self, query: RouteQuery) -> Sequence[Scored]:
@@ -303,7 +332,7 @@ class KvrouteCost:
         if self.batch_weight > 0 and mean_queued > 0:  # no queue, nobody to delay
             self._batch_delay(costs, cached, loads, p)
         if top and self.hold > 0:
-            self._hold(costs, cached, top, loads, p, beta)
+            self._hold(costs, cached, top, loads, p, beta, query.prefix_rate)
         # Only what no worker caches yet is placed anew (cached prefixes: miss and hold terms).
         spread = self.affinity_weight * (mean_queued - 1.0) * (p - top)
         if spread > 0 and len(costs) > 1:  # only under load: the ordering costs a hash each
@@ -351,12 +380,13 @@ class KvrouteCost:
                 costs[w] += k * ld.arrival_rate * wk * wk
 
     def _hold(self, costs: dict[str, float], cached: dict[str, int], top: int,
-              loads: Mapping[str, WorkerLoad], p: int, beta: float) -> None:
+              loads: Mapping[str, WorkerLoad], p: int, beta: float, rate: float) -> None:
         """The hold rule: keep a request on its longest cached prefix when that is most of
         the prompt, the holder has a free batch slot and no worker's queued prefill is
-        shorter by ``hold`` x the prefill it would redo, or its fetch when cheaper (see the
-        class docstring). ``top`` is the longest cached prefix. Rewrites ``costs`` in
-        place."""
+        shorter by ``hold`` x the prefill it would redo, or its fetch when cheaper, counting
+        the holder's backlog once more per request the prefix's demand ``rate`` brings over
+        ``demand_horizon_s`` (see the class docstring). ``top`` is the longest cached
+        prefix. Rewrites ``costs`` in place."""
         if top < self.hold_min * p:
             return
         holder = min((w for w, c in cached.items() if c == top), key=costs.__getitem__)
@@ -371,5 +401,7 @@ class KvrouteCost:
         n0, n = p - c0, p - top
         redo = beta * (work(n0, c0, attn) - work(n, top, attn))
         redo = min(redo, beta * self.transfer_cost * (top - c0))  # or fetch the prefix
-        if lh.pending_prefill_tokens - loads[cheapest].pending_prefill_tokens < self.hold * redo:
+        demand = 1.0 + self.demand_horizon_s * rate
+        backlog = lh.pending_prefill_tokens - loads[cheapest].pending_prefill_tokens
+        if backlog * demand < self.hold * redo:
             costs[holder] = math.nextafter(costs[cheapest], -math.inf)
