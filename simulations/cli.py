@@ -242,11 +242,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     trace, spec, cap = setup.trace, setup.spec, setup.spec.capacity_blocks
     base_rps, capacity = setup.base_rps, setup.capacity_rps
+    infinite = infinite_cache_hits(trace)
     bounds = {
         "global LRU": hit_ratio(trace, global_lru_hits(trace, cap * args.workers)),
-        "infinite cache": hit_ratio(trace, infinite_cache_hits(trace)),
+        "infinite cache": hit_ratio(trace, infinite),
     }
-    floor = ttft_floor(trace, spec.cost)  # the same at every rate: no queueing in it
+    floor = ttft_floor(trace, spec.cost, infinite)  # the same at every rate: no queueing
 
     def at(scale: float) -> Trace:
         return trace.scaled(scale) if scale != 1.0 else trace

@@ -136,7 +136,7 @@ def global_lru_hits(trace: Trace, capacity_blocks: int) -> list[int]:
     return out
 
 
-def ttft_floor(trace: Trace, cost: CostModel) -> np.ndarray:
+def ttft_floor(trace: Trace, cost: CostModel, hits: list[int] | None = None) -> np.ndarray:
     """Per request, a time to first token no policy can beat on this cluster model: its own
     prefill alone, after every prefix token an earlier request brought (the infinite cache's
     hits), on a worker with nothing else to do.
@@ -146,9 +146,12 @@ def ttft_floor(trace: Trace, cost: CostModel) -> np.ndarray:
     chunks' costs add up to the whole prefill's), after at most the infinite cache's hits
     (a worker caches, or fetches, only blocks an earlier request brought), and prefill time
     falls as the cached part grows. So the floor's mean and percentiles bound the policies'
-    too: how far a policy's TTFT sits above them is what queueing and lost hits cost it."""
+    too: how far a policy's TTFT sits above them is what queueing and lost hits cost it.
+    ``hits``: :func:`infinite_cache_hits` of ``trace``, when the caller has them already."""
+    if hits is None:
+        hits = infinite_cache_hits(trace)
     return np.array([cost.prefill_s(r.prompt_tokens - h, h)
-                     for r, h in zip(trace.requests, infinite_cache_hits(trace), strict=True)])
+                     for r, h in zip(trace.requests, hits, strict=True)])
 
 
 def floor_summary(floor: np.ndarray) -> dict[str, float]:

@@ -189,14 +189,17 @@ class WorkerRegistry:
 
     # -- local accounting ------------------------------------------------------------------
 
-    def begin(self, worker: str, uncached_tokens: int, sequences: int = 1) -> None:
+    def begin(self, worker: str, uncached_tokens: int, sequences: int = 1,
+              arrival: bool = True) -> None:
         """A request was sent to ``worker``; a controller program counts as the number of
-        sequences it can run at once (its fan-out)."""
+        sequences it can run at once (its fan-out). ``arrival``: False for a request held
+        for ``worker`` but not sent yet (it counts as an arrival when it is)."""
         info = self._workers.get(worker)
         if info is not None:
             info.inflight += sequences
             info.pending_prefill += uncached_tokens
-            info.arrivals.add(time.monotonic())
+            if arrival:
+                info.arrivals.add(time.monotonic())
             self._refresh(worker)
 
     def first_token(self, worker: str, uncached_tokens: int) -> None:

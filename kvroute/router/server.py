@@ -327,7 +327,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         t0 = time.perf_counter()
         # A held request is load on its worker already (other decisions see it queued).
         uncached = d.query.prompt_tokens - d.cached_tokens(w)
-        self._registry.begin(w, uncached)
+        self._registry.begin(w, uncached, arrival=False)
         try:
             await asyncio.wait_for(stored.wait(), self._cfg.coalesce_wait_s)
         except TimeoutError:

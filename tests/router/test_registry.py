@@ -43,6 +43,9 @@ def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:
         reg.begin("s", 10)
     assert reg.loads["w"].arrival_rate == pytest.approx(2.0, rel=0.01)
     assert reg.loads["s"].arrival_rate == pytest.approx(2.0, rel=0.01)
+    reg.begin("s", 10, arrival=False)  # held for s, not sent yet: load, but no arrival
+    assert reg.loads["s"].arrival_rate == pytest.approx(2.0, rel=0.01)
+    assert reg.loads["s"].inflight == 61
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=9.0)})
     assert reg.loads["w"].arrival_rate == 9.0
     # A static worker without heartbeats is refreshed by each scan, so its rate decays: here
