@@ -14,8 +14,12 @@ Scheduling, per iteration (as vLLM's scheduler, without preemption):
 2. The iteration lasts :meth:`CostModel.prefill_s` of every admitted request plus one decode
    step of the running batch. Admitted requests get their first token at its end and their
    full prompt blocks are stored in the cache (a cache event); running ones one more token.
-3. A sequence that has produced ``output`` tokens finishes and frees its blocks (they stay
-   cached until evicted).
+3. A sequence that has produced ``output`` tokens finishes: the full blocks its reply filled
+   are stored too (``reply_keys``: engines cache generated tokens, and a chat turn or agent
+   call that carries the reply hits them), and its blocks are freed (they stay cached until
+   evicted). The engines store each reply block as it fills; here they are stored when the
+   reply ends, so a follow-up that arrives while it is still being generated (possible only
+   in an open-loop trace) misses them.
 
 A request may come with KV fetched from another worker (:meth:`SimWorker.receive`, Mooncake's
 transfer): the blocks are cached on arrival and the request's first token comes no earlier
@@ -64,6 +68,7 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     keys: tuple[int, ...]
+    reply_keys: tuple[int, ...] = ()  # of the full blocks its reply fills (stored at finish)
     worker: str = ""
     routed_uncached: int = 0  # the router's estimate when it chose the worker
     cached_tokens: int = 0
@@ -358,6 +363,10 @@ class SimWorker:
 
     def _finish(self, r: SimRequest, end: float) -> None:
         r.finished_s = end
+        if r.reply_keys:
+            first = len(r.keys)
+            self._now = end
+            self.pool.commit(r.blocks[first:first + len(r.reply_keys)], r.reply_keys)
         self.pool.free(r.blocks)
         r.blocks = []
         self.finished.append(r)

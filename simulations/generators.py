@@ -14,12 +14,14 @@ different ways:
   from one branch).
 
 Every record is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
-"hash_ids": [...], "block_size": tokens}``. The id at position i stands for the whole prefix up
-to and including block i (the last block may be partial: ``ceil(input_length / block_size)``
-ids), so two requests share a prefix exactly as far as their leading ids agree. Ids are
-assigned from a content chain hash: each piece of content (a system prompt, a document, a
-reply...) is a unique segment, and a block's id hashes the previous block's id with the
-(segment, offset, count) pieces that fill it.
+"hash_ids": [...], "block_size": tokens, "session": id}``: the session is the conversation,
+agent run, RAG request or fork program it belongs to (the replay reads a reply's blocks only
+from a later request of the same session, see :func:`simulations.trace.reply_keys`). The id
+at position i stands for the whole prefix up to and including block i (the last block may
+be partial: ``ceil(input_length / block_size)`` ids), so two requests share a prefix exactly
+as far as their leading ids agree. Ids are assigned from a content chain hash: each piece of
+content (a system prompt, a document, a reply...) is a unique segment, and a block's id
+hashes the previous block's id with the (segment, offset, count) pieces that fill it.
 
 Arrivals are Poisson. For ``rag`` every request arrives independently at ``rate_per_s``; for
 the others a session / program starts as a Poisson process at ``rate_per_s`` divided by its
@@ -242,7 +244,7 @@ class Prompt:
 @dataclass(frozen=True, slots=True)
 class GenRequest:
     """One generated request. ``group`` is its session / run / program, ``step`` its turn
-    (call, or fork round) within it; neither is written to the trace."""
+    (call, or fork round) within it; the group is written as the record's ``session``."""
 
     arrival_s: float
     input_length: int
@@ -259,6 +261,7 @@ class GenRequest:
             "output_length": self.output_length,
             "hash_ids": list(self.hash_ids),
             "block_size": block_size,
+            "session": self.group,
         }
 
 
@@ -492,8 +495,8 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
 
 def infinite_cache_hit_ratio(records: Sequence[dict]) -> float:
     """Fraction of prompt tokens an unbounded cache would serve, as the replay simulator
-    counts it (:func:`simulations.metrics.infinite_cache_hits`: full blocks only, one prompt
-    token always computed)."""
+    counts it (:func:`simulations.metrics.infinite_cache_hits`: full blocks of earlier
+    prompts and replies, one prompt token always computed)."""
     from simulations.metrics import hit_ratio, infinite_cache_hits
     from simulations.trace import parse
 

@@ -70,7 +70,9 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
     one, and that it neither got nor was moved away from: ``(in flight, stale)``.
 
     * in flight: their first prefill had not ended anywhere when it arrived (bursts sharing
-      a new prefix; the router's coalescing, ``--predict-ttl-ms``, recovers them);
+      a new prefix; the router's coalescing, ``--predict-ttl-ms``, recovers them), or, for
+      a reply's blocks, that reply was still being generated (an open-loop trace's next
+      turn can arrive before it is done);
     * stale: it had ended, but less than the propagation delay before (the cache event was
       still on its way to the router's index).
 
@@ -86,6 +88,9 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
         for k in r.keys:
             if not ready.get(k, math.inf) <= r.first_token_s:
                 ready[k] = r.first_token_s
+        for k in r.reply_keys:
+            if not ready.get(k, math.inf) <= r.finished_s:
+                ready[k] = r.finished_s
     seen: set[int] = set()
     out = []
     for r in sorted(reqs, key=lambda r: r.arrival_s):
@@ -99,6 +104,7 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
         flight = min(missed, (n - done) * bs)
         out.append((flight, min(missed - flight, (done - visible) * bs)))
         seen.update(r.keys)
+        seen.update(r.reply_keys)
     return out
 
 
@@ -108,14 +114,17 @@ def _cacheable(prompt_tokens: int, n_keys: int, block_size: int) -> int:
 
 
 def infinite_cache_hits(trace: Trace) -> list[int]:
-    """Cached tokens per request if one unbounded cache served every request."""
+    """Cached tokens per request if one unbounded cache served every request, holding each
+    earlier request's prompt and reply blocks (:meth:`Trace.reply_keys`; a reply counts from
+    its request's arrival, which only raises the bound)."""
     seen: set[int] = set()
     bs = trace.block_size
     out = []
-    for r in trace.requests:
+    for r, reply in zip(trace.requests, trace.reply_keys(), strict=True):
         out.append(leading_held(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs),
                                  seen) * bs)
         seen.update(r.keys)
+        seen.update(reply)
     return out
 
 
@@ -125,10 +134,10 @@ def global_lru_hits(trace: Trace, capacity_blocks: int) -> list[int]:
     lru: OrderedDict[int, None] = OrderedDict()
     bs = trace.block_size
     out = []
-    for r in trace.requests:
+    for r, reply in zip(trace.requests, trace.reply_keys(), strict=True):
         out.append(leading_held(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs),
                                  lru) * bs)
-        for k in r.keys:
+        for k in (*r.keys, *reply):
             lru[k] = None
             lru.move_to_end(k)
         while len(lru) > capacity_blocks:

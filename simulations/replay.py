@@ -16,6 +16,9 @@ and a request routed there on a prediction is held until that prefill's first to
 (``SimWorker.held``), as it would receive it from the router. A request that would get less
 than ``coalesce_share`` of that prefill is decided again on what workers really hold instead
 (:func:`kvroute.router.decide.rerank_confirmed`), as the router does.
+Workers cache replies as engines do: the full blocks a request's reply fills are stored when
+it ends (:meth:`Trace.reply_keys` reads their keys from the request that continues it), so
+a chat turn or agent call hits the previous reply where it was generated.
 The load view is the router's own accounting (requests outstanding, its estimate of
 uncached tokens not yet prefilled, released at each request's first token as the production
 router releases it) plus the engine's queue and batch, as an agent's heartbeat reports them.
@@ -137,8 +140,9 @@ class Replayer:
     def run(self) -> ReplayResult:
         bs = self.trace.block_size
         by_name = {w.name: w for w in self.workers}
-        reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.keys)
-                for i, r in enumerate(self.trace.requests)]
+        reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.keys, reply)
+                for i, (r, reply) in enumerate(zip(self.trace.requests,
+                                                    self.trace.reply_keys(), strict=True))]
         programs = self._programs() if self.spec.programs else {}
         transfer = getattr(self.policy, "transfer", None)  # policies that move KV
         # Program id -> where each branch (by arrival order) runs, after which prefill.

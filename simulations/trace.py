@@ -11,7 +11,9 @@ Two JSONL formats, one object per line:
   kvroute's chained block keys (:class:`kvroute.core.blocks.BlockHasher`) at ``block_size``.
 
 Either format may carry ``program``: requests with the same id are the branches of one
-controller-program fork (written by ``kvroute gen fork``).
+controller-program fork (written by ``kvroute gen fork``); and ``session``: requests with the
+same id belong to one conversation or agent run (written by ``kvroute gen``), so a reply is
+looked for only in its own session's later requests (:func:`reply_keys`).
 
 Either way a request becomes the keys of its *full* prompt blocks -- exactly what an engine
 caches -- so the simulator and the router see the same units.
@@ -21,8 +23,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import xxhash
@@ -30,6 +32,9 @@ import xxhash
 from kvroute.core.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
 
 MOONCAKE_BLOCK = 512
+# Requests ending at one block that :func:`reply_keys` keeps waiting for a continuation: a hot
+# RAG document can end thousands of prompts' full blocks, few of them ever continued.
+_REPLY_CANDIDATES = 8
 
 
 class TraceError(ValueError):
@@ -43,6 +48,7 @@ class TraceRequest:
     output_tokens: int
     keys: tuple[int, ...]  # keys of the full prompt blocks, in order
     program: str = ""  # requests sharing a program id are the branches of one fork
+    session: str = ""  # requests sharing a session id are one conversation ("": unknown)
 
     @property
     def affinity(self) -> int:
@@ -67,9 +73,13 @@ class Trace:
         if rate_scale <= 0:
             raise ValueError(f"rate scale must be > 0, got {rate_scale}")
         t0 = self.requests[0].arrival_s if self.requests else 0.0
-        reqs = [TraceRequest(t0 + (r.arrival_s - t0) / rate_scale, r.prompt_tokens,
-                             r.output_tokens, r.keys, r.program) for r in self.requests]
+        reqs = [replace(r, arrival_s=t0 + (r.arrival_s - t0) / rate_scale)
+                for r in self.requests]
         return Trace(reqs, self.block_size, self.source, self.skipped)
+
+    def reply_keys(self) -> list[tuple[int, ...]]:
+        """Per request, the keys of the blocks its reply fills (see :func:`reply_keys`)."""
+        return reply_keys(self.requests, self.block_size)
 
     def tiled(self, copies: int) -> Trace:
         """``copies`` back-to-back repetitions with distinct keys (for speed tests)."""
@@ -79,9 +89,55 @@ class Trace:
             salt = c * 0x9E3779B97F4A7C15
             reqs += [TraceRequest(r.arrival_s + c * span, r.prompt_tokens, r.output_tokens,
                                   tuple((k ^ salt) & 0xFFFFFFFFFFFFFFFF for k in r.keys),
-                                  f"{c}/{r.program}" if r.program else "")
+                                  f"{c}/{r.program}" if r.program else "",
+                                  f"{c}/{r.session}" if r.session else "")
                      for r in self.requests]
         return Trace(reqs, self.block_size, self.source)
+
+
+def reply_keys(requests: Sequence[TraceRequest], block_size: int) -> list[tuple[int, ...]]:
+    """Per request, the keys of the full blocks its reply fills, in order; () if unknown.
+
+    Engines cache generated tokens as well as the prompt (vLLM's and SGLang's prefix caches,
+    and kvroute's ``sim`` engine: the blocks covered by ``prompt + output - 1`` computed
+    tokens), so a chat turn or an agent call that carries the previous reply hits it where
+    that reply was generated. A trace gives only prompts' blocks, so a reply's keys are read
+    from its continuation: the first later request whose keys extend this one's full prompt
+    blocks and whose prompt holds at least this prompt and reply (``prompt_tokens >=
+    prompt + output``), of the same session when both name one (``session``). Without
+    sessions (the Mooncake format has none), a request that merely shares this prompt's full
+    blocks (a RAG prompt whose question sits in its partial last block) may be taken for its
+    continuation when it is long enough; of several requests ending at the same block, the
+    one whose prompt and reply fill most of the continuation is taken.
+    Keys are chained (a key stands for its whole prefix), so one lookup per block finds the
+    requests a prompt extends: O(total blocks)."""
+    out: list[tuple[int, ...]] = [()] * len(requests)
+    # last full-block key -> the latest requests ending there with no reply found yet
+    waiting: dict[int, list[int]] = {}
+    for j, r in enumerate(requests):
+        keys = r.keys
+        for pos, key in enumerate(keys):
+            cands = waiting.get(key)
+            if not cands:
+                continue
+            fits = [i for i in cands if len(requests[i].keys) == pos + 1 and
+                    requests[i].prompt_tokens + requests[i].output_tokens <= r.prompt_tokens
+                    and not (r.session and requests[i].session
+                             and r.session != requests[i].session)]
+            if not fits:
+                continue
+            i = max(reversed(fits),
+                    key=lambda i: requests[i].prompt_tokens + requests[i].output_tokens)
+            prev = requests[i]
+            full = (prev.prompt_tokens + prev.output_tokens - 1) // block_size
+            out[i] = keys[pos + 1:min(len(keys), full)]
+            cands.remove(i)
+        if keys:
+            cands = waiting.setdefault(keys[-1], [])
+            cands.append(j)
+            if len(cands) > _REPLY_CANDIDATES:
+                del cands[0]
+    return out
 
 
 def _hash_id_key(hash_id: int) -> int:
@@ -96,6 +152,14 @@ def _int(obj: dict, name: str, minimum: int = 0) -> int:
     return v
 
 
+def _id(obj: dict, name: str) -> str:
+    """An optional id field (string or integer) as a string; "" when absent."""
+    v = obj.get(name, "")
+    if not isinstance(v, str | int) or isinstance(v, bool):
+        raise ValueError(f"{name} must be a string or integer id, got {v!r}")
+    return str(v)
+
+
 def parse_line(obj: object, default_block: int, hasher: BlockHasher | None
                ) -> tuple[TraceRequest, int]:
     """One record -> (request, its block size). ValueError says what is wrong."""
@@ -105,10 +169,7 @@ def parse_line(obj: object, default_block: int, hasher: BlockHasher | None
     if not isinstance(ts, int | float) or isinstance(ts, bool) or ts < 0 or math.isnan(ts):
         raise ValueError(f"timestamp must be a number >= 0 (ms), got {ts!r}")
     out = _int(obj, "output_length", 0)
-    program = obj.get("program", "")
-    if not isinstance(program, str | int) or isinstance(program, bool):
-        raise ValueError(f"program must be a string or integer id, got {program!r}")
-    program = str(program)
+    program, session = _id(obj, "program"), _id(obj, "session")
     if "hash_ids" in obj:
         length = _int(obj, "input_length", 1)
         bs = obj.get("block_size", default_block)
@@ -121,7 +182,7 @@ def parse_line(obj: object, default_block: int, hasher: BlockHasher | None
             raise ValueError(f"{len(ids)} hash_ids for input_length {length} at block size "
                              f"{bs} (expected {math.ceil(length / bs)})")
         keys = tuple(_hash_id_key(i) for i in ids[: length // bs])
-        return TraceRequest(ts / 1000.0, length, out, keys, program), bs
+        return TraceRequest(ts / 1000.0, length, out, keys, program, session), bs
     if "token_ids" in obj:
         toks = obj["token_ids"]
         if not isinstance(toks, list) or not toks or not all(
@@ -129,7 +190,7 @@ def parse_line(obj: object, default_block: int, hasher: BlockHasher | None
             raise ValueError("token_ids must be a non-empty list of uint32 token ids")
         assert hasher is not None
         return TraceRequest(ts / 1000.0, len(toks), out, tuple(hasher.keys(toks)),
-                            program), hasher.block_size
+                            program, session), hasher.block_size
     raise ValueError("needs hash_ids (Mooncake format) or token_ids")
 
 

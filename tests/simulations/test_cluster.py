@@ -108,3 +108,28 @@ def test_a_chunked_prefill_stays_pending_until_its_first_token() -> None:
     assert view.pending_prefill_tokens == 4096 and view.running == 1 and view.queued == 0
     w.advance(math.inf)
     assert w.load(0, w.t).pending_prefill_tokens == 0 and not w.prefilling
+
+
+def test_a_reply_is_stored_when_it_ends_and_its_continuation_hits_it() -> None:
+    """Engines cache generated tokens: the full blocks a reply fills are stored when it
+    ends (one event), and the next turn, which carries the reply, hits them."""
+    stored: list[tuple[float, tuple[int, ...]]] = []
+
+    def sink(t: float, worker: str, ev: CacheEvent) -> None:
+        if ev.op is Op.STORE:
+            stored.append((t, ev.keys))
+
+    for replies, hit in (((10, 11), 12 * 16), ((), 10 * 16)):
+        stored.clear()
+        w = SimWorker("w", 1000, 16, CostModel(), sink)
+        # 160 prompt tokens + 40 generated: 199 computed, so blocks 10 and 11 fill
+        turn = SimRequest(0, 0.0, 160, 40, tuple(range(10)), replies)
+        w.submit(turn, 0.0)
+        w.advance(math.inf)
+        assert stored[-1] == ((turn.finished_s, replies) if replies
+                              else (turn.first_token_s, tuple(range(10))))
+        nxt = SimRequest(1, 10.0, 240, 4, tuple(range(15)))
+        w.submit(nxt, 10.0)
+        w.advance(math.inf)
+        assert nxt.cached_tokens == hit
+        assert w.pool.free_blocks == w.pool.capacity_blocks  # nothing leaked

@@ -47,7 +47,8 @@ def test_records_are_valid_mooncake_lines(kind: str) -> None:
     stamps = [r["timestamp"] for r in recs]
     assert stamps == sorted(stamps)
     for r in recs:
-        fields = {"timestamp", "input_length", "output_length", "hash_ids", "block_size"}
+        fields = {"timestamp", "input_length", "output_length", "hash_ids", "block_size",
+                  "session"}
         # Fork siblings carry their controller program's id (for `replay --programs`).
         assert set(r) == (fields | {"program"} if kind == "fork" else fields)
         assert isinstance(r["timestamp"], int)
@@ -56,6 +57,9 @@ def test_records_are_valid_mooncake_lines(kind: str) -> None:
         assert len(r["hash_ids"]) == math.ceil(r["input_length"] / BS)
         assert all(isinstance(h, int) and h >= 0 for h in r["hash_ids"])
         assert len(set(r["hash_ids"])) == len(r["hash_ids"])  # each id is a distinct prefix
+    # The session is the request's group: a conversation, agent run or fork program.
+    groups = {r.group for r in build(kind, 300, 10.0, seed=3, block_size=BS)}
+    assert {r["session"] for r in recs} == groups
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.core.policies import REGISTRY, make_policy
+from simulations.generators import generate
 from simulations.metrics import (
     global_lru_hits,
     hit_ratio,
@@ -96,6 +97,46 @@ def test_conservation(mooncake: Trace, chunked: bool) -> None:
         r.cached_tokens for r in res.requests) == prompt
     for w in res.workers:  # every block back in the pool: nothing leaked
         assert w.pool.free_blocks == w.pool.capacity_blocks
+
+
+def test_a_reply_is_read_from_the_request_that_carries_it() -> None:
+    """A reply's blocks are those of the first later prompt that holds this prompt and its
+    reply; a prompt that only shares this one's full blocks is not its continuation."""
+    def rec(ms: int, ids: list[int], n: int, out: int, **more: object) -> str:
+        return json.dumps({"timestamp": ms, "input_length": n, "output_length": out,
+                           "hash_ids": ids, "block_size": 16, **more})
+
+    first = list(range(1, 11))
+    turns = [rec(0, first, 160, 40),  # 199 tokens computed: blocks 10 and 11 fill
+             rec(5, [*first, 99], 170, 8),  # same documents, its own question
+             rec(9, [*first, 11, 12, 13, 14], 216, 8)]  # + the reply + a new message
+    tr = parse(turns)
+    assert tr.reply_keys() == [tr.requests[2].keys[10:12], (), ()]
+    assert tr.scaled(2.0).reply_keys() == tr.reply_keys()
+    # With sessions, only a request of the same session continues one.
+    tr = parse([rec(0, first, 160, 40, session=1), rec(9, [*first, 11, 12, 13], 200, 8,
+                                                         session=2)])
+    assert tr.reply_keys() == [(), ()]
+    tr = parse([rec(0, first, 160, 40, session=1), rec(9, [*first, 11, 12, 13], 200, 8,
+                                                         session=1)])
+    assert tr.reply_keys()[0] == tr.requests[1].keys[10:12]
+    with pytest.raises(TraceError, match="session must be"):
+        parse([rec(0, first, 160, 40, session=[1])], strict=True)
+
+
+def test_replies_are_hits_within_the_bound() -> None:
+    """On chat traffic the next turns hit the replies they carry, and the infinite cache,
+    which holds every reply too, still bounds the hit ratio."""
+    tr = parse([json.dumps(r) for r in generate("chat", 300, 10.0, seed=5, block_size=16)])
+    replies = tr.reply_keys()
+    assert sum(map(len, replies)) > 100
+    bound = hit_ratio(tr, infinite_cache_hits(tr))
+    res = run(tr, "kvroute", workers=2, capacity_blocks=20000)
+    assert measure(res).hit_ratio <= bound + 1e-12
+    reply_keys = {k for keys in replies for k in keys}
+    hit_replies = sum(k in reply_keys for r in res.requests
+                      for k in r.keys[:r.cached_tokens // 16])
+    assert hit_replies > 100
 
 
 def test_hit_ratio_never_exceeds_the_infinite_cache_bound(mooncake: Trace) -> None:
