@@ -159,6 +159,8 @@ class Setup:
     spec: ClusterSpec
     base_rps: float  # the trace's own request rate
     capacity_rps: float  # the cluster's estimated capacity for this trace's requests
+    replies: int = 0  # requests whose reply a later prompt continues (cached where generated)
+    reply_tokens: int = 0  # ... the tokens of those replies' full blocks
 
     def meta(self) -> dict[str, object]:
         """What a results.json must say to be compared with another: the trace, the cluster
@@ -169,7 +171,8 @@ class Setup:
                 "max_batch": sp.max_batch, "prefill_budget": sp.prefill_budget,
                 "chunked_prefill": sp.chunked_prefill, "programs": sp.programs,
                 "overflow": sp.overflow, "propagation_ms": sp.propagation_s * 1000,
-                "predict_ttl_ms": sp.predict_ttl_s * 1000, "coalesce_share": sp.coalesce_share}
+                "predict_ttl_ms": sp.predict_ttl_s * 1000, "coalesce_share": sp.coalesce_share,
+                "replies": self.replies, "reply_tokens": self.reply_tokens}
 
     def scale_for(self, load: float) -> float:
         """The rate factor that offers ``load`` x the cluster's capacity."""
@@ -215,12 +218,18 @@ def prepare(args: argparse.Namespace) -> Setup | None:
     print(f"trace {trace.source}: {len(trace.requests)} requests over {trace.duration_s:.0f} s "
           f"({base_rps:.2f} req/s), block {trace.block_size} tokens; cluster: {args.workers} "
           f"workers x {cap} blocks; capacity ~{capacity:.2f} req/s", flush=True)
+    replies = trace.reply_keys()
+    n_replies = sum(1 for r in replies if r)
+    reply_tokens = sum(map(len, replies)) * trace.block_size
+    print(f"replies: {n_replies} requests' replies are continued by a later prompt "
+          f"({reply_tokens} tokens; cached where generated, as engines cache them)"
+          if n_replies else "replies: no later prompt continues a reply", flush=True)
     print("router: " + (f"coalescing on (predictions until stored, at most "
                         f"{spec.predict_ttl_s:g} s; a request waits for a prefill it gets "
                         f">= {spec.coalesce_share:g} of)" if spec.predict_ttl_s > 0 else
                         "coalescing off (--predict-ttl-ms 0), as the peers' own routers")
           + f"; cache events reach it after {args.propagation_ms:g} ms", flush=True)
-    return Setup(trace, spec, base_rps, capacity)
+    return Setup(trace, spec, base_rps, capacity, n_replies, reply_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

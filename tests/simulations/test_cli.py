@@ -38,6 +38,10 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
     assert (doc["meta"]["predict_ttl_ms"], doc["meta"]["coalesce_share"]) == (30000, 0.8)
     assert (doc["meta"]["workers"], doc["meta"]["programs"]) == (4, False)
     assert "router: coalescing on (predictions until stored, at most 30 s" in ran.stdout
+    # Chat turns carry the previous reply: said up front, and in the results.
+    replies = doc["meta"]["replies"]
+    assert 0 < replies < 240 and doc["meta"]["reply_tokens"] > 0
+    assert f"replies: {replies} requests' replies are continued by a later prompt" in ran.stdout
     assert "runs" not in doc and "verdicts" not in doc
     inf = doc["bounds"]["infinite cache"]
     floor = doc["ttft_floor"]
