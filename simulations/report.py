@@ -39,7 +39,8 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
                      f"p99 {floor['p99_s']:.2f}s; no policy's TTFT can be lower")
     lines.append("moved: prompt tokens cached on another worker than the one the policy chose "
                  "(hits given up for balance); flight: tokens an earlier request had brought "
-                 "but was still prefilling when it arrived (--predict-ttl-ms coalesces them); "
+                 "but was still prefilling (or, a reply, generating) when it arrived "
+                 "(--predict-ttl-ms coalesces prefills); "
                  "stale: prefilled, but their cache event not yet at the router "
                  "(--propagation-ms)")
     lines += [f"{r.policy} also fetched {r.fetched_ratio:.1%} of prompt tokens' KV from other "
