@@ -57,10 +57,15 @@ class TraceRequest:
 
 @dataclass
 class Trace:
+    """A trace's requests in arrival order. ``requests`` is not changed once a trace is made:
+    its reply keys are computed once and kept (a replay, its bounds and every rate it is
+    scaled to read them)."""
+
     requests: list[TraceRequest]
     block_size: int
     source: str = ""
     skipped: list[str] = field(default_factory=list)  # "file:line: reason" of bad lines
+    _replies: list[tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def duration_s(self) -> float:
@@ -75,11 +80,15 @@ class Trace:
         t0 = self.requests[0].arrival_s if self.requests else 0.0
         reqs = [replace(r, arrival_s=t0 + (r.arrival_s - t0) / rate_scale)
                 for r in self.requests]
-        return Trace(reqs, self.block_size, self.source, self.skipped)
+        # Same keys in the same order: the same replies.
+        return Trace(reqs, self.block_size, self.source, self.skipped, self.reply_keys())
 
     def reply_keys(self) -> list[tuple[int, ...]]:
-        """Per request, the keys of the blocks its reply fills (see :func:`reply_keys`)."""
-        return reply_keys(self.requests, self.block_size)
+        """Per request, the keys of the blocks its reply fills (see :func:`reply_keys`);
+        computed on first use."""
+        if self._replies is None:
+            self._replies = reply_keys(self.requests, self.block_size)
+        return self._replies
 
     def tiled(self, copies: int) -> Trace:
         """``copies`` back-to-back repetitions with distinct keys (for speed tests)."""
