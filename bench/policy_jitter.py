@@ -50,6 +50,9 @@ def main() -> None:
                     help="prompt tokens per iteration (vLLM's --max-num-batched-tokens)")
     ap.add_argument("--chunked-prefill", action="store_true",
                     help="chunk prefills longer than the budget, as vLLM V1")
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="send a request that carries an earlier reply only when that reply "
+                         "has ended (default: every request at its trace time)")
     ap.add_argument("--programs", action="store_true",
                     help="run forks as controller programs (kvroute's agent; see replay.py)")
     args = ap.parse_args()
@@ -59,7 +62,7 @@ def main() -> None:
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
                        predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
                        coalesce_share=args.coalesce_share, prefill_budget=args.prefill_budget,
-                       chunked_prefill=args.chunked_prefill)
+                       chunked_prefill=args.chunked_prefill, closed_loop=args.closed_loop)
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
     factories = make_policies(args.policies, 0)
     jitters = parse_jitters(args.jitters)

@@ -60,6 +60,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="split prefills longer than the budget across iterations, as vLLM V1 "
                         "does: the running batch decodes between chunks, each chunk stores "
                         "its blocks (default: a prefill runs whole in one iteration)")
+    p.add_argument("--closed-loop", action="store_true",
+                   help="send a chat turn or agent call that carries an earlier reply only "
+                        "when that reply has ended, as its client would (default: every "
+                        "request at its trace time; session traffic then reaches only the "
+                        "load its sessions can offer)")
     p.add_argument("--no-overflow", action="store_true",
                    help="with --programs: keep every branch on its program's worker even when "
                         "it has no room (the router's --no-program-overflow)")
@@ -170,6 +175,7 @@ class Setup:
                 "workers": sp.workers, "capacity_blocks": sp.capacity_blocks,
                 "max_batch": sp.max_batch, "prefill_budget": sp.prefill_budget,
                 "chunked_prefill": sp.chunked_prefill, "programs": sp.programs,
+                "closed_loop": sp.closed_loop,
                 "overflow": sp.overflow, "propagation_ms": sp.propagation_s * 1000,
                 "predict_ttl_ms": sp.predict_ttl_s * 1000, "coalesce_share": sp.coalesce_share,
                 "replies": self.replies, "reply_tokens": self.reply_tokens}
@@ -206,7 +212,8 @@ def prepare(args: argparse.Namespace) -> Setup | None:
                        coalesce_share=args.coalesce_share, programs=args.programs,
                        overflow=not args.no_overflow, max_batch=args.max_batch,
                        prefill_budget=args.prefill_budget,
-                       chunked_prefill=args.chunked_prefill)
+                       chunked_prefill=args.chunked_prefill,
+                       closed_loop=args.closed_loop)
     too_big = [i for i, r in enumerate(trace.requests)
                if r.prompt_tokens + r.output_tokens > cap * trace.block_size]
     if too_big:
@@ -221,9 +228,16 @@ def prepare(args: argparse.Namespace) -> Setup | None:
     replies = trace.reply_keys()
     n_replies = sum(1 for r in replies if r)
     reply_tokens = sum(map(len, replies)) * trace.block_size
+    n_next = sum(1 for j in trace.continuations() if j >= 0)
     print(f"replies: {n_replies} requests' replies are continued by a later prompt "
           f"({reply_tokens} tokens; cached where generated, as engines cache them)"
           if n_replies else "replies: no later prompt continues a reply", flush=True)
+    if n_next:
+        print(f"continuations: {n_next} requests carry an earlier reply; "
+              + ("each is sent at its trace time or when that reply ends, whichever is later"
+                 if spec.closed_loop else "each is sent at its trace time, even before that "
+                 "reply has ended (--closed-loop: when it has)"),
+              flush=True)
     print("router: " + (f"coalescing on (predictions until stored, at most "
                         f"{spec.predict_ttl_s:g} s; a request waits for a prefill it gets "
                         f">= {spec.coalesce_share:g} of)" if spec.predict_ttl_s > 0 else

@@ -18,8 +18,11 @@ Scheduling, per iteration (as vLLM's scheduler, without preemption):
    are stored too (``reply_keys``: engines cache generated tokens, and a chat turn or agent
    call that carries the reply hits them), and its blocks are freed (they stay cached until
    evicted). The engines store each reply block as it fills; here they are stored when the
-   reply ends, so a follow-up that arrives while it is still being generated (possible only
-   in an open-loop trace) misses them.
+   reply ends, so a follow-up that arrives while it is still being generated (in an
+   open-loop replay) misses them; a closed-loop replay sends it only then (see
+   ``simulations/replay.py``). A request another waits for (``watched``) is reported in
+   ``ended`` when it finishes, and ``advance(..., stop_at_end=True)`` stops there, so that
+   continuation is sent on time.
 
 A request may come with KV fetched from another worker (:meth:`SimWorker.receive`, Mooncake's
 transfer): the blocks are cached on arrival and the request's first token comes no earlier
@@ -82,6 +85,8 @@ class SimRequest:
     moved_tokens: int = 0  # cached on another worker but not on its own, when it was routed
     prefill_left: int = 0  # with chunked prefill: uncached tokens not computed yet
     stored_blocks: int = 0  # with chunked prefill: leading blocks stored so far
+    watched: bool = False  # a continuation waits for it to end (closed-loop replay)
+    waited_s: float = 0.0  # sent this long after its trace time: the reply it continues ended then
 
 
 def _held(r: SimRequest, now: float) -> bool:
@@ -127,6 +132,10 @@ class SimWorker:
         self._admitted: list[SimRequest] = []  # prefilled in the latest admitting iteration
         self._admitted_end = 0.0  # ... which ends then (their first token)
         self._load = WorkerLoad()
+        # Watched requests here not ended yet (by idx), and those ended since the replay
+        # last collected them (``ended``; it clears the list).
+        self.watched: dict[int, SimRequest] = {}
+        self.ended: list[SimRequest] = []
 
     def _emit(self, ev: CacheEvent) -> None:
         self._sink(self._now, self.name, ev)
@@ -172,6 +181,21 @@ class SimWorker:
         if not self.waiting and not self.running and not self.prefilling:
             self.t = max(self.t, now)
         (self.held if _held(req, now) else self.waiting).append(req)
+        if req.watched:
+            self.watched[req.idx] = req
+
+    def end_bound(self) -> float:
+        """The earliest time a watched request here can end (inf: none here): no iteration
+        starts before ``t``, each gives a running sequence one token and lasts at least
+        ``decode_step_s(1)``; one that has not started decoding needs ``output - 1`` of them
+        after its first token."""
+        watched = self.watched
+        if not watched:
+            return math.inf
+        steps = self.steps
+        left = min(r.output_tokens - 1 if r.first_token_s != r.first_token_s  # nan: waiting
+                   else r.done_step - steps for r in watched.values())
+        return self.t + max(0, left) * self.cost.decode_step_s(1)
 
     def receive(self, keys: tuple[int, ...], now: float) -> int:
         """Cache the KV of ``keys`` (a prompt's leading block keys) fetched from another
@@ -190,11 +214,12 @@ class SimWorker:
         self.received_tokens += n * self.block_size
         return n * self.block_size
 
-    def advance(self, until: float) -> None:
-        """Run every iteration that starts before ``until``."""
+    def advance(self, until: float, stop_at_end: bool = False) -> None:
+        """Run every iteration that starts before ``until``; with ``stop_at_end``, stop after
+        one in which a watched request ends (it is then in ``ended``)."""
         iterate = self._iterate_chunked if self.chunked_prefill else self._iterate_with_admission
         while (self.waiting or self.running or self.prefilling or self.held) \
-                and self.t < until:
+                and self.t < until and not (stop_at_end and self.ended):
             self._version += 1
             if not self.waiting and not self.running and not self.prefilling:
                 # Only held requests: idle until the first is released (its parent's first
@@ -370,3 +395,6 @@ class SimWorker:
         self.pool.free(r.blocks)
         r.blocks = []
         self.finished.append(r)
+        if r.watched:
+            del self.watched[r.idx]
+            self.ended.append(r)

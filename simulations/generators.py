@@ -27,10 +27,11 @@ Arrivals are Poisson. For ``rag`` every request arrives independently at ``rate_
 the others a session / program starts as a Poisson process at ``rate_per_s`` divided by its
 expected number of requests, so the aggregate rate is close to ``rate_per_s``. Follow-up
 requests are placed at a sampled gap after the previous one's *arrival* (open loop, as in a
-recorded trace). Sessions start in steady state: the session process begins well before time
-0 (four mean session spans) and only arrivals from 0 on are kept, like a trace recorded from a
-live service — so the rate holds from the first request instead of ramping up, and some
-sessions are first seen mid-way. Everything is deterministic for a seed.
+recorded trace; the replay sends a follow-up no earlier than the end of the reply it carries,
+which only the simulated cluster knows). Sessions start in steady state: the session process
+begins well before time 0 (four mean session spans) and only arrivals from 0 on are kept, like
+a trace recorded from a live service — so the rate holds from the first request instead of
+ramping up, and some sessions are first seen mid-way. Everything is deterministic for a seed.
 """
 
 from __future__ import annotations

@@ -34,6 +34,10 @@ class PolicyMetrics:
     # prefilled when the request arrived, or prefilled but their event not yet arrived
     inflight_ratio: float = 0.0
     stale_ratio: float = 0.0
+    # requests sent after their trace time, because the reply they carry had not ended yet
+    # (closed-loop replay), and how much later on average
+    waited_ratio: float = 0.0
+    waited_mean_s: float = 0.0
 
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -51,6 +55,7 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     span = max(r.finished_s for r in reqs) - min(r.arrival_s for r in reqs)
     unseen = unseen_misses(res)
     prefilled = np.array([w.prefill_tokens for w in res.workers], dtype=float)
+    waited = [r.waited_s for r in reqs if r.waited_s > 0]
     return PolicyMetrics(
         policy=res.policy, requests=len(reqs), hit_ratio=cached / prompt,
         ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
@@ -61,7 +66,9 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         wall_s=res.wall_s, fetched_ratio=fetched / prompt,
         moved_ratio=sum(r.moved_tokens for r in reqs) / prompt,
         inflight_ratio=sum(f for f, _ in unseen) / prompt,
-        stale_ratio=sum(s for _, s in unseen) / prompt)
+        stale_ratio=sum(s for _, s in unseen) / prompt,
+        waited_ratio=len(waited) / len(reqs),
+        waited_mean_s=float(np.mean(waited)) if waited else 0.0)
 
 
 def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
@@ -71,8 +78,8 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
 
     * in flight: their first prefill had not ended anywhere when it arrived (bursts sharing
       a new prefix; the router's coalescing, ``--predict-ttl-ms``, recovers them), or, for
-      a reply's blocks, that reply was still being generated (an open-loop trace's next
-      turn can arrive before it is done);
+      a reply's blocks, that reply was still being generated (in an open-loop replay, the
+      default, a next turn can arrive before it; not with ``ClusterSpec.closed_loop``);
     * stale: it had ended, but less than the propagation delay before (the cache event was
       still on its way to the router's index).
 

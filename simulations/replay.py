@@ -19,6 +19,14 @@ than ``coalesce_share`` of that prefill is decided again on what workers really 
 Workers cache replies as engines do: the full blocks a request's reply fills are stored when
 it ends (:meth:`Trace.reply_keys` reads their keys from the request that continues it), so
 a chat turn or agent call hits the previous reply where it was generated.
+By default every request is sent at its trace time (open loop: what a rate scale scales), so a
+trace replayed faster than recorded can have a turn overtake the reply it carries. With
+``closed_loop`` such a continuation is sent when that reply ends, or at its trace time if that
+is later, as its client would send it: the workers running replies that a continuation waits
+for are run ahead, in the order they can end one (:meth:`Replayer._run_to_next`), so each
+continuation is routed at the very time its reply ends, and its TTFT counts from then
+(``SimRequest.waited_s``: how much later than its trace time). A session's requests are then
+serial, so scaling the rate raises the load only as far as its sessions can.
 The load view is the router's own accounting (requests outstanding, its estimate of
 uncached tokens not yet prefilled, released at each request's first token as the production
 router releases it) plus the engine's queue and batch, as an agent's heartbeat reports them.
@@ -39,7 +47,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
@@ -69,6 +77,9 @@ class ClusterSpec:
     predict_ttl_s: float = PREDICT_TTL_S
     coalesce_share: float = COALESCE_SHARE  # see kvroute.router.coalesce
     programs: bool = False  # run forks as controller programs (see Replayer)
+    # True: a continuation (a chat turn, an agent call) is sent no earlier than the reply it
+    # carries has ended (see Replayer); False: every request at its trace time.
+    closed_loop: bool = False
     overflow: bool = True  # programs: split a fork that does not fit (router's placement)
     cost: CostModel = field(default_factory=CostModel)
 
@@ -117,6 +128,54 @@ class Replayer:
             elif ev.op is Op.CLEAR:
                 index.clear_worker(worker)
 
+    def _run_to_next(self, arrivals: list[tuple[float, int]], reqs: list[SimRequest],
+                     nxt: list[int]) -> None:
+        """Run the workers holding watched requests (whose replies a continuation waits for)
+        up to the next arrival, releasing each continuation at its reply's end, which may
+        make it the next arrival. Exact: the worker that can end a watched request soonest
+        (:meth:`SimWorker.end_bound`) runs first, no further than the others' bounds, so no
+        worker runs past the time a continuation released elsewhere could reach it."""
+        inf = math.inf
+        t_next = arrivals[0][0] if arrivals else inf
+        workers = self.workers
+        # (end bound, worker number): only the worker that ran has a new bound
+        bounds = [(w.end_bound(), k) for k, w in enumerate(workers) if w.watched and w.t < t_next]
+        heapq.heapify(bounds)
+        while bounds:
+            _, k = heapq.heappop(bounds)
+            w = workers[k]
+            if not w.t < t_next:
+                continue  # a continuation released meanwhile comes first
+            limit = min(t_next, bounds[0][0]) if bounds else t_next
+            t0, steps0 = w.t, w.steps
+            # Iterations starting at ``limit`` run too (none can be reached from elsewhere
+            # before), except at the next arrival, which may join them.
+            w.advance(t_next if limit >= t_next else math.nextafter(limit, inf),
+                      stop_at_end=True)
+            if self._release(arrivals, reqs, nxt, -inf, (w,)):
+                t_next = arrivals[0][0]
+            elif w.t == t0 and w.steps == steps0:
+                continue  # nothing it can run yet (held requests): the main loop runs it
+            if w.watched and w.t < t_next:
+                heapq.heappush(bounds, (w.end_bound(), k))
+
+    def _release(self, arrivals: list[tuple[float, int]], reqs: list[SimRequest],
+                 nxt: list[int], now: float, workers: Sequence[SimWorker] = ()) -> int:
+        """Send the continuations of the watched requests that ended on ``workers`` (all by
+        default): each at its trace time or its reply's end, whichever is later (not before
+        ``now``). Returns how many."""
+        n = 0
+        for w in workers or self.workers:
+            for r in w.ended:
+                c = reqs[nxt[r.idx]]
+                t = max(c.arrival_s, r.finished_s, now)
+                c.waited_s = t - c.arrival_s
+                c.arrival_s = t
+                heapq.heappush(arrivals, (t, c.idx))
+                n += 1
+            w.ended.clear()
+        return n
+
     def _programs(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """Program id -> the keys its branches share and its branch count (for programs of
         2+ branches)."""
@@ -143,6 +202,14 @@ class Replayer:
         reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.keys, reply)
                 for i, (r, reply) in enumerate(zip(self.trace.requests,
                                                     self.trace.reply_keys(), strict=True))]
+        # The arrivals, by time: a continuation joins when the reply it carries ends.
+        nxt = self.trace.continuations() if self.spec.closed_loop else [-1] * len(reqs)
+        blocked = [False] * len(reqs)
+        for i, j in enumerate(nxt):
+            if j >= 0:
+                reqs[i].watched = blocked[j] = True
+        arrivals = [(r.arrival_s, r.idx) for r in reqs if not blocked[r.idx]]
+        heapq.heapify(arrivals)
         programs = self._programs() if self.spec.programs else {}
         transfer = getattr(self.policy, "transfer", None)  # policies that move KV
         # Program id -> where each branch (by arrival order) runs, after which prefill.
@@ -152,10 +219,17 @@ class Replayer:
         demand = PrefixDemand()  # as the router's decider keeps it
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
-        for n, (req, treq) in enumerate(zip(reqs, self.trace.requests, strict=True)):
-            now = req.arrival_s
+        n = 0
+        while True:
+            self._run_to_next(arrivals, reqs, nxt)  # with none left: until replies release more
+            if not arrivals:
+                break
+            now, i = heapq.heappop(arrivals)
+            req, treq = reqs[i], self.trace.requests[i]
+            n += 1
             for w in self.workers:
                 w.advance(now)
+            self._release(arrivals, reqs, nxt, now)
             prog, n_branches = programs.get(treq.program, ((), 0))
             if n_branches and treq.program in placed:
                 worker, parent = placed[treq.program].pop(0)
@@ -241,6 +315,8 @@ class Replayer:
                 self._progress(n)
         for w in self.workers:
             w.advance(math.inf)
+        if n != len(reqs):  # a continuation whose reply never ended: a bug, not a result
+            raise RuntimeError(f"replay routed {n} of {len(reqs)} requests")
         if self._progress is not None:
             self._progress(len(reqs))
         return ReplayResult(self.policy.name, reqs, self.workers, samples,

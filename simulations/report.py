@@ -39,10 +39,16 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
                      f"p99 {floor['p99_s']:.2f}s; no policy's TTFT can be lower")
     lines.append("moved: prompt tokens cached on another worker than the one the policy chose "
                  "(hits given up for balance); flight: tokens an earlier request had brought "
-                 "but was still prefilling (or, a reply, generating) when it arrived "
+                 "but was still prefilling (or, a reply, generating: not with --closed-loop) "
+                 "when it arrived "
                  "(--predict-ttl-ms coalesces prefills); "
                  "stale: prefilled, but their cache event not yet at the router "
                  "(--propagation-ms)")
+    waits = [r for r in rows if r.waited_ratio]
+    if waits:
+        lines.append("sent when the reply they carry ended, after their trace time: " + ", ".join(
+            f"{r.policy} {r.waited_ratio:.1%} of requests, {r.waited_mean_s:.2f}s later on "
+            f"average" for r in waits))
     lines += [f"{r.policy} also fetched {r.fetched_ratio:.1%} of prompt tokens' KV from other "
               "workers (not counted as hits)" for r in rows if r.fetched_ratio]
     return "\n".join(lines)

@@ -13,7 +13,7 @@ Two JSONL formats, one object per line:
 Either format may carry ``program``: requests with the same id are the branches of one
 controller-program fork (written by ``kvroute gen fork``); and ``session``: requests with the
 same id belong to one conversation or agent run (written by ``kvroute gen``), so a reply is
-looked for only in its own session's later requests (:func:`reply_keys`).
+looked for only in its own session's later requests (:func:`continuations`).
 
 Either way a request becomes the keys of its *full* prompt blocks -- exactly what an engine
 caches -- so the simulator and the router see the same units.
@@ -32,7 +32,7 @@ import xxhash
 from kvroute.core.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
 
 MOONCAKE_BLOCK = 512
-# Requests ending at one block that :func:`reply_keys` keeps waiting for a continuation: a hot
+# Requests ending at one block that :func:`continuations` keeps waiting for a continuation: a hot
 # RAG document can end thousands of prompts' full blocks, few of them ever continued.
 _REPLY_CANDIDATES = 8
 
@@ -65,6 +65,7 @@ class Trace:
     block_size: int
     source: str = ""
     skipped: list[str] = field(default_factory=list)  # "file:line: reason" of bad lines
+    _next: list[int] | None = field(default=None, repr=False, compare=False)
     _replies: list[tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -80,14 +81,22 @@ class Trace:
         t0 = self.requests[0].arrival_s if self.requests else 0.0
         reqs = [replace(r, arrival_s=t0 + (r.arrival_s - t0) / rate_scale)
                 for r in self.requests]
-        # Same keys in the same order: the same replies.
-        return Trace(reqs, self.block_size, self.source, self.skipped, self.reply_keys())
+        # Same keys in the same order: the same continuations and replies.
+        return Trace(reqs, self.block_size, self.source, self.skipped, self.continuations(),
+                     self.reply_keys())
+
+    def continuations(self) -> list[int]:
+        """Per request, the index of the request that continues its reply, -1 if none (see
+        :func:`continuations`); computed on first use."""
+        if self._next is None:
+            self._next = continuations(self.requests, self.block_size)
+        return self._next
 
     def reply_keys(self) -> list[tuple[int, ...]]:
         """Per request, the keys of the blocks its reply fills (see :func:`reply_keys`);
         computed on first use."""
         if self._replies is None:
-            self._replies = reply_keys(self.requests, self.block_size)
+            self._replies = reply_keys(self.requests, self.block_size, self.continuations())
         return self._replies
 
     def tiled(self, copies: int) -> Trace:
@@ -104,27 +113,25 @@ class Trace:
         return Trace(reqs, self.block_size, self.source)
 
 
-def reply_keys(requests: Sequence[TraceRequest], block_size: int) -> list[tuple[int, ...]]:
-    """Per request, the keys of the full blocks its reply fills, in order; () if unknown.
+def continuations(requests: Sequence[TraceRequest], block_size: int) -> list[int]:
+    """Per request, the index of the later request that continues its reply; -1 if none.
 
-    Engines cache generated tokens as well as the prompt (vLLM's and SGLang's prefix caches,
-    and kvroute's ``sim`` engine: the blocks covered by ``prompt + output - 1`` computed
-    tokens), so a chat turn or an agent call that carries the previous reply hits it where
-    that reply was generated. A trace gives only prompts' blocks, so a reply's keys are read
-    from its continuation: the first later request whose keys extend this one's full prompt
-    blocks and whose prompt holds at least this prompt and reply (``prompt_tokens >=
-    prompt + output``), of the same session when both name one (``session``). Without
-    sessions (the Mooncake format has none), a request that merely shares this prompt's full
-    blocks (a RAG prompt whose question sits in its partial last block) may be taken for its
-    continuation when it is long enough; of several requests ending at the same block, the
-    one whose prompt and reply fill most of the continuation is taken.
+    A trace gives only prompts, so a reply is known by its continuation: the first later
+    request whose keys extend this one's full prompt blocks and whose prompt holds at least
+    this prompt and reply (``prompt_tokens >= prompt + output``), of the same session when
+    both name one (``session``). Without sessions (the Mooncake format has none), a request
+    that merely shares this prompt's full blocks (a RAG prompt whose question sits in its
+    partial last block) may be taken for its continuation when it is long enough; of several
+    requests ending at the same block, the one whose prompt and reply fill most of the
+    continuation is taken. A request continues at most one other (the latest it extends).
     Keys are chained (a key stands for its whole prefix), so one lookup per block finds the
     requests a prompt extends: O(total blocks)."""
-    out: list[tuple[int, ...]] = [()] * len(requests)
-    # last full-block key -> the latest requests ending there with no reply found yet
+    out = [-1] * len(requests)
+    # last full-block key -> the latest requests ending there with no continuation found yet
     waiting: dict[int, list[int]] = {}
     for j, r in enumerate(requests):
         keys = r.keys
+        found = -1
         for pos, key in enumerate(keys):
             cands = waiting.get(key)
             if not cands:
@@ -133,19 +140,37 @@ def reply_keys(requests: Sequence[TraceRequest], block_size: int) -> list[tuple[
                     requests[i].prompt_tokens + requests[i].output_tokens <= r.prompt_tokens
                     and not (r.session and requests[i].session
                              and r.session != requests[i].session)]
-            if not fits:
-                continue
-            i = max(reversed(fits),
-                    key=lambda i: requests[i].prompt_tokens + requests[i].output_tokens)
-            prev = requests[i]
-            full = (prev.prompt_tokens + prev.output_tokens - 1) // block_size
-            out[i] = keys[pos + 1:min(len(keys), full)]
-            cands.remove(i)
+            if fits:
+                found = max(reversed(fits),
+                            key=lambda i: requests[i].prompt_tokens + requests[i].output_tokens)
+        if found >= 0:
+            out[found] = j
+            waiting[requests[found].keys[-1]].remove(found)
         if keys:
             cands = waiting.setdefault(keys[-1], [])
             cands.append(j)
             if len(cands) > _REPLY_CANDIDATES:
                 del cands[0]
+    return out
+
+
+def reply_keys(requests: Sequence[TraceRequest], block_size: int,
+               nxt: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """Per request, the keys of the full blocks its reply fills, in order; () if unknown.
+
+    Engines cache generated tokens as well as the prompt (vLLM's and SGLang's prefix caches,
+    and kvroute's ``sim`` engine: the blocks covered by ``prompt + output - 1`` computed
+    tokens), so a chat turn or an agent call that carries the previous reply hits it where
+    that reply was generated. The reply's keys are read from the request that continues it
+    (``nxt``, :func:`continuations` when not given)."""
+    if nxt is None:
+        nxt = continuations(requests, block_size)
+    out: list[tuple[int, ...]] = [()] * len(requests)
+    for i, j in enumerate(nxt):
+        if j >= 0:
+            prev, keys = requests[i], requests[j].keys
+            full = (prev.prompt_tokens + prev.output_tokens - 1) // block_size
+            out[i] = keys[len(prev.keys):min(len(keys), full)]
     return out
 
 

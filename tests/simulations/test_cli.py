@@ -42,6 +42,12 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
     replies = doc["meta"]["replies"]
     assert 0 < replies < 240 and doc["meta"]["reply_tokens"] > 0
     assert f"replies: {replies} requests' replies are continued by a later prompt" in ran.stdout
+    # ... and their continuations are sent at their trace times (open loop), unless
+    # --closed-loop (below).
+    assert doc["meta"]["closed_loop"] is False
+    assert "requests carry an earlier reply; each is sent at its trace time, even before" \
+        in ran.stdout
+    assert all(p["waited_ratio"] == 0 for p in doc["policies"])
     assert "runs" not in doc and "verdicts" not in doc
     inf = doc["bounds"]["infinite cache"]
     floor = doc["ttft_floor"]
@@ -63,6 +69,23 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
     doc2 = json.loads((tmp_path / "again" / "results.json").read_text())
     strip = [{k: v for k, v in p.items() if k != "wall_s"} for p in doc["policies"]]
     assert strip == [{k: v for k, v in p.items() if k != "wall_s"} for p in doc2["policies"]]
+
+
+
+def test_closed_loop_sends_continuations_when_their_replies_end(chat: Path,
+                                                               tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    ran = replay(chat, "--workers", "4", "--policies", "kvroute", "--load", "0.8",
+                 "--closed-loop", "--out", out)
+    assert ran.returncode == 0, ran.stderr
+    assert "each is sent at its trace time or when that reply ends, whichever is later" \
+        in ran.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["closed_loop"] is True
+    (p,) = doc["policies"]
+    assert 0 < p["waited_ratio"] < 1 and p["waited_mean_s"] > 0 and p["requests"] == 240
+    assert f"sent when the reply they carry ended, after their trace time: kvroute " \
+           f"{p['waited_ratio']:.1%} of requests" in ran.stdout
 
 
 def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path) -> None:

@@ -139,6 +139,57 @@ def test_replies_are_hits_within_the_bound() -> None:
     assert hit_replies > 100
 
 
+def test_a_continuation_is_sent_when_the_reply_it_carries_ends() -> None:
+    """A chat turn cannot be sent before the reply it carries has ended: closed loop, the
+    replay sends it then (its TTFT counts from then) and it hits that reply; open loop (the
+    default), it goes at its trace time and misses the reply, still being generated. Other
+    requests keep their times."""
+    first = tuple(range(1, 11))
+    tr = Trace([TraceRequest(0.0, 160, 40, first, session="a"),  # 199 computed: 12 blocks
+                TraceRequest(0.05, 216, 8, (*first, 11, 12, 13), session="a"),
+                TraceRequest(0.1, 64, 4, (50, 51, 52, 53), session="b")], 16)
+    assert tr.continuations() == [1, -1, -1]
+    assert tr.reply_keys()[0] == (11, 12)
+    res = run(tr, "kvroute", workers=2, predict_ttl_s=0.0, propagation_s=0.0, closed_loop=True)
+    a, b, c = res.requests
+    assert a.finished_s > 0.5  # 39 decode steps after its first token
+    assert b.arrival_s == a.finished_s and b.waited_s == pytest.approx(a.finished_s - 0.05)
+    assert b.worker == a.worker and b.cached_tokens == 12 * 16  # its prompt and reply
+    assert b.first_token_s - b.arrival_s < 0.05  # from when it was sent
+    assert (c.arrival_s, c.waited_s) == (0.1, 0.0)
+    m = measure(res)
+    assert m.waited_ratio == pytest.approx(1 / 3)
+    assert m.waited_mean_s == pytest.approx(b.waited_s)
+    opened = run(tr, "kvroute", workers=2, predict_ttl_s=0.0, propagation_s=0.0)
+    a, b, _ = opened.requests
+    assert b.arrival_s == 0.05 and b.arrival_s < a.finished_s and b.waited_s == 0
+    assert b.cached_tokens == 10 * 16  # the prompt only: the reply was not stored yet
+    assert measure(opened).waited_ratio == 0
+
+
+@pytest.mark.parametrize("policy", ["kvroute", "round_robin"])
+def test_every_continuation_waits_for_its_reply_and_no_longer(policy: str) -> None:
+    """On generated chat and agent traffic faster than the cluster answers, each
+    continuation is sent exactly when the reply it carries ends, or at its trace time if
+    later, wherever the policy sends it; every request is routed once."""
+    for kind in ("chat", "agent"):
+        tr = parse([json.dumps(r) for r in generate(kind, 400, 40.0, seed=2, block_size=16)])
+        res = run(tr, policy, workers=3, capacity_blocks=30000, closed_loop=True)
+        reqs = res.requests
+        late = 0
+        for i, j in enumerate(tr.continuations()):
+            if j >= 0:
+                sent = max(tr.requests[j].arrival_s, reqs[i].finished_s)
+                assert reqs[j].arrival_s == sent
+                assert reqs[j].waited_s == pytest.approx(sent - tr.requests[j].arrival_s)
+                late += reqs[j].waited_s > 0
+        assert late > 20
+        assert sorted(r.idx for r in reqs) == list(range(len(tr.requests)))
+        assert all(r.first_token_s >= r.arrival_s for r in reqs)
+        opened = run(tr, policy, workers=3, capacity_blocks=30000)
+        assert [r.arrival_s for r in opened.requests] == [r.arrival_s for r in tr.requests]
+
+
 def test_hit_ratio_never_exceeds_the_infinite_cache_bound(mooncake: Trace) -> None:
     tr = head(mooncake, 800, 1.0)
     bound = hit_ratio(tr, infinite_cache_hits(tr))
