@@ -297,6 +297,11 @@ def run(args: argparse.Namespace) -> int:
 
     def report(rows: list[PolicyMetrics], runs: list[Jittered]) -> None:
         print(table(rows, bounds, floor_summary(floor)), flush=True)
+        if spec.closed_loop:
+            # The sessions set the pace: a rate scale compresses only their think times.
+            print("closed loop: requests were sent at " + ", ".join(
+                f"{r.sent_rps / capacity:.0%} of capacity ({r.policy})" for r in rows),
+                flush=True)
         if runs:
             print(f"averaged over rate jitters {', '.join(f'x{j:g}' for j in jitters)}")
             for v in verdicts(runs, focus=args.focus):

@@ -38,6 +38,7 @@ class PolicyMetrics:
     # (closed-loop replay), and how much later on average
     waited_ratio: float = 0.0
     waited_mean_s: float = 0.0
+    sent_rps: float = 0.0  # requests sent per second (closed loop: slower than the trace's rate)
 
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -52,7 +53,9 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     prompt = sum(r.prompt_tokens for r in reqs)
     fetched = sum(min(r.received_tokens, r.cached_tokens) for r in reqs)
     cached = sum(r.cached_tokens for r in reqs) - fetched
-    span = max(r.finished_s for r in reqs) - min(r.arrival_s for r in reqs)
+    first = min(r.arrival_s for r in reqs)
+    span = max(r.finished_s for r in reqs) - first
+    sending = max(r.arrival_s for r in reqs) - first
     unseen = unseen_misses(res)
     prefilled = np.array([w.prefill_tokens for w in res.workers], dtype=float)
     waited = [r.waited_s for r in reqs if r.waited_s > 0]
@@ -68,7 +71,8 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         inflight_ratio=sum(f for f, _ in unseen) / prompt,
         stale_ratio=sum(s for _, s in unseen) / prompt,
         waited_ratio=len(waited) / len(reqs),
-        waited_mean_s=float(np.mean(waited)) if waited else 0.0)
+        waited_mean_s=float(np.mean(waited)) if waited else 0.0,
+        sent_rps=len(reqs) / sending if sending > 0 else math.inf)
 
 
 def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,10 @@ def test_closed_loop_sends_continuations_when_their_replies_end(chat: Path,
     assert 0 < p["waited_ratio"] < 1 and p["waited_mean_s"] > 0 and p["requests"] == 240
     assert f"sent when the reply they carry ended, after their trace time: kvroute " \
            f"{p['waited_ratio']:.1%} of requests" in ran.stdout
+    # The sessions set the pace: the load actually offered is said, at most the one asked for.
+    m = re.search(r"closed loop: requests were sent at (\d+)% of capacity \(kvroute\)",
+                  ran.stdout)
+    assert m is not None and 0 < int(m.group(1)) <= 80
 
 
 def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path) -> None:

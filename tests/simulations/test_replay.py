@@ -167,6 +167,27 @@ def test_a_continuation_is_sent_when_the_reply_it_carries_ends() -> None:
     assert measure(opened).waited_ratio == 0
 
 
+def test_a_continuation_sent_elsewhere_joins_that_worker_when_it_is_sent() -> None:
+    """Closed loop, the replay runs workers ahead only as far as no released continuation
+    could reach them: a worker whose watched request ends later (behind a long prefill) is
+    not run past the time another's reply ends, so the continuation routed to it from there
+    joins its queue when it is sent."""
+    a, b = (1, 2, 3, 4), (21, 22, 23, 24)
+    tr = Trace([TraceRequest(0.0, 64, 40, a, session="a"),  # -> w00, behind the long one
+                TraceRequest(0.001, 64, 45, b, session="b"),  # -> w01, ends ~0.6 s
+                TraceRequest(0.002, 4000, 2, tuple(range(100, 350)), session="c"),  # -> w00
+                TraceRequest(0.003, 64, 2, (40, 41, 42, 43), session="d"),  # -> w01
+                TraceRequest(0.004, 128, 2, (*b, 25, 26, 27, 28), session="b"),  # -> w00
+                TraceRequest(0.005, 128, 2, (*a, 5, 6, 7, 8), session="a"),
+                TraceRequest(10.0, 64, 2, (90, 91, 92, 93), session="e")], 16)
+    assert tr.continuations()[:2] == [5, 4]
+    res = run(tr, "round_robin", workers=2, predict_ttl_s=0.0, closed_loop=True)
+    ra, rb, _, _, cb, _, _ = res.requests
+    assert (ra.worker, rb.worker, cb.worker) == ("w00", "w01", "w00")
+    assert cb.arrival_s == rb.finished_s < ra.finished_s
+    assert cb.first_token_s - cb.arrival_s < 0.05  # a decode step and its own prefill
+
+
 @pytest.mark.parametrize("policy", ["kvroute", "round_robin"])
 def test_every_continuation_waits_for_its_reply_and_no_longer(policy: str) -> None:
     """On generated chat and agent traffic faster than the cluster answers, each
