@@ -221,7 +221,11 @@ class KvrouteCost:
     replay caching replies, as engines do; every other figure in this docstring was
     measured with only prompts cached, which changes chat and agent traffic (chat at 50%:
     kvroute's hit ratio 78.9% then, 83.1% now) and leaves rag, fork and the Mooncake trace
-    within 1%. Against the earlier hold rule (whole cost, ``hold`` 0.75) this one raised
+    within 1%. With clients that wait for their replies (the replay's ``--closed-loop``),
+    chat and agent sessions keep every reply and all policies come within 0.3 points of the
+    infinite cache; kvroute's hit ratio is then 0.04-0.15 points below llm-d's, whose mean
+    TTFT is up to 29% higher (README, "With clients that wait"): the sessions it moves off a
+    busy holder. Against the earlier hold rule (whole cost, ``hold`` 0.75) this one raised
     the hit ratio 0.1-0.4 points on chat, agent and rag (seeds 1 and 2) at level mean
     TTFT, and p99 rose 1-5% on chat and rag.
     """
