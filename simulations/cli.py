@@ -323,7 +323,9 @@ def run(args: argparse.Namespace) -> int:
                               {**setup.meta(), "load": ld, "rate_scale": setup.scale_for(ld),
                                "seed": args.seed, "jitters": list(jitters),
                                "focus": args.focus}, sweep_runs[ld], args.focus)
-            print(f"wrote {plot_sweep(args.out, sweep, sweep_runs, floor)}")
+            plot = plot_sweep(args.out, sweep, sweep_runs, floor,
+                              capacity if spec.closed_loop else None)
+            print(f"wrote {plot}")
         return 0
     scale = setup.scale_for(args.load) if args.load is not None else args.rate_scale
     load_frac = base_rps * scale / capacity

@@ -133,16 +133,33 @@ def plot_replay(out: Path, results: Sequence[ReplayResult], rows: Sequence[Polic
     return paths
 
 
+def sweep_loads(sweep: dict[float, list[PolicyMetrics]],
+                capacity_rps: float | None = None) -> dict[str, list[float]]:
+    """Per policy, the load of each point of a sweep, in its order: the nominal loads, or
+    with ``capacity_rps`` (a closed-loop replay, whose clients set the pace) the load each
+    policy's clients offered, ``sent_rps / capacity_rps``."""
+    loads = sorted(sweep)
+    if capacity_rps is None:
+        return {r.policy: loads for r in sweep[loads[0]]}
+    out: dict[str, list[float]] = {}
+    for ld in loads:
+        for r in sweep[ld]:
+            out.setdefault(r.policy, []).append(r.sent_rps / capacity_rps)
+    return out
+
+
 def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]],
                runs: dict[float, list[Jittered]] | None = None,
-               floor: np.ndarray | None = None) -> Path:
+               floor: np.ndarray | None = None, capacity_rps: float | None = None) -> Path:
     """Mean and p99 TTFT against load per policy, and the floor's (the same at every load);
     with jittered ``runs``, bars span the jitters' range (where the lines cross inside the
-    bars, the ranking is noise)."""
+    bars, the ranking is noise). With ``capacity_rps`` (closed loop) each point sits at the
+    load its policy's clients offered (:func:`sweep_loads`)."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     loads = sorted(sweep)
     rows = {ld: {r.policy: r for r in sweep[ld]} for ld in loads}
+    xs = sweep_loads(sweep, capacity_rps)
     jittered = {ld: {j.policy: j.runs for j in runs[ld]} for ld in loads} \
         if runs and all(runs.get(ld) for ld in loads) else None
     for name in rows[loads[0]]:
@@ -153,16 +170,17 @@ def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]],
                 spans = [[getattr(m, field) for m in jittered[ld][name]] for ld in loads]
                 yerr = [[v - min(sp) for v, sp in zip(vals, spans, strict=True)],
                         [max(sp) - v for v, sp in zip(vals, spans, strict=True)]]
-            ax.errorbar(loads, vals, yerr=yerr, marker="o", capsize=3, label=name)
+            ax.errorbar(xs[name], vals, yerr=yerr, marker="o", capsize=3, label=name)
     if floor is not None:
         summary = floor_summary(floor)
         for ax, key in ((a1, "mean_s"), (a2, "p99_s")):
             ax.axhline(summary[key], linestyle="--", color="k", linewidth=1, label="floor")
     for ax, title in ((a1, "mean TTFT"), (a2, "p99 TTFT")):
         ax.set_yscale("log")
-        ax.set_xlabel("offered load (fraction of cluster capacity)")
+        ax.set_xlabel("offered load (fraction of cluster capacity)" if capacity_rps is None
+                      else "load the clients offered (fraction of capacity; closed loop)")
         ax.set_ylabel("seconds")
-        ax.set_title(title + (" (bars: range over rate jitters)" if runs else ""))
+        ax.set_title(title + (" (bars: range over rate jitters)" if jittered else ""))
         ax.grid(alpha=0.3)
     a1.legend(fontsize=8)
     return _save(fig, out / "sweep_ttft.png")
