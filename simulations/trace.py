@@ -89,7 +89,7 @@ class Trace:
         """Per request, the index of the request that continues its reply, -1 if none (see
         :func:`continuations`); computed on first use."""
         if self._next is None:
-            self._next = continuations(self.requests, self.block_size)
+            self._next = continuations(self.requests)
         return self._next
 
     def reply_keys(self) -> list[tuple[int, ...]]:
@@ -113,7 +113,7 @@ class Trace:
         return Trace(reqs, self.block_size, self.source)
 
 
-def continuations(requests: Sequence[TraceRequest], block_size: int) -> list[int]:
+def continuations(requests: Sequence[TraceRequest]) -> list[int]:
     """Per request, the index of the later request that continues its reply; -1 if none.
 
     A trace gives only prompts, so a reply is known by its continuation: the first later
@@ -164,7 +164,7 @@ def reply_keys(requests: Sequence[TraceRequest], block_size: int,
     that reply was generated. The reply's keys are read from the request that continues it
     (``nxt``, :func:`continuations` when not given)."""
     if nxt is None:
-        nxt = continuations(requests, block_size)
+        nxt = continuations(requests)
     out: list[tuple[int, ...]] = [()] * len(requests)
     for i, j in enumerate(nxt):
         if j >= 0:
