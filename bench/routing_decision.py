@@ -106,7 +106,7 @@ def naive_decide(req: Received, naive: dict[str, set[int]],
             matched[w] = n
     affinity = keys[0] if keys else 0
     q = RouteQuery(len(tokens), BLOCK, matched, reg.loads, affinity,
-                   prefix_family(keys, matched, affinity))
+                   prefix_family(keys, max(matched.values(), default=0), affinity))
     return policy.rank_python(q)[0].worker
 
 

@@ -193,7 +193,7 @@ class SimWorker:
         if not watched:
             return math.inf
         steps = self.steps
-        left = min(r.output_tokens - 1 if r.first_token_s != r.first_token_s  # nan: waiting
+        left = min(r.output_tokens - 1 if math.isnan(r.first_token_s)  # not decoding yet
                    else r.done_step - steps for r in watched.values())
         return self.t + max(0, left) * self.cost.decode_step_s(1)
 

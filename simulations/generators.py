@@ -16,7 +16,7 @@ different ways:
 Every record is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 "hash_ids": [...], "block_size": tokens, "session": id}``: the session is the conversation,
 agent run, RAG request or fork program it belongs to (the replay reads a reply's blocks only
-from a later request of the same session, see :func:`simulations.trace.reply_keys`). The id
+from a later request of the same session, see :func:`simulations.trace.continuations`). The id
 at position i stands for the whole prefix up to and including block i (the last block may
 be partial: ``ceil(input_length / block_size)`` ids), so two requests share a prefix exactly
 as far as their leading ids agree. Ids are assigned from a content chain hash: each piece of

@@ -103,8 +103,8 @@ def rank_request(
     if index is not None:
         matched = {w: n for w, n in index.match(keys).items()
                    if w in loads and (compatible is None or compatible(w))}
-    family = affinity if session else prefix_family(keys, matched, affinity)
-    top = max(matched.values(), default=0)
+    top = max(matched.values(), default=0)  # blocks of the longest prefix cached anywhere
+    family = affinity if session else prefix_family(keys, top, affinity)
     rate = demand.observe(keys[top - 1], now) if demand is not None and top else 0.0
     query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family, rate)
     return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())
@@ -122,8 +122,8 @@ def rerank_confirmed(policy: Policy, index: PrefixIndex, d: Decision,
     return Decision(policy.rank(query), query, d.keys)
 
 
-def prefix_family(keys: Sequence[int], matched: Mapping[str, int], default: int) -> int:
+def prefix_family(keys: Sequence[int], top: int, default: int) -> int:
     """A session-less request's family (:class:`RouteQuery`): the key of the first block no
-    worker caches, else ``default`` (the whole prompt is cached somewhere)."""
-    top = max(matched.values(), default=0)
+    worker caches (``top``: the most blocks any worker matched), else ``default`` (the whole
+    prompt is cached somewhere)."""
     return keys[top] if top < len(keys) else default
