@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvroute.core import config
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.policies import REGISTRY, Policy, make_policy
 from simulations.compare import Jittered, parse_jitters, replay_jittered, verdicts
@@ -30,30 +31,39 @@ from simulations.trace import Trace, TraceError, load
 SWEEP_LOADS = (0.5, 0.65, 0.8, 0.95)
 
 
+# argparse types for the numbers below (kvroute.core.config's ranges, read from text): a bad
+# value is refused by name before a large trace loads (a rate of 0 or NaN was a traceback, a
+# negative delay ran).
+POSITIVE = config.POSITIVE.parser(float)
+NON_NEGATIVE = config.NON_NEGATIVE.parser(float)
+AT_LEAST_ONE = config.AT_LEAST_ONE.parser(int)
+FRACTION = config.FRACTION.parser(float)
+
+
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """The trace and the simulated cluster: shared by ``kvroute replay`` and ``kvroute tune``."""
     p.add_argument("trace", help="trace file: Mooncake JSONL (hash_ids) or JSONL with token_ids")
-    p.add_argument("--workers", type=int, default=16, help="simulated workers")
-    p.add_argument("--capacity-blocks", type=int, default=0,
+    p.add_argument("--workers", type=AT_LEAST_ONE, default=16, help="simulated workers")
+    p.add_argument("--capacity-blocks", type=config.NON_NEGATIVE.parser(int), default=0,
                    help="KV blocks per worker (default: 480k tokens' worth, an A100-80GB "
                         "serving Llama-3.1-8B)")
-    p.add_argument("--propagation-ms", type=float, default=50.0,
+    p.add_argument("--propagation-ms", type=NON_NEGATIVE, default=50.0,
                    help="delay before the router sees a cache event (agent -> Redis -> router)")
-    p.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
+    p.add_argument("--predict-ttl-ms", type=NON_NEGATIVE, default=PREDICT_TTL_S * 1000,
                    help="router predicts a routed prompt's blocks on its worker until they "
                         "are stored, at most this long, and holds a request routed on a "
                         "prediction until that prefill is done, so requests sharing a new "
                         "prefix prefill it once (0 = off; default: the router's)")
-    p.add_argument("--coalesce-share", type=float, default=COALESCE_SHARE,
+    p.add_argument("--coalesce-share", type=FRACTION, default=COALESCE_SHARE,
                    help="a request waits for an in-flight prefill only if it would get at "
                         "least this fraction of it; else it is routed on what workers really "
                         "hold (0: always wait; default: the router's)")
     p.add_argument("--programs", action="store_true",
                    help="run requests sharing a `program` id as one controller program: placed "
                         "once, shared prefix prefilled once, branches beside it")
-    p.add_argument("--max-batch", type=int, default=256,
+    p.add_argument("--max-batch", type=AT_LEAST_ONE, default=256,
                    help="most sequences a worker runs at once (vLLM's --max-num-seqs)")
-    p.add_argument("--prefill-budget", type=int, default=16384,
+    p.add_argument("--prefill-budget", type=AT_LEAST_ONE, default=16384,
                    help="prompt tokens a worker prefills per iteration (vLLM's "
                         "--max-num-batched-tokens)")
     p.add_argument("--chunked-prefill", action="store_true",
@@ -68,9 +78,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overflow", action="store_true",
                    help="with --programs: keep every branch on its program's worker even when "
                         "it has no room (the router's --no-program-overflow)")
-    p.add_argument("--token-block-size", type=int, default=16,
+    p.add_argument("--token-block-size", type=AT_LEAST_ONE, default=16,
                    help="block size for traces given as token_ids")
-    p.add_argument("--tile", type=int, default=1,
+    p.add_argument("--tile", type=AT_LEAST_ONE, default=1,
                    help="repeat the trace this many times back to back (speed tests)")
     p.add_argument("--seed", type=int, default=0, help="seed for randomised policies")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
@@ -84,9 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "override parameters, e.g. kvroute:hold=2:batch_weight=1 (`kvroute "
                         "policies` lists them), to compare variants side by side")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--rate-scale", type=float, default=1.0,
+    rate.add_argument("--rate-scale", type=POSITIVE, default=1.0,
                       help="replay this many times faster than recorded")
-    rate.add_argument("--load", type=float, default=None,
+    rate.add_argument("--load", type=POSITIVE, default=None,
                       help="replay at this fraction of the cluster's capacity (overrides "
                            "--rate-scale)")
     rate.add_argument("--sweep", action="store_true",
@@ -186,12 +196,9 @@ class Setup:
 
 
 def prepare(args: argparse.Namespace) -> Setup | None:
-    """Check the cluster arguments, load the trace (its bad lines reported) and describe it;
-    None after printing why the trace cannot be read. Exits on a bad argument."""
-    if args.workers < 1 or args.max_batch < 1 or args.prefill_budget < 1:
-        raise SystemExit("--workers, --max-batch and --prefill-budget must be >= 1")
-    if not args.predict_ttl_ms >= 0 or not 0 <= args.coalesce_share <= 1:
-        raise SystemExit("--predict-ttl-ms must be >= 0 and --coalesce-share in [0, 1]")
+    """Load the trace (its bad lines reported) and describe it with the cluster the arguments
+    give (checked by their argparse types); None after printing why the trace cannot be read.
+    Exits when a request cannot fit a worker."""
     try:
         trace = load(args.trace, strict=args.strict, token_block_size=args.token_block_size)
     except TraceError as exc:

@@ -451,8 +451,8 @@ def build(kind: str, n_requests: int, rate_per_s: float, seed: int = 0,
         raise ValueError(f"unknown workload kind {kind!r}; choose one of: {', '.join(KINDS)}")
     if n_requests < 0:
         raise ValueError(f"n_requests must be >= 0, got {n_requests}")
-    if not rate_per_s > 0:
-        raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+    if not 0 < rate_per_s < math.inf:  # inf: every gap 0, the arrival loop never advances
+        raise ValueError(f"rate_per_s must be a finite number > 0, got {rate_per_s}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     cls = PARAMS[kind]

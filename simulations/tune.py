@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import multiprocessing
 import multiprocessing.queues
 import os
@@ -49,6 +48,8 @@ from pathlib import Path
 from kvroute.core.policies import REGISTRY, make_policy, parameters
 from kvroute.core.policies.spec import SEPARATOR, parse_spec
 from simulations.cli import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
     Setup,
     add_cluster_arguments,
     make_policies,
@@ -83,11 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions of the cluster's capacity to replay at")
     p.add_argument("--jitter", default=",".join(map(str, DEFAULT_JITTERS)), metavar="F,F,...",
                    help="rate factors each load is replayed at; metrics are their averages")
-    p.add_argument("--trials", type=int, default=32,
+    p.add_argument("--trials", type=AT_LEAST_ONE, default=32,
                    help="variants to replay, the default included")
-    p.add_argument("--hit-weight", type=float, default=10.0,
+    p.add_argument("--hit-weight", type=NON_NEGATIVE, default=10.0,
                    help="percent of TTFT one point of hit ratio is worth in the worst margin")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+    p.add_argument("--jobs", type=AT_LEAST_ONE, default=os.cpu_count() or 1,
                    help="replays run at once (processes)")
     p.add_argument("--also", action="append", default=[], metavar="TRACE",
                    help="tune on this trace too: every variant is scored at each load of "
@@ -442,10 +443,6 @@ def run(args: argparse.Namespace) -> int:
     if not peer_specs or grid.name in [parse_spec(p)[0] for p in peer_specs]:
         raise SystemExit(f"error: --peers must name at least one policy other than {grid.name}")
     peer_names = [f().name for f in make_policies(",".join(peer_specs), args.seed)]
-    if args.trials < 1 or args.jobs < 1:
-        raise SystemExit("error: --trials and --jobs must be >= 1")
-    if not math.isfinite(args.hit_weight) or args.hit_weight < 0:
-        raise SystemExit("error: --hit-weight must be a finite number >= 0")
     for option, paths in (("--also", args.also), ("--check", args.check)):
         missing = [c for c in paths if not Path(c).is_file()]
         if missing:

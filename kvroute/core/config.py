@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_type_hints
 
@@ -30,8 +30,67 @@ COALESCE_SHARE = 0.8
 T = TypeVar("T")
 
 
-def opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts: finite, ``low <= v`` (``low < v`` when
+    ``exclusive``) and ``v <= high``. A config's fields declare theirs (:func:`opt`) and are
+    checked when it is built, so a bad flag or environment value stops the service at start
+    with its name, instead of a busy loop (a 0 s heartbeat), a worker that flaps (a NaN TTL)
+    or a traceback deep in an engine; :meth:`parser` checks a CLI's own flags the same way."""
+
+    low: float
+    high: float = math.inf
+    exclusive: bool = False
+
+    def accepts(self, v: object) -> bool:
+        return (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                and (self.low < v if self.exclusive else self.low <= v) and v <= self.high)
+
+    def wanted(self, integer: bool) -> str:
+        """What it accepts, in words: ``an integer >= 1``, ``a finite number in [0, 1]``."""
+        bound = (f"in {'(' if self.exclusive else '['}{self.low:g}, {self.high:g}]"
+                 if self.high < math.inf else f"{'>' if self.exclusive else '>='} {self.low:g}")
+        return f"{'an integer' if integer else 'a finite number'} {bound}"
+
+    def check(self, name: str, v: float) -> None:
+        """Exit naming config field ``name``'s flag and environment variable unless ``v`` is
+        accepted."""
+        if not self.accepts(v):
+            raise SystemExit(f"{_flag(name)} ({ENV_PREFIX}{name.upper()}) must be "
+                             f"{self.wanted(isinstance(v, int))}, got {v!r}")
+
+    def parser(self, kind: type[int] | type[float]) -> Callable[[str], Any]:
+        """An argparse ``type`` reading a ``kind`` in this range: argparse then names the flag
+        and what it wanted."""
+        def parse(text: str) -> int | float:
+            try:
+                v = kind(text)
+            except ValueError:
+                v = None
+            if not self.accepts(v):
+                raise argparse.ArgumentTypeError(
+                    f"expected {self.wanted(kind is int)}, got {text!r}")
+            return v  # type: ignore[return-value]
+
+        return parse
+
+
+AT_LEAST_ONE = Range(1)
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, exclusive=True)
+PORT = Range(0, 65535)  # 0 picks a free one
+FRACTION = Range(0, 1)
+
+
+def opt(default: Any, help: str, range: Range | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "range": range})
+
+
+def check_ranges(config: Any) -> None:
+    """Refuse a config whose numeric fields are outside their declared :class:`Range`."""
+    for f in dataclasses.fields(config):
+        if (r := f.metadata.get("range")) is not None:
+            r.check(f.name, getattr(config, f.name))
 
 
 @dataclass(frozen=True)
@@ -39,15 +98,19 @@ class CommonConfig:
     redis: str = opt("redis://127.0.0.1:6379/0", "Redis URL holding the cache index and "
                      "heartbeats; redis+cluster://HOST:PORT for a Redis Cluster")
     model: str = opt("default", "model name: part of every block key and Redis key")
-    block_size: int = opt(DEFAULT_BLOCK_SIZE, "tokens per KV block; must equal the engine's")
+    block_size: int = opt(DEFAULT_BLOCK_SIZE, "tokens per KV block; must equal the engine's",
+                          AT_LEAST_ONE)
     host: str = opt("127.0.0.1", "address to bind the gRPC server to")
-    port: int = opt(50051, "gRPC port (0 picks a free one)")
-    metrics_port: int = opt(0, "Prometheus /metrics port (0 disables)")
+    port: int = opt(50051, "gRPC port (0 picks a free one)", PORT)
+    metrics_port: int = opt(0, "Prometheus /metrics port (0 disables)", PORT)
     log_level: str = opt("info", "log level: debug, info, warning, error")
     log_json: bool = opt(False, "log one JSON object per line")
-    vocab_size: int = opt(50257, "token ids must be below this")
-    max_prompt_tokens: int = opt(131072, "longest prompt accepted, in tokens")
-    max_new_tokens: int = opt(32768, "largest max_tokens accepted")
+    vocab_size: int = opt(50257, "token ids must be below this", AT_LEAST_ONE)
+    max_prompt_tokens: int = opt(131072, "longest prompt accepted, in tokens", AT_LEAST_ONE)
+    max_new_tokens: int = opt(32768, "largest max_tokens accepted", AT_LEAST_ONE)
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
 
 
 @dataclass(frozen=True)
@@ -57,83 +120,86 @@ class RouterConfig(CommonConfig):
                                  "`kvroute replay --policies` compares)")
     workers: str = opt("", "static workers, comma-separated id=host:port (heartbeats add more)")
     tokenizer: str = opt("", "tokenizer for text prompts: '' (token ids only), byte or gpt2")
-    poll_interval_s: float = opt(0.5, "seconds between heartbeat scans")
-    connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next")
-    redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts")
+    poll_interval_s: float = opt(0.5, "seconds between heartbeat scans", POSITIVE)
+    connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next",
+                                   POSITIVE)
+    redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts", POSITIVE)
     predict_ttl_s: float = opt(PREDICT_TTL_S, "predict a routed prompt's blocks on its worker "
                                "until its engine reports them stored, for at most this many "
                                "seconds; a request routed there on a prediction waits for "
                                "that prefill, so requests sharing a new prefix prefill it "
-                               "once (0 = off; see README)")
+                               "once (0 = off; see README)", NON_NEGATIVE)
     coalesce_wait_s: float = opt(30.0, "longest a request waits for the in-flight prefill a "
-                                 "prediction stands for before it is sent anyway")
+                                 "prediction stands for before it is sent anyway", POSITIVE)
     coalesce_share: float = opt(COALESCE_SHARE, "a request waits for an in-flight prefill only "
                                 "if it would get at least this fraction of it (else it is "
-                                "routed on what workers really hold; 0: always wait)")
+                                "routed on what workers really hold; 0: always wait)",
+                                FRACTION)
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
     route_candidates: int = opt(0, "most workers a Route response lists as candidates, best "
                                 "first (0: every live worker; listing 128 adds ~0.2-0.5 ms to "
-                                "a call)")
+                                "a call)", NON_NEGATIVE)
     discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
     k8s_namespace: str = opt("", "kubernetes discovery: namespace (default: the pod's own)")
     k8s_selector: str = opt("app.kubernetes.io/component=worker",
                             "kubernetes discovery: label selector of worker pods")
-    k8s_port: int = opt(50061, "kubernetes discovery: agent gRPC port on worker pods")
+    k8s_port: int = opt(50061, "kubernetes discovery: agent gRPC port on worker pods",
+                        Range(1, 65535))
 
-    def __post_init__(self) -> None:
-        # A negative or NaN window or wait would silently turn coalescing into a no-op that
-        # still logs a timeout per request.
-        for name, positive in (("predict_ttl_s", False), ("coalesce_wait_s", True)):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0 or (positive and v == 0):
-                need = "> 0" if positive else ">= 0"
-                raise SystemExit(f"{_flag(name)} must be a finite number {need}, got {v!r}")
-        if not 0.0 <= self.coalesce_share <= 1.0:  # also refuses NaN
-            raise SystemExit(f"{_flag('coalesce_share')} is a fraction, in [0, 1]; got "
-                             f"{self.coalesce_share!r}")
-        if self.route_candidates < 0:
-            raise SystemExit(f"{_flag('route_candidates')} must be >= 0 (0: every worker), "
-                             f"got {self.route_candidates}")
 
 
 @dataclass(frozen=True)
 class AgentConfig(CommonConfig):
-    port: int = opt(50061, "gRPC port (0 picks a free one)")
+    port: int = opt(50061, "gRPC port (0 picks a free one)", PORT)
     engine: str = opt("sim", "engine adapter: sim, tiny or vllm")
     worker_id: str = opt("", "this worker's id (default: hostname:port)")
     advertise: str = opt("", "address routers use to reach this agent (default host:port)")
-    capacity_blocks: int = opt(4096, "KV cache capacity in blocks (sim engine)")
+    capacity_blocks: int = opt(4096, "KV cache capacity in blocks (sim engine)", AT_LEAST_ONE)
     max_batch: int = opt(64, "most sequences in the running batch (sim and tiny engines; "
                          "for vllm, give its --max-num-seqs); routers split a program's fork "
-                         "across workers when it would not fit")
+                         "across workers when it would not fit", AT_LEAST_ONE)
     max_batched_tokens: int = opt(0, "vllm engine: its --max-num-batched-tokens, reported to "
                                   "routers, which avoid delaying requests that would be "
-                                  "prefilled with this one (0: unknown; routers assume 8192)")
-    time_scale: float = opt(1.0, "multiplies the sim engine's modelled latencies")
-    heartbeat_s: float = opt(1.0, "seconds between heartbeats")
-    heartbeat_ttl_s: float = opt(3.0, "heartbeat TTL: a worker silent this long is dead")
-    publish_buffer: int = opt(100000, "cache events buffered while Redis is down before resync")
-    feed_maxlen: int = opt(1000000, "approximate cap on change-feed length (XADD MAXLEN ~)")
+                                  "prefilled with this one (0: unknown; routers assume 8192)",
+                                  NON_NEGATIVE)
+    time_scale: float = opt(1.0, "multiplies the sim engine's modelled latencies", NON_NEGATIVE)
+    heartbeat_s: float = opt(1.0, "seconds between heartbeats", POSITIVE)
+    heartbeat_ttl_s: float = opt(3.0, "heartbeat TTL: a worker silent this long is dead; longer "
+                                   "than --heartbeat-s", POSITIVE)
+    publish_buffer: int = opt(100000, "cache events buffered while Redis is down before resync",
+                              NON_NEGATIVE)
+    feed_maxlen: int = opt(1000000, "approximate cap on change-feed length (XADD MAXLEN ~)",
+                           AT_LEAST_ONE)
     # -- engine tiny
-    tiny_layers: int = opt(2, "tiny engine: transformer layers")
-    tiny_dim: int = opt(64, "tiny engine: model width")
+    tiny_layers: int = opt(2, "tiny engine: transformer layers", AT_LEAST_ONE)
+    tiny_dim: int = opt(64, "tiny engine: model width", AT_LEAST_ONE)
     tiny_seed: int = opt(0, "tiny engine: weight initialisation seed")
     tokenizer: str = opt("byte", "tiny engine tokenizer: byte or gpt2")
     # -- controller programs (limits checked before any engine work)
-    max_program_fanout: int = opt(16, "programs: most branches a program may have at once")
+    max_program_fanout: int = opt(16, "programs: most branches a program may have at once",
+                                  AT_LEAST_ONE)
     max_program_tokens: int = opt(16384, "programs: most tokens generated or fast-forwarded, "
-                                  "over all branches")
-    max_program_steps: int = opt(256, "programs: most steps, counting sub-programs")
+                                  "over all branches", AT_LEAST_ONE)
+    max_program_steps: int = opt(256, "programs: most steps, counting sub-programs",
+                                 AT_LEAST_ONE)
     max_grammar_bytes: int = opt(65536, "programs: largest constraint (schema, regex, lark, "
-                                 "choices) in bytes")
-    grammar_compile_timeout_s: float = opt(2.0, "programs: seconds to compile one constraint")
+                                 "choices) in bytes", AT_LEAST_ONE)
+    grammar_compile_timeout_s: float = opt(2.0, "programs: seconds to compile one constraint "
+                                           "(0: every constraint is refused)", NON_NEGATIVE)
     # -- engine vllm
     vllm_url: str = opt("http://127.0.0.1:8000", "vllm engine: OpenAI-compatible HTTP base URL")
     vllm_model: str = opt("", "vllm engine: served model name (default: --model)")
     vllm_events: str = opt("tcp://127.0.0.1:5557", "vllm engine: KV-events ZMQ PUB endpoint")
     vllm_replay: str = opt("", "vllm engine: KV-events ZMQ replay (ROUTER) endpoint, optional")
     vllm_topic: str = opt("", "vllm engine: KV-events topic to subscribe to ('' = all)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.heartbeat_ttl_s > self.heartbeat_s:
+            # Its key would expire between two beats: routers would drop a live worker.
+            raise SystemExit(f"--heartbeat-ttl-s ({self.heartbeat_ttl_s:g} s) must be longer than "
+                             f"--heartbeat-s ({self.heartbeat_s:g} s)")
 
 
 def _flag(name: str) -> str:

@@ -28,6 +28,7 @@ from types import FrameType
 import grpc
 import redis.asyncio as aioredis
 
+from kvroute.core.config import NON_NEGATIVE
 from kvroute.core.policies import REGISTRY, make_policy
 from kvroute.demo.procs import (
     Child,
@@ -85,8 +86,9 @@ class DemoOptions:
             raise ValueError(f"--policies lists a policy twice: {args.policies}")
         if args.workers < 1 or args.concurrency < 1 or args.capacity_blocks < 1:
             raise ValueError("--workers, --concurrency and --capacity-blocks must be >= 1")
-        if args.time_scale < 0:
-            raise ValueError("--time-scale must be >= 0")
+        if not NON_NEGATIVE.accepts(args.time_scale):  # the agents' own check, before them
+            raise ValueError(f"--time-scale must be {NON_NEGATIVE.wanted(False)}, got "
+                             f"{args.time_scale}")
         spec = WorkloadSpec(conversations=args.conversations, turns=args.turns,
                             one_off=args.one_off, seed=args.seed)
         return cls(args.workers, policies, spec, args.concurrency, args.capacity_blocks,

@@ -46,5 +46,36 @@ def test_coalescing_window_and_wait_are_checked() -> None:
 
 def test_route_candidates_must_not_be_negative() -> None:
     assert RouterConfig().route_candidates == 0  # every live worker
-    with pytest.raises(SystemExit, match="--route-candidates must be >= 0"):
+    with pytest.raises(SystemExit, match=r"--route-candidates .* must be an integer >= 0"):
         RouterConfig(route_candidates=-1)
+
+
+@pytest.mark.parametrize(("cls", "kw", "message"), [
+    # A 0 s heartbeat or poll would spin; a NaN TTL made the agent fail with a traceback.
+    (AgentConfig, {"heartbeat_s": 0.0}, "--heartbeat-s (KVROUTE_HEARTBEAT_S) must be a finite "
+                                        "number > 0, got 0.0"),
+    (AgentConfig, {"heartbeat_ttl_s": float("nan")}, "--heartbeat-ttl-s"),
+    (AgentConfig, {"heartbeat_s": 5.0}, "--heartbeat-ttl-s (3 s) must be longer than "
+                                        "--heartbeat-s (5 s)"),
+    (AgentConfig, {"time_scale": -1.0}, "--time-scale"),
+    (AgentConfig, {"capacity_blocks": 0}, "--capacity-blocks (KVROUTE_CAPACITY_BLOCKS) must be "
+                                          "an integer >= 1, got 0"),
+    (AgentConfig, {"max_batched_tokens": -1}, "--max-batched-tokens"),
+    (AgentConfig, {"grammar_compile_timeout_s": float("inf")}, "--grammar-compile-timeout-s"),
+    (RouterConfig, {"port": 99999}, "--port (KVROUTE_PORT) must be an integer in [0, 65535]"),
+    (RouterConfig, {"block_size": 0}, "--block-size"),
+    (RouterConfig, {"poll_interval_s": 0.0}, "--poll-interval-s"),
+    (RouterConfig, {"redis_retry_s": float("inf")}, "--redis-retry-s"),
+])
+def test_numbers_out_of_range_stop_the_service_by_name(cls: type, kw: dict[str, float],
+                                                       message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cls(**kw)
+    assert message in str(exc.value)
+
+
+def test_an_environment_value_out_of_range_is_named() -> None:
+    with pytest.raises(SystemExit, match="KVROUTE_HEARTBEAT_S"):
+        from_env(AgentConfig, {"KVROUTE_HEARTBEAT_S": "0"})
+    # In range, it is taken (a TTL is still longer than the interval).
+    assert from_env(AgentConfig, {"KVROUTE_HEARTBEAT_S": "0.5"}).heartbeat_s == 0.5

@@ -117,6 +117,18 @@ def test_unknown_policy_fails_before_starting_anything() -> None:
     assert "unknown policy 'nope'" in err
 
 
+def test_a_nan_time_scale_fails_before_starting_anything() -> None:
+    # It used to pass `< 0` and start four agents that each refused it.
+    proc = _demo("--time-scale", "nan")
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 2
+    assert "--time-scale must be a finite number >= 0, got nan" in err
+    assert "starting" not in err
+
+
 def test_serve_keeps_a_tiny_cluster_up_for_the_examples_until_interrupted() -> None:
     # Started with SIGINT ignored, as a background job of a script would be: Ctrl-C (the
     # documented way to stop it) must still work.

@@ -167,6 +167,18 @@ def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> 
     assert ran.returncode != 0 and "--focus needs --jitter and one of --policies" in ran.stderr
     ran = replay(chat, "--policies", "kvroute, kvroute")
     assert ran.returncode != 0 and "lists a policy twice" in ran.stderr
+    # Numbers out of range are refused by name (--load 0 was a traceback, a negative
+    # --propagation-ms ran).
+    for option, value, want in [("--load", "0", "a finite number > 0"),
+                                ("--rate-scale", "nan", "a finite number > 0"),
+                                ("--propagation-ms", "-1", "a finite number >= 0"),
+                                ("--coalesce-share", "1.5", "a finite number in [0, 1]"),
+                                ("--capacity-blocks", "-1", "an integer >= 0"),
+                                ("--workers", "two", "an integer >= 1")]:
+        ran = replay(chat, "--policies", "kvroute", option, value)
+        assert ran.returncode == 2, (option, ran.stderr)
+        assert f"argument {option}: expected {want}, got '{value}'" in ran.stderr
+        assert "Traceback" not in ran.stderr
     bad = tmp_path / "bad.jsonl"
     lines = chat.read_text().splitlines()
     bad.write_text("\n".join([lines[0], "{broken", *lines[1:5]]) + "\n")

@@ -191,6 +191,8 @@ def test_bad_arguments_are_named() -> None:
         generate("chat", 10, 1.0, fanout=2)
     with pytest.raises(ValueError, match="rate_per_s"):
         generate("rag", 10, 0.0)
+    with pytest.raises(ValueError, match="rate_per_s must be a finite number"):
+        generate("chat", 10, math.inf)  # every gap 0: it never returned
     assert generate("rag", 0, 1.0) == []
 
 
