@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
-from simulations.cli import make_policies
+from simulations.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, make_policies
 from simulations.compare import DEFAULT_JITTERS, parse_jitters, replay_jittered, verdicts
 from simulations.metrics import (
     PolicyMetrics,
@@ -38,15 +38,15 @@ def main() -> None:
     ap.add_argument("--focus", default=None,
                     help="compare this policy with the best of the others (default: the "
                          "first of --policies)")
-    ap.add_argument("--workers", type=int, default=16)
-    ap.add_argument("--predict-ttl-ms", type=float, default=PREDICT_TTL_S * 1000,
+    ap.add_argument("--workers", type=AT_LEAST_ONE, default=16)
+    ap.add_argument("--predict-ttl-ms", type=NON_NEGATIVE, default=PREDICT_TTL_S * 1000,
                     help="the router predicts a routed prompt's blocks until stored, at most "
                          "this long, and coalesces on them (0: off, as peer routers; default: "
                          "the router's)")
-    ap.add_argument("--coalesce-share", type=float, default=COALESCE_SHARE,
+    ap.add_argument("--coalesce-share", type=FRACTION, default=COALESCE_SHARE,
                     help="least share of an in-flight prefill a request waits for (default: "
                          "the router's)")
-    ap.add_argument("--prefill-budget", type=int, default=16384,
+    ap.add_argument("--prefill-budget", type=AT_LEAST_ONE, default=16384,
                     help="prompt tokens per iteration (vLLM's --max-num-batched-tokens)")
     ap.add_argument("--chunked-prefill", action="store_true",
                     help="chunk prefills longer than the budget, as vLLM V1")
