@@ -14,15 +14,17 @@ Scheduling, per iteration (as vLLM's scheduler, without preemption):
 2. The iteration lasts :meth:`CostModel.prefill_s` of every admitted request plus one decode
    step of the running batch. Admitted requests get their first token at its end and their
    full prompt blocks are stored in the cache (a cache event); running ones one more token.
-3. A sequence that has produced ``output`` tokens finishes: the full blocks its reply filled
-   are stored too (``reply_keys``: engines cache generated tokens, and a chat turn or agent
-   call that carries the reply hits them), and its blocks are freed (they stay cached until
-   evicted). The engines store each reply block as it fills; here they are stored when the
-   reply ends, so a follow-up that arrives while it is still being generated (in an
-   open-loop replay) misses them; a closed-loop replay sends it only then (see
-   ``simulations/replay.py``). A request another waits for (``watched``) is reported in
-   ``ended`` when it finishes, and ``advance(..., stop_at_end=True)`` stops there, so that
-   continuation is sent on time.
+3. Each block of the reply is stored (a cache event) at the decode step that fills it, as
+   engines store generated tokens (``reply_keys``: a chat turn or agent call that carries
+   the reply hits them): the step whose KV completes the block, the one producing token
+   ``n`` computing the KV of ``prompt + n - 1`` tokens. Within a stretch of decode steps
+   run in one jump, each block's event gets the time of its own step. So a router sees
+   all of a reply but its last block or two by the time the reply ends, as a real one
+   does (storing them all at the end hid the whole reply from the router for the
+   propagation delay). A sequence that has produced ``output`` tokens finishes and its
+   blocks are freed (they stay cached until evicted). A request another waits for
+   (``watched``) is reported in ``ended`` when it finishes, and ``advance(...,
+   stop_at_end=True)`` stops there, so that continuation is sent on time.
 
 A request may come with KV fetched from another worker (:meth:`SimWorker.receive`, Mooncake's
 transfer): the blocks are cached on arrival and the request's first token comes no earlier
@@ -71,7 +73,8 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     keys: tuple[int, ...]
-    reply_keys: tuple[int, ...] = ()  # of the full blocks its reply fills (stored at finish)
+    reply_keys: tuple[int, ...] = ()  # of the full blocks its reply fills (stored as filled)
+    reply_stored_s: list[float] = field(default_factory=list)  # when each was stored
     worker: str = ""
     routed_uncached: int = 0  # the router's estimate when it chose the worker
     cached_tokens: int = 0
@@ -117,6 +120,9 @@ class SimWorker:
         # stretch jumps to its first finish and an iteration frees only what finished,
         # instead of counting down every sequence at every step.
         self.running: list[tuple[int, int, SimRequest]] = []
+        # Reply blocks still to fill, a heap by the decode step that fills each: (step,
+        # join order, request); one entry per running request, for its next block.
+        self._fills: list[tuple[int, int, SimRequest]] = []
         self.steps = 0  # decode steps run (each gives every running sequence a token)
         self._joined = 0  # sequences that joined the batch: the heap's tie-break
         self.prefilling: list[SimRequest] = []  # chunked prefills in progress, oldest first
@@ -332,9 +338,15 @@ class SimWorker:
         self._admitted_end = end
         for r in first:
             r.first_token_s = max(end, r.ready_s)
-        self._finish_step(end, 1)
+        self._finish_step(start, end, 1)
         for r in first:
             left = r.output_tokens - 1
+            if r.reply_keys and left > 0:
+                # Token n comes at step steps + n - 1 and completes the KV of prompt + n - 1
+                # tokens: the reply's first block (the prompt's partial last one, if any) is
+                # full when that reaches (len(keys) + 1) * B.
+                fill = self.steps + (len(r.keys) + 1) * self.block_size - r.prompt_tokens
+                heapq.heappush(self._fills, (fill, self._joined, r))
             if left <= 0:
                 self._finish(r, end)
             else:
@@ -368,15 +380,33 @@ class SimWorker:
             k = min(k, max(1, math.ceil((until - self.t) / step)))
         end = self.t + k * step
         self._now = end
-        self._finish_step(end, k)
+        self._finish_step(self.t, end, k)
         self.busy_s += end - self.t
         self.t = end
 
-    def _finish_step(self, end: float, k: int) -> None:
-        """``k`` decode steps ending at ``end``: the sequences whose last token they produce
-        finish, in the order they joined the batch (the order their blocks are freed in
-        decides which the LRU evicts first)."""
+    def _finish_step(self, start: float, end: float, k: int) -> None:
+        """``k`` decode steps from ``start`` to ``end`` (each as long): the reply blocks they
+        fill are stored, each at its own step's end, then the sequences whose last token
+        they produce finish, in the order they joined the batch (the order their blocks are
+        freed in decides which the LRU evicts first)."""
+        first = self.steps
         self.steps += k
+        fills = self._fills
+        if fills and fills[0][0] <= self.steps:
+            step_s = (end - start) / k
+            bs = self.block_size
+            while fills and fills[0][0] <= self.steps:
+                s, order, r = heapq.heappop(fills)
+                if not r.blocks:
+                    continue  # ended first: it had more reply keys than its output fills
+                j = len(r.reply_stored_s)
+                self._now = start + (s - first) * step_s
+                b = len(r.keys) + j
+                self.pool.commit(r.blocks[b:b + 1], r.reply_keys[j:j + 1])
+                r.reply_stored_s.append(self._now)
+                if j + 1 < len(r.reply_keys):
+                    heapq.heappush(fills, (s + bs, order, r))
+            self._now = end
         heap = self.running
         if heap and heap[0][0] <= self.steps:
             done = []
@@ -388,10 +418,6 @@ class SimWorker:
 
     def _finish(self, r: SimRequest, end: float) -> None:
         r.finished_s = end
-        if r.reply_keys:
-            first = len(r.keys)
-            self._now = end
-            self.pool.commit(r.blocks[first:first + len(r.reply_keys)], r.reply_keys)
         self.pool.free(r.blocks)
         r.blocks = []
         self.finished.append(r)

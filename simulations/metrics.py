@@ -82,8 +82,9 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
 
     * in flight: their first prefill had not ended anywhere when it arrived (bursts sharing
       a new prefix; the router's coalescing, ``--predict-ttl-ms``, recovers them), or, for
-      a reply's blocks, that reply was still being generated (in an open-loop replay, the
-      default, a next turn can arrive before it; not with ``ClusterSpec.closed_loop``);
+      a reply's blocks, that reply had not filled them yet (in an open-loop replay, the
+      default, a next turn can arrive before its reply ends; not with
+      ``ClusterSpec.closed_loop``);
     * stale: it had ended, but less than the propagation delay before (the cache event was
       still on its way to the router's index).
 
@@ -99,9 +100,10 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
         for k in r.keys:
             if not ready.get(k, math.inf) <= r.first_token_s:
                 ready[k] = r.first_token_s
-        for k in r.reply_keys:
-            if not ready.get(k, math.inf) <= r.finished_s:
-                ready[k] = r.finished_s
+        # (a reply given more keys than its output fills stores only those it fills)
+        for k, t in zip(r.reply_keys, r.reply_stored_s, strict=False):
+            if not ready.get(k, math.inf) <= t:
+                ready[k] = t
     seen: set[int] = set()
     out = []
     for r in sorted(reqs, key=lambda r: r.arrival_s):

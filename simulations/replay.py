@@ -16,9 +16,10 @@ and a request routed there on a prediction is held until that prefill's first to
 (``SimWorker.held``), as it would receive it from the router. A request that would get less
 than ``coalesce_share`` of that prefill is decided again on what workers really hold instead
 (:func:`kvroute.router.decide.rerank_confirmed`), as the router does.
-Workers cache replies as engines do: the full blocks a request's reply fills are stored when
-it ends (:meth:`Trace.reply_keys` reads their keys from the request that continues it), so
-a chat turn or agent call hits the previous reply where it was generated.
+Workers cache replies as engines do: each full block a request's reply fills is stored at
+the decode step that fills it (:meth:`Trace.reply_keys` reads their keys from the request
+that continues it), so a chat turn or agent call hits the previous reply where it was
+generated, and the router has seen all but its last block or two when it ends.
 By default every request is sent at its trace time (open loop: what a rate scale scales), so a
 trace replayed faster than recorded can have a turn overtake the reply it carries. With
 ``closed_loop`` such a continuation is sent when that reply ends, or at its trace time if that

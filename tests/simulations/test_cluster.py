@@ -110,25 +110,37 @@ def test_a_chunked_prefill_stays_pending_until_its_first_token() -> None:
     assert w.load(0, w.t).pending_prefill_tokens == 0 and not w.prefilling
 
 
-def test_a_reply_is_stored_when_it_ends_and_its_continuation_hits_it() -> None:
-    """Engines cache generated tokens: the full blocks a reply fills are stored when it
-    ends (one event), and the next turn, which carries the reply, hits them."""
+def test_each_reply_block_is_stored_at_the_step_that_fills_it_and_the_next_turn_hits_it(
+        ) -> None:
+    """Engines cache generated tokens as they go: each full block of a reply is stored (an
+    event) at the decode step whose KV completes it, so a router sees it before the reply
+    ends, and the next turn, which carries the reply, hits it."""
     stored: list[tuple[float, tuple[int, ...]]] = []
 
     def sink(t: float, worker: str, ev: CacheEvent) -> None:
         if ev.op is Op.STORE:
             stored.append((t, ev.keys))
 
-    for replies, hit in (((10, 11), 12 * 16), ((), 10 * 16)):
+    cost = CostModel()
+    step = cost.decode_step_s(1)  # the turn decodes alone, its 39 steps in one jump
+    for replies, hit in (((100, 101), 11 * 16), ((), 9 * 16)):
         stored.clear()
-        w = SimWorker("w", 1000, 16, CostModel(), sink)
-        # 160 prompt tokens + 40 generated: 199 computed, so blocks 10 and 11 fill
-        turn = SimRequest(0, 0.0, 160, 40, tuple(range(10)), replies)
+        w = SimWorker("w", 1000, 16, cost, sink)
+        # 150 prompt tokens (9 full blocks) + 40 generated. The step producing token n
+        # computes the KV of 149 + n tokens: block 9 (tokens 144-159) is full at token 11,
+        # 10 steps after the first token; block 10 (160-175) at token 27; 189 computed
+        # tokens in all, so block 11 never fills.
+        turn = SimRequest(0, 0.0, 150, 40, tuple(range(9)), replies)
         w.submit(turn, 0.0)
         w.advance(math.inf)
-        assert stored[-1] == ((turn.finished_s, replies) if replies
-                              else (turn.first_token_s, tuple(range(10))))
-        nxt = SimRequest(1, 10.0, 240, 4, tuple(range(15)))
+        t0 = turn.first_token_s
+        if replies:
+            assert stored[-2:] == [(t0 + 10 * step, (100,)), (t0 + 26 * step, (101,))]
+            assert turn.reply_stored_s == [t0 + 10 * step, t0 + 26 * step]
+            assert turn.finished_s == t0 + 39 * step
+        else:
+            assert stored[-1] == (t0, tuple(range(9)))
+        nxt = SimRequest(1, 10.0, 240, 4, (*range(9), 100, 101, *range(200, 204)))
         w.submit(nxt, 10.0)
         w.advance(math.inf)
         assert nxt.cached_tokens == hit

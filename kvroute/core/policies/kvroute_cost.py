@@ -223,8 +223,9 @@ class KvrouteCost:
     kvroute's hit ratio 78.9% then, 83.1% now) and leaves rag, fork and the Mooncake trace
     within 1%. With clients that wait for their replies (the replay's ``--closed-loop``),
     chat and agent sessions keep every reply and all policies come within 0.3 points of the
-    infinite cache; kvroute's hit ratio is then 0.04-0.15 points below llm-d's, whose mean
-    TTFT is up to 29% higher (README, "With clients that wait"): the sessions it moves off a
+    infinite cache; kvroute's hit ratio is then 0.01-0.18 points below the stickiest peer's
+    (llm-d's, whose mean TTFT is 1.1-2.8x kvroute's there, or Preble's where llm-d collapses
+    on a hot system prompt; README, "With clients that wait"): the sessions it moves off a
     busy holder. Against the earlier hold rule (whole cost, ``hold`` 0.75) this one raised
     the hit ratio 0.1-0.4 points on chat, agent and rag (seeds 1 and 2) at level mean
     TTFT, and p99 rose 1-5% on chat and rag.
