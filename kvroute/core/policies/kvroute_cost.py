@@ -223,12 +223,11 @@ class KvrouteCost:
     kvroute's hit ratio 78.9% then, 83.1% now) and leaves rag, fork and the Mooncake trace
     within 1%. With clients that wait for their replies (the replay's ``--closed-loop``),
     chat and agent sessions keep every reply and all policies come within 0.3 points of the
-    infinite cache; kvroute's hit ratio is then 0.01-0.18 points below the stickiest peer's
-    (llm-d's, whose mean TTFT is 1.1-2.8x kvroute's there, or Preble's where llm-d collapses
-    on a hot system prompt; README, "With clients that wait"): the sessions it moves off a
-    busy holder. Against the earlier hold rule (whole cost, ``hold`` 0.75) this one raised
-    the hit ratio 0.1-0.4 points on chat, agent and rag (seeds 1 and 2) at level mean
-    TTFT, and p99 rose 1-5% on chat and rag.
+    infinite cache; kvroute's hit ratio is then 0.03-0.11 points below the stickiest peer's
+    (llm-d's in 23 of 24 cells, whose mean TTFT is 1.0-1.8x kvroute's there; README, "With
+    clients that wait"): the sessions it moves off a busy holder. Against the earlier hold
+    rule (whole cost, ``hold`` 0.75) this one raised the hit ratio 0.1-0.4 points on chat,
+    agent and rag (seeds 1 and 2) at level mean TTFT, and p99 rose 1-5% on chat and rag.
     """
 
     miss_weight: float = 2.0
