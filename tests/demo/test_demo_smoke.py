@@ -107,25 +107,20 @@ def test_child_failing_to_start_is_reported_with_its_log() -> None:
     _assert_no_leftovers(proc.pid)
 
 
-def test_unknown_policy_fails_before_starting_anything() -> None:
-    proc = _demo("--policies", "kvroute,nope")
-    try:
-        _, err = proc.communicate(timeout=30)
-    finally:
-        _kill_session(proc)
-    assert proc.returncode == 2
-    assert "unknown policy 'nope'" in err
-
-
-def test_a_nan_time_scale_fails_before_starting_anything() -> None:
+@pytest.mark.parametrize(("args", "message"), [
+    (("--policies", "kvroute,nope"), "unknown policy 'nope'"),
     # It used to pass `< 0` and start four agents that each refused it.
-    proc = _demo("--time-scale", "nan")
+    (("--time-scale", "nan"), "--time-scale must be a finite number >= 0, got nan"),
+])
+def test_bad_arguments_fail_before_starting_anything(args: tuple[str, ...],
+                                                     message: str) -> None:
+    proc = _demo(*args)
     try:
         _, err = proc.communicate(timeout=30)
     finally:
         _kill_session(proc)
     assert proc.returncode == 2
-    assert "--time-scale must be a finite number >= 0, got nan" in err
+    assert message in err
     assert "starting" not in err
 
 
