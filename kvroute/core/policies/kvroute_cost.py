@@ -142,12 +142,15 @@ class KvrouteCost:
       prefill, computed it elsewhere and so made a copy by accident; coalesced, it waited,
       and the document kept one copy (rag traffic at 95% load: documents read 10 times or
       more had 1.19 copies on average, then 1.0; their requests' mean TTFT rose from 70 to
-      84 ms). With ``demand_horizon_s`` 10 s, as shipped (router coalescing on; seed 1, 16
-      workers, jitter-averaged, against ``demand_horizon_s`` 0): rag's mean TTFT 2.1-5.0%
-      lower at 50-95% load for 0.09-0.19 points of hit ratio; agent, chat and fork within
-      2% (agent's p99 9% lower at 50%); the Mooncake trace 4.4% lower at 80% and 2.1%
-      higher at 95% (p99 +6%). Against the peers, cells won on all three rose from 8 to 10
-      of 16 on seed 2 and from 11 to 12 on seed 3 (13 of 20 on seed 1 either way). Without
+      84 ms). With ``demand_horizon_s`` 10 s, as shipped (router coalescing on, replies
+      cached; seed 1, 16 workers, jitter-averaged, against ``demand_horizon_s`` 0): rag's
+      mean TTFT 2.1-5.0% lower at 50-95% load for 0.09-0.19 points of hit ratio; chat
+      within 1%, fork the same; the Mooncake trace 3.2% lower at 65% and 1.9% higher at
+      50%; agent within 1% at 50-80% but 8.8% higher at 95% (seed 2: 4.1%; seed 3: 2.5%
+      lower), where copies of agents' system prompts cost more than they save (3 s: 4.9%,
+      with about half of rag's gain). Against the peers (with only prompts cached), cells
+      won on all three rose from 8 to 10 of 16 on seed 2 and from 11 to 12 on seed 3 (13 of
+      20 on seed 1 either way). Without
       coalescing (``--predict-ttl-ms 0``) the policy table's counts stay the same, but the
       Mooncake trace's p99 at 80% rises 30% (44.9 s against 34.6 s; llm-d's is 91.9 s) and
       rag's hit ratio falls 0.1-0.2 points: there the accidental copies still happen.
@@ -216,12 +219,12 @@ class KvrouteCost:
     table is in the README): the best mean TTFT in all 20 cells (Mooncake trace and
     ``kvroute gen`` chat, agent, rag, fork at 50/65/80/95% load), the best p99 in 12, a hit
     ratio at least the best peer's in 6, all three in 6; on the Mooncake trace at 80%
-    6.7 s / 44 s against llm-d's 18.1 s / 104 s (Preble's p99). The hit ratio is within
+    6.8 s / 48 s against llm-d's 17.8 s / 104 s (Preble's p99). The hit ratio is within
     0.01-0.22 points of the stickiest peer's on chat and rag. Those figures are with the
-    replay caching replies, as engines do; every other figure in this docstring was
-    measured with only prompts cached, which changes chat and agent traffic (chat at 50%:
-    kvroute's hit ratio 78.9% then, 83.1% now) and leaves rag, fork and the Mooncake trace
-    within 1%. With clients that wait for their replies (the replay's ``--closed-loop``),
+    replay caching replies, as engines do; every other figure in this docstring not marked
+    so was measured with only prompts cached, which changes chat and agent traffic (chat at
+    50%: kvroute's hit ratio 78.9% then, 83.1% now) and leaves rag, fork and the Mooncake
+    trace within 1%. With clients that wait for their replies (the replay's ``--closed-loop``),
     chat and agent sessions keep every reply and all policies come within 0.3 points of the
     infinite cache; kvroute's hit ratio is then 0.03-0.11 points below the stickiest peer's
     (llm-d's in 23 of 24 cells, whose mean TTFT is 1.0-1.8x kvroute's there; README, "With
