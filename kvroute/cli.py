@@ -14,8 +14,17 @@ from kvroute.core.config import AgentConfig, RouterConfig, add_arguments, from_n
 from kvroute.core.logs import setup_logging
 
 
-class RawDefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter,
-                           argparse.RawDescriptionHelpFormatter):
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless the help already says it (say, "default:
+    the router's") or the option is a switch (its default is always off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class RawDefaultsFormatter(DefaultsFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown, and a description kept as written (a formula)."""
 
 
@@ -26,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "also be set as KVROUTE_<FLAG> (upper case, '-' as '_').")
     p.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = DefaultsFormatter
     r = sub.add_parser("router", help="run the router gRPC service", formatter_class=fmt,
                        description="Route each request to the worker holding the longest "
                                    "cached prefix of its prompt, balanced against load.")
@@ -68,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description=simulations.tune.__doc__)
     add_tune_arguments(tp)
     gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
-                        "fork)", formatter_class=fmt)
+                        "fork)", formatter_class=RawDefaultsFormatter)
     from simulations.generators import add_arguments as add_gen_arguments
 
     add_gen_arguments(gp)

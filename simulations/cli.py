@@ -103,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help=f"replay at loads {', '.join(map(str, SWEEP_LOADS))} and plot TTFT "
                            "against load")
     p.add_argument("--out", type=Path, default=None,
-                   help="write results.json, results.csv and PNG plots here")
+                   help="write results.json, results.csv, requests.csv (a row per request "
+                   "and policy) and PNG plots here")
     p.add_argument("--jitter", default=None, metavar="F,F,...",
                    help="replay each policy at these factors of the rate (e.g. 0.98,1,1.02), "
                         "report the averages, and say whether each lead holds at every "
@@ -254,7 +255,13 @@ def prepare(args: argparse.Namespace) -> Setup | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from simulations.report import plot_replay, plot_sweep, table, write_results
+    from simulations.report import (
+        plot_replay,
+        plot_sweep,
+        table,
+        write_requests,
+        write_results,
+    )
 
     # Arguments first: a bad one should not wait for a large trace to load.
     factories = make_policies(args.policies, args.seed)
@@ -320,16 +327,17 @@ def run(args: argparse.Namespace) -> int:
         for ld in SWEEP_LOADS:
             scale = setup.scale_for(ld)
             print(f"\n== load {ld:.0%} of capacity (rate x{scale:.2f})", flush=True)
-            _, rows, runs = compare(scale)
+            results, rows, runs = compare(scale)
             report(rows, runs)
             sweep[ld], sweep_runs[ld] = rows, runs
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            for ld, rows in sweep.items():
-                write_results(args.out / f"load_{int(ld * 100)}", rows, bounds, floor,
-                              {**setup.meta(), "load": ld, "rate_scale": setup.scale_for(ld),
+            if args.out:  # written as each load ends: the replays' requests are not kept
+                at_load = args.out / f"load_{int(ld * 100)}"
+                write_results(at_load, rows, bounds, floor,
+                              {**setup.meta(), "load": ld, "rate_scale": scale,
                                "seed": args.seed, "jitters": list(jitters),
-                               "focus": args.focus}, sweep_runs[ld], args.focus)
+                               "focus": args.focus}, runs, args.focus)
+                write_requests(at_load, results, floor)
+        if args.out:
             plot = plot_sweep(args.out, sweep, sweep_runs, floor,
                               capacity if spec.closed_loop else None)
             print(f"wrote {plot}")
@@ -346,5 +354,7 @@ def run(args: argparse.Namespace) -> int:
             "jitters": list(jitters), "focus": args.focus}, runs, args.focus)
         for path in plot_replay(args.out, results, rows, bounds, floor):
             print(f"wrote {path}")
-        print(f"wrote {args.out / 'results.json'}, {args.out / 'results.csv'}")
+        requests = write_requests(args.out, results, floor)
+        print(f"wrote {args.out / 'results.json'}, {args.out / 'results.csv'}, {requests} "
+              "(a row per request and policy)")
     return 0

@@ -51,6 +51,8 @@ from pathlib import Path
 
 import xxhash
 
+from kvroute.core.config import AT_LEAST_ONE, POSITIVE
+
 DEFAULT_BLOCK_SIZE = 64
 KINDS = ("chat", "agent", "rag", "fork")
 WARMUP_SPANS = 4  # sessions start this many mean session spans before time 0
@@ -518,16 +520,17 @@ def _param_help() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``gen`` arguments, for a sub-parser of the ``kvroute`` command."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    """The ``gen`` arguments, for a sub-parser of the ``kvroute`` command (whose formatter
+    must keep the epilog's lines as written)."""
     parser.epilog = _param_help()
     parser.add_argument("kind", choices=KINDS, help="workload kind")
-    parser.add_argument("--requests", type=int, default=1000, help="number of requests")
-    parser.add_argument("--rate", type=float, default=10.0,
+    parser.add_argument("--requests", type=AT_LEAST_ONE.parser(int), default=1000,
+                        help="number of requests")
+    parser.add_argument("--rate", type=POSITIVE.parser(float), default=10.0,
                         help="mean arrival rate, requests per second")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                        help="tokens per hash id")
+    parser.add_argument("--block-size", type=AT_LEAST_ONE.parser(int),
+                        default=DEFAULT_BLOCK_SIZE, help="tokens per hash id")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                         help="override a kind parameter (repeatable; see below)")
     parser.add_argument("--out", default="-", help="output JSONL file ('-' = stdout)")
@@ -572,9 +575,12 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvroute gen KIND --requests N --rate R --seed S --out FILE``."""
+    from kvroute.cli import RawDefaultsFormatter
+
     parser = add_arguments(argparse.ArgumentParser(
-        prog="kvroute gen", description="Generate a synthetic workload trace (Mooncake "
-        "JSONL format with a block_size field)."))
+        prog="kvroute gen", formatter_class=RawDefaultsFormatter,
+        description="Generate a synthetic workload trace (Mooncake JSONL format with a "
+                    "block_size field)."))
     return run(parser.parse_args(argv))
 
 

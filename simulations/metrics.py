@@ -76,9 +76,10 @@ def measure(res: ReplayResult) -> PolicyMetrics:
 
 
 def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
-    """Per request, the tokens of its prefix that an earlier request had already brought (so
-    an infinite cache would hit them) but that the router could not see when it routed this
-    one, and that it neither got nor was moved away from: ``(in flight, stale)``.
+    """Per request of ``res.requests``, in that order, the tokens of its prefix that an
+    earlier request had already brought (so an infinite cache would hit them) but that the
+    router could not see when it routed this one, and that it neither got nor was moved away
+    from: ``(in flight, stale)``.
 
     * in flight: their first prefill had not ended anywhere when it arrived (bursts sharing
       a new prefix; the router's coalescing, ``--predict-ttl-ms``, recovers them), or, for
@@ -93,7 +94,7 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
     sooner, so a few of those tokens count as in flight a little too long)."""
     reqs = res.requests
     if not reqs or not res.workers:
-        return []
+        return [(0, 0)] * len(reqs)
     bs = res.workers[0].block_size
     ready: dict[int, float] = {}  # key -> when a prefill holding it first ended
     for r in reqs:
@@ -105,8 +106,9 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
             if not ready.get(k, math.inf) <= t:
                 ready[k] = t
     seen: set[int] = set()
-    out = []
-    for r in sorted(reqs, key=lambda r: r.arrival_s):
+    out = [(0, 0)] * len(reqs)
+    for i in sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s):
+        r = reqs[i]
         n = leading_held(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs), seen)
         done = visible = 0  # leading blocks prefilled / whose event had reached the router
         while done < n and ready[r.keys[done]] <= r.arrival_s:
@@ -115,10 +117,39 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
             visible += 1
         missed = max(0, n * bs - r.cached_tokens - r.moved_tokens)
         flight = min(missed, (n - done) * bs)
-        out.append((flight, min(missed - flight, (done - visible) * bs)))
+        out[i] = (flight, min(missed - flight, (done - visible) * bs))
         seen.update(r.keys)
         seen.update(r.reply_keys)
     return out
+
+
+# requests.csv: one row per request and policy (see :func:`request_rows`)
+REQUEST_COLUMNS = ("policy", "request", "worker", "sent_s", "waited_s", "prompt_tokens",
+                   "output_tokens", "cached_tokens", "fetched_tokens", "moved_tokens",
+                   "flight_tokens", "stale_tokens", "held_for", "floor_s", "ttft_s", "e2e_s")
+
+
+def request_rows(res: ReplayResult, floor: np.ndarray) -> list[dict[str, object]]:
+    """One row per request of a replay, in trace order (``request``: its position among the
+    trace's valid requests): the worker it was sent to and when (``waited_s``: how long after
+    its trace time, closed loop), what it found cached there (``cached_tokens``, hits;
+    ``fetched_tokens``, KV fetched from another worker), the prompt tokens it missed that
+    another worker held (``moved_tokens``), that were still in flight or whose event was
+    still on its way (``flight_tokens``, ``stale_tokens``; see :func:`unseen_misses`), the
+    request whose prefill it waited for (``held_for``: coalesced; ``program``: a program's
+    shared prefix), its TTFT floor (``floor``: :func:`ttft_floor`), TTFT and end-to-end
+    latency. Sorting by ``ttft_s - floor_s`` finds what a policy's tail is made of."""
+    rows: list[dict[str, object]] = []
+    for r, (flight, stale) in zip(res.requests, unseen_misses(res), strict=True):
+        fetched = min(r.received_tokens, r.cached_tokens)
+        held = "" if r.after is None else ("program" if r.after.idx < 0 else r.after.idx)
+        rows.append(dict(zip(REQUEST_COLUMNS, (
+            res.policy, r.idx, r.worker, r.arrival_s, r.waited_s, r.prompt_tokens,
+            r.output_tokens, r.cached_tokens - fetched, fetched, r.moved_tokens, flight,
+            stale, held, float(floor[r.idx]), r.first_token_s - r.arrival_s,
+            r.finished_s - r.arrival_s), strict=True)))
+    rows.sort(key=lambda row: row["request"])
+    return rows
 
 
 def _cacheable(prompt_tokens: int, n_keys: int, block_size: int) -> int:

@@ -1,4 +1,5 @@
-"""Reporting a replay: the table on the terminal, results.json / results.csv, PNG plots."""
+"""Reporting a replay: the table on the terminal, results.json / results.csv,
+requests.csv, PNG plots."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from simulations.compare import Jittered, verdicts
-from simulations.metrics import PolicyMetrics, floor_summary
+from simulations.metrics import REQUEST_COLUMNS, PolicyMetrics, floor_summary, request_rows
 from simulations.replay import ReplayResult
 
 
@@ -75,6 +76,19 @@ def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, fl
         for r in rows:
             w.writerow({**r.row(), "rate_scale": meta.get("rate_scale"),
                         "load": meta.get("load")})
+
+
+def write_requests(out: Path, results: Sequence[ReplayResult], floor: np.ndarray) -> Path:
+    """requests.csv: every request of every policy's replay (with jitters, the one nearest
+    the nominal rate), a row each (:func:`~simulations.metrics.request_rows`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "requests.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
+        w.writeheader()
+        for res in results:
+            w.writerows(request_rows(res, floor))
+    return path
 
 
 def _plt():  # returns the matplotlib.pyplot module

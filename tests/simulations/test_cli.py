@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,32 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
             assert p[f"ttft_{key}"] >= floor[key]
     with (out / "results.csv").open() as f:
         assert [r["policy"] for r in csv.DictReader(f)] == [p["policy"] for p in doc["policies"]]
+    # requests.csv: a row per request and policy, adding up to the policy's figures.
+    assert "requests.csv (a row per request and policy)" in ran.stdout
+    with (out / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    for p in doc["policies"]:
+        mine = [r for r in rows if r["policy"] == p["policy"]]
+        assert [int(r["request"]) for r in mine] == list(range(240))
+        tokens = {col: sum(int(r[col]) for r in mine) for col in (
+            "prompt_tokens", "cached_tokens", "moved_tokens", "flight_tokens", "stale_tokens")}
+        for col, ratio in (("cached_tokens", "hit_ratio"), ("moved_tokens", "moved_ratio"),
+                           ("flight_tokens", "inflight_ratio"),
+                           ("stale_tokens", "stale_ratio")):
+            assert tokens[col] / tokens["prompt_tokens"] == pytest.approx(p[ratio]), col
+        assert tokens["flight_tokens"] > 0  # open loop: turns overtake their replies
+        assert statistics.mean(float(r["ttft_s"]) for r in mine) == pytest.approx(
+            p["ttft_mean_s"])
+        assert len({r["worker"] for r in mine}) == 4
+        sent = {int(r["request"]): float(r["sent_s"]) for r in mine}
+        for r in mine:
+            assert float(r["floor_s"]) - 1e-9 <= float(r["ttft_s"]) <= float(r["e2e_s"])
+            # a token missed is missed for one reason: flight and stale only where the
+            # request neither got it nor was sent away from it
+            assert int(r["flight_tokens"]) + int(r["stale_tokens"]) <= max(
+                0, int(r["prompt_tokens"]) - int(r["cached_tokens"]) - int(r["moved_tokens"]))
+            if r["held_for"]:  # coalesced: waited for a request sent before it
+                assert sent[int(r["held_for"])] <= sent[int(r["request"])]
     for png in ("ttft_cdf.png", "hit_ratio.png", "load_over_time.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Deterministic: the same replay gives the same figures (wall time aside).
@@ -141,6 +168,8 @@ def test_a_jittered_sweep_writes_each_load_and_the_plot(chat: Path, tmp_path: Pa
         assert doc["meta"]["workers"] == 4 and doc["meta"]["trace"] == str(chat)
         assert {k: len(v) for k, v in doc["runs"].items()} == {"kvroute": 2, "round_robin": 2}
         assert len(doc["verdicts"]) == 3
+        with (tmp_path / f"load_{ld}" / "requests.csv").open() as f:
+            assert len(list(csv.DictReader(f))) == 2 * 240
     assert (tmp_path / "sweep_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -215,6 +215,24 @@ def test_write_jsonl_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "turns=3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "value", "wanted"), [
+    ("--requests", "0", "an integer >= 1"),
+    ("--requests", "many", "an integer >= 1"),
+    ("--rate", "0", "a finite number > 0"),
+    ("--rate", "inf", "a finite number > 0"),
+    ("--block-size", "0", "an integer >= 1"),
+])
+def test_cli_refuses_a_bad_number_by_its_flag(flag: str, value: str, wanted: str,
+                                              tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        main(["chat", flag, value, "--out", str(out)])
+    assert exc.value.code == 2
+    assert f"argument {flag}: expected {wanted}, got {value!r}" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_infinite_cache_hit_ratio_counts_leading_seen_blocks() -> None:
     recs = [
         {"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [1, 2],

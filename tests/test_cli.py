@@ -1,0 +1,40 @@
+"""The ``kvroute`` command line: what its help says."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from kvroute.cli import build_parser
+
+
+def _help(cmd: str) -> str:
+    """``kvroute CMD --help``, its whitespace collapsed (argparse wraps at the terminal's width)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return " ".join(sub.choices[cmd].format_help().split())
+
+
+@pytest.mark.parametrize("cmd", ["router", "agent", "demo", "replay", "tune", "gen"])
+def test_help_states_each_default_once_and_not_for_switches(cmd: str) -> None:
+    text = _help(cmd)
+    # One entry runs from its flag to the next. argparse appends "(default: X)" at its end;
+    # a help that already says its default must not get it a second time.
+    for entry in re.split(r" (?=--[a-z])", text):
+        appended = re.search(r"\(default: [^()]*\)$", entry)
+        if appended:
+            assert "default" not in entry[:appended.start()], entry
+        assert "(default: False)" not in entry, entry
+
+
+@pytest.mark.parametrize(("cmd", "expected"), [
+    ("gen", "--requests REQUESTS number of requests (default: 1000)"),
+    ("gen", "--rate RATE mean arrival rate, requests per second (default: 10.0)"),
+    ("replay", "--workers WORKERS simulated workers (default: 16)"),
+    ("replay", "(0 = off; default: the router's) --coalesce-share"),
+    ("demo", "--workers WORKERS sim agents to start (default: 4)"),
+])
+def test_help_shows_defaults(cmd: str, expected: str) -> None:
+    assert expected in _help(cmd)
