@@ -16,7 +16,14 @@ from __future__ import annotations
 import argparse
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
-from simulations.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, make_policies
+from simulations.cli import (
+    AT_LEAST_ONE,
+    FRACTION,
+    LOADS,
+    NON_NEGATIVE,
+    SWEEP_LOADS,
+    make_policies,
+)
 from simulations.compare import DEFAULT_JITTERS, parse_jitters, replay_jittered, verdicts
 from simulations.metrics import (
     PolicyMetrics,
@@ -33,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--policies", default="kvroute,llmd,preble,chwbl,dynamo,mooncake")
-    ap.add_argument("--loads", default="0.5,0.65,0.8,0.95")
+    ap.add_argument("--loads", type=LOADS, default=",".join(map(str, SWEEP_LOADS)))
     ap.add_argument("--jitters", default=",".join(map(str, DEFAULT_JITTERS)))
     ap.add_argument("--focus", default=None,
                     help="compare this policy with the best of the others (default: the "
@@ -69,7 +76,7 @@ def main() -> None:
     floor = floor_summary(ttft_floor(trace, spec.cost))
     print(f"TTFT floor (no queueing, every earlier prefix cached): mean {floor['mean_s']:.4g} / "
           f"p99 {floor['p99_s']:.4g} s at every load", flush=True)
-    for ld in map(float, args.loads.split(",")):
+    for ld in args.loads:
         def at(factor: float, ld: float = ld) -> list[PolicyMetrics]:
             scaled = trace.scaled(ld * factor * capacity / base)
             return [measure(Replayer(scaled, make(), spec).run()) for make in factories]

@@ -28,6 +28,8 @@ from simulations.metrics import (
 from simulations.replay import ClusterSpec, Replayer, ReplayResult
 from simulations.trace import Trace, TraceError, load
 
+# The loads a sweep replays at, light to saturated, as fractions of the cluster's capacity
+# (``kvroute replay --sweep``, ``kvroute tune --loads``, ``bench/policy_jitter.py``).
 SWEEP_LOADS = (0.5, 0.65, 0.8, 0.95)
 
 
@@ -38,6 +40,19 @@ POSITIVE = config.POSITIVE.parser(float)
 NON_NEGATIVE = config.NON_NEGATIVE.parser(float)
 AT_LEAST_ONE = config.AT_LEAST_ONE.parser(int)
 FRACTION = config.FRACTION.parser(float)
+
+
+def LOADS(text: str) -> tuple[float, ...]:  # noqa: N802 - an argparse type, named as the others
+    """An argparse type: ``"0.5,0.8"`` -> the distinct loads in ascending order, each a
+    fraction of the cluster's capacity in (0, 2]."""
+    try:
+        loads = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        loads = []
+    if not loads or not all(0 < ld <= 2 for ld in loads):  # (NaN fails both comparisons)
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated fractions of capacity in (0, 2], got {text!r}")
+    return tuple(loads)
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,9 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rate.add_argument("--load", type=POSITIVE, default=None,
                       help="replay at this fraction of the cluster's capacity (overrides "
                            "--rate-scale)")
-    rate.add_argument("--sweep", action="store_true",
-                      help=f"replay at loads {', '.join(map(str, SWEEP_LOADS))} and plot TTFT "
-                           "against load")
+    rate.add_argument("--sweep", nargs="?", type=LOADS, const=SWEEP_LOADS, default=None,
+                      metavar="LOADS",
+                      help="replay at each of these fractions of capacity (default: "
+                           f"{','.join(map(str, SWEEP_LOADS))}) and plot TTFT against load")
     p.add_argument("--out", type=Path, default=None,
                    help="write results.json, results.csv, requests.csv (a row per request "
                    "and policy) and PNG plots here")
@@ -324,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         sweep: dict[float, list[PolicyMetrics]] = {}
         sweep_runs: dict[float, list[Jittered]] = {}
-        for ld in SWEEP_LOADS:
+        for ld in args.sweep:
             scale = setup.scale_for(ld)
             print(f"\n== load {ld:.0%} of capacity (rate x{scale:.2f})", flush=True)
             results, rows, runs = compare(scale)

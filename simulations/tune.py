@@ -49,7 +49,9 @@ from kvroute.core.policies import REGISTRY, make_policy, parameters
 from kvroute.core.policies.spec import SEPARATOR, parse_spec
 from simulations.cli import (
     AT_LEAST_ONE,
+    LOADS,
     NON_NEGATIVE,
+    SWEEP_LOADS,
     Setup,
     add_cluster_arguments,
     make_policies,
@@ -61,7 +63,6 @@ from simulations.metrics import PolicyMetrics, measure
 from simulations.replay import Replayer
 
 DEFAULT_PEERS = "llmd,preble,chwbl,sglang,dynamo,mooncake_local"
-DEFAULT_LOADS = (0.5, 0.65, 0.8, 0.95)
 NEVER = 1000.0  # a grid value this large means "never" (kvroute's hold): no edge beyond it
 
 
@@ -80,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated policies to beat (specs, as --policies of replay; "
                         f"default {DEFAULT_PEERS}, with kvroute instead of the tuned policy "
                         f"when that is one of them)")
-    p.add_argument("--loads", default=",".join(map(str, DEFAULT_LOADS)),
+    p.add_argument("--loads", type=LOADS, default=",".join(map(str, SWEEP_LOADS)),
                    help="fractions of the cluster's capacity to replay at")
     p.add_argument("--jitter", default=",".join(map(str, DEFAULT_JITTERS)), metavar="F,F,...",
                    help="rate factors each load is replayed at; metrics are their averages")
@@ -431,13 +432,7 @@ def run(args: argparse.Namespace) -> int:
         jitters = parse_jitters(args.jitter)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    try:
-        loads = sorted({float(x) for x in args.loads.split(",") if x.strip()})
-    except ValueError:
-        loads = []
-    if not loads or any(not 0 < ld <= 2 for ld in loads):
-        raise SystemExit(f"error: --loads takes fractions of capacity in (0, 2], got "
-                         f"{args.loads!r}")
+    loads = list(args.loads)
     peer_specs = default_peers(grid.name) if args.peers is None else [
         p.strip() for p in args.peers.split(",") if p.strip()]
     if not peer_specs or grid.name in [parse_spec(p)[0] for p in peer_specs]:

@@ -173,6 +173,19 @@ def test_a_jittered_sweep_writes_each_load_and_the_plot(chat: Path, tmp_path: Pa
     assert (tmp_path / "sweep_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_sweep_over_loads_of_ones_own(chat: Path, tmp_path: Path) -> None:
+    ran = replay(chat, "--workers", "4", "--policies", "round_robin", "--sweep", "0.9,0.3",
+                 "--out", tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert re.findall(r"== load (\d+)% of capacity", ran.stdout) == ["30", "90"]
+    assert sorted(p.name for p in tmp_path.glob("load_*")) == ["load_30", "load_90"]
+    for bad in ("0,0.5", "2.5", "half"):
+        ran = replay(chat, "--sweep", bad)
+        assert ran.returncode == 2
+        assert (f"argument --sweep: expected comma-separated fractions of capacity in (0, 2], "
+                f"got {bad!r}") in ran.stderr
+
+
 def test_variants_of_one_policy_replay_side_by_side(chat: Path, tmp_path: Path) -> None:
     ran = replay(chat, "--workers", "4", "--policies", "kvroute,kvroute:miss_weight=0:hold=0",
                  "--load", "0.9", "--out", tmp_path)
