@@ -19,10 +19,10 @@ from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from simulations.cli import (
     AT_LEAST_ONE,
     FRACTION,
-    LOADS,
     NON_NEGATIVE,
     SWEEP_LOADS,
     make_policies,
+    parse_loads,
 )
 from simulations.compare import DEFAULT_JITTERS, parse_jitters, replay_jittered, verdicts
 from simulations.metrics import (
@@ -40,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--policies", default="kvroute,llmd,preble,chwbl,dynamo,mooncake")
-    ap.add_argument("--loads", type=LOADS, default=",".join(map(str, SWEEP_LOADS)))
+    ap.add_argument("--loads", type=parse_loads, default=",".join(map(str, SWEEP_LOADS)))
     ap.add_argument("--jitters", default=",".join(map(str, DEFAULT_JITTERS)))
     ap.add_argument("--focus", default=None,
                     help="compare this policy with the best of the others (default: the "

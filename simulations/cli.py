@@ -42,7 +42,7 @@ AT_LEAST_ONE = config.AT_LEAST_ONE.parser(int)
 FRACTION = config.FRACTION.parser(float)
 
 
-def LOADS(text: str) -> tuple[float, ...]:  # noqa: N802 - an argparse type, named as the others
+def parse_loads(text: str) -> tuple[float, ...]:
     """An argparse type: ``"0.5,0.8"`` -> the distinct loads in ascending order, each a
     fraction of the cluster's capacity in (0, 2]."""
     try:
@@ -114,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rate.add_argument("--load", type=POSITIVE, default=None,
                       help="replay at this fraction of the cluster's capacity (overrides "
                            "--rate-scale)")
-    rate.add_argument("--sweep", nargs="?", type=LOADS, const=SWEEP_LOADS, default=None,
+    rate.add_argument("--sweep", nargs="?", type=parse_loads, const=SWEEP_LOADS, default=None,
                       metavar="LOADS",
                       help="replay at each of these fractions of capacity (default: "
                            f"{','.join(map(str, SWEEP_LOADS))}) and plot TTFT against load")

@@ -49,12 +49,12 @@ from kvroute.core.policies import REGISTRY, make_policy, parameters
 from kvroute.core.policies.spec import SEPARATOR, parse_spec
 from simulations.cli import (
     AT_LEAST_ONE,
-    LOADS,
     NON_NEGATIVE,
     SWEEP_LOADS,
     Setup,
     add_cluster_arguments,
     make_policies,
+    parse_loads,
     prepare,
     progress_bar,
 )
@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated policies to beat (specs, as --policies of replay; "
                         f"default {DEFAULT_PEERS}, with kvroute instead of the tuned policy "
                         f"when that is one of them)")
-    p.add_argument("--loads", type=LOADS, default=",".join(map(str, SWEEP_LOADS)),
+    p.add_argument("--loads", type=parse_loads, default=",".join(map(str, SWEEP_LOADS)),
                    help="fractions of the cluster's capacity to replay at")
     p.add_argument("--jitter", default=",".join(map(str, DEFAULT_JITTERS)), metavar="F,F,...",
                    help="rate factors each load is replayed at; metrics are their averages")
