@@ -320,7 +320,12 @@ def comparison_table(reports: Sequence[PolicyReport]) -> str:
 # -- entry point -------------------------------------------------------------------------------
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # SIGTERM takes the same clean-up path as Ctrl-C
+    """SIGTERM takes Ctrl-C's path: relayed as SIGINT, which inside ``asyncio.run`` cancels
+    the main task (the runner's own handler) and elsewhere raises KeyboardInterrupt. Raised
+    straight from this handler, KeyboardInterrupt could land inside a grpc.aio callback and
+    leave a channel's close waiting forever (grpc/grpc#19973): the demo then hung on
+    SIGTERM, rarely."""
+    signal.raise_signal(signal.SIGINT)
 
 
 @contextmanager
