@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from kvroute.core.policies import REGISTRY
-from simulations.cli import make_policies
+from simulations.cli import AT_LEAST_ONE, POSITIVE, make_policies
 from simulations.replay import ClusterSpec, Replayer
 from simulations.trace import load
 
@@ -26,8 +26,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / \
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=SHARED)
-    ap.add_argument("--tile", type=int, default=3)
-    ap.add_argument("--rate-scale", type=float, default=2.0)
+    ap.add_argument("--tile", type=AT_LEAST_ONE, default=3)
+    ap.add_argument("--rate-scale", type=POSITIVE, default=2.0)
     ap.add_argument("--policies", default="all",
                     help="comma-separated policies (round_robin, the baseline, is always run)")
     args = ap.parse_args()
