@@ -68,11 +68,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="router predicts a routed prompt's blocks on its worker until they "
                         "are stored, at most this long, and holds a request routed on a "
                         "prediction until that prefill is done, so requests sharing a new "
-                        "prefix prefill it once (0 = off; default: the router's)")
+                        f"prefix prefill it once (0 = off; default: the router's, "
+                        f"{PREDICT_TTL_S * 1000:g})")
     p.add_argument("--coalesce-share", type=FRACTION, default=COALESCE_SHARE,
                    help="a request waits for an in-flight prefill only if it would get at "
                         "least this fraction of it; else it is routed on what workers really "
-                        "hold (0: always wait; default: the router's)")
+                        f"hold (0: always wait; default: the router's, {COALESCE_SHARE:g})")
     p.add_argument("--programs", action="store_true",
                    help="run requests sharing a `program` id as one controller program: placed "
                         "once, shared prefix prefilled once, branches beside it")
