@@ -51,7 +51,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvroute.core.config import AT_LEAST_ONE, POSITIVE
+from kvroute.core.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
 
 DEFAULT_BLOCK_SIZE = 64
 KINDS = ("chat", "agent", "rag", "fork")
@@ -451,12 +451,12 @@ def build(kind: str, n_requests: int, rate_per_s: float, seed: int = 0,
     their session structure (``group``, ``step``). See :func:`generate` for the records."""
     if kind not in PARAMS:
         raise ValueError(f"unknown workload kind {kind!r}; choose one of: {', '.join(KINDS)}")
-    if n_requests < 0:
-        raise ValueError(f"n_requests must be >= 0, got {n_requests}")
-    if not 0 < rate_per_s < math.inf:  # inf: every gap 0, the arrival loop never advances
-        raise ValueError(f"rate_per_s must be a finite number > 0, got {rate_per_s}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    # (A rate of inf made every gap 0: the arrival loop never advanced.)
+    for name, value, rng, integer in (("n_requests", n_requests, NON_NEGATIVE, True),
+                                      ("rate_per_s", rate_per_s, POSITIVE, False),
+                                      ("block_size", block_size, AT_LEAST_ONE, True)):
+        if not rng.accepts(value):
+            raise ValueError(f"{name} must be {rng.wanted(integer)}, got {value}")
     cls = PARAMS[kind]
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - names)
