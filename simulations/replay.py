@@ -34,12 +34,14 @@ router releases it) plus the engine's queue and batch, as an agent's heartbeat r
 
 With ``programs``, requests that share a ``program`` id are the branches of one controller
 program, run as kvroute's agent runs them: the router places the program once (by its first
-branch's prompt), the agent prefills the branches' longest common prefix once, then runs
-every branch on the same worker against that cached prefix. Without it, each branch is an
-independent request, routed on its own -- what every peer router does. With ``overflow``
-(the router's default), a program whose branches do not fit its worker's batch is split as
-the router splits it (:func:`kvroute.core.placement.place_fork`, one branch = weight 1):
-each overflow worker prefills the shared prefix once and runs its branches after it.
+branch's prompt), and the agent runs every branch on that worker: the first prefills the
+branches' longest common prefix with its own suffix, the others start once it has and find
+the prefix cached (all at once when the worker holds it already; see ``_ForkGroup``).
+Without it, each branch is an independent request, routed on its own -- what every peer
+router does. With ``overflow`` (the router's default), a program whose branches do not fit
+its worker's batch is split as the router splits it
+(:func:`kvroute.core.placement.place_fork`, one branch = weight 1): on each overflow worker
+its first branch prefills the shared prefix once and the others follow it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,28 @@ from kvroute.worker_agent.engines.base import CacheEvent
 from simulations.cluster import SimRequest, SimWorker
 from simulations.costmodel import CostModel
 from simulations.trace import Trace
+
+
+@dataclass(slots=True)
+class _ForkGroup:
+    """A program's branches placed on one worker, run as the agent runs a fork: when the
+    worker lacks the branches' shared prefix (``prefix_tokens``, its full blocks), the first
+    branch to start leads, prefilling the prefix with its own suffix, and the others are
+    admitted once its first token is out, so they find the prefix cached; when the worker
+    holds it, they all start at once."""
+
+    cached_tokens: int  # of the program's prompt cached on the worker when it was placed
+    prefix_tokens: int
+    leader: SimRequest | None = None
+
+    def join(self, req: SimRequest) -> None:
+        """Set ``req``'s prefill to wait for, and what the router expects it to compute."""
+        if self.leader is not None and self.cached_tokens < self.prefix_tokens:
+            req.after = self.leader
+            req.routed_uncached = req.prompt_tokens - self.prefix_tokens
+        else:
+            self.leader = req
+            req.routed_uncached = req.prompt_tokens - self.cached_tokens
 
 
 @dataclass(frozen=True)
@@ -214,7 +238,7 @@ class Replayer:
         programs = self._programs() if self.spec.programs else {}
         transfer = getattr(self.policy, "transfer", None)  # policies that move KV
         # Program id -> where each branch (by arrival order) runs, after which prefill.
-        placed: dict[str, list[tuple[SimWorker, SimRequest]]] = {}
+        placed: dict[str, list[tuple[SimWorker, _ForkGroup]]] = {}
         inflight: InflightPrefixes[SimRequest] = InflightPrefixes(self.spec.coalesce_share)
         producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
         demand = PrefixDemand()  # as the router's decider keeps it
@@ -233,9 +257,8 @@ class Replayer:
             self._release(arrivals, reqs, nxt, now)
             prog, n_branches = programs.get(treq.program, ((), 0))
             if n_branches and treq.program in placed:
-                worker, parent = placed[treq.program].pop(0)
-                req.after = parent
-                req.routed_uncached = req.prompt_tokens - len(prog) * bs
+                worker, group = placed[treq.program].pop(0)
+                group.join(req)
                 worker.submit(req, now)
                 continue
             self._apply_visible(now)
@@ -277,23 +300,23 @@ class Replayer:
                     req.received_tokens = got
                     req.routed_uncached = max(0, req.routed_uncached - got)
             if n_branches:
-                # The agent prefills the branches' shared prefix once (a prefill-only
-                # request), then runs each branch after it; so does each overflow worker.
+                # On each worker the program runs on, its first branch prefills the shared
+                # prefix with its own suffix and the others follow once that prefill is
+                # done (the agent's fork, ``controller/runtime.py``); so on each overflow
+                # worker.
                 moved = place_fork(d.ranked, d.query, [1] * n_branches) \
                     if self.spec.overflow else ()
-                where: dict[int, tuple[SimWorker, SimRequest]] = {}
+                where: dict[int, tuple[SimWorker, _ForkGroup]] = {}
                 for w, o in [(chosen, None), *((by_name[o.worker], o) for o in moved)]:
-                    parent = SimRequest(-1, now, len(prog) * bs, 0, prog)
-                    parent.routed_uncached = max(0, len(prog) * bs - d.cached_tokens(w.name))
-                    w.submit(parent, now)
+                    group = _ForkGroup(d.cached_tokens(w.name), len(prog) * bs)
                     if o is None:
-                        where.update(dict.fromkeys(range(n_branches), (w, parent)))
+                        where.update(dict.fromkeys(range(n_branches), (w, group)))
                     else:
-                        where.update(dict.fromkeys(o.children, (w, parent)))
+                        where.update(dict.fromkeys(o.children, (w, group)))
                         self.overflowed += len(o.children)
                 branches = [where[i] for i in range(n_branches)]
-                chosen, req.after = branches.pop(0)
-                req.routed_uncached = req.prompt_tokens - d.cached_tokens(chosen.name)
+                chosen, group = branches.pop(0)
+                group.join(req)
                 placed[treq.program] = branches
             # The policy's move: prefix it walked away from (its hits lost to balance).
             q = d.query

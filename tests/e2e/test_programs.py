@@ -192,16 +192,36 @@ async def test_fork_children_share_the_prefix_and_select_keeps_the_best(cluster)
     kept = [r for r in res if r.selected]
     assert len(kept) == 1 and len(res) == 4
     assert kept[0].logprob == max(r.logprob for r in res) < 0
-    for r in res:
-        if r.branch_id != "0":
-            # Each child prefilled at most its last partial block beyond the shared prefix.
-            assert r.cached_tokens == 96
-            assert r.prefill_tokens <= 16
+    # The first child leads: one engine request prefills the cold prompt with its suffix.
+    # Its siblings start once that is done, so each prefills only its last partial block.
+    by_id = {r.branch_id: r for r in res}
+    assert (by_id["0.0"].cached_tokens, by_id["0.0"].prefill_tokens) == (0, 100)
+    for bid in ("0.1", "0.2", "0.3"):
+        assert (by_id[bid].cached_tokens, by_id[bid].prefill_tokens) == (96, 4)
+    assert all(r.engine_requests == 1 for r in res)  # no warm-up request
+    assert resps[-1].usage.cached_tokens == 0  # the prompt's hit: the leader's, cold
+    # Run again: the prefix is cached, so every child (the first too) starts at once on it.
+    again = await run(a.port, [fork([gen(6, temperature=1.0)], n=4)], prompt=prompt, seed=4)
+    assert [r.cached_tokens for r in again[-1].results] == [96] * 4
+    assert again[-1].usage.cached_tokens == 96
     first = await run(a.port, [fork([gen(30)], [gen(1)], select=P.SELECT_MODE_FIRST_FINISHED)])
     res2 = {r.branch_id: r for r in first[-1].results}
     assert res2["0.1"].selected and not res2["0.0"].selected
     assert len(res2["0.0"].token_ids) < 30  # cancelled when its sibling finished
     await wait_for(lambda: a.engine.load().running == 0, what="loser freed")
+
+
+async def test_a_fork_leader_without_an_engine_request_still_warms_its_siblings(
+        cluster) -> None:
+    a = await cluster.agent("a", **TINY)
+    prompt = list(b"y" * 100)
+    # The leading child only fast-forwards: the siblings get a warm-up request instead.
+    resps = await run(a.port, [fork([ff("abc")], [gen(3)], [gen(3)])], prompt=prompt)
+    res = results(resps)
+    assert bytes(res["0.0"].token_ids) == b"abc" and res["0.0"].engine_requests == 0
+    for bid in ("0.1", "0.2"):
+        assert (res[bid].cached_tokens, res[bid].prefill_tokens) == (96, 4)
+    assert resps[-1].usage.cached_tokens == 0  # the warm-up's hit
 
 
 LIMITS = dict(max_program_fanout=4, max_program_tokens=300, max_program_steps=10,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.core.policies import REGISTRY, make_policy
+from simulations.cluster import SimRequest
 from simulations.generators import generate
 from simulations.metrics import (
     global_lru_hits,
@@ -390,21 +391,34 @@ def test_forks_run_as_programs_prefill_the_shared_prefix_once() -> None:
     prefill = {name: sum(w.prefill_tokens for w in res.workers)
                for name, res in (("indep", indep), ("progs", progs))}
     assert prefill["progs"] < 0.5 * prefill["indep"], prefill
-    # Every branch of a program ran on one worker and found the shared prefix cached.
+    # Every branch of a program ran on one worker; the first led (prefilling the shared
+    # prefix with its suffix, unless the worker held it) and the others found it cached.
     by_prog: dict[str, list[int]] = {}
     for r, t in zip(progs.requests, tr.requests, strict=True):
         by_prog.setdefault(t.program, []).append(r.idx)
+    followed = 0
     for members in by_prog.values():
         assert len({progs.requests[i].worker for i in members}) == 1
-        keysets = [tr.requests[i].keys for i in members]
-        lcp = 0
-        while all(len(k) > lcp and k[lcp] == keysets[0][lcp] for k in keysets):
-            lcp += 1
-        if len(members) > 1:
-            for i in members:
-                r = progs.requests[i]
-                assert r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64)
+        for i in members:
+            r = progs.requests[i]
+            if r is not progs.requests[members[0]]:
+                assert shares_prefix(tr, members, r)
+            if r.after is not None:
+                followed += 1
+                assert r.after is progs.requests[members[0]]
+                assert r.first_token_s > r.after.first_token_s
+    assert followed > len(progs.requests) / 2  # most programs' prefixes were cold
     assert all(math.isfinite(r.finished_s) for r in progs.requests)
+
+
+def shares_prefix(tr: Trace, members: list[int], r: SimRequest) -> bool:
+    """Whether ``r`` found the full blocks its program's branches share cached (64-token
+    blocks)."""
+    keysets = [tr.requests[i].keys for i in members]
+    lcp = 0
+    while all(len(k) > lcp and k[lcp] == keysets[0][lcp] for k in keysets):
+        lcp += 1
+    return r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64)
 
 
 def test_siblings_routed_on_predictions_wait_for_the_first_prefill() -> None:
@@ -455,13 +469,12 @@ def test_programs_that_do_not_fit_their_worker_overflow_to_the_next_longest_pref
     split = [m for m in by_prog.values() if len({res.requests[i].worker for i in m}) > 1]
     assert split
     for members in split:
-        keysets = [tr.requests[i].keys for i in members]
-        lcp = 0
-        while all(len(k) > lcp and k[lcp] == keysets[0][lcp] for k in keysets):
-            lcp += 1
-        for i in members:  # wherever it ran, the shared prefix was there
+        first: dict[str, SimRequest] = {}
+        for i in members:  # wherever it ran, its worker's first branch left the prefix there
             r = res.requests[i]
-            assert r.cached_tokens >= 64 * min(lcp, (r.prompt_tokens - 1) // 64), r
+            lead = first.setdefault(r.worker, r)
+            if r is not lead:
+                assert r.after in (None, lead) and shares_prefix(tr, members, r), r
     assert all(math.isfinite(r.finished_s) for r in res.requests)
     assert sum(r.output_tokens for r in res.requests) == sum(t.output_tokens
                                                              for t in tr.requests)

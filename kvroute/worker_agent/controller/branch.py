@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,9 @@ class Branch:
     prefill_tokens: int = 0
     generated: int = 0
     finished_at: float = 0.0
+    prefilled: asyncio.Event | None = None
+    """Set once its first engine request's first token is out (a fork's leading child: its
+    siblings wait for it, see ``_Run.led`` in ``runtime``)."""
 
     @property
     def logprob(self) -> float:

@@ -43,8 +43,8 @@ async def test_fork_choice_select_through_a_router_with_cached_tokens_from_usage
     fake = fake_vllm("--vocab", "258")
     agent, router = await start(cluster, fake)
     assert len(PROMPT) == 86
-    # The warm-up request's stored blocks never reach the agent: its prediction for the
-    # children stays 0, so the 80 they report can only come from vLLM's usage.
+    # The leading child's stored blocks never reach the agent: its prediction for the
+    # others stays 0, so the 80 they report can only come from vLLM's usage.
     fake.drop(next_n=1)
     choose = P.Constraint(choices=P.Choices(options=CHOICES))
     steps = [fork([gen(10, temperature=1.0, constraint=choose, capture="answer")], n=3,
@@ -58,13 +58,14 @@ async def test_fork_choice_select_through_a_router_with_cached_tokens_from_usage
     for r in res.values():
         v = r.variables["answer"]
         assert v.text == "blue" and v.complete and bytes(r.token_ids) == b"blue"
-        assert r.cached_tokens == 80 and r.prefill_tokens == 6 and r.engine_requests == 1
-    assert resps[-1].usage.cached_tokens == 0  # the root's warm-up request: a cold cache
-    reqs = received(fake)
-    assert len(reqs) == 4
-    warm, children = reqs[0], reqs[1:]
-    assert warm["prompt"] == PROMPT and warm["max_tokens"] == 1
-    assert "structured_outputs" not in warm
+        assert r.engine_requests == 1
+    # The first child leads on the cold cache; the others start once it has prefilled.
+    assert (res["0.0"].cached_tokens, res["0.0"].prefill_tokens) == (0, 86)
+    for bid in ("0.1", "0.2"):
+        assert (res[bid].cached_tokens, res[bid].prefill_tokens) == (80, 6)
+    assert resps[-1].usage.cached_tokens == 0  # the prompt's hit: the leader's, cold
+    children = received(fake)
+    assert len(children) == 3  # no warm-up request
     for body in children:
         assert body["prompt"] == PROMPT  # the branch's whole sequence: vLLM's prefix cache
         assert body["structured_outputs"] == {"choice": CHOICES}
