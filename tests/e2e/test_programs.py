@@ -224,6 +224,22 @@ async def test_a_fork_leader_without_an_engine_request_still_warms_its_siblings(
     assert resps[-1].usage.cached_tokens == 0  # the warm-up's hit
 
 
+async def test_a_fork_leader_that_forks_again_releases_its_siblings_at_its_first_prefill(
+        cluster) -> None:
+    a = await cluster.agent("a", **TINY)
+    prompt = list(b"z" * 100)
+    # 0.0 forks again before any engine request: its own leader's prefill (0.0.0's) is what
+    # caches the prompt, so 0.1 and 0.2 start then, not when 0.0's long branches end.
+    resps = await run(a.port, [fork([fork([gen(40)], [gen(40)])], [gen(2)], [gen(2)])],
+                      prompt=prompt)
+    res = results(resps)
+    assert (res["0.0.0"].cached_tokens, res["0.0.0"].prefill_tokens) == (0, 100)
+    for bid in ("0.0.1", "0.1", "0.2"):
+        assert (res[bid].cached_tokens, res[bid].prefill_tokens) == (96, 4)
+    last = {r.branch_id: i for i, r in enumerate(resps[:-1]) if r.token_ids}
+    assert max(last["0.1"], last["0.2"]) < min(last["0.0.0"], last["0.0.1"])
+
+
 LIMITS = dict(max_program_fanout=4, max_program_tokens=300, max_program_steps=10,
               max_grammar_bytes=1000)
 

@@ -41,9 +41,10 @@ class Branch:
     prefill_tokens: int = 0
     generated: int = 0
     finished_at: float = 0.0
-    prefilled: asyncio.Event | None = None
-    """Set once its first engine request's first token is out (a fork's leading child: its
-    siblings wait for it, see ``_Run.led`` in ``runtime``)."""
+    on_prefill: list[asyncio.Event] = field(default_factory=list)
+    """Set once an engine request of its sequence has its first token out: a fork's leading
+    child's siblings wait for it (and, when that child leads a fork of its own, so do its
+    parent's siblings; see ``_Run.led`` in ``runtime``)."""
 
     @property
     def logprob(self) -> float:
@@ -98,6 +99,11 @@ class Branch:
             region_start=self.region_start, m_consumed=self.m_consumed,
             first_cached=None, last_cached=self.last_cached,
         )
+
+    def prefilled(self) -> None:
+        """Its sequence so far is cached: release whoever waits for that."""
+        for e in self.on_prefill:
+            e.set()
 
     def mark_finished(self) -> None:
         self.finished_at = time.monotonic()

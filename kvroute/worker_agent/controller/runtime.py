@@ -551,7 +551,9 @@ class _Run:
             return units  # every child moved to other workers
         leader, lead_run = units[0].members[0], units[0].run
         gated = len(units) > 1 and not self.prefix_cached(parent)
-        ready = leader.prefilled = asyncio.Event()
+        ready = asyncio.Event()
+        # A parent that leads a fork itself is prefilled when its own leader is.
+        leader.on_prefill = [ready, *(e for e in parent.on_prefill if not e.is_set())]
         warming = asyncio.Lock()
 
         async def lead() -> Any:
@@ -600,6 +602,7 @@ class _Run:
                              cache_salt=self.request.cache_salt)
         async with contextlib.aclosing(engine.generate(ereq)) as stream:
             async for chunk in stream:
+                b.prefilled()
                 b.engine_requests += 1
                 b.prefill_tokens += len(ereq.token_ids) - chunk.cached_tokens
                 b.last_cached = chunk.cached_tokens
@@ -714,8 +717,7 @@ class _Run:
                 async for chunk in stream:
                     if first:
                         first = False
-                        if b.prefilled is not None:
-                            b.prefilled.set()  # its prefix is cached: siblings may start
+                        b.prefilled()  # its prefix is cached: siblings may start
                         b.engine_requests += 1
                         b.prefill_tokens += len(ereq.token_ids) - chunk.cached_tokens
                         b.last_cached = chunk.cached_tokens
