@@ -18,6 +18,7 @@ import argparse
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from simulations.cli import (
     AT_LEAST_ONE,
+    COUNT,
     FRACTION,
     NON_NEGATIVE,
     SWEEP_LOADS,
@@ -62,8 +63,13 @@ def main() -> None:
                          "has ended (default: every request at its trace time)")
     ap.add_argument("--programs", action="store_true",
                     help="run forks as controller programs (kvroute's agent; see replay.py)")
+    ap.add_argument("--warmup", type=COUNT, default=0, metavar="N",
+                    help="run the trace's first N requests but leave them out of the figures")
     args = ap.parse_args()
-    trace = load(args.trace)
+    try:
+        trace = load(args.trace).with_warmup(args.warmup)
+    except ValueError as exc:
+        ap.error(f"--warmup: {exc}")
     base = len(trace.requests) / trace.duration_s
     cap = 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
@@ -73,7 +79,7 @@ def main() -> None:
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
     factories = make_policies(args.policies, 0)
     jitters = parse_jitters(args.jitters)
-    floor = floor_summary(ttft_floor(trace, spec.cost))
+    floor = floor_summary(ttft_floor(trace, spec.cost)[trace.warmup:])
     print(f"TTFT floor (no queueing, every earlier prefix cached): mean {floor['mean_s']:.4g} / "
           f"p99 {floor['p99_s']:.4g} s at every load", flush=True)
     for ld in args.loads:

@@ -39,6 +39,7 @@ SWEEP_LOADS = (0.5, 0.65, 0.8, 0.95)
 POSITIVE = config.POSITIVE.parser(float)
 NON_NEGATIVE = config.NON_NEGATIVE.parser(float)
 AT_LEAST_ONE = config.AT_LEAST_ONE.parser(int)
+COUNT = config.NON_NEGATIVE.parser(int)
 FRACTION = config.FRACTION.parser(float)
 
 
@@ -59,7 +60,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """The trace and the simulated cluster: shared by ``kvroute replay`` and ``kvroute tune``."""
     p.add_argument("trace", help="trace file: Mooncake JSONL (hash_ids) or JSONL with token_ids")
     p.add_argument("--workers", type=AT_LEAST_ONE, default=16, help="simulated workers")
-    p.add_argument("--capacity-blocks", type=config.NON_NEGATIVE.parser(int), default=0,
+    p.add_argument("--capacity-blocks", type=COUNT, default=0,
                    help="KV blocks per worker (default: 480k tokens' worth, an A100-80GB "
                         "serving Llama-3.1-8B)")
     p.add_argument("--propagation-ms", type=NON_NEGATIVE, default=50.0,
@@ -98,6 +99,10 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="block size for traces given as token_ids")
     p.add_argument("--tile", type=AT_LEAST_ONE, default=1,
                    help="repeat the trace this many times back to back (speed tests)")
+    p.add_argument("--warmup", type=COUNT, default=0, metavar="N",
+                   help="run the trace's first N requests but leave them out of every figure "
+                        "(bounds and floor included), to measure a cluster already serving "
+                        "this traffic rather than one starting with empty caches")
     p.add_argument("--seed", type=int, default=0, help="seed for randomised policies")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -200,6 +205,7 @@ class Setup:
         and the router's settings."""
         sp = self.spec
         return {"trace": self.trace.source, "requests": len(self.trace.requests),
+                "warmup": self.trace.warmup,
                 "workers": sp.workers, "capacity_blocks": sp.capacity_blocks,
                 "max_batch": sp.max_batch, "prefill_budget": sp.prefill_budget,
                 "chunked_prefill": sp.chunked_prefill, "programs": sp.programs,
@@ -229,6 +235,10 @@ def prepare(args: argparse.Namespace) -> Setup | None:
               file=sys.stderr)
     if args.tile > 1:
         trace = trace.tiled(args.tile)
+    try:
+        trace = trace.with_warmup(args.warmup)
+    except ValueError as exc:
+        raise SystemExit(f"error: --warmup: {exc}") from None
     cost = CostModel()
     cap = args.capacity_blocks or 480_000 // trace.block_size
     spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
@@ -250,6 +260,9 @@ def prepare(args: argparse.Namespace) -> Setup | None:
     print(f"trace {trace.source}: {len(trace.requests)} requests over {trace.duration_s:.0f} s "
           f"({base_rps:.2f} req/s), block {trace.block_size} tokens; cluster: {args.workers} "
           f"workers x {cap} blocks; capacity ~{capacity:.2f} req/s", flush=True)
+    if trace.warmup:
+        print(f"warm-up: the first {trace.warmup} requests run but are not measured "
+              f"({len(trace.measured)} are)", flush=True)
     replies = trace.reply_keys()
     n_replies = sum(1 for r in replies if r)
     reply_tokens = sum(map(len, replies)) * trace.block_size
@@ -302,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
         "infinite cache": hit_ratio(trace, infinite),
     }
     floor = ttft_floor(trace, spec.cost, infinite)  # the same at every rate: no queueing
+    measured_floor = floor[trace.warmup:]
 
     def at(scale: float) -> Trace:
         return trace.scaled(scale) if scale != 1.0 else trace
@@ -327,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         return kept[nominal], [j.mean() for j in runs], runs
 
     def report(rows: list[PolicyMetrics], runs: list[Jittered]) -> None:
-        print(table(rows, bounds, floor_summary(floor)), flush=True)
+        print(table(rows, bounds, floor_summary(measured_floor)), flush=True)
         if spec.closed_loop:
             # The sessions set the pace: a rate scale compresses only their think times.
             print("closed loop: requests were sent at " + ", ".join(
@@ -349,13 +363,13 @@ def run(args: argparse.Namespace) -> int:
             sweep[ld], sweep_runs[ld] = rows, runs
             if args.out:  # written as each load ends: the replays' requests are not kept
                 at_load = args.out / f"load_{int(ld * 100)}"
-                write_results(at_load, rows, bounds, floor,
+                write_results(at_load, rows, bounds, measured_floor,
                               {**setup.meta(), "load": ld, "rate_scale": scale,
                                "seed": args.seed, "jitters": list(jitters),
                                "focus": args.focus}, runs, args.focus)
                 write_requests(at_load, results, floor)
         if args.out:
-            plot = plot_sweep(args.out, sweep, sweep_runs, floor,
+            plot = plot_sweep(args.out, sweep, sweep_runs, measured_floor,
                               capacity if spec.closed_loop else None)
             print(f"wrote {plot}")
         return 0
@@ -366,10 +380,10 @@ def run(args: argparse.Namespace) -> int:
     report(rows, runs)
     print("wall time per policy: " + ", ".join(f"{r.policy} {r.wall_s:.1f}s" for r in rows))
     if args.out:
-        write_results(args.out, rows, bounds, floor, {
+        write_results(args.out, rows, bounds, measured_floor, {
             **setup.meta(), "rate_scale": scale, "load": load_frac, "seed": args.seed,
             "jitters": list(jitters), "focus": args.focus}, runs, args.focus)
-        for path in plot_replay(args.out, results, rows, bounds, floor):
+        for path in plot_replay(args.out, results, rows, bounds, measured_floor):
             print(f"wrote {path}")
         requests = write_requests(args.out, results, floor)
         print(f"wrote {args.out / 'results.json'}, {args.out / 'results.csv'}, {requests} "

@@ -45,7 +45,8 @@ class PolicyMetrics:
 
 
 def measure(res: ReplayResult) -> PolicyMetrics:
-    reqs = res.requests
+    """A replay's figures, over its measured requests (all but the trace's warm-up)."""
+    reqs = res.measured
     ttft = np.array([r.first_token_s - r.arrival_s for r in reqs])
     e2e = np.array([r.finished_s - r.arrival_s for r in reqs])
     if np.isnan(ttft).any() or np.isnan(e2e).any():
@@ -56,8 +57,13 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     first = min(r.arrival_s for r in reqs)
     span = max(r.finished_s for r in reqs) - first
     sending = max(r.arrival_s for r in reqs) - first
-    unseen = unseen_misses(res)
-    prefilled = np.array([w.prefill_tokens for w in res.workers], dtype=float)
+    unseen = unseen_misses(res)[res.warmup:]
+    # What each worker prefilled for these requests (a request's uncached prompt tokens: a
+    # worker computes nothing else).
+    by_worker = dict.fromkeys((w.name for w in res.workers), 0)
+    for r in reqs:
+        by_worker[r.worker] += r.prompt_tokens - r.cached_tokens
+    prefilled = np.array(list(by_worker.values()), dtype=float)
     waited = [r.waited_s for r in reqs if r.waited_s > 0]
     return PolicyMetrics(
         policy=res.policy, requests=len(reqs), hit_ratio=cached / prompt,
@@ -124,14 +130,16 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
 
 
 # requests.csv: one row per request and policy (see :func:`request_rows`)
-REQUEST_COLUMNS = ("policy", "request", "worker", "sent_s", "waited_s", "prompt_tokens",
-                   "output_tokens", "cached_tokens", "fetched_tokens", "moved_tokens",
-                   "flight_tokens", "stale_tokens", "held_for", "floor_s", "ttft_s", "e2e_s")
+REQUEST_COLUMNS = ("policy", "request", "warmup", "worker", "sent_s", "waited_s",
+                   "prompt_tokens", "output_tokens", "cached_tokens", "fetched_tokens",
+                   "moved_tokens", "flight_tokens", "stale_tokens", "held_for", "floor_s",
+                   "ttft_s", "e2e_s")
 
 
 def request_rows(res: ReplayResult, floor: np.ndarray) -> list[dict[str, object]]:
     """One row per request of a replay, in trace order (``request``: its position among the
-    trace's valid requests): the worker it was sent to and when (``waited_s``: how long after
+    trace's valid requests; ``warmup``: 1 if it is in the trace's warm-up, which the figures
+    leave out): the worker it was sent to and when (``waited_s``: how long after
     its trace time, closed loop), what it found cached there (``cached_tokens``, hits;
     ``fetched_tokens``, KV fetched from another worker), the prompt tokens it missed that
     another worker held (``moved_tokens``), that were still in flight or whose event was
@@ -144,9 +152,9 @@ def request_rows(res: ReplayResult, floor: np.ndarray) -> list[dict[str, object]
         fetched = min(r.received_tokens, r.cached_tokens)
         held = "" if r.after is None else r.after.idx
         rows.append(dict(zip(REQUEST_COLUMNS, (
-            res.policy, r.idx, r.worker, r.arrival_s, r.waited_s, r.prompt_tokens,
-            r.output_tokens, r.cached_tokens - fetched, fetched, r.moved_tokens, flight,
-            stale, held, float(floor[r.idx]), r.first_token_s - r.arrival_s,
+            res.policy, r.idx, int(r.idx < res.warmup), r.worker, r.arrival_s, r.waited_s,
+            r.prompt_tokens, r.output_tokens, r.cached_tokens - fetched, fetched,
+            r.moved_tokens, flight, stale, held, float(floor[r.idx]), r.first_token_s - r.arrival_s,
             r.finished_s - r.arrival_s), strict=True)))
     rows.sort(key=lambda row: row["request"])
     return rows
@@ -214,7 +222,8 @@ def floor_summary(floor: np.ndarray) -> dict[str, float]:
 
 
 def hit_ratio(trace: Trace, hits: list[int]) -> float:
-    return sum(hits) / sum(r.prompt_tokens for r in trace.requests)
+    """The token hit ratio of per-request ``hits`` over the trace's measured requests."""
+    return sum(hits[trace.warmup:]) / sum(r.prompt_tokens for r in trace.measured)
 
 
 def capacity_rps(trace: Trace, workers: int, capacity_blocks: int, cost: CostModel,

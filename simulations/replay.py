@@ -117,6 +117,12 @@ class ReplayResult:
     load_samples: list[tuple[float, list[int]]]  # (time, outstanding requests per worker)
     wall_s: float = 0.0
     propagation_s: float = 0.0  # how late the router saw each cache event
+    warmup: int = 0  # the trace's first requests, run but left out of the figures
+
+    @property
+    def measured(self) -> list[SimRequest]:
+        """The requests the figures count (``requests`` is in trace order)."""
+        return self.requests[self.warmup:]
 
 
 class Replayer:
@@ -344,4 +350,4 @@ class Replayer:
         if self._progress is not None:
             self._progress(len(reqs))
         return ReplayResult(self.policy.name, reqs, self.workers, samples,
-                            propagation_s=self.spec.propagation_s)
+                            propagation_s=self.spec.propagation_s, warmup=self.trace.warmup)

@@ -60,7 +60,8 @@ def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, fl
                   focus: str | None = None) -> None:
     """results.json and results.csv; with jittered ``runs``, ``rows`` are their averages
     and results.json also holds each jitter's metrics and the verdicts. ``floor`` is the
-    per-request TTFT floor (``metrics.ttft_floor``); results.json holds its summary."""
+    per-request TTFT floor (``metrics.ttft_floor``) of the measured requests (the trace's
+    warm-up left out); results.json holds its summary."""
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, object] = {"meta": meta, "bounds": bounds,
                               "ttft_floor": floor_summary(floor),
@@ -80,7 +81,8 @@ def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, fl
 
 def write_requests(out: Path, results: Sequence[ReplayResult], floor: np.ndarray) -> Path:
     """requests.csv: every request of every policy's replay (with jitters, the one nearest
-    the nominal rate), a row each (:func:`~simulations.metrics.request_rows`)."""
+    the nominal rate), a row each, warm-up included (:func:`~simulations.metrics.request_rows`;
+    ``floor``: every request's)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "requests.csv"
     with path.open("w", newline="") as f:
@@ -104,13 +106,13 @@ def _plt():  # returns the matplotlib.pyplot module
 
 def plot_replay(out: Path, results: Sequence[ReplayResult], rows: Sequence[PolicyMetrics],
                 bounds: dict[str, float], floor: np.ndarray) -> list[Path]:
-    """TTFT CDF per policy against the floor's, hit ratio per policy against the bounds,
-    load over time."""
+    """TTFT CDF per policy (measured requests) against the floor's (``floor``: theirs),
+    hit ratio per policy against the bounds, load over time."""
     plt = _plt()
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for res in results:
-        ttft = np.sort([r.first_token_s - r.arrival_s for r in res.requests])
+        ttft = np.sort([r.first_token_s - r.arrival_s for r in res.measured])
         ax.plot(ttft, np.linspace(0, 1, len(ttft)), label=res.policy)
     ax.plot(np.sort(floor), np.linspace(0, 1, len(floor)), "k--", linewidth=1,
             label="floor (own prefill, nothing queued)")

@@ -65,6 +65,10 @@ class Trace:
     block_size: int
     source: str = ""
     skipped: list[str] = field(default_factory=list)  # "file:line: reason" of bad lines
+    # The first ``warmup`` requests run but are left out of every figure: they fill the
+    # caches and queues first, so the figures describe a cluster already serving this
+    # traffic, not one whose caches are empty (:meth:`with_warmup`).
+    warmup: int = 0
     _next: list[int] | None = field(default=None, repr=False, compare=False)
     _replies: list[tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
 
@@ -82,8 +86,27 @@ class Trace:
         reqs = [replace(r, arrival_s=t0 + (r.arrival_s - t0) / rate_scale)
                 for r in self.requests]
         # Same keys in the same order: the same continuations and replies.
-        return Trace(reqs, self.block_size, self.source, self.skipped, self.continuations(),
-                     self.reply_keys())
+        return Trace(reqs, self.block_size, self.source, self.skipped, self.warmup,
+                     self.continuations(), self.reply_keys())
+
+    def with_warmup(self, n: int) -> Trace:
+        """The same trace with its first ``n`` requests run but not measured (``warmup``).
+
+        A replay starts with empty caches, but a trace cut from running traffic (or made by
+        ``kvroute gen``, whose sessions begin before time 0) opens mid-conversation: its
+        first requests carry histories no cache could hold yet and arrive together, a cold
+        start that no running cluster sees. Leaving them out of the figures measures the
+        steady state."""
+        if not 0 <= n < len(self.requests):
+            raise ValueError(f"warm-up must leave a request to measure: 0 <= warmup < "
+                             f"{len(self.requests)} (the trace's requests), got {n}")
+        return Trace(self.requests, self.block_size, self.source, self.skipped, n,
+                     self.continuations(), self.reply_keys())
+
+    @property
+    def measured(self) -> list[TraceRequest]:
+        """The requests the figures count: all but the warm-up."""
+        return self.requests[self.warmup:]
 
     def continuations(self) -> list[int]:
         """Per request, the index of the request that continues its reply, -1 if none (see

@@ -100,6 +100,43 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
 
 
 
+def test_a_warm_up_runs_but_is_left_out_of_every_figure(chat: Path, tmp_path: Path) -> None:
+    ran = replay(chat, "--workers", "4", "--policies", "kvroute,round_robin", "--load", "0.8",
+                 "--warmup", "60", "--out", tmp_path / "warm")
+    assert ran.returncode == 0, ran.stderr
+    assert "warm-up: the first 60 requests run but are not measured (180 are)" in ran.stdout
+    doc = json.loads((tmp_path / "warm" / "results.json").read_text())
+    assert doc["meta"]["warmup"] == 60 and doc["meta"]["requests"] == 240
+    with (tmp_path / "warm" / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    for p in doc["policies"]:
+        mine = [r for r in rows if r["policy"] == p["policy"]]
+        assert [int(r["warmup"]) for r in mine] == [1] * 60 + [0] * 180  # all 240 rows
+        measured = mine[60:]
+        assert p["requests"] == 180
+        assert statistics.mean(float(r["ttft_s"]) for r in measured) == pytest.approx(
+            p["ttft_mean_s"])
+        assert sum(int(r["cached_tokens"]) for r in measured) / sum(
+            int(r["prompt_tokens"]) for r in measured) == pytest.approx(p["hit_ratio"])
+        assert p["hit_ratio"] <= doc["bounds"]["infinite cache"]
+        assert p["ttft_mean_s"] >= doc["ttft_floor"]["mean_s"]
+    # The same replay measured whole: every request ran alike, only the figures differ.
+    whole = replay(chat, "--workers", "4", "--policies", "kvroute,round_robin", "--load",
+                   "0.8", "--out", tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    with (tmp_path / "whole" / "requests.csv").open() as f:
+        same = list(csv.DictReader(f))
+    assert [(r["worker"], r["ttft_s"]) for r in same] == [(r["worker"], r["ttft_s"])
+                                                          for r in rows]
+    # The warm-up's first requests find the caches empty: leaving them out raises the bounds.
+    doc0 = json.loads((tmp_path / "whole" / "results.json").read_text())
+    assert doc["bounds"]["infinite cache"] > doc0["bounds"]["infinite cache"]
+    assert doc0["meta"]["warmup"] == 0 and all(p["requests"] == 240 for p in doc0["policies"])
+    ran = replay(chat, "--policies", "kvroute", "--warmup", "240")
+    assert ran.returncode == 1 and "--warmup: warm-up must leave a request to measure" \
+        in ran.stderr and "Traceback" not in ran.stderr
+
+
 def test_closed_loop_sends_continuations_when_their_replies_end(chat: Path,
                                                                tmp_path: Path) -> None:
     out = tmp_path / "res"
@@ -216,6 +253,7 @@ def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> 
                                 ("--propagation-ms", "-1", "a finite number >= 0"),
                                 ("--coalesce-share", "1.5", "a finite number in [0, 1]"),
                                 ("--capacity-blocks", "-1", "an integer >= 0"),
+                                ("--warmup", "-5", "an integer >= 0"),
                                 ("--workers", "two", "an integer >= 1")]:
         ran = replay(chat, "--policies", "kvroute", option, value)
         assert ran.returncode == 2, (option, ran.stderr)

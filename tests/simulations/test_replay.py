@@ -480,6 +480,19 @@ def test_programs_that_do_not_fit_their_worker_overflow_to_the_next_longest_pref
                                                              for t in tr.requests)
 
 
+def test_a_warm_up_is_kept_through_scaling_and_must_leave_requests_to_measure() -> None:
+    tr = parse([json.dumps(r) for r in generate("chat", 50, 20.0, seed=2)])
+    warm = tr.with_warmup(10).scaled(2.0)
+    assert warm.warmup == 10 and warm.measured == warm.requests[10:]
+    assert warm.continuations() == tr.continuations()
+    res = Replayer(warm, make_policy("kvroute"), ClusterSpec(workers=2)).run()
+    assert res.warmup == 10 and [r.idx for r in res.measured] == list(range(10, 50))
+    assert measure(res).requests == 40
+    for n in (-1, 50):
+        with pytest.raises(ValueError, match="warm-up must leave a request to measure"):
+            tr.with_warmup(n)
+
+
 def test_hash_ids_expand_to_tokens_that_share_exactly_the_shared_ids() -> None:
     from simulations.trace import expand_tokens
 
