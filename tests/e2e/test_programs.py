@@ -238,6 +238,8 @@ async def test_a_fork_leader_that_forks_again_releases_its_siblings_at_its_first
         assert (res[bid].cached_tokens, res[bid].prefill_tokens) == (96, 4)
     last = {r.branch_id: i for i, r in enumerate(resps[:-1]) if r.token_ids}
     assert max(last["0.1"], last["0.2"]) < min(last["0.0.0"], last["0.0.1"])
+    # No warm-up request either (it would have found the prompt cached: 96).
+    assert resps[-1].usage.cached_tokens == 0
 
 
 LIMITS = dict(max_program_fanout=4, max_program_tokens=300, max_program_steps=10,

@@ -543,7 +543,7 @@ class _Run:
         (A separate 1-token warm-up request instead put every child's suffix an engine
         iteration after the prefix: 3-4% later first tokens on fork traffic in the replay
         simulator.) Under ``FIRST_FINISHED`` the leader starts that one prefill ahead. A
-        leader that ends before any engine request (a program of fast-forwards only, or a
+        leader that ends before its first prefill (a program of fast-forwards only, or a
         failure) releases the others after a warm-up request (:meth:`warm`). When the prefix
         is cached already, all start at once. The parent's first hit (the prompt's, for the
         root) is the leader's first request's."""
@@ -555,22 +555,28 @@ class _Run:
         # A parent that leads a fork itself is prefilled when its own leader is.
         leader.on_prefill = [ready, *(e for e in parent.on_prefill if not e.is_set())]
         warming = asyncio.Lock()
+        cold = warmed = False  # the leader ended before a prefill; a warm-up has run
 
         async def lead() -> Any:
+            nonlocal cold
             try:
                 return await lead_run()
             finally:
-                ready.set()
+                if not ready.is_set():
+                    cold = True
+                    ready.set()
                 if parent.first_cached is None and leader.first_cached is not None:
                     # The prompt's hit is what the first engine request after it found.
                     parent.first_cached = min(leader.first_cached, len(parent.tokens))
 
         async def follow(run: Callable[[], Any]) -> Any:
+            nonlocal warmed
             await ready.wait()
-            if not leader.engine_requests:
+            if cold:
                 async with warming:
-                    if not parent.engine_requests:
+                    if not warmed:
                         await self.warm(parent)
+                        warmed = True
             return await run()
 
         return [_Unit(units[0].members, lead),
