@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from kvroute.cli import build_parser
+from tests.support import RedisProc
 
 
 def _help(cmd: str) -> str:
@@ -39,3 +43,24 @@ def test_help_states_each_default_once_and_not_for_switches(cmd: str) -> None:
 ])
 def test_help_shows_defaults(cmd: str, expected: str) -> None:
     assert expected in _help(cmd)
+
+
+@pytest.mark.parametrize("cmd", [["router"], ["agent", "--engine", "sim"]])
+@pytest.mark.parametrize("which", ["--port", "--metrics-port"])
+def test_a_taken_port_ends_the_server_with_a_clear_error(redis_server: RedisProc, cmd: list[str],
+                                                         which: str) -> None:
+    # A taken metrics port used to surface only after the gRPC server had started: the
+    # process then hung, not serving, and ignored SIGTERM (seen running the image).
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ports = {"--port": "0", "--metrics-port": "0", which: str(port)}
+        ran = subprocess.run(
+            [sys.executable, "-m", "kvroute", *cmd, "--redis", redis_server.url, "--host",
+             "127.0.0.1", *(x for kv in ports.items() for x in kv)],
+            capture_output=True, text=True, timeout=60)
+    assert ran.returncode != 0
+    what = "listen on" if which == "--port" else "serve metrics on"
+    assert f"cannot {what} 127.0.0.1:{port} (in use or not permitted)" in ran.stderr
+    assert "Traceback" not in ran.stderr

@@ -43,16 +43,25 @@ async def set_serving(hs: Any, services: Iterable[str], serving: bool) -> None:
 
 
 def start_metrics(port: int, host: str, registry: CollectorRegistry) -> Any:
-    """Serve ``registry`` on http://host:port/metrics; returns the HTTP server (or None)."""
+    """Serve ``registry`` on http://host:port/metrics; returns the HTTP server (or None).
+    A port it cannot take is a clear error, as for the gRPC port (:func:`bind`): call it
+    before starting anything that would have to be stopped."""
     if port <= 0:
         return None
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise SystemExit(f"cannot serve metrics on {host}:{port} (in use or not permitted): "
+                         f"{exc.strerror or exc}") from None
     return server
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind an insecure port; a clear error if it is taken."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.53 raises where older ones returned 0
+        bound = 0
     if bound == 0:
         raise SystemExit(f"cannot listen on {host}:{port} (in use or not permitted)")
     return bound

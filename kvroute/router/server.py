@@ -403,6 +403,10 @@ class RouterApp:
 
     async def start(self, *, wait_for_redis_s: float = 0.0) -> int:
         cfg = self.cfg
+        # Ports first: a taken one ends the start before anything needs stopping.
+        server = grpc.aio.server()
+        self.port = bind(server, cfg.host, cfg.port)
+        self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, self.metrics.registry)
         self.metrics.watch(self.mirror)
         if self.discovery is not None:
             await self.discovery.start()  # closes the gate before the first heartbeat scan
@@ -417,8 +421,6 @@ class RouterApp:
                     await asyncio.wait_for(self.discovery.ready.wait(), wait_for_redis_s)
                 except TimeoutError:
                     log.warning("worker pods not listed yet; no traffic until they are")
-        server = grpc.aio.server()
-        self.port = bind(server, cfg.host, cfg.port)
         self.service = RouterService(cfg, self.decider, self.mirror, self.registry,
                                      self.channels, self.metrics, self._tok)
         add_router_service(self.service, server)
@@ -426,7 +428,6 @@ class RouterApp:
         await server.start()
         self._server = server
         await set_serving(self._health, [SERVICE], True)
-        self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, self.metrics.registry)
         native = native_builds()
         log.info("router serving", extra={"kv": {
             "port": self.port, "policy": cfg.policy, "model": cfg.model,

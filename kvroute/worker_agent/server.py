@@ -225,6 +225,8 @@ class AgentApp:
         check_name("worker id", self.worker_id)
         advertise = cfg.advertise or f"{cfg.host}:{self.port}"
         metrics = self.metrics = AgentMetrics(self.worker_id)
+        # Before the engine and the publisher start: a taken port then leaves nothing running.
+        self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, metrics.registry)
         # The engine knows its vocabulary (tiny's byte vocab is 258): ids past it are the
         # caller's mistake (INVALID_ARGUMENT), not an engine failure.
         vocab = min(cfg.vocab_size, getattr(self.engine, "vocab_size", cfg.vocab_size))
@@ -267,7 +269,6 @@ class AgentApp:
         await server.start()
         self._server = server
         await set_serving(self._health, [SERVICE], True)
-        self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, metrics.registry)
         log.info("agent serving", extra={"kv": {
             "worker": self.worker_id, "address": advertise, "engine": cfg.engine,
             "model": cfg.model, "block_size": cfg.block_size, "epoch": pub.epoch,
