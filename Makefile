@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROTOS := $(wildcard proto/kvroute/v1/*.proto)
 
-.PHONY: setup demo test lint proto bench clean tools chart monitoring image
+.PHONY: setup demo test lint proto bench clean tools chart monitoring image image-smoke
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,10 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= kvroute/kvroute:$(VERSION)
 image:
 	docker build -t $(IMAGE) .
+
+# Runs the built image as the chart does (see scripts/image_smoke.sh).
+image-smoke:
+	scripts/image_smoke.sh $(IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info .cache
