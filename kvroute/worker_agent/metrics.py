@@ -76,6 +76,16 @@ class _StateCollector(Collector):
                                ("kept", ps.overflow_kept)):
                 fam.add_metric([outcome], n)
             yield fam
+            fam = CounterMetricFamily(
+                "kvroute_agent_program_forks",
+                "Forks of two or more children run here, by how the children started: led (the "
+                "first prefilled the shared prefix, the others followed), cached (the prefix "
+                "was cached: all at once), warmed (of the led, those whose first child ended "
+                "before any prefill, so a warm-up request ran)", labels=["start"])
+            for start, n in (("led", ps.forks_led), ("cached", ps.forks_cached),
+                             ("warmed", ps.forks_warmed)):
+                fam.add_metric([start], n)
+            yield fam
         # Engines may export their own families (the vllm adapter: frames, replays, resets).
         extra = getattr(self._engine, "metric_families", None)
         if extra is not None:

@@ -65,6 +65,13 @@ async def cancel_when_all_decode(port: int, req: common_pb2.GenerateRequest,
         call.cancel()
 
 
+def forks(agent: Any) -> dict[str, float | None]:
+    """The agent's kvroute_agent_program_forks_total, by how the children started."""
+    return {start: agent.metrics.registry.get_sample_value(
+        "kvroute_agent_program_forks_total", {"start": start})
+        for start in ("led", "cached", "warmed")}
+
+
 def results(resps: list[common_pb2.GenerateResponse]) -> dict[str, program_pb2.BranchResult]:
     assert resps[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     return {r.branch_id: r for r in resps[-1].results}
@@ -204,6 +211,7 @@ async def test_fork_children_share_the_prefix_and_select_keeps_the_best(cluster)
     again = await run(a.port, [fork([gen(6, temperature=1.0)], n=4)], prompt=prompt, seed=4)
     assert [r.cached_tokens for r in again[-1].results] == [96] * 4
     assert again[-1].usage.cached_tokens == 96
+    assert forks(a) == {"led": 1, "cached": 1, "warmed": 0}
     first = await run(a.port, [fork([gen(30)], [gen(1)], select=P.SELECT_MODE_FIRST_FINISHED)])
     res2 = {r.branch_id: r for r in first[-1].results}
     assert res2["0.1"].selected and not res2["0.0"].selected
@@ -222,6 +230,7 @@ async def test_a_fork_leader_without_an_engine_request_still_warms_its_siblings(
     for bid in ("0.1", "0.2"):
         assert (res[bid].cached_tokens, res[bid].prefill_tokens) == (96, 4)
     assert resps[-1].usage.cached_tokens == 0  # the warm-up's hit
+    assert forks(a) == {"led": 1, "cached": 0, "warmed": 1}
 
 
 async def test_a_fork_leader_that_forks_again_releases_its_siblings_at_its_first_prefill(
@@ -240,6 +249,7 @@ async def test_a_fork_leader_that_forks_again_releases_its_siblings_at_its_first
     assert max(last["0.1"], last["0.2"]) < min(last["0.0.0"], last["0.0.1"])
     # No warm-up request either (it would have found the prompt cached: 96).
     assert resps[-1].usage.cached_tokens == 0
+    assert forks(a) == {"led": 2, "cached": 0, "warmed": 0}
 
 
 LIMITS = dict(max_program_fanout=4, max_program_tokens=300, max_program_steps=10,

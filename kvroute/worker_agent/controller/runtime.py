@@ -170,6 +170,13 @@ class ProgramStats:
     """Of those, children run here instead because their worker failed before answering."""
     overflow_kept: int = 0
     """Children a placement would move but that stayed: an open constraint cannot travel."""
+    forks_led: int = 0
+    """Forks of 2+ local children whose first child prefilled the parent's prefix while the
+    others waited for it (``_Run.led``)."""
+    forks_cached: int = 0
+    """Forks of 2+ local children that found the prefix cached: all started at once."""
+    forks_warmed: int = 0
+    """Of the led forks, those whose leader ended before any prefill: a warm-up request ran."""
 
 
 @dataclass(slots=True)
@@ -551,6 +558,12 @@ class _Run:
             return units  # every child moved to other workers
         leader, lead_run = units[0].members[0], units[0].run
         gated = len(units) > 1 and not self.prefix_cached(parent)
+        st = self.rt.stats
+        if len(units) > 1:
+            if gated:
+                st.forks_led += 1
+            else:
+                st.forks_cached += 1
         ready = asyncio.Event()
         # A parent that leads a fork itself is prefilled when its own leader is.
         leader.on_prefill = [ready, *(e for e in parent.on_prefill if not e.is_set())]
@@ -575,6 +588,7 @@ class _Run:
             if cold:
                 async with warming:
                     if not warmed:
+                        st.forks_warmed += 1
                         await self.warm(parent)
                         warmed = True
             return await run()
