@@ -67,26 +67,28 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=value)
         if self._programs is not None:
             ps = self._programs
-            fam = CounterMetricFamily(
+            yield _by_label(
                 "kvroute_agent_program_overflow_children",
                 "Fork children a router's placement moved to another worker, by outcome: sent "
                 "there, fallback (run here: that worker failed before answering), kept (run "
-                "here: an open constraint cannot travel)", labels=["outcome"])
-            for outcome, n in (("sent", ps.overflow_sent), ("fallback", ps.overflow_fallback),
-                               ("kept", ps.overflow_kept)):
-                fam.add_metric([outcome], n)
-            yield fam
-            fam = CounterMetricFamily(
+                "here: an open constraint cannot travel)", "outcome",
+                sent=ps.overflow_sent, fallback=ps.overflow_fallback, kept=ps.overflow_kept)
+            yield _by_label(
                 "kvroute_agent_program_forks",
                 "Forks of two or more children run here, by how the children started: led (the "
                 "first prefilled the shared prefix, the others followed), cached (the prefix "
                 "was cached: all at once), warmed (of the led, those whose first child ended "
-                "before any prefill, so a warm-up request ran)", labels=["start"])
-            for start, n in (("led", ps.forks_led), ("cached", ps.forks_cached),
-                             ("warmed", ps.forks_warmed)):
-                fam.add_metric([start], n)
-            yield fam
+                "before any prefill, so a warm-up request ran)", "start",
+                led=ps.forks_led, cached=ps.forks_cached, warmed=ps.forks_warmed)
         # Engines may export their own families (the vllm adapter: frames, replays, resets).
         extra = getattr(self._engine, "metric_families", None)
         if extra is not None:
             yield from extra()
+
+
+def _by_label(name: str, doc: str, label: str, **counts: int) -> CounterMetricFamily:
+    """A counter family with one sample per value of ``label`` (``counts``: value -> count)."""
+    fam = CounterMetricFamily(name, doc, labels=[label])
+    for value, n in counts.items():
+        fam.add_metric([value], n)
+    return fam
