@@ -14,7 +14,10 @@
    program ``gen`` (runtime only), and a regex-constrained ``gen``; printed as ratios.
 3. Fork prefill: N branches after a shared prompt, as one program (children share the cached
    prefix) against N independent requests submitted together (what routing each branch as
-   its own request gives when they land on one worker at once).
+   its own request gives when they land on one worker at once). Then the branches' time to
+   first token: the program as the agent runs it (the first child prefills the prefix with
+   its suffix, the others follow) against a 1-token warm-up request followed by the fork
+   (how the agent ran forks before), on fresh prompts, median of the rounds.
 4. The same through a real router and two tiny agents (byte vocabulary; a local
    redis-server): a fork program against N independent requests sent together through the
    router, prefill counted on the agents' engines.
@@ -66,6 +69,20 @@ async def program(rt: ProgramRuntime, prompt: list[int], steps: list[P.Step],
                                      sampling=common_pb2.SamplingParams(seed=seed))
     prep = await rt.prepare(prog)
     return [r async for r in rt.run(prep, req, f"bench-{seed}-{time.monotonic_ns()}")]
+
+
+async def first_tokens(rt: ProgramRuntime, prompt: list[int], steps: list[P.Step], seed: int,
+                       t0: float) -> list[float]:
+    """Run a program; each branch's first token, in seconds after ``t0``."""
+    prog = P.ControllerProgram(steps=steps)
+    req = common_pb2.GenerateRequest(token_ids=prompt, program=prog,
+                                     sampling=common_pb2.SamplingParams(seed=seed))
+    prep = await rt.prepare(prog)
+    first: dict[str, float] = {}
+    async for r in rt.run(prep, req, f"bench-{seed}-{time.monotonic_ns()}"):
+        if r.token_ids and r.branch_id not in first:
+            first[r.branch_id] = time.perf_counter() - t0
+    return list(first.values())
 
 
 async def plain(engine: TinyEngine, prompt: list[int], n: int, rid: str) -> int:
@@ -164,6 +181,23 @@ async def main(args: argparse.Namespace) -> None:
           f"(children's cached_tokens {cached})")
     print(f"independent requests:  prefilled {ind_prefill:6d} tokens in all  "
           f"({ind_prefill / max(prog_prefill, 1):.2f}x the fork)")
+    g8 = [fork(P.Step(gen=P.Gen(max_tokens=8, temperature=1.0)), args.branches)]
+    led: list[float] = []
+    warmed: list[float] = []
+    for r in range(args.rounds * 3):
+        fresh = [(13 * i + 101 * r + 7) % 50000 for i in range(args.prefix)]
+        t0 = time.perf_counter()
+        led.append(float(np.mean(await first_tokens(rt, fresh, g8, r, t0))))
+        fresh = [(17 * i + 103 * r + 5) % 50000 for i in range(args.prefix)]
+        t0 = time.perf_counter()
+        await plain(engine, fresh, 1, f"warm-{r}")
+        warmed.append(float(np.mean(await first_tokens(rt, fresh, g8, r, t0))))
+    base, ours = float(np.median(warmed)), float(np.median(led))
+    print(f"time to first token, mean of the {args.branches} branches (median of "
+          f"{len(led)} fresh prompts):")
+    print(f"  warm-up request, then the fork (baseline): {base * 1e3:7.1f} ms  1.00x")
+    print(f"  first child leads (the agent):             {ours * 1e3:7.1f} ms  "
+          f"{ours / base:.2f}x")
     await engine.stop()
     await through_router(args)
 

@@ -34,7 +34,7 @@ CASES = {
                     ["full-collection pause, baseline/kvroute"]),
     "agent_events.py": (["--batches", "200"], ["agent ingest + publish to Redis"]),
     "controller.py": (["--tokens", "8", "--branches", "2", "--rounds", "1", "--prefix", "100"],
-                      ["independent via router"]),
+                      ["first child leads (the agent)", "independent via router"]),
     "tiny_engine.py": (["--prompt", "64", "--batch", "2", "--decode", "4", "--capacity", "64"],
                        ["decode   batch   2 x 4 tokens"]),
     "policy_jitter.py": (["{chat}", "--loads", "0.8", "--jitters", "1", "--policies",
