@@ -78,6 +78,7 @@ class CachePublisher:
         self._stopping = asyncio.Event()
         self._needs_resync = True  # the first write declares our epoch
         self._synced = False  # True while Redis holds our current epoch's snapshot
+        self._reported: bool | None = None  # the Redis state last logged (None: not yet)
         self.epoch = new_epoch()
         self.seq = 0
         self.stats = PublisherStats()
@@ -162,7 +163,10 @@ class CachePublisher:
                 await asyncio.wait_for(self._stopping.wait(), self._hb_s)
 
     def _set_up(self, up: bool, exc: BaseException | None = None) -> None:
-        if up != self.stats.redis_up:
+        # Logged on each change, and the first time either way: a Redis never reached (a
+        # wrong address or password) is said at start, not only a Redis lost later.
+        if up != self._reported:
+            self._reported = up
             if up:
                 log.info("redis reachable", extra={"kv": {"worker": self._worker}})
             else:

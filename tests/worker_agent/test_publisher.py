@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 from kvroute.core.redis_conn import connect
@@ -114,3 +115,22 @@ async def test_lost_snapshot_is_rewritten_under_a_new_epoch(redis_server) -> Non
     finally:
         await pub.stop()
         await engine.stop()
+
+
+async def test_a_redis_never_reached_is_logged_at_start(caplog) -> None:
+    # The first state is logged too: a wrong address or password used to go unsaid (the
+    # warning came only on a change from reachable to not).
+    from tests.support import free_port
+
+    engine, pub = make(f"redis://127.0.0.1:{free_port()}")
+    await engine.start()
+    with caplog.at_level(logging.WARNING, logger="kvroute"):
+        await pub.start()
+        try:
+            await wait_for(lambda: "redis unreachable; buffering cache events" in caplog.text,
+                           what="the warning")
+            assert not pub.stats.redis_up
+        finally:
+            await pub.stop()
+            await engine.stop()
+    assert caplog.text.count("redis unreachable") == 1  # said once, not at every retry
