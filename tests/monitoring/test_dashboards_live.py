@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvroute.v1 import common_pb2, router_pb2_grpc
+from kvroute.v1 import common_pb2, program_pb2, router_pb2_grpc
 from tests.helm.chart import CHART
 from tests.kube_api import FakeKubeApi
 from tests.monitoring.prom import PrometheusProc
@@ -67,6 +67,12 @@ async def load(port: int, stop: asyncio.Event, counts: dict[str, int]) -> None:
             sampling = common_pb2.SamplingParams(max_tokens=4)
             if i % 17 == 0:
                 req = common_pb2.GenerateRequest(token_ids=[60000, 1], sampling=sampling)
+            elif i % 13 == 0:  # a controller program's fork (the programs panels)
+                fork = program_pb2.Fork(n=2, branches=[program_pb2.ControllerProgram(
+                    steps=[program_pb2.Step(gen=program_pb2.Gen(max_tokens=4))])])
+                req = common_pb2.GenerateRequest(
+                    token_ids=prompt, sampling=sampling, program=program_pb2.ControllerProgram(
+                        steps=[program_pb2.Step(fork=fork)]))
             else:
                 req = common_pb2.GenerateRequest(token_ids=prompt, sampling=sampling,
                                                  session_id=f"s{i % 9}")
@@ -215,6 +221,8 @@ async def test_every_dashboard_query_returns_data(
         assert not firing, firing
         routable = await q("sum(kvroute_router_worker_routable)")
         assert float(routable[0]["value"][1]) == 3
+        forks = await q("sum(kvroute_agent_program_forks_total)")  # the programs panels' data
+        assert float(forks[0]["value"][1]) > 0
     finally:
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
