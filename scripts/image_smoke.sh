@@ -5,8 +5,9 @@
 #
 #   scripts/image_smoke.sh [IMAGE]          (default kvroute/kvroute:0.1.0, from `make image`)
 #
-# CONTAINER picks the engine (default: docker if it is on PATH, else podman); RUN_FLAGS adds
-# flags to each `run` (a sandbox may need e.g. "--ulimit nofile=1024:1024"). Needs
+# CONTAINER picks the engine command, global flags allowed (default: docker if it is on PATH,
+# else podman; e.g. "podman --runtime runc"); RUN_FLAGS adds flags to each `run` (a sandbox
+# may need e.g. "--ulimit nofile=1024:1024"). Needs
 # redis-server on PATH and the repository's venv (`make setup`) for the examples' client.
 set -euo pipefail
 IMAGE=${1:-kvroute/kvroute:0.1.0}

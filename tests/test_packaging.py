@@ -119,6 +119,13 @@ def test_the_dockerfile_runs_the_image_as_the_chart_expects() -> None:
                           capture_output=True, text=True, timeout=30, check=True)
     tag = f"{values['image']['repository']}:{chart['appVersion']}"
     assert make.stdout.strip() == f"docker build -t {tag} ."
+    # `make image-smoke` runs that tag as the chart runs it: its user, a read-only root.
+    smoke = subprocess.run(["make", "--no-print-directory", "-n", "image-smoke"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=30, check=True)
+    assert smoke.stdout.strip() == f"scripts/image_smoke.sh {tag}"
+    script = (ROOT / "scripts/image_smoke.sh").read_text()
+    assert f"--user {uid.group(1)}:{gid.group(1)}" in script
+    assert "readOnlyRootFilesystem: true" in ctx.group(0) and "--read-only" in script
 
 
 def test_the_dockerfile_builds_from_files_that_exist() -> None:
