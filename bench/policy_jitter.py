@@ -18,10 +18,10 @@ import argparse
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from simulations.cli import (
     AT_LEAST_ONE,
-    COUNT,
     FRACTION,
     NON_NEGATIVE,
     SWEEP_LOADS,
+    Warmup,
     make_policies,
     parse_loads,
 )
@@ -63,11 +63,12 @@ def main() -> None:
                          "has ended (default: every request at its trace time)")
     ap.add_argument("--programs", action="store_true",
                     help="run forks as controller programs (kvroute's agent; see replay.py)")
-    ap.add_argument("--warmup", type=COUNT, default=0, metavar="N",
-                    help="run the trace's first N requests but leave them out of the figures")
+    ap.add_argument("--warmup", type=Warmup.parse, default=Warmup(), metavar="N|Ss",
+                    help="run the trace's first N requests (or those of its first S seconds) "
+                         "but leave them out of the figures")
     args = ap.parse_args()
     try:
-        trace = load(args.trace).with_warmup(args.warmup)
+        trace = args.warmup.apply(load(args.trace))
     except ValueError as exc:
         ap.error(f"--warmup: {exc}")
     base = len(trace.requests) / trace.duration_s

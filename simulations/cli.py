@@ -56,6 +56,41 @@ def parse_loads(text: str) -> tuple[float, ...]:
     return tuple(loads)
 
 
+@dataclass(frozen=True)
+class Warmup:
+    """What ``--warmup`` leaves out of the figures: a number of requests (``600``), or those
+    of the trace's first seconds (``30s``)."""
+
+    requests: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Warmup:
+        """An argparse type: ``"600"`` or ``"30s"``."""
+        try:
+            if text.strip().endswith("s"):
+                w = cls(seconds=float(text.strip()[:-1]))
+                ok = 0 <= w.seconds < float("inf")
+            else:
+                w = cls(requests=int(text))
+                ok = w.requests >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of requests (600) or seconds of trace time (30s), "
+                f"got {text!r}")
+        return w
+
+    def apply(self, trace: Trace) -> Trace:
+        """``trace`` with this warm-up (ValueError if it would leave nothing to measure)."""
+        if self.seconds:
+            t0 = trace.requests[0].arrival_s if trace.requests else 0.0
+            n = sum(1 for r in trace.requests if r.arrival_s < t0 + self.seconds)
+            return trace.with_warmup(n)
+        return trace.with_warmup(self.requests)
+
+
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """The trace and the simulated cluster: shared by ``kvroute replay`` and ``kvroute tune``."""
     p.add_argument("trace", help="trace file: Mooncake JSONL (hash_ids) or JSONL with token_ids")
@@ -99,10 +134,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="block size for traces given as token_ids")
     p.add_argument("--tile", type=AT_LEAST_ONE, default=1,
                    help="repeat the trace this many times back to back (speed tests)")
-    p.add_argument("--warmup", type=COUNT, default=0, metavar="N",
-                   help="run the trace's first N requests but leave them out of every figure "
-                        "(bounds and floor included), to measure a cluster already serving "
-                        "this traffic rather than one starting with empty caches")
+    p.add_argument("--warmup", type=Warmup.parse, default=Warmup(), metavar="N|Ss",
+                   help="run the trace's first N requests (or those of its first S seconds: "
+                        "30s) but leave them out of every figure (bounds and floor "
+                        "included), to measure a cluster already serving this traffic rather "
+                        "than one starting with empty caches (default: none)")
     p.add_argument("--seed", type=int, default=0, help="seed for randomised policies")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -236,7 +272,7 @@ def prepare(args: argparse.Namespace) -> Setup | None:
     if args.tile > 1:
         trace = trace.tiled(args.tile)
     try:
-        trace = trace.with_warmup(args.warmup)
+        trace = args.warmup.apply(trace)
     except ValueError as exc:
         raise SystemExit(f"error: --warmup: {exc}") from None
     cost = CostModel()

@@ -135,6 +135,17 @@ def test_a_warm_up_runs_but_is_left_out_of_every_figure(chat: Path, tmp_path: Pa
     ran = replay(chat, "--policies", "kvroute", "--warmup", "240")
     assert ran.returncode == 1 and "--warmup: warm-up must leave a request to measure" \
         in ran.stderr and "Traceback" not in ran.stderr
+    # In seconds of trace time: the requests that arrive in the trace's first 3 s.
+    secs = replay(chat, "--workers", "4", "--policies", "kvroute", "--warmup", "3s", "--out",
+                  tmp_path / "secs")
+    assert secs.returncode == 0, secs.stderr
+    with (tmp_path / "secs" / "requests.csv").open() as f:
+        timed = list(csv.DictReader(f))
+    early = sum(1 for r in timed if float(r["sent_s"]) - float(timed[0]["sent_s"]) < 3.0)
+    assert 0 < early < 240 and [int(r["warmup"]) for r in timed] == [1] * early + [0] * (
+        240 - early)
+    assert json.loads((tmp_path / "secs" / "results.json").read_text())["meta"]["warmup"] \
+        == early
 
 
 def test_closed_loop_sends_continuations_when_their_replies_end(chat: Path,
@@ -253,7 +264,10 @@ def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> 
                                 ("--propagation-ms", "-1", "a finite number >= 0"),
                                 ("--coalesce-share", "1.5", "a finite number in [0, 1]"),
                                 ("--capacity-blocks", "-1", "an integer >= 0"),
-                                ("--warmup", "-5", "an integer >= 0"),
+                                ("--warmup", "-5", "a number of requests (600) or seconds "
+                                                   "of trace time (30s)"),
+                                ("--warmup", "nans", "a number of requests (600) or seconds "
+                                                     "of trace time (30s)"),
                                 ("--workers", "two", "an integer >= 1")]:
         ran = replay(chat, "--policies", "kvroute", option, value)
         assert ran.returncode == 2, (option, ran.stderr)
