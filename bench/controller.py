@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -62,24 +63,27 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-async def program(rt: ProgramRuntime, prompt: list[int], steps: list[P.Step],
-                  seed: int) -> list[common_pb2.GenerateResponse]:
+async def stream(rt: ProgramRuntime, prompt: list[int], steps: list[P.Step],
+                 seed: int) -> AsyncIterator[common_pb2.GenerateResponse]:
+    """Run a program on the runtime, as the agent's Generate does; its response stream."""
     prog = P.ControllerProgram(steps=steps)
     req = common_pb2.GenerateRequest(token_ids=prompt, program=prog,
                                      sampling=common_pb2.SamplingParams(seed=seed))
     prep = await rt.prepare(prog)
-    return [r async for r in rt.run(prep, req, f"bench-{seed}-{time.monotonic_ns()}")]
+    async for r in rt.run(prep, req, f"bench-{seed}-{time.monotonic_ns()}"):
+        yield r
+
+
+async def program(rt: ProgramRuntime, prompt: list[int], steps: list[P.Step],
+                  seed: int) -> list[common_pb2.GenerateResponse]:
+    return [r async for r in stream(rt, prompt, steps, seed)]
 
 
 async def first_tokens(rt: ProgramRuntime, prompt: list[int], steps: list[P.Step], seed: int,
                        t0: float) -> list[float]:
     """Run a program; each branch's first token, in seconds after ``t0``."""
-    prog = P.ControllerProgram(steps=steps)
-    req = common_pb2.GenerateRequest(token_ids=prompt, program=prog,
-                                     sampling=common_pb2.SamplingParams(seed=seed))
-    prep = await rt.prepare(prog)
     first: dict[str, float] = {}
-    async for r in rt.run(prep, req, f"bench-{seed}-{time.monotonic_ns()}"):
+    async for r in stream(rt, prompt, steps, seed):
         if r.token_ids and r.branch_id not in first:
             first[r.branch_id] = time.perf_counter() - t0
     return list(first.values())

@@ -34,7 +34,7 @@ from simulations.metrics import (
     ttft_floor,
 )
 from simulations.replay import ClusterSpec, Replayer
-from simulations.trace import load
+from simulations.trace import TraceError, load
 
 
 def main() -> None:
@@ -68,7 +68,11 @@ def main() -> None:
                          "but leave them out of the figures")
     args = ap.parse_args()
     try:
-        trace = args.warmup.apply(load(args.trace))
+        trace = load(args.trace)
+    except TraceError as exc:
+        ap.error(str(exc))
+    try:
+        trace = args.warmup.apply(trace)
     except ValueError as exc:
         ap.error(f"--warmup: {exc}")
     base = len(trace.requests) / trace.duration_s
