@@ -8,7 +8,6 @@ import gc
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from kvroute.core.ports import PortPool
+
+# One pool per pytest process: ports picked but not yet bound must not be handed out twice.
+_PORTS = PortPool()
 
 
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
@@ -33,9 +37,8 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port no earlier call in this test session returned (see PortPool)."""
+    return _PORTS.take()
 
 
 def redis_binary() -> str:

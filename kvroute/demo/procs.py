@@ -22,6 +22,8 @@ import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvroute.core.ports import PortPool
+
 STOP_TIMEOUT_S = 5.0  # agents and the router drain in well under this once idle
 _POLL_S = 0.1
 
@@ -63,21 +65,11 @@ class Children:
 
     log_dir: Path
     started: list[Child] = field(default_factory=list)
-    _ports: set[int] = field(default_factory=set)
+    _ports: PortPool = field(default_factory=PortPool)
 
     def free_port(self) -> int:
-        """A free 127.0.0.1 port, never one handed out before in this demo.
-
-        gRPC binds with SO_REUSEPORT, so two of our servers given the same port would both
-        start; remembering the ports rules that out (the OS may reuse a just-closed one).
-        """
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                port = int(s.getsockname()[1])
-            if port not in self._ports:
-                self._ports.add(port)
-                return port
+        """A free 127.0.0.1 port, never one handed out before in this demo."""
+        return self._ports.take()
 
     def spawn(self, name: str, argv: Sequence[str], *, stop_last: bool = False) -> Child:
         log_path = self.log_dir / (name.replace(" ", "-") + ".log")
