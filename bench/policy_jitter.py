@@ -14,6 +14,7 @@ comparison as `kvroute replay --jitter` (``simulations/compare.py``).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from simulations.cli import (
@@ -51,6 +52,10 @@ def main() -> None:
                     help="the router predicts a routed prompt's blocks until stored, at most "
                          "this long, and coalesces on them (0: off, as peer routers; default: "
                          "the router's)")
+    ap.add_argument("--others-predict-ttl-ms", type=NON_NEGATIVE, default=None,
+                    help="the same for every policy but --focus: 0 replays the peers as their "
+                         "own routers run them, without coalescing, beside kvroute with it, "
+                         "so each lead gets its jitter verdict (default: --predict-ttl-ms)")
     ap.add_argument("--coalesce-share", type=FRACTION, default=COALESCE_SHARE,
                     help="least share of an in-flight prefill a request waits for (default: "
                          "the router's)")
@@ -83,6 +88,12 @@ def main() -> None:
                        chunked_prefill=args.chunked_prefill, closed_loop=args.closed_loop)
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
     factories = make_policies(args.policies, 0)
+    names = [make().name for make in factories]
+    focus = args.focus or names[0]
+    if focus not in names:
+        ap.error(f"--focus {focus!r} is not among --policies ({', '.join(names)})")
+    others = spec if args.others_predict_ttl_ms is None else replace(
+        spec, predict_ttl_s=args.others_predict_ttl_ms / 1000)
     jitters = parse_jitters(args.jitters)
     floor = floor_summary(ttft_floor(trace, spec.cost)[trace.warmup:])
     print(f"TTFT floor (no queueing, every earlier prefix cached): mean {floor['mean_s']:.4g} / "
@@ -90,14 +101,19 @@ def main() -> None:
     for ld in args.loads:
         def at(factor: float, ld: float = ld) -> list[PolicyMetrics]:
             scaled = trace.scaled(ld * factor * capacity / base)
-            return [measure(Replayer(scaled, make(), spec).run()) for make in factories]
+            out = []
+            for make in factories:
+                policy = make()
+                run = Replayer(scaled, policy, spec if policy.name == focus else others).run()
+                out.append(measure(run))
+            return out
 
         runs = replay_jittered(jitters, at)
         rows = sorted((j.mean() for j in runs), key=lambda m: m.ttft_mean_s)
         print(f"load {ld:.0%}: " + "; ".join(
             f"{m.policy} {m.ttft_mean_s:.4g}/{m.ttft_p99_s:.4g} ({m.hit_ratio:.2%})"
             for m in rows), flush=True)
-        for v in verdicts(runs, focus=args.focus or runs[0].policy):
+        for v in verdicts(runs, focus=focus):
             print(f"  {v}", flush=True)
 
 
