@@ -90,6 +90,7 @@ class SimRequest:
     stored_blocks: int = 0  # with chunked prefill: leading blocks stored so far
     watched: bool = False  # a continuation waits for it to end (closed-loop replay)
     waited_s: float = 0.0  # sent this long after its trace time: the reply it continues ended then
+    copy_of: int = -1  # a router's background copy of a hot prefix: the request that made it
 
 
 def _held(r: SimRequest, now: float) -> bool:

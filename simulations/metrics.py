@@ -39,6 +39,10 @@ class PolicyMetrics:
     waited_ratio: float = 0.0
     waited_mean_s: float = 0.0
     sent_rps: float = 0.0  # requests sent per second (closed loop: slower than the trace's rate)
+    # tokens the router's background copies of hot prefixes prefilled (kvroute), per prompt
+    # token: work no request waited for, not counted in the hit ratio
+    copied_ratio: float = 0.0
+    copies: int = 0
 
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -58,10 +62,11 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     span = max(r.finished_s for r in reqs) - first
     sending = max(r.arrival_s for r in reqs) - first
     unseen = unseen_misses(res)[res.warmup:]
-    # What each worker prefilled for these requests (a request's uncached prompt tokens: a
-    # worker computes nothing else).
+    # What each worker prefilled for these requests and the copies their routing made (a
+    # request's uncached prompt tokens: a worker computes nothing else).
     by_worker = dict.fromkeys((w.name for w in res.workers), 0)
-    for r in reqs:
+    copies = res.measured_copies
+    for r in (*reqs, *copies):
         by_worker[r.worker] += r.prompt_tokens - r.cached_tokens
     prefilled = np.array(list(by_worker.values()), dtype=float)
     waited = [r.waited_s for r in reqs if r.waited_s > 0]
@@ -78,7 +83,9 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         stale_ratio=sum(s for _, s in unseen) / prompt,
         waited_ratio=len(waited) / len(reqs),
         waited_mean_s=float(np.mean(waited)) if waited else 0.0,
-        sent_rps=len(reqs) / sending if sending > 0 else math.inf)
+        sent_rps=len(reqs) / sending if sending > 0 else math.inf,
+        copied_ratio=sum(c.prompt_tokens - c.cached_tokens for c in copies) / prompt,
+        copies=len(copies))
 
 
 def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:

@@ -32,6 +32,16 @@ The load view is the router's own accounting (requests outstanding, its estimate
 uncached tokens not yet prefilled, released at each request's first token as the production
 router releases it) plus the engine's queue and batch, as an agent's heartbeat reports them.
 
+A policy with a ``replica(query, worker)`` method (kvroute's, with ``replicate``) may name a
+worker to copy the request's longest cached prefix to: the replay sends that copy as the
+router does (:class:`kvroute.router.copies.PrefixCopier`): a one-token request of the
+prefix's whole blocks, at most one per prefix and worker before its first token, counted on
+that worker's load and coalesced on like any prefill, but not among the trace's requests
+(``ReplayResult.copies``; their prefill is reported apart from the hit ratio). The router's
+cap on copies in flight (``--max-copies``, 4) is not modelled: on the generated rag traces
+and the Mooncake trace (16 workers, 50% and 95% load) a replay makes 3-15 copies, at most 2
+at once.
+
 With ``programs``, requests that share a ``program`` id are the branches of one controller
 program, run as kvroute's agent runs them: the router places the program once (by its first
 branch's prompt), and the agent runs every branch on that worker: the first prefills the
@@ -118,11 +128,19 @@ class ReplayResult:
     wall_s: float = 0.0
     propagation_s: float = 0.0  # how late the router saw each cache event
     warmup: int = 0  # the trace's first requests, run but left out of the figures
+    # The router's background copies of hot prefixes (``copy_of``: the request whose
+    # routing made each), in the order they were sent.
+    copies: list[SimRequest] = field(default_factory=list)
 
     @property
     def measured(self) -> list[SimRequest]:
         """The requests the figures count (``requests`` is in trace order)."""
         return self.requests[self.warmup:]
+
+    @property
+    def measured_copies(self) -> list[SimRequest]:
+        """The copies made while routing a measured request."""
+        return [c for c in self.copies if c.copy_of >= self.warmup]
 
 
 class Replayer:
@@ -243,6 +261,9 @@ class Replayer:
         heapq.heapify(arrivals)
         programs = self._programs() if self.spec.programs else {}
         transfer = getattr(self.policy, "transfer", None)  # policies that move KV
+        replica = getattr(self.policy, "replica", None)  # policies that copy hot prefixes
+        copies: list[SimRequest] = []
+        copying: dict[tuple[str, int], SimRequest] = {}  # (worker, last key) -> its copy
         # Program id -> where each branch (by arrival order) runs, after which prefill.
         placed: dict[str, list[tuple[SimWorker, _ForkGroup]]] = {}
         inflight: InflightPrefixes[SimRequest] = InflightPrefixes(self.spec.coalesce_share)
@@ -330,6 +351,18 @@ class Replayer:
                 - q.cached_tokens(chosen.name)
             chosen.arrivals.add(now)  # as the router counts what it sends (registry.begin)
             chosen.submit(req, now)
+            if replica is not None and not n_branches \
+                    and (plan := replica(d.query, chosen.name)) is not None:
+                copy = self._copy(req, plan, d.query.cached_tokens(plan[0]), copying, now)
+                if copy is not None:
+                    copies.append(copy)
+                    by_name[plan[0]].arrivals.add(now)  # as the router counts it
+                    by_name[plan[0]].submit(copy, now)
+                    if ttl > 0:  # as the router: later requests coalesce on it
+                        inflight.add(copy, plan[0],
+                                     index.predict(plan[0], copy.keys, now + ttl),
+                                     copy.routed_uncached)
+                        producers.append(copy)
             if ttl > 0 and not held:
                 # As the router: a held request is no burst member's producer (the router
                 # adds it only once sent, when the prefix is stored), so a burst's later
@@ -350,4 +383,25 @@ class Replayer:
         if self._progress is not None:
             self._progress(len(reqs))
         return ReplayResult(self.policy.name, reqs, self.workers, samples,
-                            propagation_s=self.spec.propagation_s, warmup=self.trace.warmup)
+                            propagation_s=self.spec.propagation_s, warmup=self.trace.warmup,
+                            copies=copies)
+
+    def _copy(self, req: SimRequest, plan: tuple[str, int], cached: int,
+              copying: dict[tuple[str, int], SimRequest], now: float) -> SimRequest | None:
+        """The router's background copy of ``req``'s prefix (``plan``: the policy's target
+        and prefix tokens; ``cached``: of those, what the target holds): a one-token request
+        of the prefix's whole blocks, as :meth:`RouterService._copy` sends it; None while
+        the same copy is still before its first token."""
+        target, tokens = plan
+        bs = self.trace.block_size
+        nb = min(tokens // bs, len(req.keys))
+        if not nb:
+            return None
+        key = (target, req.keys[nb - 1])
+        old = copying.get(key)
+        if old is not None and not old.first_token_s <= now:
+            return None
+        copy = SimRequest(-1, now, nb * bs, 1, req.keys[:nb], copy_of=req.idx)
+        copy.routed_uncached = max(0, nb * bs - cached)
+        copying[key] = copy
+        return copy

@@ -137,6 +137,10 @@ class RouterConfig(CommonConfig):
                                 FRACTION)
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
+    max_copies: int = opt(4, "most background copies of hot prefixes in flight at once: the "
+                          "kvroute policy copies a prefix in demand to a second worker instead "
+                          "of moving a request off its holder (its replicate; 0: no copies)",
+                          NON_NEGATIVE)
     route_candidates: int = opt(0, "most workers a Route response lists as candidates, best "
                                 "first (0: every live worker; listing 128 adds ~0.2-0.5 ms to "
                                 "a call)", NON_NEGATIVE)

@@ -52,6 +52,15 @@ class RouterMetrics:
             "Requests routed again on what workers really hold instead of waiting for an "
             "in-flight prefill that was mostly another request's own (--coalesce-share)",
             registry=r)
+        self.copies = Counter(
+            "kvroute_router_prefix_copies",
+            "Background copies of hot prefixes to a second worker, by outcome: sent, ok, "
+            "failed, skipped (--max-copies already in flight)", ["outcome"], registry=r)
+        for outcome in ("sent", "ok", "failed", "skipped"):
+            self.copies.labels(outcome)  # every series exists from the start, at 0
+        self.copied_tokens = Counter(
+            "kvroute_router_prefix_copy_tokens",
+            "Prompt tokens sent in background copies of hot prefixes", registry=r)
         self.coalesce_wait = Histogram(
             "kvroute_router_coalesce_wait_seconds",
             "How long a coalesced request waited for its sibling's first token",

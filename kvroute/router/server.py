@@ -44,6 +44,7 @@ from kvroute.core.validate import (
 )
 from kvroute.core.wire import request_token_ids, with_string_field
 from kvroute.router.coalesce import InflightPrefixes
+from kvroute.router.copies import PrefixCopier
 from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_confirmed
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
@@ -84,6 +85,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
         # Requests sent on with predicted entries whose first token has not come back.
         self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(cfg.coalesce_share)
+        # The policy's background copies of hot prefixes (kvroute's replicate), if it makes any.
+        self._replica = getattr(decider.policy, "replica", None) if cfg.max_copies else None
+        self.copier = PrefixCopier(registry, channels, mirror, self._inflight, self._release,
+                                   metrics, decider.block_size, cfg.predict_ttl_s,
+                                   cfg.max_copies)
 
     def invalid(self, method: str) -> None:
         """Count a request refused as INVALID_ARGUMENT before it reached ``method``."""
@@ -210,6 +216,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         waited = False
         if predicting:
             d, waited = await self._coalesce(d, rid)
+        if self._replica is not None and program is None and self._mirror.available:
+            self.copier.maybe_copy(self._replica, d, tokens, request, rid)
         sent = 0
         for cand in d.ranked[:_MAX_ATTEMPTS]:
             w = cand.worker
@@ -445,6 +453,8 @@ class RouterApp:
             await set_serving(self._health, [SERVICE], False)
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self.service is not None:
+            await self.service.copier.close()
         if self.discovery is not None:
             await self.discovery.stop()
         if self._mirror_task is not None:

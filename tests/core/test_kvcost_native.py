@@ -23,8 +23,10 @@ def _built() -> None:
 def random_policy(rng: random.Random) -> KvrouteCost:
     """Defaults, or a draw from the tuning grid, sometimes with KV transfers."""
     if rng.random() < 0.2:
-        return KvrouteCost()
+        return KvrouteCost(replicate=rng.choice((0.0, 1.0)))
     params = {k: rng.choice(v) for k, v in KvrouteCost.TUNING.items()}
+    # Mostly without background copies: only then does a prefix's demand reach the ranking.
+    params["replicate"] = float(rng.random() < 0.1)
     if rng.random() < 0.3:
         params["transfer_cost"] = rng.choice((0.122, 0.5))
     return KvrouteCost(**params)

@@ -63,10 +63,12 @@ def test_kvroute_holds_a_long_prefix_against_balance_but_not_a_queue() -> None:
     assert KvrouteCost(hold_min=0.3).rank(short)[0].worker == "a"
 
 
-def test_a_hot_prefix_leaves_a_backlogged_holder_sooner() -> None:
+def test_a_hot_prefix_gets_a_second_copy_sooner() -> None:
     """The hold rule counts a holder's backlog once more per request the prefix's demand
     brings over ``demand_horizon_s``: a document read 0.5 times a second gets a second copy
-    for a backlog that would not move a session (whose history is read once)."""
+    for a backlog that would not move a session (whose history is read once). With
+    ``replicate`` (the default) the request stays on its holder and ``replica`` names where
+    the copy goes; without, the request moves to make it."""
     def kv(pending: int = 0) -> WorkerLoad:
         return WorkerLoad(free_blocks=30000, capacity_blocks=30000,
                           pending_prefill_tokens=pending)
@@ -75,15 +77,30 @@ def test_a_hot_prefix_leaves_a_backlogged_holder_sooner() -> None:
     loads = {"a": kv(5000), "b": kv()}
     session = q({"a": 60}, loads)
     hot = RouteQuery(1024, 16, {"a": 60}, loads, 1, 1, prefix_rate=0.5)
-    assert KvrouteCost().rank(session)[0].worker == "a"
-    assert KvrouteCost().rank(hot)[0].worker == "b"  # 5000 x (1 + 10 x 0.5) > 5850
+    moving, copying = KvrouteCost(replicate=0), KvrouteCost()
+    for pol in (moving, copying):
+        assert pol.rank(session)[0].worker == "a"
+        assert pol.replica(session, "a") is None  # no demand, no copy
+    assert moving.rank(hot)[0].worker == "b"  # 5000 x (1 + 10 x 0.5) > 5850
+    assert moving.replica(hot, "b") is None
+    assert copying.rank(hot)[0].worker == "a"  # a hit on its holder ...
+    assert copying.replica(hot, "a") == ("b", 960)  # ... and the 960 tokens copied to b
+    assert copying.replica(hot, "b") is None  # sent elsewhere, it brings the prefix there
     assert KvrouteCost(demand_horizon_s=0).rank(hot)[0].worker == "a"
-    assert list(KvrouteCost().rank(hot)) == list(KvrouteCost().rank_python(hot))
-    # Demand never moves a request off a holder without a backlog.
+    assert KvrouteCost(demand_horizon_s=0).replica(hot, "a") is None
+    for pol in (moving, copying):
+        assert list(pol.rank(hot)) == list(pol.rank_python(hot))
+    # b holds it too: nothing to copy.
+    both = RouteQuery(1024, 16, {"a": 60, "b": 60}, loads, 1, 1, prefix_rate=0.5)
+    assert copying.replica(both, copying.rank(both)[0].worker) is None
+    # Demand never moves a request off a holder without a backlog, nor copies its prefix.
     idle = RouteQuery(1024, 16, {"a": 60}, {"a": kv(), "b": kv()}, 1, 1, prefix_rate=50.0)
-    assert KvrouteCost().rank(idle)[0].worker == "a"
+    for pol in (moving, copying):
+        assert pol.rank(idle)[0].worker == "a" and pol.replica(idle, "a") is None
     with pytest.raises(ValueError, match="demand_horizon_s"):
         KvrouteCost(demand_horizon_s=-1)
+    with pytest.raises(ValueError, match="replicate"):
+        KvrouteCost(replicate=0.5)
 
 
 def test_kvroute_keeps_a_long_prefill_off_short_queued_requests() -> None:

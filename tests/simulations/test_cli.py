@@ -246,6 +246,23 @@ def test_variants_of_one_policy_replay_side_by_side(chat: Path, tmp_path: Path) 
     assert rows["kvroute:miss_weight=0:hold=0"]["hit_ratio"] < rows["kvroute"]["hit_ratio"]
 
 
+def test_background_copies_are_reported_apart_from_the_hit_ratio(tmp_path: Path) -> None:
+    rag = tmp_path / "rag.jsonl"
+    write_jsonl(generate("rag", 600, 20.0, seed=1, block_size=64), rag)
+    ran = replay(rag, "--workers", "4", "--policies", "kvroute,kvroute:replicate=0",
+                 "--load", "0.6", "--out", tmp_path / "out")
+    assert ran.returncode == 0, ran.stderr
+    rows = {p["policy"]: p for p in json.loads((tmp_path / "out" / "results.json")
+                                               .read_text())["policies"]}
+    copied, moved = rows["kvroute"], rows["kvroute:replicate=0"]
+    assert copied["copies"] > 0 and copied["copied_ratio"] > 0
+    assert moved["copies"] == 0 and moved["copied_ratio"] == 0
+    line = next(x for x in ran.stdout.splitlines() if x.startswith("kvroute also copied"))
+    assert f"{copied['copies']} copies prefilled {copied['copied_ratio']:.2%}" in line
+    assert f"the hit ratio would be {copied['hit_ratio'] - copied['copied_ratio']:.1%}" in line
+    assert "kvroute:replicate=0 also copied" not in ran.stdout
+
+
 def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> None:
     ran = replay(chat, "--policies", "kvroute", "--jitter", "1,1")
     assert ran.returncode != 0 and "--jitter factors must differ" in ran.stderr

@@ -89,13 +89,15 @@ def test_conservation(mooncake: Trace, chunked: bool) -> None:
     tr = head(mooncake, 800, 2.0)
     res = run(tr, "kvroute", workers=4, capacity_blocks=600, chunked_prefill=chunked,
               prefill_budget=4096 if chunked else 16384)
-    assert sum(len(w.finished) for w in res.workers) == len(tr.requests)
-    assert len({id(r) for w in res.workers for r in w.finished}) == len(tr.requests)
-    for r in res.requests:
+    # Every request once, and each background copy of a hot prefix (kvroute's replicate).
+    every = [*res.requests, *res.copies]
+    assert sum(len(w.finished) for w in res.workers) == len(every)
+    assert {id(r) for w in res.workers for r in w.finished} == {id(r) for r in every}
+    for r in every:
         assert r.arrival_s <= r.first_token_s <= r.finished_s
-    prompt = sum(r.prompt_tokens for r in res.requests)
+    prompt = sum(r.prompt_tokens for r in every)
     assert sum(w.prefill_tokens for w in res.workers) + sum(
-        r.cached_tokens for r in res.requests) == prompt
+        r.cached_tokens for r in every) == prompt
     for w in res.workers:  # every block back in the pool: nothing leaked
         assert w.pool.free_blocks == w.pool.capacity_blocks
 
@@ -527,6 +529,40 @@ def test_mooncake_fetches_hot_prefixes_instead_of_recomputing_them() -> None:
     assert m_fetch.hit_ratio + m_fetch.fetched_ratio <= bound + 1e-9
     assert sum(w.received_tokens for w in fetch.workers) == \
         sum(r.received_tokens for r in moved)
+
+
+@pytest.mark.parametrize("load", [0.6, 0.9])
+def test_hot_prefixes_are_copied_while_their_requests_stay(load: float) -> None:
+    """kvroute's replicate: where a prefix's demand would have moved a request off its busy
+    holder, the request stays and the router copies the prefix to the worker it would have
+    moved to; the copy is a one-token request of the prefix's whole blocks, measured apart."""
+    from simulations.metrics import capacity_rps
+
+    tr = parse([json.dumps(r) for r in generate("rag", 600, 20.0, seed=1, block_size=64)])
+    spec = ClusterSpec(workers=4)
+    tr = tr.scaled(load * capacity_rps(tr, 4, spec.capacity_blocks, spec.cost)
+                   / (len(tr.requests) / tr.duration_s))
+    copying = Replayer(tr, make_policy("kvroute"), spec).run()
+    moving = Replayer(tr, make_policy("kvroute:replicate=0"), spec).run()
+    assert copying.copies and not moving.copies
+    for c in copying.copies:
+        made_by = copying.requests[c.copy_of]
+        assert c.keys == made_by.keys[: len(c.keys)] and c.output_tokens == 1
+        assert c.prompt_tokens == len(c.keys) * tr.block_size <= made_by.prompt_tokens
+        assert c.worker != made_by.worker  # the copy goes where the request did not
+        assert c.arrival_s == made_by.arrival_s and c.first_token_s >= c.arrival_s
+    # No two copies of one prefix to one worker at once.
+    live = {}
+    for c in copying.copies:
+        key = (c.worker, c.keys[-1])
+        assert not live.get(key, -1.0) > c.arrival_s
+        live[key] = c.first_token_s
+    m_copy, m_move = measure(copying), measure(moving)
+    assert m_copy.copies == len(copying.copies) and m_move.copies == 0
+    copied = sum(c.prompt_tokens - c.cached_tokens for c in copying.copies)
+    assert m_copy.copied_ratio == pytest.approx(
+        copied / sum(r.prompt_tokens for r in copying.requests))
+    assert m_move.copied_ratio == 0 and m_copy.moved_ratio < m_move.moved_ratio
 
 
 def test_the_router_sees_each_workers_arrival_rate() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from kvroute.core.load import WorkerLoad
@@ -64,9 +64,15 @@ class KvrouteCost:
     worker::
 
         if c_h >= hold_min * P  and  c_m < c_h  and  h has batch headroom
-           and (pending_h - pending_m) * (1 + demand_horizon_s * d)
+           and (pending_h - pending_m) * demand
                < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h)):
             h goes first (its reported cost is just below cost_m)
+
+        demand = 1                              with replicate (the default): and where
+                                                1 + demand_horizon_s * d would have moved
+                                                the request to m, ``replica`` names m, and
+                                                the router copies h's prefix there
+        demand = 1 + demand_horizon_s * d       with replicate 0: the request moves to m
 
     where ``d`` is the prefix's demand: requests per second lately whose longest cached
     prefix ended at the same block (``RouteQuery.prefix_rate``).
@@ -154,6 +160,21 @@ class KvrouteCost:
       coalescing (``--predict-ttl-ms 0``) the policy table's counts stay the same, but the
       Mooncake trace's p99 at 80% rises 30% (44.9 s against 34.6 s; llm-d's is 91.9 s) and
       rag's hit ratio falls 0.1-0.2 points: there the accidental copies still happen.
+      Those copies were made by moving the request that showed the demand, which then
+      prefilled the whole prefix again (a miss: the 0.09-0.19 points). With ``replicate``
+      (the default) that request keeps its hit on the holder, and the router makes the copy
+      in the background (``kvroute/router/copies.py``: a one-token request of the prefix's
+      blocks to the worker the request would have moved to; the replay simulator makes the
+      same copy and reports its prefill apart). Against ``replicate`` 0
+      (``bench/policy_jitter.py``, seeds 1-3 of each generated workload and the Mooncake
+      trace, 16 workers, open and closed loop, cold and ``--warmup 600``): the hit ratio
+      rises 0.08-0.22 points on rag traffic, to the infinite cache's within 0.01-0.04, and
+      0.06-0.43 on the Mooncake trace, and moves 0.1 points at most elsewhere; mean TTFT
+      moves -2.8% to +2.0% (agent, seed 3, 95%, cold: +6.4%) and p99 -8% to +9%: the
+      request that stays waits out its holder's backlog instead of redoing the prefix
+      elsewhere, which costs rag's tail up to 8% in some cells. Cells won on all three
+      against the peers: 31 -> 37 of 52 open loop from a warm start, 36 -> 35 cold; closed
+      loop 15 -> 15 and 15 -> 14 of 40.
     * A long prefill delays every request that reaches its worker while it runs: an arrival
       waits for the iteration in progress, on average half of it. With ``lambda_w``
       requests per second reaching ``w`` (its ``arrival_rate``: what was sent there
@@ -206,6 +227,9 @@ class KvrouteCost:
             the model and GPU (``simulations/costmodel.py``).
         demand_horizon_s: how long a hot prefix's demand is counted against its holder's
             backlog in the hold rule (10 s; 0: demand ignored).
+        replicate: 1 (the default): a hot prefix's second copy is made in the background
+            while the request stays on its holder (``replica``); 0: the request moves to
+            make it.
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
@@ -248,7 +272,10 @@ class KvrouteCost:
     arrival_weight: float = 0.5
     prefill_s_per_token: float = 8.6e-5
     demand_horizon_s: float = 10.0
+    replicate: float = 1.0
     name: str = "kvroute"
+    # The same policy with replicate 0: its ranking says where a copy would be made.
+    _moving: KvrouteCost | None = field(default=None, init=False, repr=False, compare=False)
 
     # The values ``kvroute tune`` tries for each parameter: a few steps either side of the
     # default, within the range the formula is meant for (``hold`` 1000: never leave a
@@ -288,6 +315,11 @@ class KvrouteCost:
             raise ValueError(f"prefill_s_per_token must be > 0; got {self.prefill_s_per_token}")
         if not self.demand_horizon_s >= 0:
             raise ValueError(f"demand_horizon_s must be >= 0; got {self.demand_horizon_s}")
+        if self.replicate not in (0.0, 1.0):
+            raise ValueError(f"replicate is 1 (copy hot prefixes in the background) or 0 (move "
+                             f"the request to make the copy); got {self.replicate}")
+        if self.replicate:
+            self._moving = replace(self, replicate=0.0)
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         """The ranking by the formula above: in C when it is built (the router's and the
@@ -301,7 +333,7 @@ class KvrouteCost:
         params = (self.miss_weight, self.stickiness, self.decode_weight, self.kv_weight,
                   self.kv_decay, self.affinity_weight, self.attn, self.hold, self.hold_min,
                   self.batch_weight, self.batch_tokens, self.transfer_cost,
-                  self.arrival_weight, self.prefill_s_per_token, self.demand_horizon_s)
+                  self.arrival_weight, self.prefill_s_per_token, self._demand_horizon)
         order, costs = _native_rank(params, loads, matched, query.prompt_tokens,
                                     query.block_size, query.affinity, query.family,
                                     query.prefix_rate)
@@ -343,7 +375,8 @@ class KvrouteCost:
         if self.batch_weight > 0 and mean_queued > 0:  # no queue, nobody to delay
             self._batch_delay(costs, cached, loads, p)
         if top and self.hold > 0:
-            self._hold(costs, cached, top, loads, p, beta, query.prefix_rate)
+            self._hold(costs, cached, top, loads, p, beta,
+                       query.prefix_rate if self._demand_horizon else 0.0)
         # Only what no worker caches yet is placed anew (cached prefixes: miss and hold terms).
         spread = self.affinity_weight * (mean_queued - 1.0) * (p - top)
         if spread > 0 and len(costs) > 1:  # only under load: the ordering costs a hash each
@@ -354,6 +387,29 @@ class KvrouteCost:
         if self.arrival_weight > 0:
             self._arrivals(costs, cached, loads, p)
         return rank_by_cost(query, costs)
+
+    @property
+    def _demand_horizon(self) -> float:
+        """The hold rule's demand horizon: none when copies are made in the background."""
+        return 0.0 if self.replicate else self.demand_horizon_s
+
+    def replica(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
+        """With ``replicate``: the worker to copy the prompt's longest cached prefix to, in
+        the background, and that prefix's length in tokens, when the request goes to a
+        holder of it and its demand would have moved it to make the copy (see the class
+        docstring); else None. Ranks a second time only for a prefix in demand."""
+        moving = self._moving
+        if moving is None or not query.prefix_rate or not self.demand_horizon_s:
+            return None
+        loads = query.loads
+        top = max((query.cached_tokens(w) for w in query.matched_blocks if w in loads),
+                  default=0)
+        if not top or query.cached_tokens(worker) < top:
+            return None  # the request itself brings the prefix to its worker
+        target = moving.rank(query)[0].worker
+        if query.cached_tokens(target) >= top:
+            return None
+        return target, top
 
     def transfer(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
         """Where ``worker`` fetches the prompt's longest cached prefix from (only with

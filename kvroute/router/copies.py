@@ -1,0 +1,120 @@
+"""Background copies of hot prefixes: the router prefills a prefix in demand on a second
+worker while the request that showed the demand stays on the prefix's holder.
+
+The policy decides (``replica(query, worker)``, kvroute's ``replicate``): a request for a
+prefix many requests want lately goes to the worker holding it, and where the policy would
+otherwise have moved that request to make a second copy, the router sends the copy itself: a
+one-token request of the prefix's whole blocks, with the request's model and cache salt (so
+the blocks' keys are the same), to the worker the policy named. No request waits for it;
+later requests find two holders. The simulator models the same copy
+(``simulations.replay.Replayer._copy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvroute.core.agent_client import AgentChannels
+from kvroute.router.coalesce import InflightPrefixes
+from kvroute.router.decide import Decision
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.mirror import IndexMirror
+from kvroute.router.registry import WorkerRegistry
+from kvroute.v1 import common_pb2
+
+log = logging.getLogger("kvroute.router")
+
+
+@dataclass
+class PrefixCopier:
+    """Sends the policy's background copies and keeps their accounting.
+
+    Invariants: at most ``limit`` copies in flight, and at most one per (worker, last block
+    of the prefix); each copy counts on its worker's load (``registry.begin``) until it ends,
+    however it ends; with ``predict_ttl_s``, later requests routed to the copy's worker on its
+    predicted blocks wait for its first token, as for any request's prefill (``inflight``);
+    a copy that fails is logged and counted, never raised: no request depends on it.
+    """
+
+    registry: WorkerRegistry
+    channels: AgentChannels
+    mirror: IndexMirror
+    inflight: InflightPrefixes[asyncio.Event]
+    release: Callable[[asyncio.Event], None]  # the prefix is stored: wake its waiters
+    metrics: RouterMetrics
+    block_size: int
+    predict_ttl_s: float
+    limit: int
+    _running: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
+
+    def maybe_copy(self, replica: Callable[..., tuple[str, int] | None], d: Decision,
+                   tokens: Sequence[int], request: common_pb2.GenerateRequest,
+                   rid: str) -> None:
+        """Start the copy ``replica(d.query, d.best)`` names, if any and if allowed."""
+        if not d.keys or (plan := replica(d.query, d.best)) is None:
+            return
+        target, prefix = plan
+        nb = min(prefix // self.block_size, len(d.keys))
+        info = self.registry.get(target)
+        if not nb or info is None:
+            return
+        key = (target, d.keys[nb - 1])
+        if key in self._running:
+            return  # the same copy is on its way
+        if len(self._running) >= self.limit:
+            self.metrics.copies.labels("skipped").inc()
+            return
+        n = nb * self.block_size
+        copy = common_pb2.GenerateRequest(
+            request_id=f"{rid}/copy", model=request.model, cache_salt=request.cache_salt,
+            sampling=common_pb2.SamplingParams(max_tokens=1))
+        copy.token_ids.extend(tokens[:n])
+        uncached = n - min(d.query.cached_tokens(target), n)
+        task = asyncio.create_task(self._send(target, info.address, copy, d.keys[:nb],
+                                              uncached), name=f"copy {rid} -> {target}")
+        self._running[key] = task
+        task.add_done_callback(lambda _t, key=key: self._running.pop(key, None))
+
+    async def _send(self, worker: str, address: str, copy: common_pb2.GenerateRequest,
+                    keys: Sequence[int], uncached: int) -> None:
+        self.metrics.copies.labels("sent").inc()
+        self.metrics.copied_tokens.inc(len(copy.token_ids))
+        self.registry.begin(worker, uncached)
+        stored = asyncio.Event()
+        if self.predict_ttl_s > 0 and self.mirror.available:
+            predicted = self.mirror.index.predict(worker, keys,
+                                                  time.monotonic() + self.predict_ttl_s)
+            self.inflight.add(stored, worker, predicted, uncached)
+        started = False
+        try:
+            async for _ in self.channels.stub(address).Generate(copy):
+                if not started:
+                    started = True
+                    self.release(stored)
+                    self.registry.first_token(worker, uncached)
+            self.metrics.copies.labels("ok").inc()
+            log.info("hot prefix copied", extra={"kv": {
+                "worker": worker, "request": copy.request_id, "tokens": len(copy.token_ids)}})
+        except grpc.aio.AioRpcError as exc:
+            self.metrics.copies.labels("failed").inc()
+            log.warning("hot prefix copy failed", extra={"kv": {
+                "worker": worker, "request": copy.request_id, "code": exc.code().name,
+                "details": exc.details()}})
+        finally:
+            self.release(stored)
+            if not started:
+                self.registry.first_token(worker, uncached)
+            self.registry.end(worker)
+
+    async def close(self) -> None:
+        """Cancel the copies in flight (the router is stopping) and wait for them."""
+        tasks = list(self._running.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
