@@ -14,7 +14,9 @@ Python, each worker's key set walked until its first miss, then the same policy 
 Prints p50/p99 in microseconds and the baseline/kvroute ratio (higher is better), then the
 p50 of each stage of kvroute's decision, with the index walk also timed on the pure-Python
 holder map (``PrefixIndex(native=False)``) and the policy on its Python path
-(``KvrouteCost.rank_python``), each interleaved with its C build in the same loop.
+(``KvrouteCost.rank_python``), each interleaved with its C build in the same loop; and what
+the router adds for a request whose prefix is in demand (``replica``: where the policy would
+copy it, a second ranking).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.grpc_util import Received
@@ -132,7 +135,7 @@ def stages(reqs: list[Received], decider: Decider, index: PrefixIndex,
     """p50 of each stage of kvroute's decision (and of the walk on the dict holder map and
     the policy's Python path, each interleaved with its C build), in microseconds."""
     times: dict[str, list[float]] = {"ids": [], "hash": [], "walk": [], "walk_dict": [],
-                                     "policy": [], "policy_py": []}
+                                     "policy": [], "policy_py": [], "replica": []}
     policy = decider.policy
     assert isinstance(policy, KvrouteCost)
     hasher = decider.hasher("")
@@ -157,6 +160,12 @@ def stages(reqs: list[Received], decider: Decider, index: PrefixIndex,
             t = clock()
             rank(query)
             times[name].append((clock() - t) / 1000)
+        # The same request for a prefix in demand: where to copy it (a second ranking).
+        hot = replace(query, prefix_rate=1.0)
+        best = policy.rank(hot)[0].worker
+        t = clock()
+        policy.replica(hot, best)
+        times["replica"].append((clock() - t) / 1000)
         times["ids"].append((t1 - t0) / 1000)
         times["hash"].append((t2 - t1) / 1000)
     return {k: pct(v, 50) for k, v in times.items()}
@@ -170,7 +179,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'prompt':>7} {'workers':>7} {'queued':>6} | {'kvroute p50':>11} {'p99':>8} |"
           f" {'baseline p50':>12} {'p99':>8} | {'p99 ratio':>9} | p50 of: ids  hash  walk"
-          f" (dict map)  policy (python)")
+          f" (dict map)  policy (python)  replica")
     for workers in (16, 128):
         rng = random.Random(args.seed)
         lengths = (1024, 8192, 32768)
@@ -203,7 +212,8 @@ def main() -> None:
                   f" {pct(ours, 99):>6.0f}us | {pct(base, 50):>10.0f}us {pct(base, 99):>6.0f}us"
                   f" | {pct(base, 99) / pct(ours, 99):>8.1f}x | {st['ids']:>11.0f} "
                   f"{st['hash']:>5.0f} {st['walk']:>5.0f} ({st['walk_dict']:>6.0f})"
-                  f" {st['policy']:>7.0f} ({st['policy_py']:>6.0f})", flush=True)
+                  f" {st['policy']:>7.0f} ({st['policy_py']:>6.0f}) {st['replica']:>8.0f}",
+                  flush=True)
         print(f"        (index of {index.entries():,} entries built in {build_s:.1f}s)")
 
 

@@ -27,7 +27,7 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 CASES = {
     "routing_decision.py": (["--entries", "20000", "--iters", "20"],
-                            ["p99 ratio", "policy (python)", "  8192     128    0-4 |"]),
+                            ["p99 ratio", "policy (python)  replica", "  8192     128    0-4 |"]),
     "router_rpc.py": (["--workers", "8", "--entries", "5000", "--iters", "20", "--agents", "2"],
                       ["added p50", "Generate, 1 token, 2 sim agents"]),
     "gc_pause.py": (["--entries", "20000", "--workers", "8", "--repeats", "1", "--iters", "50"],
