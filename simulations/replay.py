@@ -70,6 +70,7 @@ from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
 from kvroute.router.coalesce import InflightPrefixes
+from kvroute.router.copies import copy_blocks
 from kvroute.router.decide import rank_request, rerank_confirmed
 from kvroute.worker_agent.engines.base import CacheEvent
 from simulations.cluster import SimRequest, SimWorker
@@ -390,11 +391,11 @@ class Replayer:
               copying: dict[tuple[str, int], SimRequest], now: float) -> SimRequest | None:
         """The router's background copy of ``req``'s prefix (``plan``: the policy's target
         and prefix tokens; ``cached``: of those, what the target holds): a one-token request
-        of the prefix's whole blocks, as :meth:`RouterService._copy` sends it; None while
-        the same copy is still before its first token."""
+        of the prefix's whole blocks, as :meth:`PrefixCopier.maybe_copy` sends it; None
+        while the same copy is still before its first token."""
         target, tokens = plan
         bs = self.trace.block_size
-        nb = min(tokens // bs, len(req.keys))
+        nb = copy_blocks(tokens, req.keys, bs)
         if not nb:
             return None
         key = (target, req.keys[nb - 1])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvroute.core.agent_client import AgentChannels
+from kvroute.core.policies import RouteQuery
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.decide import Decision
 from kvroute.router.metrics import RouterMetrics
@@ -29,6 +30,14 @@ from kvroute.router.registry import WorkerRegistry
 from kvroute.v1 import common_pb2
 
 log = logging.getLogger("kvroute.router")
+
+Replica = Callable[[RouteQuery, str], "tuple[str, int] | None"]  # a policy's ``replica``
+
+
+def copy_blocks(prefix_tokens: int, keys: Sequence[int], block_size: int) -> int:
+    """How many leading blocks of a prompt (block ``keys``) a copy of its ``prefix_tokens``
+    cached tokens carries: the prefix's whole blocks (the router and the replay alike)."""
+    return min(prefix_tokens // block_size, len(keys))
 
 
 @dataclass
@@ -42,6 +51,7 @@ class PrefixCopier:
     a copy that fails is logged and counted, never raised: no request depends on it.
     """
 
+    replica: Replica | None  # the policy's; None: it makes no copies
     registry: WorkerRegistry
     channels: AgentChannels
     mirror: IndexMirror
@@ -53,14 +63,16 @@ class PrefixCopier:
     limit: int
     _running: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
 
-    def maybe_copy(self, replica: Callable[..., tuple[str, int] | None], d: Decision,
-                   tokens: Sequence[int], request: common_pb2.GenerateRequest,
-                   rid: str) -> None:
-        """Start the copy ``replica(d.query, d.best)`` names, if any and if allowed."""
-        if not d.keys or (plan := replica(d.query, d.best)) is None:
+    def maybe_copy(self, d: Decision, tokens: Sequence[int],
+                   request: common_pb2.GenerateRequest, rid: str) -> None:
+        """Start the copy the policy names for ``d`` (``replica(d.query, d.best)``), if any
+        and if allowed."""
+        if self.replica is None or not self.limit or not d.keys or not self.mirror.available:
+            return
+        if (plan := self.replica(d.query, d.best)) is None:
             return
         target, prefix = plan
-        nb = min(prefix // self.block_size, len(d.keys))
+        nb = copy_blocks(prefix, d.keys, self.block_size)
         info = self.registry.get(target)
         if not nb or info is None:
             return

@@ -86,10 +86,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # Requests sent on with predicted entries whose first token has not come back.
         self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(cfg.coalesce_share)
         # The policy's background copies of hot prefixes (kvroute's replicate), if it makes any.
-        self._replica = getattr(decider.policy, "replica", None) if cfg.max_copies else None
-        self.copier = PrefixCopier(registry, channels, mirror, self._inflight, self._release,
-                                   metrics, decider.block_size, cfg.predict_ttl_s,
-                                   cfg.max_copies)
+        self.copier = PrefixCopier(getattr(decider.policy, "replica", None), registry,
+                                   channels, mirror, self._inflight, self._release, metrics,
+                                   decider.block_size, cfg.predict_ttl_s, cfg.max_copies)
 
     def invalid(self, method: str) -> None:
         """Count a request refused as INVALID_ARGUMENT before it reached ``method``."""
@@ -216,8 +215,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         waited = False
         if predicting:
             d, waited = await self._coalesce(d, rid)
-        if self._replica is not None and program is None and self._mirror.available:
-            self.copier.maybe_copy(self._replica, d, tokens, request, rid)
+        if program is None:
+            self.copier.maybe_copy(d, tokens, request, rid)
         sent = 0
         for cand in d.ranked[:_MAX_ATTEMPTS]:
             w = cand.worker
