@@ -7,8 +7,10 @@ change in rate can move one policy's TTFT by 5-20%), so each load is replayed at
 Prints the trace's TTFT floor (``simulations.metrics.ttft_floor``: no policy's TTFT is
 lower), then, per load (fraction of the cluster's capacity, as `kvroute replay --load`), every
 policy's mean TTFT / p99 TTFT (s) and hit ratio, best mean first, then who leads on each and
-at how many jitters (a lead that does not hold at every jitter is within noise). The same
-comparison as `kvroute replay --jitter` (``simulations/compare.py``).
+at how many jitters (a lead that does not hold at every jitter is within noise), and how
+often a tie would split the jitters so (three jitters: 1 time in 4; ``--jitters`` with ten
+factors tells a 1% lead from noise). The same comparison as `kvroute replay --jitter`
+(``simulations/compare.py``).
 """
 
 from __future__ import annotations

@@ -4,11 +4,15 @@ metrics averaged, and each lead checked for consistency across the jitters.
 Single replays are chaotic: a 1% change of rate can move one policy's TTFT by 5-20%, as one
 unlucky collision of long prefills lands in a different place. A lead that holds at every
 jitter is a property of the policies; one that flips between jitters is noise, and the verdict
-says so instead of crowning a winner by a coin toss.
+says so instead of crowning a winner by a coin toss. Each verdict also gives the chance that
+two equal policies would look as one-sided (a two-sided sign test): with the default 3
+jitters a tie leads at all of them 1 time in 4, so a lead of 1% needs more jitters to be
+told from noise (10 jitters: all ten, 1 in 512; nine of ten, 1 in 47).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -72,14 +76,23 @@ class Verdict:
     def consistent(self) -> bool:
         return self.ahead_in == self.jitters
 
+    @property
+    def tie_chance(self) -> float:
+        """The chance that two policies equal but for noise split the jitters at least this
+        unevenly: a two-sided sign test (1.0 for an even split)."""
+        n, k = self.jitters, max(self.ahead_in, self.jitters - self.ahead_in)
+        return min(1.0, 2.0 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2.0 ** n)
+
     def __str__(self) -> str:
         unit = "points" if self.metric == "hit ratio" else "%"
         size = f"{self.lead * 100:.2f} {unit}" if unit == "points" else f"{self.lead:.1%}"
         value = f"{self.value:.2%}" if self.metric == "hit ratio" else f"{self.value:.4g} s"
         word = "above" if self.metric == "hit ratio" else "below"
         tail = "" if self.consistent else " (within noise)"
+        chance = self.tie_chance
+        odds = f"; a tie would split them so 1 time in {1 / chance:.3g}" if chance < 1 else ""
         return (f"{self.metric}: {self.leader} {value}, {size} {word} {self.runner_up}; "
-                f"ahead at {self.ahead_in}/{self.jitters} jitters{tail}")
+                f"ahead at {self.ahead_in}/{self.jitters} jitters{tail}{odds}")
 
 
 def verdicts(rows: Sequence[Jittered], focus: str | None = None) -> list[Verdict]:

@@ -72,7 +72,7 @@ def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, fl
                               "policies": [r.row() for r in rows]}
     if runs:
         doc["runs"] = {j.policy: [r.row() for r in j.runs] for j in runs}
-        doc["verdicts"] = [asdict(v) | {"consistent": v.consistent}
+        doc["verdicts"] = [asdict(v) | {"consistent": v.consistent, "tie_chance": v.tie_chance}
                            for v in verdicts(runs, focus)]
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     with (out / "results.csv").open("w", newline="") as f:

@@ -63,7 +63,7 @@ def random_query(rng: random.Random) -> RouteQuery:
 
 def test_c_and_python_rank_alike_on_random_clusters() -> None:
     rng = random.Random(7)
-    held = spread = tied = arrivals = demanded = 0
+    held = spread = tied = arrivals = demanded = ramped = 0
     for _ in range(3000):
         policy, query = random_policy(rng), random_query(rng)
         want = list(policy.rank_python(query))
@@ -75,12 +75,15 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
         spread += mean_q > 1
         held += policy.hold > 0 and bool(query.matched_blocks)
         room = 1 - sum(ld.cache_fill for ld in query.loads.values()) / len(query.loads)
+        ramped += policy.kv_weight > 0 and 0 < policy._kv_ramp(1 - room) < 1
         arrivals += policy.arrival_weight > 0 and room > 0 and any(
             ld.arrival_rate for ld in query.loads.values())
         if query.prefix_rate:  # a hot prefix: did its demand change the hold rule's verdict?
             demanded += list(policy.rank_python(replace(query, prefix_rate=0.0))) != want
-    # the draws reached the tie-breaks, the affinity, hold and arrival terms, and demand
-    assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000 and demanded > 20
+    # the draws reached the tie-breaks, the affinity, hold and arrival terms, demand, and
+    # the KV term's ramp between its ends
+    assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000 and demanded > 10
+    assert ramped > 100, ramped
 
 
 def test_the_c_path_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,8 +39,9 @@ def test_kvroute_holds_a_long_prefix_against_balance_but_not_a_queue() -> None:
     """The hold rule: balance terms alone never take a request off its long cached prefix;
     queued prefill longer by ``hold`` x the prefill it would redo does, and so does a
     holder without a free batch slot."""
-    def kv(held: int, **kw: int) -> WorkerLoad:
-        return WorkerLoad(free_blocks=30000 - held, capacity_blocks=30000, **kw)
+    def kv(held: int, **kw: int) -> WorkerLoad:  # caches full: the KV term at full strength
+        return WorkerLoad(free_blocks=30000 - held, capacity_blocks=30000, cached_blocks=30000,
+                          **kw)
 
     empty = kv(0)
     # 960 of 1024 tokens cached on a; at rest the redo costs ~1950, 3x of it ~5850.
@@ -158,9 +159,33 @@ def test_kvroute_keeps_a_long_prefill_off_a_worker_many_requests_reach() -> None
 
 
 def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:
-    full = WorkerLoad(free_blocks=0, capacity_blocks=30000)
-    empty = WorkerLoad(free_blocks=30000, capacity_blocks=30000)
+    full = WorkerLoad(free_blocks=0, capacity_blocks=30000, cached_blocks=30000)
+    empty = WorkerLoad(free_blocks=30000, capacity_blocks=30000, cached_blocks=30000)
     assert KvrouteCost().rank(q({"a": 8}, {"a": full, "b": empty}))[0].worker == "b"
+
+
+def test_kvroute_weighs_kv_only_as_the_caches_fill() -> None:
+    """The KV term ramps in with the caches' mean fill: with room, a worker holding more KV
+    but running fewer sequences is the cheaper; once the caches are full, its KV decides."""
+    def load(held: int, running: int, fill: float) -> WorkerLoad:
+        return WorkerLoad(free_blocks=30000 - held, capacity_blocks=30000, running=running,
+                          cached_blocks=int(30000 * fill))
+
+    def best(fill: float, **kw: float) -> str:
+        loads = {"a": load(6000, 1, fill), "b": load(100, 3, fill)}
+        return KvrouteCost(**kw).rank(q({}, loads))[0].worker
+
+    assert best(0.3) == "a" and best(0.4) == "a"  # up to kv_fill_from: off
+    assert best(0.9) == "b" and best(0.8) == "b"  # from kv_fill_full: whole
+    # between, in proportion: a's 5900 blocks more x 16 tokens x 0.1 x ramp against b's
+    # 2 running sequences more x 32
+    pol = KvrouteCost()
+    costs = {s.worker: s.cost for s in pol.rank(q({}, {"a": load(6000, 1, 0.5),
+                                                       "b": load(100, 3, 0.5)}))}
+    assert costs["a"] - costs["b"] == pytest.approx(5900 * 16 * 0.1 * 0.25 - 2 * 32)
+    assert best(0.0, kv_fill_from=0.0, kv_fill_full=0.0) == "b"  # always on
+    with pytest.raises(ValueError, match="kv_fill_from"):
+        KvrouteCost(kv_fill_from=0.9, kv_fill_full=0.5)
 
 
 def test_kvroute_leaves_a_hot_worker_when_its_queue_outweighs_the_hit() -> None:

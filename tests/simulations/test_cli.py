@@ -192,6 +192,7 @@ def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path)
     behind = doc["runs"][mean["runner_up"]]
     ahead = sum(a["ttft_mean_s"] < b["ttft_mean_s"] for a, b in zip(lead, behind, strict=True))
     assert mean["ahead_in"] == ahead and mean["consistent"] == (ahead == 3)
+    assert mean["tie_chance"] == pytest.approx(0.25 if ahead in (0, 3) else 1.0)
     line = next(ln for ln in ran.stdout.splitlines() if ln.strip().startswith("mean TTFT:"))
     assert f"ahead at {ahead}/3 jitters" in line
     assert ("within noise" in line) == (ahead < 3)

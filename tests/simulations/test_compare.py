@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulations.compare import Jittered, parse_jitters, replay_jittered, verdicts
+from simulations.compare import Jittered, Verdict, parse_jitters, replay_jittered, verdicts
 from simulations.metrics import PolicyMetrics
 
 
@@ -55,6 +55,9 @@ def test_a_lead_that_flips_between_jitters_is_within_noise() -> None:
     p99 = by["p99 TTFT"]
     assert (p99.leader, p99.runner_up, p99.consistent) == ("a", "b", True)
     assert "within noise" not in str(p99) and "3/3" in str(p99)
+    # a sign test: equal policies split 3 jitters 3-0 either way 1 time in 4, 2-1 always
+    assert p99.tie_chance == pytest.approx(0.25) and "1 time in 4" in str(p99)
+    assert mean.tie_chance == 1.0 and "time in" not in str(mean)
     hit = by["hit ratio"]
     assert (hit.leader, hit.lead) == ("b", pytest.approx(0.02))
     assert "2.00 points above a" in str(hit)
@@ -69,3 +72,15 @@ def test_focus_compares_one_policy_with_the_best_of_the_others() -> None:
     with pytest.raises(ValueError, match="no policy 'z'"):
         verdicts([a, b], focus="z")
     assert verdicts([a]) == []
+
+
+def test_the_tie_chance_is_a_two_sided_sign_test() -> None:
+    def chance(ahead: int, n: int) -> float:
+        return Verdict("mean TTFT", "a", 1.0, "b", 0.01, ahead, n).tie_chance
+
+    assert chance(10, 10) == pytest.approx(2 / 1024)
+    assert chance(9, 10) == pytest.approx(2 * 11 / 1024)
+    assert chance(1, 10) == chance(9, 10)  # as one-sided the other way
+    assert chance(6, 10) == pytest.approx(2 * 386 / 1024)
+    assert chance(5, 10) == 1.0  # an even split: capped, no evidence either way
+    assert "1 time in 512" in str(Verdict("mean TTFT", "a", 1.0, "b", 0.01, 10, 10))

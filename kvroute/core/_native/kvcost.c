@@ -6,7 +6,8 @@
  *
  *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
  *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
- *             arrival_weight, prefill_s_per_token, demand_horizon_s), floats
+ *             arrival_weight, prefill_s_per_token, demand_horizon_s, kv_fill_from,
+ *             kv_fill_full), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -32,7 +33,8 @@
 #include "xxhash.h"
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
-       P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, N_PARAMS };
+       P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, P_FILL_FROM,
+       P_FILL_FULL, N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill and arrival_rate */
 enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, N_LOAD };
@@ -205,7 +207,13 @@ static PyObject *rank(PyObject *self, PyObject *args) {
 
     const double mean_queued = (double)sum_queued / (double)n;
     const double beta = prm[P_MISS] * (1.0 + prm[P_STICK] * mean_queued);
-    const double kw = prm[P_KV] / (1.0 + prm[P_KV_DECAY] * mean_queued);
+    /* The caches' mean fill: the KV term grows in with it, the arrival term fades out. */
+    const double fill = sum_fill / (double)n;
+    double ramp = 1.0;
+    if (fill < prm[P_FILL_FULL])
+        ramp = fill <= prm[P_FILL_FROM] ? 0.0
+               : (fill - prm[P_FILL_FROM]) / (prm[P_FILL_FULL] - prm[P_FILL_FROM]);
+    const double kw = prm[P_KV] / (1.0 + prm[P_KV_DECAY] * mean_queued) * ramp;
     const double dw = prm[P_DECODE];
     const double full_miss = beta * work(p, 0, attn);
     for (i = 0; i < n; i++) {
@@ -304,7 +312,7 @@ static PyObject *rank(PyObject *self, PyObject *args) {
     }
 
     /* The arrival term: the requests this prefill delays, while caches have room. */
-    const double room = 1.0 - sum_fill / (double)n;
+    const double room = 1.0 - fill;
     if (prm[P_ARRIVAL] > 0 && room > 0) {
         const double k = prm[P_ARRIVAL] * room * prm[P_PREFILL_S] / 2.0;
         for (i = 0; i < n; i++) {
