@@ -37,6 +37,7 @@ from simulations.metrics import (
     ttft_floor,
 )
 from simulations.replay import ClusterSpec, Replayer
+from simulations.report import sent_loads
 from simulations.trace import TraceError, load
 
 
@@ -115,6 +116,9 @@ def main() -> None:
         print(f"load {ld:.0%}: " + "; ".join(
             f"{m.policy} {m.ttft_mean_s:.4g}/{m.ttft_p99_s:.4g} ({m.hit_ratio:.2%})"
             for m in rows), flush=True)
+        if args.closed_loop:
+            # Each policy's clients set their own pace: its figures are at this load.
+            print(f"  {sent_loads(rows, capacity)}", flush=True)
         for v in verdicts(runs, focus=focus):
             print(f"  {v}", flush=True)
 

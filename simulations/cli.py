@@ -324,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
     from simulations.report import (
         plot_replay,
         plot_sweep,
+        sent_loads,
         table,
         write_requests,
         write_results,
@@ -380,9 +381,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(rows, bounds, floor_summary(measured_floor)), flush=True)
         if spec.closed_loop:
             # The sessions set the pace: a rate scale compresses only their think times.
-            print("closed loop: requests were sent at " + ", ".join(
-                f"{r.sent_rps / capacity:.0%} of capacity ({r.policy})" for r in rows),
-                flush=True)
+            print(sent_loads(rows, capacity), flush=True)
         if runs:
             print(f"averaged over rate jitters {', '.join(f'x{j:g}' for j in jitters)}")
             for v in verdicts(runs, focus=args.focus):
