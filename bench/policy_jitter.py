@@ -11,6 +11,13 @@ at how many jitters (a lead that does not hold at every jitter is within noise),
 often a tie would split the jitters so (three jitters: 1 time in 4; ``--jitters`` with ten
 factors tells a 1% lead from noise). The same comparison as `kvroute replay --jitter`
 (``simulations/compare.py``).
+
+With ``--closed-loop`` each policy's clients send a turn when its reply has ended, so a policy
+that serves replies slowly is measured at a lighter load than the others, and the load each
+offered is printed. ``--match-load`` then replays every policy that offered less than
+``--focus`` and leads it on anything at higher rates (1.5x steps up to 3x, then bisected)
+until its clients send as much, and gives the verdicts again at that load; a policy whose
+clients cannot send that much is left out of them (it does not carry that load).
 """
 
 from __future__ import annotations
@@ -28,7 +35,15 @@ from simulations.cli import (
     make_policies,
     parse_loads,
 )
-from simulations.compare import DEFAULT_JITTERS, parse_jitters, replay_jittered, verdicts
+from simulations.compare import (
+    DEFAULT_JITTERS,
+    Jittered,
+    match_loads,
+    matched_lines,
+    parse_jitters,
+    replay_jittered,
+    verdicts,
+)
 from simulations.metrics import (
     PolicyMetrics,
     capacity_rps,
@@ -71,10 +86,17 @@ def main() -> None:
                          "has ended (default: every request at its trace time)")
     ap.add_argument("--programs", action="store_true",
                     help="run forks as controller programs (kvroute's agent; see replay.py)")
+    ap.add_argument("--match-load", action="store_true",
+                    help="closed loop: replay each policy whose clients sent less than "
+                         "--focus's and that leads it on anything at higher rates until they "
+                         "send as much, and compare again there")
     ap.add_argument("--warmup", type=Warmup.parse, default=Warmup(), metavar="N|Ss",
                     help="run the trace's first N requests (or those of its first S seconds) "
                          "but leave them out of the figures")
     args = ap.parse_args()
+    if args.match_load and not args.closed_loop:
+        ap.error("--match-load compares closed-loop replays (--closed-loop): in an open loop "
+                 "every policy is offered the trace's load")
     try:
         trace = load(args.trace)
     except TraceError as exc:
@@ -102,11 +124,13 @@ def main() -> None:
     print(f"TTFT floor (no queueing, every earlier prefix cached): mean {floor['mean_s']:.4g} / "
           f"p99 {floor['p99_s']:.4g} s at every load", flush=True)
     for ld in args.loads:
-        def at(factor: float, ld: float = ld) -> list[PolicyMetrics]:
+        def at(factor: float, ld: float = ld, only: str | None = None) -> list[PolicyMetrics]:
             scaled = trace.scaled(ld * factor * capacity / base)
             out = []
             for make in factories:
                 policy = make()
+                if only is not None and policy.name != only:
+                    continue
                 run = Replayer(scaled, policy, spec if policy.name == focus else others).run()
                 out.append(measure(run))
             return out
@@ -121,6 +145,14 @@ def main() -> None:
             print(f"  {sent_loads(rows, capacity)}", flush=True)
         for v in verdicts(runs, focus=focus):
             print(f"  {v}", flush=True)
+        if args.match_load:
+            def one(name: str, scale: float, at=at) -> Jittered:
+                return replay_jittered([j * scale for j in jitters],
+                                       lambda f: at(f, only=name))[0]
+
+            matched = match_loads(runs, focus, lambda j: j.mean().sent_rps / capacity, one)
+            for line in matched_lines(runs, matched, focus):
+                print(f"  {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,15 @@ from pathlib import Path
 from kvroute.core import config
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.policies import REGISTRY, Policy, make_policy
-from simulations.compare import Jittered, parse_jitters, replay_jittered, verdicts
+from simulations.compare import (
+    Jittered,
+    Matched,
+    match_loads,
+    matched_lines,
+    parse_jitters,
+    replay_jittered,
+    verdicts,
+)
 from simulations.costmodel import CostModel
 from simulations.metrics import (
     PolicyMetrics,
@@ -170,6 +178,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--focus", default=None, metavar="POLICY",
                    help="with --jitter: compare this policy (as named in --policies) with the "
                         "best of the others, instead of the leader with the runner-up")
+    p.add_argument("--match-load", action="store_true",
+                   help="with --closed-loop, --jitter and --focus: replay each policy whose "
+                        "clients sent less than --focus's and that leads it on anything at "
+                        "higher rates until they send as much, and give the verdicts again at "
+                        "that load (a slow policy's clients send slowly: its lead may be the "
+                        "lighter load's)")
 
 
 def make_policies(specs: str, seed: int) -> list[Callable[[], Policy]]:
@@ -341,6 +355,9 @@ def run(args: argparse.Namespace) -> int:
         if not jitters or args.focus not in named:
             raise SystemExit(f"error: --focus needs --jitter and one of --policies "
                              f"({', '.join(named)}); got {args.focus!r}")
+    if args.match_load and not (args.closed_loop and args.focus):
+        raise SystemExit("error: --match-load compares closed-loop replays at --focus's load: "
+                         "it needs --closed-loop, --jitter and --focus")
     setup = prepare(args)
     if setup is None:
         return 2
@@ -360,12 +377,13 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
 
     def compare(scale: float) -> tuple[list[ReplayResult], list[PolicyMetrics],
-                                       list[Jittered]]:
+                                       list[Jittered], list[Matched]]:
         """Every policy at ``scale``; with --jitter, at each factor of it (the results kept
-        for the plots are those nearest the nominal rate)."""
+        for the plots are those nearest the nominal rate); with --match-load, the lighter
+        leaders replayed at --focus's load too."""
         if not jitters:
             results, rows = replay_all(at(scale), factories, spec, progress)
-            return results, rows, []
+            return results, rows, [], []
         kept: dict[float, list[ReplayResult]] = {}
 
         def one(factor: float) -> list[PolicyMetrics]:
@@ -373,11 +391,20 @@ def run(args: argparse.Namespace) -> int:
             kept[factor], rows = replay_all(at(scale * factor), factories, spec, progress)
             return rows
 
+        def faster(name: str, by: float) -> Jittered:
+            print(f"  {name} at x{by:.3g} the rate, for {args.focus}'s load", flush=True)
+            only = [f for f in factories if f().name == name]
+            return replay_jittered(jitters, lambda f: replay_all(
+                at(scale * by * f), only, spec, progress)[1])[0]
+
         runs = replay_jittered(jitters, one)
         nominal = min(kept, key=lambda f: abs(f - 1.0))
-        return kept[nominal], [j.mean() for j in runs], runs
+        matched = match_loads(runs, args.focus, lambda j: j.mean().sent_rps / capacity,
+                              faster) if args.match_load else []
+        return kept[nominal], [j.mean() for j in runs], runs, matched
 
-    def report(rows: list[PolicyMetrics], runs: list[Jittered]) -> None:
+    def report(rows: list[PolicyMetrics], runs: list[Jittered],
+               matched: list[Matched]) -> None:
         print(table(rows, bounds, floor_summary(measured_floor)), flush=True)
         if spec.closed_loop:
             # The sessions set the pace: a rate scale compresses only their think times.
@@ -386,6 +413,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"averaged over rate jitters {', '.join(f'x{j:g}' for j in jitters)}")
             for v in verdicts(runs, focus=args.focus):
                 print(f"  {v}")
+        for line in matched_lines(runs, matched, args.focus):
+            print(line)
 
     if args.sweep:
         sweep: dict[float, list[PolicyMetrics]] = {}
@@ -393,15 +422,15 @@ def run(args: argparse.Namespace) -> int:
         for ld in args.sweep:
             scale = setup.scale_for(ld)
             print(f"\n== load {ld:.0%} of capacity (rate x{scale:.2f})", flush=True)
-            results, rows, runs = compare(scale)
-            report(rows, runs)
+            results, rows, runs, matched = compare(scale)
+            report(rows, runs, matched)
             sweep[ld], sweep_runs[ld] = rows, runs
             if args.out:  # written as each load ends: the replays' requests are not kept
                 at_load = args.out / f"load_{int(ld * 100)}"
                 write_results(at_load, rows, bounds, measured_floor,
                               {**setup.meta(), "load": ld, "rate_scale": scale,
                                "seed": args.seed, "jitters": list(jitters),
-                               "focus": args.focus}, runs, args.focus)
+                               "focus": args.focus}, runs, args.focus, matched)
                 write_requests(at_load, results, floor)
         if args.out:
             plot = plot_sweep(args.out, sweep, sweep_runs, measured_floor,
@@ -411,13 +440,13 @@ def run(args: argparse.Namespace) -> int:
     scale = setup.scale_for(args.load) if args.load is not None else args.rate_scale
     load_frac = base_rps * scale / capacity
     print(f"replaying at rate x{scale:.2f} = {load_frac:.0%} of capacity", flush=True)
-    results, rows, runs = compare(scale)
-    report(rows, runs)
+    results, rows, runs, matched = compare(scale)
+    report(rows, runs, matched)
     print("wall time per policy: " + ", ".join(f"{r.policy} {r.wall_s:.1f}s" for r in rows))
     if args.out:
         write_results(args.out, rows, bounds, measured_floor, {
             **setup.meta(), "rate_scale": scale, "load": load_frac, "seed": args.seed,
-            "jitters": list(jitters), "focus": args.focus}, runs, args.focus)
+            "jitters": list(jitters), "focus": args.focus}, runs, args.focus, matched)
         for path in plot_replay(args.out, results, rows, bounds, measured_floor):
             print(f"wrote {path}")
         requests = write_requests(args.out, results, floor)

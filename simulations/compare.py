@@ -8,6 +8,10 @@ says so instead of crowning a winner by a coin toss. Each verdict also gives the
 two equal policies would look as one-sided (a two-sided sign test): with the default 3
 jitters a tie leads at all of them 1 time in 4, so a lead of 1% needs more jitters to be
 told from noise (10 jitters: all ten, 1 in 512; nine of ten, 1 in 47).
+
+In a closed loop the clients set the pace, and a policy that serves replies slowly is measured
+at a lighter load than the others: :func:`match_loads` replays such a policy faster until its
+clients send as much as the focus's, so the verdicts can be given again at equal load.
 """
 
 from __future__ import annotations
@@ -134,3 +138,110 @@ def replay_jittered(jitters: Sequence[float],
         for m in replay(j):
             per.setdefault(m.policy, []).append(m)
     return [Jittered(name, tuple(runs)) for name, runs in per.items()]
+
+
+# A closed-loop policy whose clients sent this much less than the focus's (fraction of
+# capacity) is compared again at a higher rate; within it, loads count as equal.
+LOAD_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class Matched:
+    """A policy replayed at the load another policy's clients offered: in a closed loop each
+    client sends its next turn when its reply has ended, so a policy that serves replies
+    slowly is measured at a lighter load than it was given, and its TTFT lead can be the
+    load's, not the policy's. ``runs`` are its replays at ``scale`` x the compared replays'
+    rate, where its clients sent ``sent``; when ``reached`` is false no rate up to the
+    search's limit made them send ``target``, and ``runs`` are those that sent the most."""
+
+    policy: str
+    target: float  # the load to reach, a fraction of capacity
+    scale: float
+    sent: float
+    runs: Jittered
+    reached: bool
+
+    def __str__(self) -> str:
+        m = self.runs.mean()
+        figures = (f"mean/p99 TTFT {m.ttft_mean_s:.4g}/{m.ttft_p99_s:.4g} s, hit ratio "
+                   f"{m.hit_ratio:.2%}")
+        if self.reached:
+            return f"{self.policy}: sent {self.sent:.0%} at {self.scale:.3g}x the rate: {figures}"
+        return (f"{self.policy}: its clients could not send {self.target:.0%} of capacity (at "
+                f"most {self.sent:.0%}, at {self.scale:.3g}x the rate: {figures}): not compared")
+
+
+def match_load(target: float, sent: Callable[[Jittered], float],
+               replay: Callable[[float], Jittered], runs: Jittered, *,
+               max_scale: float = 3.0, growth: float = 1.5, bisections: int = 3) -> Matched:
+    """The least rate factor (within ``bisections`` halvings) at which one policy's clients
+    send at least ``target``: ``replay(scale)`` replays it at every jitter at ``scale`` x
+    the rate of ``runs`` (its replays at factor 1), ``sent`` reads their offered load. The
+    factor grows by ``growth`` up to ``max_scale``, then is bisected between the last too
+    light and the first heavy enough (the peer is measured at the focus's load, not past
+    it). Loads within :data:`LOAD_TOLERANCE` of ``target`` reach it."""
+    def reached(load: float) -> bool:
+        return load >= target - LOAD_TOLERANCE
+
+    if reached(sent(runs)):
+        return Matched(runs.policy, target, 1.0, sent(runs), runs, True)
+    lo, most = 1.0, (sent(runs), 1.0, runs)
+    hi: tuple[float, float, Jittered] | None = None
+    scale = 1.0
+    while hi is None and scale < max_scale:
+        scale = min(max_scale, scale * growth)
+        got = replay(scale)
+        if reached(load := sent(got)):
+            hi = (scale, load, got)
+        else:
+            lo = scale
+            if load > most[0]:
+                most = (load, scale, got)
+    if hi is None:
+        return Matched(runs.policy, target, most[1], most[0], most[2], False)
+    for _ in range(bisections):
+        mid = (lo + hi[0]) / 2
+        got = replay(mid)
+        if reached(load := sent(got)):
+            hi = (mid, load, got)
+        else:
+            lo = mid
+    return Matched(runs.policy, target, hi[0], hi[1], hi[2], True)
+
+
+def match_loads(rows: Sequence[Jittered], focus: str, sent: Callable[[Jittered], float],
+                replay: Callable[[str, float], Jittered], **search: float) -> list[Matched]:
+    """:func:`match_load` for each policy of ``rows`` whose clients sent less than
+    ``focus``'s and that leads it on any of :data:`CRITERIA` (one that trails it at a lighter
+    load would only trail further at a heavier one); ``replay(policy, scale)`` replays one
+    policy. The policies within :data:`LOAD_TOLERANCE` are left as they are."""
+    mine = next((j for j in rows if j.policy == focus), None)
+    if mine is None:
+        raise ValueError(f"no policy {focus!r} among {', '.join(j.policy for j in rows)}")
+    target = sent(mine)
+    out = []
+    for j in rows:
+        if j is mine or sent(j) >= target - LOAD_TOLERANCE:
+            continue
+        if not any(v.leader == j.policy for v in verdicts([mine, j], focus=focus)):
+            continue
+        out.append(match_load(target, sent, lambda s, name=j.policy: replay(name, s), j,
+                              **search))
+    return out
+
+
+def at_matched_load(rows: Sequence[Jittered], matched: Sequence[Matched]) -> list[Jittered]:
+    """``rows`` with each matched policy's runs replaced by those at the matched load, and
+    those that could not reach it left out."""
+    by = {m.policy: m.runs if m.reached else None for m in matched}
+    return [r for j in rows if (r := by.get(j.policy, j)) is not None]
+
+
+def matched_lines(rows: Sequence[Jittered], matched: Sequence[Matched], focus: str) -> list[str]:
+    """The report of :func:`match_loads`: a heading, each matched policy, then the verdicts
+    at ``focus``'s load (nothing when no policy needed matching)."""
+    if not matched:
+        return []
+    return [f"at {focus}'s load (the lighter policies that lead it, replayed faster):",
+            *(f"  {m}" for m in matched),
+            *(f"  {v}" for v in verdicts(at_matched_load(rows, matched), focus=focus))]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from simulations.compare import Jittered, verdicts
+from simulations.compare import Jittered, Matched, at_matched_load, verdicts
 from simulations.metrics import REQUEST_COLUMNS, PolicyMetrics, floor_summary, request_rows
 from simulations.replay import ReplayResult
 
@@ -61,19 +61,30 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
 
 def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, float],
                   floor: np.ndarray, meta: dict[str, object], runs: Sequence[Jittered] = (),
-                  focus: str | None = None) -> None:
+                  focus: str | None = None, matched: Sequence[Matched] = ()) -> None:
     """results.json and results.csv; with jittered ``runs``, ``rows`` are their averages
-    and results.json also holds each jitter's metrics and the verdicts. ``floor`` is the
-    per-request TTFT floor (``metrics.ttft_floor``) of the measured requests (the trace's
-    warm-up left out); results.json holds its summary."""
+    and results.json also holds each jitter's metrics and the verdicts, and with
+    ``matched`` (``--match-load``) those policies' replays at ``focus``'s load and the
+    verdicts there. ``floor`` is the per-request TTFT floor (``metrics.ttft_floor``) of the
+    measured requests (the trace's warm-up left out); results.json holds its summary."""
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, object] = {"meta": meta, "bounds": bounds,
                               "ttft_floor": floor_summary(floor),
                               "policies": [r.row() for r in rows]}
+
+    def judged(runs: Sequence[Jittered]) -> list[dict[str, object]]:
+        return [asdict(v) | {"consistent": v.consistent, "tie_chance": v.tie_chance}
+                for v in verdicts(runs, focus)]
+
     if runs:
         doc["runs"] = {j.policy: [r.row() for r in j.runs] for j in runs}
-        doc["verdicts"] = [asdict(v) | {"consistent": v.consistent, "tie_chance": v.tie_chance}
-                           for v in verdicts(runs, focus)]
+        doc["verdicts"] = judged(runs)
+    if matched:
+        doc["matched"] = [{"policy": m.policy, "target_load": m.target, "rate_factor": m.scale,
+                           "sent_load": m.sent, "reached": m.reached,
+                           "mean": m.runs.mean().row(), "runs": [r.row() for r in m.runs.runs]}
+                          for m in matched]
+        doc["matched_verdicts"] = judged(at_matched_load(runs, matched))
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=[*rows[0].row(), "rate_scale", "load"])

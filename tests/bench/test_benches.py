@@ -38,7 +38,7 @@ CASES = {
     "tiny_engine.py": (["--prompt", "64", "--batch", "2", "--decode", "4", "--capacity", "64"],
                        ["decode   batch   2 x 4 tokens"]),
     "policy_jitter.py": (["{chat}", "--loads", "0.8", "--jitters", "1", "--closed-loop",
-                          "--policies", "kvroute,llmd", "--workers", "4",
+                          "--match-load", "--policies", "kvroute,llmd", "--workers", "4",
                           "--others-predict-ttl-ms", "0"],
                          ["TTFT floor (no queueing", "hit ratio: ",
                           "closed loop: requests were sent at "]),

@@ -206,6 +206,36 @@ def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path)
         assert "round_robin" in (v["leader"], v["runner_up"]), v
 
 
+def test_match_load_compares_a_slower_policy_at_the_focus_load(chat: Path,
+                                                                tmp_path: Path) -> None:
+    # Mooncake-local ignores decode load, so its replies end later and its clients send less
+    # than round-robin's; it leads round-robin, so it is replayed faster until they send as
+    # much.
+    out = tmp_path / "res"
+    ran = replay(chat, "--workers", "4", "--policies", "round_robin,mooncake_local", "--load",
+                 "0.8", "--closed-loop", "--jitter", "0.97,1.03", "--focus", "round_robin",
+                 "--match-load", "--out", out)
+    assert ran.returncode == 0, ran.stderr
+    doc = json.loads((out / "results.json").read_text())
+    (m,) = doc["matched"]
+    sent = {p["policy"]: p["sent_rps"] for p in doc["policies"]}
+    assert m["policy"] == "mooncake_local" and m["reached"] is True
+    assert sent["mooncake_local"] < sent["round_robin"] and m["rate_factor"] > 1.0
+    assert m["target_load"] - 0.01 <= m["sent_load"] and len(m["runs"]) == 2
+    assert m["mean"]["sent_rps"] > sent["mooncake_local"]
+    assert [r["ttft_mean_s"] for r in m["runs"]] != [
+        r["ttft_mean_s"] for r in doc["runs"]["mooncake_local"]]
+    assert {v["metric"] for v in doc["matched_verdicts"]} == {"mean TTFT", "p99 TTFT",
+                                                             "hit ratio"}
+    assert "at round_robin's load (the lighter policies that lead it, replayed faster):" \
+        in ran.stdout
+    assert f"mooncake_local: sent {m['sent_load']:.0%} at {m['rate_factor']:.3g}x the rate" \
+        in ran.stdout
+    ran = replay(chat, "--workers", "4", "--policies", "round_robin,mooncake_local", "--load",
+                 "0.8", "--jitter", "0.97,1.03", "--focus", "round_robin", "--match-load")
+    assert ran.returncode != 0 and "it needs --closed-loop, --jitter and --focus" in ran.stderr
+
+
 def test_a_jittered_sweep_writes_each_load_and_the_plot(chat: Path, tmp_path: Path) -> None:
     ran = replay(chat, "--workers", "4", "--policies", "kvroute,round_robin", "--sweep",
                  "--jitter", "0.98,1.02", "--out", tmp_path)

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from simulations.compare import Jittered, Verdict, parse_jitters, replay_jittered, verdicts
+from simulations.compare import (
+    Jittered,
+    Verdict,
+    at_matched_load,
+    match_load,
+    match_loads,
+    parse_jitters,
+    replay_jittered,
+    verdicts,
+)
 from simulations.metrics import PolicyMetrics
 
 
@@ -84,3 +95,65 @@ def test_the_tie_chance_is_a_two_sided_sign_test() -> None:
     assert chance(6, 10) == pytest.approx(2 * 386 / 1024)
     assert chance(5, 10) == 1.0  # an even split: capped, no evidence either way
     assert "1 time in 512" in str(Verdict("mean TTFT", "a", 1.0, "b", 0.01, 10, 10))
+
+
+def loaded(policy: str, sent: float, mean: float = 1.0, p99: float = 2.0,
+           hit: float = 0.5) -> Jittered:
+    """Two jitters of a closed-loop replay whose clients sent ``sent`` of capacity (1 rps)."""
+    m = replace(metrics(policy, mean, p99, hit), sent_rps=sent)
+    return Jittered(policy, (m, m))
+
+
+def sent_of(j: Jittered) -> float:
+    return j.mean().sent_rps
+
+
+def test_a_lighter_policy_is_replayed_at_the_least_rate_that_reaches_the_load() -> None:
+    # its clients send 0.3 x the rate factor, up to 0.6: 0.45 needs 1.5x, 0.58 about 1.93x
+    tried: list[float] = []
+
+    def replay(scale: float) -> Jittered:
+        tried.append(scale)
+        return loaded("b", min(0.3 * scale, 0.6), mean=scale)
+
+    m = match_load(0.45, sent_of, replay, loaded("b", 0.3))
+    assert m.reached and m.scale == pytest.approx(1.5) and tried == [1.5, 1.25, 1.375, 1.4375]
+    assert "sent 45% at 1.5x the rate" in str(m)
+    tried.clear()
+    m = match_load(0.58, sent_of, replay, loaded("b", 0.3))
+    # grows 1.5x, 2.25x, then bisects between them: never past what reaches the load
+    assert m.reached and tried[:2] == [1.5, 2.25] and len(tried) == 5
+    assert 0.57 / 0.3 <= m.scale <= 2.25 and m.runs.mean().ttft_mean_s == m.scale
+    tried.clear()
+    m = match_load(0.7, sent_of, replay, loaded("b", 0.3), max_scale=3.0)
+    assert not m.reached and m.sent == pytest.approx(0.6) and tried == [1.5, 2.25, 3.0]
+    assert m.scale == 2.25  # the first rate that sent the most
+    assert "could not send 70% of capacity (at most 60%, at 2.25x" in str(m)
+    tried.clear()
+    m = match_load(0.305, sent_of, replay, loaded("b", 0.3))  # within a point: as it is
+    assert m.reached and m.scale == 1.0 and tried == []
+
+
+def test_only_lighter_leaders_are_matched_and_the_unreached_are_left_out() -> None:
+    mine = loaded("k", 0.5, mean=1.0, p99=2.0, hit=0.5)
+    equal = loaded("e", 0.495, mean=0.5)  # leads, but at the same load within a point
+    trailing = loaded("t", 0.3, mean=2.0, p99=3.0, hit=0.4)  # lighter, behind on all
+    leading = loaded("l", 0.3, mean=1.0, p99=1.5, hit=0.5)  # lighter, ahead on p99
+    stuck = loaded("s", 0.3, mean=0.9)  # lighter, ahead on the mean, cannot get there
+    asked: list[str] = []
+
+    def replay(name: str, scale: float) -> Jittered:
+        asked.append(name)
+        if name == "s":
+            return loaded("s", 0.3, mean=0.9)
+        return loaded(name, 0.3 * scale, p99=1.5 * scale)
+
+    rows = [mine, equal, trailing, leading, stuck]
+    matched = match_loads(rows, "k", sent_of, replay)
+    assert [m.policy for m in matched] == ["l", "s"] and set(asked) == {"l", "s"}
+    assert [m.reached for m in matched] == [True, False]
+    again = at_matched_load(rows, matched)
+    assert [j.policy for j in again] == ["k", "e", "t", "l"]
+    assert again[3].mean().ttft_p99_s > 2.0  # at k's load it no longer leads on p99
+    with pytest.raises(ValueError, match="no policy 'x'"):
+        match_loads(rows, "x", sent_of, replay)
