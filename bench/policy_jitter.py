@@ -150,7 +150,7 @@ def main() -> None:
                 return replay_jittered([j * scale for j in jitters],
                                        lambda f: at(f, only=name))[0]
 
-            matched = match_loads(runs, focus, lambda j: j.mean().sent_rps / capacity, one)
+            matched = match_loads(runs, focus, lambda j: j.mean().offered_load(capacity), one)
             for line in matched_lines(runs, matched, focus):
                 print(f"  {line}", flush=True)
 

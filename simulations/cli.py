@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
 
         runs = replay_jittered(jitters, one)
         nominal = min(kept, key=lambda f: abs(f - 1.0))
-        matched = match_loads(runs, args.focus, lambda j: j.mean().sent_rps / capacity,
+        matched = match_loads(runs, args.focus, lambda j: j.mean().offered_load(capacity),
                               faster) if args.match_load else []
         return kept[nominal], [j.mean() for j in runs], runs, matched
 

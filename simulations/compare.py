@@ -183,9 +183,10 @@ def match_load(target: float, sent: Callable[[Jittered], float],
     def reached(load: float) -> bool:
         return load >= target - LOAD_TOLERANCE
 
-    if reached(sent(runs)):
-        return Matched(runs.policy, target, 1.0, sent(runs), runs, True)
-    lo, most = 1.0, (sent(runs), 1.0, runs)
+    first = sent(runs)
+    if reached(first):
+        return Matched(runs.policy, target, 1.0, first, runs, True)
+    lo, most = 1.0, (first, 1.0, runs)
     hi: tuple[float, float, Jittered] | None = None
     scale = 1.0
     while hi is None and scale < max_scale:

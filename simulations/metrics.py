@@ -47,6 +47,11 @@ class PolicyMetrics:
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
 
+    def offered_load(self, capacity_rps: float) -> float:
+        """The load its clients offered, a fraction of the cluster's capacity: in a closed
+        loop a policy that serves replies slowly is sent less than the trace's rate."""
+        return self.sent_rps / capacity_rps
+
 
 def measure(res: ReplayResult) -> PolicyMetrics:
     """A replay's figures, over its measured requests (all but the trace's warm-up)."""

@@ -169,21 +169,21 @@ def sent_loads(rows: Sequence[PolicyMetrics], capacity_rps: float) -> str:
     its reply has ended, so a slower policy is measured at a lighter load than it was given):
     ``closed loop: requests were sent at 73% of capacity (kvroute), ...``."""
     return "closed loop: requests were sent at " + ", ".join(
-        f"{r.sent_rps / capacity_rps:.0%} of capacity ({r.policy})" for r in rows)
+        f"{r.offered_load(capacity_rps):.0%} of capacity ({r.policy})" for r in rows)
 
 
 def sweep_loads(sweep: dict[float, list[PolicyMetrics]],
                 capacity_rps: float | None = None) -> dict[str, list[float]]:
     """Per policy, the load of each point of a sweep, in its order: the nominal loads, or
     with ``capacity_rps`` (a closed-loop replay, whose clients set the pace) the load each
-    policy's clients offered, ``sent_rps / capacity_rps``."""
+    policy's clients offered (``PolicyMetrics.offered_load``)."""
     loads = sorted(sweep)
     if capacity_rps is None:
         return {r.policy: loads for r in sweep[loads[0]]}
     out: dict[str, list[float]] = {}
     for ld in loads:
         for r in sweep[ld]:
-            out.setdefault(r.policy, []).append(r.sent_rps / capacity_rps)
+            out.setdefault(r.policy, []).append(r.offered_load(capacity_rps))
     return out
 
 
