@@ -94,14 +94,44 @@ def test_a_hot_prefix_gets_a_second_copy_sooner() -> None:
     # b holds it too: nothing to copy.
     both = RouteQuery(1024, 16, {"a": 60, "b": 60}, loads, 1, 1, prefix_rate=0.5)
     assert copying.replica(both, copying.rank(both)[0].worker) is None
-    # Demand never moves a request off a holder without a backlog, nor copies its prefix.
+    # Demand never moves a request off a holder without a backlog.
     idle = RouteQuery(1024, 16, {"a": 60}, {"a": kv(), "b": kv()}, 1, 1, prefix_rate=50.0)
     for pol in (moving, copying):
-        assert pol.rank(idle)[0].worker == "a" and pol.replica(idle, "a") is None
+        assert pol.rank(idle)[0].worker == "a"
+    assert moving.replica(idle, "a") is None
     with pytest.raises(ValueError, match="demand_horizon_s"):
         KvrouteCost(demand_horizon_s=-1)
     with pytest.raises(ValueError, match="replicate"):
         KvrouteCost(replicate=0.5)
+
+
+def test_a_prefix_in_demand_spreads_to_the_cheapest_worker_without_it() -> None:
+    """The spread rule: with no backlog to move a request, a prefix gets one more holder
+    while each holder would get more than ``spread_demand`` of its requests over
+    ``demand_horizon_s``; the copy goes to the cheapest worker without it."""
+    def kv(pending: int = 0) -> WorkerLoad:
+        return WorkerLoad(free_blocks=30000, capacity_blocks=30000,
+                          pending_prefill_tokens=pending)
+
+    loads = {"a": kv(), "b": kv(), "c": kv(500), "d": kv(100)}
+
+    def hot(rate: float, holders: tuple[str, ...] = ("a",)) -> RouteQuery:
+        return RouteQuery(1024, 16, dict.fromkeys(holders, 60), loads, 1, 1, prefix_rate=rate)
+
+    pol = KvrouteCost()  # spread_demand 2 over 10 s: 0.2 per second per holder
+    assert pol.rank(hot(0.3))[0].worker == "a"  # the request keeps its hit
+    assert pol.replica(hot(0.3), "a") == ("b", 960)  # b: the cheapest without it
+    assert pol.replica(hot(0.1), "a") is None  # 1 request per 10 s: one holder is enough
+    assert pol.replica(hot(0.3, ("a", "b")), "a") is None  # 1.5 per holder
+    assert pol.replica(hot(0.5, ("a", "b")), "a") == ("d", 960)  # 2.5 per holder
+    assert pol.replica(hot(50.0, ("a", "b", "c", "d")), "a") is None  # everyone holds it
+    assert pol.replica(hot(0.3), "b") is None  # sent elsewhere, it brings the prefix there
+    assert pol.replica(hot(0.0), "a") is None
+    assert KvrouteCost(spread_demand=0).replica(hot(50.0), "a") is None
+    assert KvrouteCost(replicate=0).replica(hot(50.0), "a") is None
+    assert KvrouteCost(spread_demand=4).replica(hot(0.3), "a") is None
+    with pytest.raises(ValueError, match="spread_demand"):
+        KvrouteCost(spread_demand=-1)
 
 
 def test_kvroute_keeps_a_long_prefill_off_short_queued_requests() -> None:
