@@ -18,6 +18,11 @@ offered is printed. ``--match-load`` then replays every policy that offered less
 ``--focus`` and leads it on anything at higher rates (1.5x steps up to 3x, then bisected)
 until its clients send as much, and gives the verdicts again at that load; a policy whose
 clients cannot send that much is left out of them (it does not carry that load).
+
+A rate factor scales every gap between arrivals alike, so a cold start's first decisions are
+the same at every jitter; ``--nudge F`` also moves each jitter's arrivals by up to F x half
+their gaps (``simulations.compare.at_rate``), so a lead that holds then is not the cold
+start's luck.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from simulations.cli import (
 from simulations.compare import (
     DEFAULT_JITTERS,
     Jittered,
+    at_rate,
     match_loads,
     matched_lines,
     parse_jitters,
@@ -90,6 +96,10 @@ def main() -> None:
                     help="closed loop: replay each policy whose clients sent less than "
                          "--focus's and that leads it on anything at higher rates until they "
                          "send as much, and compare again there")
+    ap.add_argument("--nudge", type=FRACTION, default=0.0, metavar="F",
+                    help="move each arrival by up to F x half the gap to its neighbour, a "
+                         "seed per rate, so a cold start's first decisions differ between "
+                         "jitters too (as `kvroute replay --nudge`; default 0)")
     ap.add_argument("--warmup", type=Warmup.parse, default=Warmup(), metavar="N|Ss",
                     help="run the trace's first N requests (or those of its first S seconds) "
                          "but leave them out of the figures")
@@ -125,7 +135,7 @@ def main() -> None:
           f"p99 {floor['p99_s']:.4g} s at every load", flush=True)
     for ld in args.loads:
         def at(factor: float, ld: float = ld, only: str | None = None) -> list[PolicyMetrics]:
-            scaled = trace.scaled(ld * factor * capacity / base)
+            scaled = at_rate(trace, ld * factor * capacity / base, args.nudge)
             out = []
             for make in factories:
                 policy = make()

@@ -16,6 +16,7 @@ from kvroute.core.policies import REGISTRY, Policy, make_policy
 from simulations.compare import (
     Jittered,
     Matched,
+    at_rate,
     match_loads,
     matched_lines,
     parse_jitters,
@@ -147,7 +148,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "30s) but leave them out of every figure (bounds and floor "
                         "included), to measure a cluster already serving this traffic rather "
                         "than one starting with empty caches (default: none)")
-    p.add_argument("--seed", type=int, default=0, help="seed for randomised policies")
+    p.add_argument("--seed", type=int, default=0, help="seed for randomised policies and --nudge")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -175,6 +176,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay each policy at these factors of the rate (e.g. 0.98,1,1.02), "
                         "report the averages, and say whether each lead holds at every "
                         "factor or is within noise (single replays are chaotic)")
+    p.add_argument("--nudge", type=FRACTION, default=0.0, metavar="F",
+                   help="move each arrival by up to F x half the gap to its neighbour, with "
+                        "a seed per rate (--seed): jitters of the rate alone leave a cold "
+                        "start's first decisions the same at every jitter; nudged, they "
+                        "differ too (default: 0, arrivals as recorded)")
     p.add_argument("--focus", default=None, metavar="POLICY",
                    help="with --jitter: compare this policy (as named in --policies) with the "
                         "best of the others, instead of the leader with the runner-up")
@@ -372,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     measured_floor = floor[trace.warmup:]
 
     def at(scale: float) -> Trace:
-        return trace.scaled(scale) if scale != 1.0 else trace
+        return at_rate(trace, scale, args.nudge, args.seed)
 
     progress = not args.no_progress and sys.stderr.isatty()
 
@@ -410,7 +416,9 @@ def run(args: argparse.Namespace) -> int:
             # The sessions set the pace: a rate scale compresses only their think times.
             print(sent_loads(rows, capacity), flush=True)
         if runs:
-            print(f"averaged over rate jitters {', '.join(f'x{j:g}' for j in jitters)}")
+            nudged = f", arrivals nudged by up to {args.nudge:g} x half their gaps" \
+                if args.nudge else ""
+            print(f"averaged over rate jitters {', '.join(f'x{j:g}' for j in jitters)}{nudged}")
             for v in verdicts(runs, focus=args.focus):
                 print(f"  {v}")
         for line in matched_lines(runs, matched, args.focus):
@@ -430,7 +438,8 @@ def run(args: argparse.Namespace) -> int:
                 write_results(at_load, rows, bounds, measured_floor,
                               {**setup.meta(), "load": ld, "rate_scale": scale,
                                "seed": args.seed, "jitters": list(jitters),
-                               "focus": args.focus}, runs, args.focus, matched)
+                               "nudge": args.nudge, "focus": args.focus},
+                              runs, args.focus, matched)
                 write_requests(at_load, results, floor)
         if args.out:
             plot = plot_sweep(args.out, sweep, sweep_runs, measured_floor,
@@ -446,7 +455,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_results(args.out, rows, bounds, measured_floor, {
             **setup.meta(), "rate_scale": scale, "load": load_frac, "seed": args.seed,
-            "jitters": list(jitters), "focus": args.focus}, runs, args.focus, matched)
+            "jitters": list(jitters), "nudge": args.nudge, "focus": args.focus},
+            runs, args.focus, matched)
         for path in plot_replay(args.out, results, rows, bounds, measured_floor):
             print(f"wrote {path}")
         requests = write_requests(args.out, results, floor)

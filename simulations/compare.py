@@ -7,7 +7,11 @@ jitter is a property of the policies; one that flips between jitters is noise, a
 says so instead of crowning a winner by a coin toss. Each verdict also gives the chance that
 two equal policies would look as one-sided (a two-sided sign test): with the default 3
 jitters a tie leads at all of them 1 time in 4, so a lead of 1% needs more jitters to be
-told from noise (10 jitters: all ten, 1 in 512; nine of ten, 1 in 47).
+told from noise (10 jitters: all ten, 1 in 512; nine of ten, 1 in 47). A rate factor scales
+every gap between arrivals alike, so a cold start's first decisions are the same at every
+jitter and their consequences are in every jitter's figures: with a nudge (:func:`at_rate`)
+each jitter's arrivals are also moved, by less than half their gaps, so those decisions
+differ too and a lead that holds is not the cold start's luck.
 
 In a closed loop the clients set the pace, and a policy that serves replies slowly is measured
 at a lighter load than the others: :func:`match_loads` replays such a policy faster until its
@@ -22,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 from simulations.metrics import PolicyMetrics
+from simulations.trace import Trace
 
 DEFAULT_JITTERS = (0.98, 1.0, 1.02)
 
@@ -31,6 +36,14 @@ CRITERIA: tuple[tuple[str, str, bool], ...] = (
     ("ttft_p99_s", "p99 TTFT", False),
     ("hit_ratio", "hit ratio", True),
 )
+
+
+def at_rate(trace: Trace, scale: float, nudge: float = 0.0, seed: int = 0) -> Trace:
+    """``trace`` at ``scale`` x its rate, each arrival nudged by up to ``nudge`` x half the
+    gap to its neighbour (:meth:`Trace.nudged`) with a seed of its own per rate: each jitter,
+    and each rate a load search tries, gets different nudges, the same on every run."""
+    out = trace.scaled(scale) if scale != 1.0 else trace
+    return out.nudged(nudge, f"{seed}:{scale!r}") if nudge else out
 
 
 def parse_jitters(text: str) -> tuple[float, ...]:

@@ -21,8 +21,10 @@ caches -- so the simulator and the router see the same units.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -87,6 +89,33 @@ class Trace:
                 for r in self.requests]
         # Same keys in the same order: the same continuations and replies.
         return Trace(reqs, self.block_size, self.source, self.skipped, self.warmup,
+                     self.continuations(), self.reply_keys())
+
+    def nudged(self, spread: float, seed: str) -> Trace:
+        """The same requests in the same order, each arrival moved by a uniform draw (seeded
+        by ``seed``) of up to ``spread`` x half the gap to its nearer neighbour.
+
+        A rate factor scales every gap alike, so a cold start's first decisions (which
+        worker first computes a shared system prompt, say) are the same at every rate
+        jitter, and whatever they decide for the rest of a replay is in every jitter's
+        figures; nudged arrivals change them too. Less than half of each gap either way
+        keeps the order (and so the warm-up, the continuations and the bounds)."""
+        if not 0.0 <= spread <= 1.0:
+            raise ValueError(f"spread is a fraction of half the gap between arrivals, in "
+                             f"[0, 1]; got {spread}")
+        reqs = self.requests
+        if not spread or len(reqs) < 2:
+            return self
+        rng = random.Random(seed)
+        times = [r.arrival_s for r in reqs]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        # The nearer neighbour's gap: the first and last requests have one neighbour each.
+        near = [min(a, b) for a, b in zip([gaps[0], *gaps], [*gaps, gaps[-1]], strict=True)]
+        # 0.499: a request and its neighbour moving toward each other never meet.
+        k = 0.499 * spread
+        moved = [replace(r, arrival_s=r.arrival_s + rng.uniform(-k, k) * g)
+                 for r, g in zip(reqs, near, strict=True)]
+        return Trace(moved, self.block_size, self.source, self.skipped, self.warmup,
                      self.continuations(), self.reply_keys())
 
     def with_warmup(self, n: int) -> Trace:

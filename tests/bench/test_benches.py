@@ -39,7 +39,7 @@ CASES = {
                        ["decode   batch   2 x 4 tokens"]),
     "policy_jitter.py": (["{chat}", "--loads", "0.8", "--jitters", "1", "--closed-loop",
                           "--match-load", "--policies", "kvroute,llmd", "--workers", "4",
-                          "--others-predict-ttl-ms", "0"],
+                          "--others-predict-ttl-ms", "0", "--nudge", "0.5"],
                          ["TTFT floor (no queueing", "hit ratio: ",
                           "closed loop: requests were sent at "]),
     "program_overflow.py": (["--fanout", "4", "--loads", "0.8", "--max-batch", "32",

@@ -206,6 +206,29 @@ def test_jitter_averages_the_runs_and_gives_verdicts(chat: Path, tmp_path: Path)
         assert "round_robin" in (v["leader"], v["runner_up"]), v
 
 
+def test_nudged_jitters_are_other_replays_and_the_same_on_every_run(chat: Path,
+                                                                      tmp_path: Path) -> None:
+    """--nudge moves each jitter's arrivals too (a seed per rate): the figures differ from
+    the plain jitters', a second run gives the same ones, and the results say so."""
+    def runs(*extra: str) -> dict[str, list[tuple[float, ...]]]:
+        out = tmp_path / "-".join(extra or ("plain",))
+        ran = replay(chat, "--workers", "4", "--policies", "kvroute,llmd", "--load", "0.8",
+                     "--jitter", "0.99,1.01", "--out", out, *extra)
+        assert ran.returncode == 0, ran.stderr
+        doc = json.loads((out / "results.json").read_text())
+        assert doc["meta"]["nudge"] == (float(extra[1]) if extra else 0.0)
+        if extra:
+            assert "arrivals nudged by up to 1 x half their gaps" in ran.stdout
+        return {p: [(r["ttft_mean_s"], r["ttft_p99_s"], r["hit_ratio"]) for r in rs]
+                for p, rs in doc["runs"].items()}  # wall times differ
+
+    plain, nudged = runs(), runs("--nudge", "1")
+    assert nudged != plain
+    assert runs("--nudge", "1") == nudged
+    bad = replay(chat, "--nudge", "1.5", "--jitter", "1")
+    assert bad.returncode != 0 and "--nudge" in bad.stderr
+
+
 def test_match_load_compares_a_slower_policy_at_the_focus_load(chat: Path,
                                                                 tmp_path: Path) -> None:
     # Mooncake-local ignores decode load, so its replies end later and its clients send less
