@@ -130,6 +130,12 @@ def test_a_prefix_in_demand_spreads_to_the_cheapest_worker_without_it() -> None:
     assert KvrouteCost(spread_demand=0).replica(hot(50.0), "a") is None
     assert KvrouteCost(replicate=0).replica(hot(50.0), "a") is None
     assert KvrouteCost(spread_demand=4).replica(hot(0.3), "a") is None
+    # Queues everywhere: no spare prefill for a copy (a request queued per worker on average).
+    queued = {w: WorkerLoad(free_blocks=30000, capacity_blocks=30000, queued=1,
+                            pending_prefill_tokens=ld.pending_prefill_tokens)
+              for w, ld in loads.items()}
+    busy = RouteQuery(1024, 16, {"a": 60}, queued, 1, 1, prefix_rate=0.3)
+    assert pol.rank(busy)[0].worker == "a" and pol.replica(busy, "a") is None
     with pytest.raises(ValueError, match="spread_demand"):
         KvrouteCost(spread_demand=-1)
 

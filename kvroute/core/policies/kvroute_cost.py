@@ -186,25 +186,27 @@ class KvrouteCost:
       elsewhere, which costs rag's tail up to 8% in some cells. Cells won on all three
       against the peers: 31 -> 37 of 52 open loop from a warm start, 36 -> 35 cold; closed
       loop 15 -> 15 and 15 -> 14 of 40.
-    * A hot prefix's holders bound where the sessions that start on it can go, and a
-      session stays where it starts. A chat trace's three system prompts were held by 5, 4
-      and 3 of 16 workers through a whole replay: the copies made while the cluster was
-      cold, and none after, since no first turn gained enough by computing a prompt again
-      elsewhere. The most used prompt starts 56% of the sessions, so they piled on 5
-      workers. Which policy made one more copy at the start decided chat's mean TTFT for the
-      rest of the replay (routing on the router's predictions, which had a first turn wait
-      for the prompt's holder instead of computing it on an idle worker, cost 1.8% at 50%
-      load). So the spread rule: while each holder of a prefix would get more than
-      ``spread_demand`` of its requests over ``demand_horizon_s`` (its demand ``d`` counts
-      the requests whose longest cached prefix ends there: the sessions starting on it, not
-      their later turns), the router copies it in the background to the cheapest worker
-      without it (``replica``). Against the same policy without it (``spread_demand`` 0;
-      seed 1, 16 workers, ten rate jitters each with its arrivals moved by up to half
-      their gaps, ``--warmup 600``, closed loop): chat's mean TTFT 5.2% lower at 50% load
-      (p99 2.6%) and the hit ratio 0.01 points higher; seed 2 1.9% lower; rag's (open
-      loop, 80%) 3.7% lower, for 104 copies that prefilled 2.26% of the prompt tokens
-      again instead of 6 (0.10%; ``spread_demand`` 4: 41, 1.04%, for most of the gain);
-      agent traffic and the Mooncake trace level.
+    * A hot prefix's holders bound where the sessions that start on it can go, and a session
+      stays where it starts. A chat trace's three system prompts were held by 5, 4 and 3 of 16
+      workers through a whole replay: the copies made while the cluster was cold, and none
+      after, since no first turn gained enough by computing a prompt again elsewhere. The most
+      used prompt starts 56% of the sessions, so they piled on 5 workers. Which policy made one
+      more copy at the start decided chat's mean TTFT for the rest of the replay (routing on the
+      router's predictions, which had a first turn wait for the prompt's holder instead of
+      computing it on an idle worker, cost 1.8% at 50% load). So the spread rule: while each
+      holder of a prefix would get more than ``spread_demand`` of its requests over
+      ``demand_horizon_s`` (its demand ``d`` counts the requests whose longest cached prefix
+      ends there: the sessions starting on it, not their later turns), the router copies it in
+      the background to the cheapest worker without it (``replica``), unless the average worker
+      has a request queued (no spare prefill for a copy: in an open loop at 95% load, agent
+      traffic's cold burst made copies that cost seeds 1 and 2 4.7-5.0% of mean TTFT, and 3.9%
+      and 2.8% with this gate; seed 3 gained 3.0%, and 0.7% with it). Against the same policy
+      without it (``spread_demand`` 0; seed 1, 16 workers, ten rate jitters each with its
+      arrivals moved by up to half their gaps, ``--warmup 600``, closed loop): chat's mean TTFT
+      5.2% lower at 50% load (p99 2.6%) and the hit ratio 0.01 points higher; seed 2 1.9% lower;
+      rag's (open loop, 80%) 3.7% lower, for 104 copies that prefilled 2.26% of the prompt
+      tokens again instead of 6 (0.10%; ``spread_demand`` 4: 41, 1.04%, for most of the gain);
+      agent traffic in a closed loop and the Mooncake trace level.
     * A long prefill delays every request that reaches its worker while it runs: an arrival
       waits for the iteration in progress, on average half of it. With ``lambda_w``
       requests per second reaching ``w`` (its ``arrival_rate``: what was sent there
@@ -265,7 +267,8 @@ class KvrouteCost:
             make it.
         spread_demand: with ``replicate``, a prefix gets one more holder (a background copy
             to the cheapest worker without it) while each holder would get more than this
-            many of its requests over ``demand_horizon_s`` (2.0; 0: off).
+            many of its requests over ``demand_horizon_s`` and the average worker has no
+            request queued (2.0; 0: off).
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
@@ -447,8 +450,9 @@ class KvrouteCost:
         """With ``replicate``: the worker to copy the prompt's longest cached prefix to, in
         the background, and that prefix's length in tokens, when the request goes to a
         holder of it and its demand would have moved it to make the copy, or each holder
-        would get more than ``spread_demand`` of its requests over ``demand_horizon_s`` (the
-        spread rule: then the cheapest worker without it); see the class docstring. Else
+        would get more than ``spread_demand`` of its requests over ``demand_horizon_s``
+        while the cluster has no queue (the spread rule: then the cheapest worker without
+        it); see the class docstring. Else
         None. Ranks a second time only for a prefix in demand."""
         moving = self._moving
         rate = query.prefix_rate
@@ -470,6 +474,8 @@ class KvrouteCost:
         holders = len(ranked) - len(lacking)
         if not self.spread_demand or rate * self.demand_horizon_s < self.spread_demand * holders:
             return None
+        if sum(ld.queued for ld in loads.values()) >= len(loads):
+            return None  # the average worker has a queue: no spare prefill for a copy
         return lacking[0], top
 
     def transfer(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
