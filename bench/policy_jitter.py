@@ -37,6 +37,7 @@ from simulations.cli import (
     NON_NEGATIVE,
     SWEEP_LOADS,
     Warmup,
+    add_nudge_argument,
     make_policies,
     parse_loads,
 )
@@ -96,10 +97,7 @@ def main() -> None:
                     help="closed loop: replay each policy whose clients sent less than "
                          "--focus's and that leads it on anything at higher rates until they "
                          "send as much, and compare again there")
-    ap.add_argument("--nudge", type=FRACTION, default=0.0, metavar="F",
-                    help="move each arrival by up to F x half the gap to its neighbour, a "
-                         "seed per rate, so a cold start's first decisions differ between "
-                         "jitters too (as `kvroute replay --nudge`; default 0)")
+    add_nudge_argument(ap)
     ap.add_argument("--warmup", type=Warmup.parse, default=Warmup(), metavar="N|Ss",
                     help="run the trace's first N requests (or those of its first S seconds) "
                          "but leave them out of the figures")

@@ -176,11 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay each policy at these factors of the rate (e.g. 0.98,1,1.02), "
                         "report the averages, and say whether each lead holds at every "
                         "factor or is within noise (single replays are chaotic)")
-    p.add_argument("--nudge", type=FRACTION, default=0.0, metavar="F",
-                   help="move each arrival by up to F x half the gap to its neighbour, with "
-                        "a seed per rate (--seed): jitters of the rate alone leave a cold "
-                        "start's first decisions the same at every jitter; nudged, they "
-                        "differ too (default: 0, arrivals as recorded)")
+    add_nudge_argument(p)
     p.add_argument("--focus", default=None, metavar="POLICY",
                    help="with --jitter: compare this policy (as named in --policies) with the "
                         "best of the others, instead of the leader with the runner-up")
@@ -190,6 +186,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "higher rates until they send as much, and give the verdicts again at "
                         "that load (a slow policy's clients send slowly: its lead may be the "
                         "lighter load's)")
+
+
+def add_nudge_argument(p: argparse.ArgumentParser) -> None:
+    """``--nudge`` (:func:`simulations.compare.at_rate`), for `kvroute replay` and the bench."""
+    p.add_argument("--nudge", type=FRACTION, default=0.0, metavar="F",
+                   help="move each arrival by up to F x half the gap to its neighbour, with "
+                        "a seed per rate: jitters of the rate alone leave a cold start's "
+                        "first decisions the same at every jitter; nudged, they differ too "
+                        "(default: 0, arrivals as recorded)")
 
 
 def make_policies(specs: str, seed: int) -> list[Callable[[], Policy]]:

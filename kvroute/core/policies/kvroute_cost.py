@@ -452,8 +452,8 @@ class KvrouteCost:
         holder of it and its demand would have moved it to make the copy, or each holder
         would get more than ``spread_demand`` of its requests over ``demand_horizon_s``
         while the cluster has no queue (the spread rule: then the cheapest worker without
-        it); see the class docstring. Else
-        None. Ranks a second time only for a prefix in demand."""
+        it); see the class docstring. Else None. Ranks a second time only for a prefix in
+        demand."""
         moving = self._moving
         rate = query.prefix_rate
         if moving is None or not rate or not self.demand_horizon_s:
