@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvroute.core.load import ArrivalRate, WorkerLoad
+from kvroute.core.load import ArrivalRate, WorkerLoad, prefill_context
 from kvroute.worker_agent.engines.base import CacheEvent
 from kvroute.worker_agent.engines.block_pool import BlockPool
 from simulations.costmodel import CostModel
@@ -77,6 +77,7 @@ class SimRequest:
     reply_stored_s: list[float] = field(default_factory=list)  # when each was stored
     worker: str = ""
     routed_uncached: int = 0  # the router's estimate when it chose the worker
+    routed_context: int = 0  # ... and what those tokens attend to (prefill_context)
     cached_tokens: int = 0
     first_token_s: float = math.nan
     finished_s: float = math.nan
@@ -128,6 +129,7 @@ class SimWorker:
         self._joined = 0  # sequences that joined the batch: the heap's tie-break
         self.prefilling: list[SimRequest] = []  # chunked prefills in progress, oldest first
         self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
+        self.pending_context = 0  # ... and the context they attend to (prefill_context)
         self.prefill_tokens = 0  # uncached tokens actually prefilled
         self.received_tokens = 0  # tokens of KV fetched from other workers (Mooncake)
         self.nic_free_s = 0.0  # when its network link is next free for a KV transfer
@@ -165,8 +167,10 @@ class SimWorker:
     def _build_load(self, cached_blocks: int, prefilling: bool, arrival_rate: float
                     ) -> WorkerLoad:
         pending = self.pending_prefill + sum(r.routed_uncached for r in self.prefilling)
+        context = self.pending_context + sum(r.routed_context for r in self.prefilling)
         if prefilling:
             pending += sum(r.routed_uncached for r in self._admitted)
+            context += sum(r.routed_context for r in self._admitted)
         return WorkerLoad(
             inflight=len(self.running) + len(self.prefilling) + len(self.waiting)
             + len(self.held),
@@ -175,7 +179,7 @@ class SimWorker:
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending, cached_blocks=cached_blocks,
             max_running=self.max_batch, max_batched_tokens=self.prefill_budget,
-            arrival_rate=arrival_rate)
+            arrival_rate=arrival_rate, pending_prefill_context=context)
 
     def submit(self, req: SimRequest, now: float) -> None:
         if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:
@@ -185,6 +189,9 @@ class SimWorker:
         req.worker = self.name
         self._version += 1
         self.pending_prefill += req.routed_uncached
+        req.routed_context = prefill_context(req.routed_uncached,
+                                             req.prompt_tokens - req.routed_uncached)
+        self.pending_context += req.routed_context
         if not self.waiting and not self.running and not self.prefilling:
             self.t = max(self.t, now)
         (self.held if _held(req, now) else self.waiting).append(req)
@@ -327,6 +334,7 @@ class SimWorker:
         r.blocks = pool.allocate(need, hits)
         self.waiting.popleft()
         self.pending_prefill -= r.routed_uncached
+        self.pending_context -= r.routed_context
         r.stored_blocks = len(hits)
         r.cached_tokens = len(hits) * bs
         self.prefill_tokens += r.prompt_tokens - r.cached_tokens

@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 ARRIVAL_TAU_S = 30.0
 
 
+def prefill_context(uncached: int, cached: int) -> int:
+    """The context the ``uncached`` new tokens of a prefill attend to, in token pairs:
+    ``n * (c + n / 2)`` after ``c`` cached tokens (each new token sees the cached ones and,
+    on average, half of the new ones). A prefill's work is its tokens plus ``attn`` times
+    this (``kvroute.core.policies.kvroute_cost.work``): a 190k-token prompt takes 4x its
+    tokens' linear time, which a count of tokens alone does not show."""
+    return uncached * cached + uncached * uncached // 2
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """How busy one worker is. Every field is a count; 0 means idle or unknown.
@@ -25,6 +34,10 @@ class WorkerLoad:
     admitted together, and each gets its first token only when all their prefills are done.
     ``arrival_rate`` is requests per second sent to the worker lately (:class:`ArrivalRate`;
     the only field that is not a count).
+    ``pending_prefill_context`` is the context those pending tokens attend to
+    (:func:`prefill_context` summed over the pending prefills; the router's own count, as
+    engines report tokens only; 0: unknown), so a policy can weigh the pending prefill by
+    its attention as well as its length.
     """
 
     inflight: int = 0
@@ -37,6 +50,7 @@ class WorkerLoad:
     max_running: int = 0
     max_batched_tokens: int = 0
     arrival_rate: float = 0.0
+    pending_prefill_context: int = 0
     # Derived in __post_init__: a policy reads them for every worker on every decision, and
     # a load changes far less often than it is read (128 workers: ~15 us less per ranking).
     busy: int = field(init=False, repr=False, compare=False)
@@ -44,7 +58,8 @@ class WorkerLoad:
     cache_fill: float = field(init=False, repr=False, compare=False)
     # What the C build of kvroute's policy reads, one attribute per worker instead of nine
     # (kvroute/core/_native/kvcost.c): pending_prefill_tokens, busy, used_blocks, queued,
-    # max_batched_tokens, max_running, occupied (ints), cache_fill, arrival_rate (floats).
+    # max_batched_tokens, max_running, occupied, pending_prefill_context (ints), cache_fill,
+    # arrival_rate (floats).
     packed: tuple[int | float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -59,8 +74,8 @@ class WorkerLoad:
                            if self.capacity_blocks > 0 else 0.0)
         object.__setattr__(self, "packed", (
             self.pending_prefill_tokens, self.busy, self.used_blocks, self.queued,
-            self.max_batched_tokens, self.max_running, self.occupied, self.cache_fill,
-            float(self.arrival_rate)))
+            self.max_batched_tokens, self.max_running, self.occupied,
+            self.pending_prefill_context, self.cache_fill, float(self.arrival_rate)))
 
     @property
     def occupied(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvroute.core.agent_client import AgentChannels
+from kvroute.core.load import prefill_context
 from kvroute.core.policies import RouteQuery
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.decide import Decision
@@ -89,15 +90,16 @@ class PrefixCopier:
         copy.token_ids.extend(tokens[:n])
         uncached = n - min(d.query.cached_tokens(target), n)
         task = asyncio.create_task(self._send(target, info.address, copy, d.keys[:nb],
-                                              uncached), name=f"copy {rid} -> {target}")
+                                              uncached, prefill_context(uncached, n - uncached)),
+                                   name=f"copy {rid} -> {target}")
         self._running[key] = task
         task.add_done_callback(lambda _t, key=key: self._running.pop(key, None))
 
     async def _send(self, worker: str, address: str, copy: common_pb2.GenerateRequest,
-                    keys: Sequence[int], uncached: int) -> None:
+                    keys: Sequence[int], uncached: int, context: int) -> None:
         self.metrics.copies.labels("sent").inc()
         self.metrics.copied_tokens.inc(len(copy.token_ids))
-        self.registry.begin(worker, uncached)
+        self.registry.begin(worker, uncached, context=context)
         stored = asyncio.Event()
         if self.predict_ttl_s > 0 and self.mirror.available:
             predicted = self.mirror.index.predict(worker, keys,
@@ -109,7 +111,7 @@ class PrefixCopier:
                 if not started:
                     started = True
                     self.release(stored)
-                    self.registry.first_token(worker, uncached)
+                    self.registry.first_token(worker, uncached, context)
             self.metrics.copies.labels("ok").inc()
             log.info("hot prefix copied", extra={"kv": {
                 "worker": worker, "request": copy.request_id, "tokens": len(copy.token_ids)}})
@@ -121,7 +123,7 @@ class PrefixCopier:
         finally:
             self.release(stored)
             if not started:
-                self.registry.first_token(worker, uncached)
+                self.registry.first_token(worker, uncached, context)
             self.registry.end(worker)
 
     async def close(self) -> None:

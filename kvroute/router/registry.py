@@ -8,7 +8,8 @@ Invariants:
   at each rebuild: at least once a heartbeat scan, a fraction of its 30 s window.
 * A worker learned from heartbeats is forgotten when its heartbeat expires; a static worker
   is never forgotten, only marked down for ``down_s`` after a failed forward.
-* ``inflight`` and ``pending_prefill`` never go negative (every begin has exactly one end).
+* ``inflight``, ``pending_prefill`` and ``pending_context`` never go negative (every begin
+  has exactly one end).
 * With a gate set (Kubernetes discovery), a heartbeat worker is routable only while the gate
   lists it (its pod exists and is Ready), at the address the gate gives; static workers are
   not gated. The heartbeat still says how loaded it is.
@@ -39,6 +40,7 @@ class WorkerInfo:
     compatible: bool = True
     inflight: int = 0
     pending_prefill: int = 0
+    pending_context: int = 0  # prefill_context summed over our pending prefills
     cached_blocks: int = 0
     first_seen: float = field(default_factory=time.monotonic)
     arrivals: ArrivalRate = field(default_factory=ArrivalRate)  # our requests, by monotonic
@@ -190,22 +192,26 @@ class WorkerRegistry:
     # -- local accounting ------------------------------------------------------------------
 
     def begin(self, worker: str, uncached_tokens: int, sequences: int = 1,
-              arrival: bool = True) -> None:
+              arrival: bool = True, context: int = 0) -> None:
         """A request was sent to ``worker``; a controller program counts as the number of
         sequences it can run at once (its fan-out). ``arrival``: False for a request held
-        for ``worker`` but not sent yet (it counts as an arrival when it is)."""
+        for ``worker`` but not sent yet (it counts as an arrival when it is). ``context``:
+        what its uncached tokens attend to (:func:`~kvroute.core.load.prefill_context`)."""
         info = self._workers.get(worker)
         if info is not None:
             info.inflight += sequences
             info.pending_prefill += uncached_tokens
+            info.pending_context += context
             if arrival:
                 info.arrivals.add(time.monotonic())
             self._refresh(worker)
 
-    def first_token(self, worker: str, uncached_tokens: int) -> None:
+    def first_token(self, worker: str, uncached_tokens: int, context: int = 0) -> None:
+        """The prefill :meth:`begin` counted (the same tokens and context) is done."""
         info = self._workers.get(worker)
         if info is not None:
             info.pending_prefill = max(0, info.pending_prefill - uncached_tokens)
+            info.pending_context = max(0, info.pending_context - context)
             self._refresh(worker)
 
     def end(self, worker: str, sequences: int = 1) -> None:
@@ -255,7 +261,8 @@ class WorkerRegistry:
             self.loads[worker] = WorkerLoad(inflight=info.inflight,
                                             pending_prefill_tokens=info.pending_prefill,
                                             cached_blocks=info.cached_blocks,
-                                            arrival_rate=rate)
+                                            arrival_rate=rate,
+                                            pending_prefill_context=info.pending_context)
             return
         # The heartbeat counts every router's traffic but is up to one interval old; our own
         # counters are exact for our traffic. Take the larger of each.
@@ -270,4 +277,5 @@ class WorkerRegistry:
             max_running=hb.max_running,
             max_batched_tokens=hb.max_batched_tokens,
             arrival_rate=max(hb.arrival_rate, rate),
+            pending_prefill_context=info.pending_context,  # engines report tokens only
         )

@@ -22,6 +22,7 @@ from kvroute.core.grpc_util import (
     start_metrics,
     wire_keeping_handler,
 )
+from kvroute.core.load import prefill_context
 from kvroute.core.native import native_builds
 from kvroute.core.placement import (
     ForkSegment,
@@ -233,12 +234,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     "request": rid, "worker": w,
                     "overflow": {o.worker: list(o.children) for o in overflow}}})
             uncached = len(tokens) - d.cached_tokens(w)
+            attended = prefill_context(uncached, d.cached_tokens(w))
             local = max(1, fanout - sum(o.weight for o in overflow))
-            self._registry.begin(w, uncached + extra, local)
+            self._registry.begin(w, uncached + extra, local, context=attended)
             # Overflow workers' prefill is pending until their first chunk comes back.
-            away = {o.worker: len(tokens) - d.cached_tokens(o.worker) for o in overflow}
+            away: dict[str, tuple[int, int]] = {}  # worker -> its prefill's tokens, context
             for o in overflow:
-                self._registry.begin(o.worker, away[o.worker], o.weight)
+                c = d.cached_tokens(o.worker)
+                away[o.worker] = (len(tokens) - c, prefill_context(len(tokens) - c, c))
+                self._registry.begin(o.worker, away[o.worker][0], o.weight,
+                                     context=away[o.worker][1])
             started = False
             done = False
             failure: grpc.aio.AioRpcError | None = None
@@ -258,12 +263,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     if not started:
                         started = True
                         self._release(stored)
-                        self._registry.first_token(w, uncached)
+                        self._registry.first_token(w, uncached, attended)
                         self._m.ttft.observe(time.perf_counter() - t0)
                         self._m.routed.labels(w).inc()
                         resp.ttft_ms = (time.perf_counter() - t0) * 1000
                     if away and resp.worker_id in away:
-                        self._registry.first_token(resp.worker_id, away.pop(resp.worker_id))
+                        self._registry.first_token(resp.worker_id, *away.pop(resp.worker_id))
                     if decode_text and resp.token_ids:
                         resp.text = self._tok.decode(resp.token_ids)  # type: ignore[union-attr]
                     if resp.HasField("usage"):
@@ -277,11 +282,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # Every begin() gets its end(), however the attempt ended (the client may
                 # cancel or close the stream at any await or yield).
                 self._release(stored)
-                self._registry.first_token(w, (0 if started else uncached) + extra)
+                self._registry.first_token(w, (0 if started else uncached) + extra,
+                                           0 if started else attended)
                 self._registry.end(w, local)
                 for o in overflow:
                     if o.worker in away:
-                        self._registry.first_token(o.worker, away.pop(o.worker))
+                        self._registry.first_token(o.worker, *away.pop(o.worker))
                     self._registry.end(o.worker, o.weight)
                 if not done and failure is None:
                     call.cancel()
@@ -334,7 +340,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         t0 = time.perf_counter()
         # A held request is load on its worker already (other decisions see it queued).
         uncached = d.query.prompt_tokens - d.cached_tokens(w)
-        self._registry.begin(w, uncached, arrival=False)
+        attended = prefill_context(uncached, d.cached_tokens(w))
+        self._registry.begin(w, uncached, arrival=False, context=attended)
         try:
             await asyncio.wait_for(stored.wait(), self._cfg.coalesce_wait_s)
         except TimeoutError:
@@ -345,7 +352,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._m.requests.labels("Generate", "cancelled").inc()
             raise
         finally:
-            self._registry.first_token(w, uncached)
+            self._registry.first_token(w, uncached, attended)
             self._registry.end(w)
             self._m.coalesce_wait.observe(time.perf_counter() - t0)
         return d, True

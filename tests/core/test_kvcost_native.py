@@ -47,6 +47,7 @@ def random_query(rng: random.Random) -> RouteQuery:
             inflight=running + q + rng.choice((0, 0, 1)), running=running, queued=q,
             free_blocks=rng.randint(0, cap), capacity_blocks=cap,
             pending_prefill_tokens=0 if idle else rng.choice((0, 512, 3000, 20000)),
+            pending_prefill_context=0 if idle else rng.choice((0, 10**6, 2 * 10**8)),
             max_running=rng.choice((0, 64)),
             max_batched_tokens=rng.choice((0, 2048, 8192)),
             cached_blocks=rng.choice((0, 1000, 4096, 5000)),  # 5000: an index ahead of evictions

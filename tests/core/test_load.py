@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from kvroute.core.load import ArrivalRate, PrefixDemand, WorkerLoad
+from kvroute.core.load import ArrivalRate, PrefixDemand, WorkerLoad, prefill_context
+from kvroute.core.policies.kvroute_cost import work
 
 
 def test_a_steady_stream_reads_its_rate_and_silence_fades() -> None:
@@ -33,11 +34,19 @@ def test_a_steady_stream_reads_its_rate_and_silence_fades() -> None:
 def test_packed_carries_what_the_c_ranking_reads() -> None:
     ld = WorkerLoad(inflight=3, running=2, queued=1, free_blocks=60, capacity_blocks=100,
                     pending_prefill_tokens=500, cached_blocks=25, max_running=8,
-                    max_batched_tokens=2048, arrival_rate=1.5)
-    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 0.25, 1.5)
+                    max_batched_tokens=2048, arrival_rate=1.5, pending_prefill_context=9000)
+    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 9000, 0.25, 1.5)
     assert WorkerLoad(cached_blocks=130, capacity_blocks=100).cache_fill == 1.0  # index ahead
     assert WorkerLoad(cached_blocks=130).cache_fill == 0.0  # capacity unknown
     assert isinstance(WorkerLoad(arrival_rate=2).packed[-1], float)
+
+
+def test_prefill_context_is_what_new_tokens_attend_to() -> None:
+    assert prefill_context(0, 5000) == 0
+    assert prefill_context(10, 0) == 50  # each new token sees half the others on average
+    assert prefill_context(10, 100) == 1050
+    # A prefill's work is its tokens plus attn x this: kvroute_cost.work, to rounding.
+    assert 100 + 3.3e-5 * prefill_context(100, 7000) == pytest.approx(work(100, 7000, 3.3e-5))
 
 
 def test_prefix_demand_counts_the_requests_before_and_forgets_the_oldest_keys() -> None:

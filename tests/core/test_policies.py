@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.core.load import WorkerLoad
+from kvroute.core.load import WorkerLoad, prefill_context
 from kvroute.core.policies import KvrouteCost, LeastLoaded, RoundRobin, RouteQuery, make_policy
 
 
@@ -51,6 +51,11 @@ def test_kvroute_holds_a_long_prefix_against_balance_but_not_a_queue() -> None:
     for pending, where in ((5000, "a"), (7000, "b")):
         queued = q({"a": 60}, {"a": kv(0, pending_prefill_tokens=pending), "b": empty})
         assert KvrouteCost().rank(queued)[0].worker == where, pending
+    # The backlog counts its attention: 5000 tokens after 60k cached are ~3x their count in
+    # work (5000 + attn x 3.1e8 ~ 15300 units), past 3x the redo: the request moves.
+    deep = kv(0, pending_prefill_tokens=5000,
+              pending_prefill_context=prefill_context(5000, 60000))
+    assert KvrouteCost().rank(q({"a": 60}, {"a": deep, "b": empty}))[0].worker == "b"
     # Where the prefix can be fetched (kvroute_fetch), a move costs the fetch, not the redo:
     # 3 x 2 x 0.122 x 960 ~ 700, so a queue that could not move it above now does.
     fetched = q({"a": 60}, {"a": kv(0, pending_prefill_tokens=1500), "b": empty})
@@ -108,12 +113,13 @@ def test_a_hot_prefix_gets_a_second_copy_sooner() -> None:
 def test_a_prefix_in_demand_spreads_to_the_cheapest_worker_without_it() -> None:
     """The spread rule: with no backlog to move a request, a prefix gets one more holder
     while each holder would get more than ``spread_demand`` of its requests over
-    ``demand_horizon_s``; the copy goes to the cheapest worker without it."""
-    def kv(pending: int = 0) -> WorkerLoad:
+    ``demand_horizon_s``; the copy goes to the cheapest worker without it, if its prefill
+    is idle."""
+    def kv(pending: int = 0, running: int = 0) -> WorkerLoad:
         return WorkerLoad(free_blocks=30000, capacity_blocks=30000,
-                          pending_prefill_tokens=pending)
+                          pending_prefill_tokens=pending, running=running)
 
-    loads = {"a": kv(), "b": kv(), "c": kv(500), "d": kv(100)}
+    loads = {"a": kv(), "b": kv(), "c": kv(500), "d": kv(running=1)}
 
     def hot(rate: float, holders: tuple[str, ...] = ("a",)) -> RouteQuery:
         return RouteQuery(1024, 16, dict.fromkeys(holders, 60), loads, 1, 1, prefix_rate=rate)
@@ -125,15 +131,18 @@ def test_a_prefix_in_demand_spreads_to_the_cheapest_worker_without_it() -> None:
     assert pol.replica(hot(0.3, ("a", "b")), "a") is None  # 1.5 per holder
     assert pol.replica(hot(0.5, ("a", "b")), "a") == ("d", 960)  # 2.5 per holder
     assert pol.replica(hot(50.0, ("a", "b", "c", "d")), "a") is None  # everyone holds it
+    # The only worker without it is prefilling: a copy there would delay its requests.
+    assert pol.replica(hot(50.0, ("a", "b", "d")), "a") is None
     assert pol.replica(hot(0.3), "b") is None  # sent elsewhere, it brings the prefix there
     assert pol.replica(hot(0.0), "a") is None
     assert KvrouteCost(spread_demand=0).replica(hot(50.0), "a") is None
     assert KvrouteCost(replicate=0).replica(hot(50.0), "a") is None
     assert KvrouteCost(spread_demand=4).replica(hot(0.3), "a") is None
-    # Queues everywhere: no spare prefill for a copy (a request queued per worker on average).
-    queued = {w: WorkerLoad(free_blocks=30000, capacity_blocks=30000, queued=1,
+    # Queues: no spare prefill for a copy (a request or more queued per worker on average).
+    queued = {w: WorkerLoad(free_blocks=30000, capacity_blocks=30000, queued=2,
                             pending_prefill_tokens=ld.pending_prefill_tokens)
               for w, ld in loads.items()}
+    queued["b"] = kv()  # even with the cheapest worker without it idle
     busy = RouteQuery(1024, 16, {"a": 60}, queued, 1, 1, prefix_rate=0.3)
     assert pol.rank(busy)[0].worker == "a" and pol.replica(busy, "a") is None
     with pytest.raises(ValueError, match="spread_demand"):

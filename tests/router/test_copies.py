@@ -49,6 +49,9 @@ async def hot_prefix_on_a_busy_holder(cluster: Any, policy: str, *,
     busy = asyncio.create_task(generate(router.port, system + prompt(BUSY, 3), max_tokens=1))
     await wait_for(lambda: router.registry.loads["x"].pending_prefill_tokens >= BUSY,
                    what="B pending on x")
+    # ... with the context its tokens attend to (the system prompt at least): the hold rule
+    # weighs a backlog by its attention too.
+    assert router.registry.loads["x"].pending_prefill_context >= BUSY * SYSTEM
     c = await generate(router.port, system + prompt(64, 4), max_tokens=1)
     b = await busy
     assert b[0].worker_id == "x" and b[0].cached_tokens >= SYSTEM
@@ -67,7 +70,7 @@ async def test_the_request_stays_and_the_prefix_is_copied(cluster: Any) -> None:
     assert router.metrics.copied_tokens._value.get() == SYSTEM
     # Its load came and went: nothing left pending or in flight on y.
     y = router.registry.loads["y"]
-    assert y.pending_prefill_tokens == 0 and y.inflight == 0
+    assert y.pending_prefill_tokens == 0 and y.pending_prefill_context == 0 and y.inflight == 0
     # The next request for the prefix finds two holders and takes the idle one.
     d = await generate(router.port, system + prompt(64, 5), max_tokens=1)
     assert d[0].cached_tokens >= SYSTEM
@@ -93,4 +96,5 @@ async def test_a_failed_copy_is_counted_and_leaves_no_load(cluster: Any) -> None
     await wait_for(lambda: copies(router, "failed") == 1, what="the copy failed")
     assert copies(router, "ok") == 0
     ld = router.registry.loads["y"]
-    assert ld.pending_prefill_tokens == 0 and ld.inflight == 0
+    assert ld.pending_prefill_tokens == 0 and ld.pending_prefill_context == 0
+    assert ld.inflight == 0

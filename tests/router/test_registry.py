@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kvroute.core.load import ArrivalRate
+from kvroute.core.load import ArrivalRate, prefill_context
 from kvroute.core.redis_schema import Heartbeat
 from kvroute.router.registry import WorkerRegistry, parse_static
 
@@ -22,14 +22,16 @@ def test_heartbeat_load_merges_with_local_counts() -> None:
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", running=5,
                                          pending_prefill_tokens=100, max_running=64,
                                          max_batched_tokens=8192)})
-    reg.begin("w", 700)
+    reg.begin("w", 700, context=prefill_context(700, 9000))
     ld = reg.loads["w"]
     assert (ld.inflight, ld.running, ld.pending_prefill_tokens) == (1, 5, 700)
     assert (ld.max_running, ld.max_batched_tokens) == (64, 8192)  # the engine's limits
-    reg.first_token("w", 700)
+    # The context its tokens attend to is ours only (the heartbeat reports tokens alone).
+    assert ld.pending_prefill_context == 700 * 9000 + 700 * 350
+    reg.first_token("w", 700, prefill_context(700, 9000))
     reg.end("w")
     assert reg.loads["w"].pending_prefill_tokens == 100
-    assert reg.loads["w"].inflight == 0
+    assert reg.loads["w"].inflight == 0 and reg.loads["w"].pending_prefill_context == 0
 
 
 def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:

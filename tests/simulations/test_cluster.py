@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from kvroute.core.load import prefill_context
 from kvroute.worker_agent.engines.base import CacheEvent, Op
 from simulations.cluster import SimRequest, SimWorker
 from simulations.costmodel import CostModel
@@ -108,8 +109,11 @@ def test_a_chunked_prefill_stays_pending_until_its_first_token() -> None:
     view = w.load(0, 0.2)
     # As the router counts it: prefill tokens not yet turned into a first token.
     assert view.pending_prefill_tokens == 4096 and view.running == 1 and view.queued == 0
+    assert view.pending_prefill_context == prefill_context(4096, 0)  # and what it attends to
     w.advance(math.inf)
-    assert w.load(0, w.t).pending_prefill_tokens == 0 and not w.prefilling
+    done = w.load(0, w.t)
+    assert done.pending_prefill_tokens == 0 and done.pending_prefill_context == 0
+    assert not w.prefilling
 
 
 def test_each_reply_block_is_stored_at_the_step_that_fills_it_and_the_next_turn_hits_it(

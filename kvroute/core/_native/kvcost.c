@@ -37,7 +37,8 @@ enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, 
        P_FILL_FULL, N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill and arrival_rate */
-enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, N_LOAD };
+enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, L_CONTEXT,
+       N_LOAD };
 #define N_PACKED (N_LOAD + 2)
 
 typedef struct {
@@ -120,7 +121,7 @@ static int read_load(PyObject *load, Worker *w) {
     if (packed == NULL) return -1;
     if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != N_PACKED) {
         PyErr_SetString(PyExc_TypeError,
-                        "WorkerLoad.packed must be a tuple of 7 ints and 2 floats");
+                        "WorkerLoad.packed must be a tuple of 8 ints and 2 floats");
         Py_DECREF(packed);
         return -1;
     }
@@ -296,8 +297,10 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             if (fetch < redo) redo = fetch;
             /* a queue on a hot prefix's holder delays every request for it meanwhile */
             double demand = 1.0 + prm[P_HORIZON] * prefix_rate;
-            if ((double)(holder->f[L_PENDING] - cheapest->f[L_PENDING]) * demand
-                    < prm[P_HOLD] * redo)
+            /* the backlog in work units, its attention included, as the redo */
+            double backlog = ((double)holder->f[L_PENDING] + attn * (double)holder->f[L_CONTEXT])
+                - ((double)cheapest->f[L_PENDING] + attn * (double)cheapest->f[L_CONTEXT]);
+            if (backlog * demand < prm[P_HOLD] * redo)
                 holder->cost = nextafter(cheapest->cost, -INFINITY);
         }
     }

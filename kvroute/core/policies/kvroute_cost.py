@@ -66,9 +66,12 @@ class KvrouteCost:
     worker::
 
         if c_h >= hold_min * P  and  c_m < c_h  and  h has batch headroom
-           and (pending_h - pending_m) * demand
+           and (backlog_h - backlog_m) * demand
                < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h)):
             h goes first (its reported cost is just below cost_m)
+
+        backlog_w = pending_w + attn * context_w   # w's queued prefill in work units
+        context_w = what w's pending tokens attend to (pending_prefill_context)
 
         demand = 1                              with replicate (the default): and where
                                                 1 + demand_horizon_s * d would have moved
@@ -150,6 +153,19 @@ class KvrouteCost:
       move on the whole cost instead (balance terms included, ``hold`` 0.75) moved more
       sessions, for 0.1-0.4 points less hit ratio on chat, agent and rag traffic and no
       better mean TTFT (its p99 was 1-5% lower on chat and rag).
+    * The hold rule weighs a backlog in work units, as the redo it is compared with: the
+      pending tokens plus ``attn`` times the context they attend to (``backlog_w``; the
+      router counts ``WorkerLoad.pending_prefill_context`` for what it sends). Counted in
+      tokens, a holder prefilling a 191k-token prompt (68 s) looked like 191k units
+      against a 43k-token redo's 74k, and the Mooncake trace's sessions waited out such
+      prefills for turns of a few hundred new tokens: at 50% load its 39 slowest requests
+      (its p99) waited 6-12 s each on average, Mooncake-local's 0.3-0.5 s. Against the
+      backlog in tokens (``bench/policy_jitter.py``, open loop, 16 workers, jitters 0.98 /
+      1 / 1.02): the Mooncake trace's mean / p99 TTFT 4.5% / 4.0% lower at 50% load (9.42 s
+      against Mooncake-local's 9.26 s, from 9.82 s), 3.3% / 0.4% at 65% and 2.6% / 4.3% at
+      95%, hit ratio level, -0.5 and +1.0 points; at 80%, where single replays swing by 2x,
+      15% lower over ten nudged jitters and 26% higher over ten plain ones. Chat, rag,
+      agent and fork traffic move by 1% or less (agent seed 2 at 80%: p99 4% higher).
     * A hot prefix is worth a second copy sooner than a session is. Every request that
       wants it over the next ``demand_horizon_s`` seconds (``d`` per second) queues on its
       holder's backlog, so the backlog counts ``1 + demand_horizon_s * d`` times; a
@@ -198,9 +214,11 @@ class KvrouteCost:
       ``demand_horizon_s`` (its demand ``d`` counts the requests whose longest cached prefix
       ends there: the sessions starting on it, not their later turns), the router copies it in
       the background to the cheapest worker without it (``replica``), unless the average worker
-      has a request queued (no spare prefill for a copy: in an open loop at 95% load, agent
-      traffic's cold burst made copies that cost seeds 1 and 2 4.7-5.0% of mean TTFT, and 3.9%
-      and 2.8% with this gate; seed 3 gained 3.0%, and 0.7% with it). Against the same policy
+      has a request queued or that worker has prefill pending (a copy runs on spare prefill
+      only: in an open loop at 95% load, agent traffic's cold burst made copies that cost
+      seeds 1 and 2 4.7-5.0% of mean TTFT; with the queue gate 3.9% and 2.8%, with both
+      gates 0.1% less than no copies on each, seed 3 level; chat, rag and fork kept their
+      gains, rag's 95% 4.0% instead of 5.1%). Against the same policy
       without it (``spread_demand`` 0; seed 1, 16 workers, ten rate jitters each with its
       arrivals moved by up to half their gaps, ``--warmup 600``, closed loop): chat's mean TTFT
       5.2% lower at 50% load (p99 2.6%) and the hit ratio 0.01 points higher; seed 2 1.9% lower;
@@ -267,8 +285,8 @@ class KvrouteCost:
             make it.
         spread_demand: with ``replicate``, a prefix gets one more holder (a background copy
             to the cheapest worker without it) while each holder would get more than this
-            many of its requests over ``demand_horizon_s`` and the average worker has no
-            request queued (2.0; 0: off).
+            many of its requests over ``demand_horizon_s``, the average worker has no
+            request queued and the copy's worker no prefill pending (2.0; 0: off).
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
@@ -452,8 +470,8 @@ class KvrouteCost:
         holder of it and its demand would have moved it to make the copy, or each holder
         would get more than ``spread_demand`` of its requests over ``demand_horizon_s``
         while the cluster has no queue (the spread rule: then the cheapest worker without
-        it); see the class docstring. Else None. Ranks a second time only for a prefix in
-        demand."""
+        it, if its prefill is idle); see the class docstring. Else None. Ranks a second
+        time only for a prefix in demand."""
         moving = self._moving
         rate = query.prefix_rate
         if moving is None or not rate or not self.demand_horizon_s:
@@ -476,6 +494,9 @@ class KvrouteCost:
             return None
         if sum(ld.queued for ld in loads.values()) >= len(loads):
             return None  # the average worker has a queue: no spare prefill for a copy
+        target = loads[lacking[0]]
+        if target.queued or target.pending_prefill_tokens:
+            return None  # a copy runs on idle prefill only, or it delays the target's requests
         return lacking[0], top
 
     def transfer(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
@@ -544,6 +565,10 @@ class KvrouteCost:
         redo = beta * (work(n0, c0, attn) - work(n, top, attn))
         redo = min(redo, beta * self.transfer_cost * (top - c0))  # or fetch the prefix
         demand = 1.0 + self.demand_horizon_s * rate
-        backlog = lh.pending_prefill_tokens - loads[cheapest].pending_prefill_tokens
+        lm = loads[cheapest]
+        # The backlog in work units, its attention included, as the redo: counted in tokens,
+        # a holder prefilling a 190k-token prompt (68 s) looked 4x shorter than it was.
+        backlog = ((lh.pending_prefill_tokens + attn * lh.pending_prefill_context)
+                   - (lm.pending_prefill_tokens + attn * lm.pending_prefill_context))
         if backlog * demand < self.hold * redo:
             costs[holder] = math.nextafter(costs[cheapest], -math.inf)
