@@ -103,6 +103,11 @@ class _MirrorCollector(Collector):
                                      labels=["worker"])
         pending = GaugeMetricFamily("kvroute_router_worker_pending_prefill_tokens",
                                     "Uncached prompt tokens queued per worker", labels=["worker"])
+        context = GaugeMetricFamily(
+            "kvroute_router_worker_pending_prefill_context",
+            "Context the uncached tokens this router sent each worker attend to, in token "
+            "pairs (n * (c + n/2) per prefill): the hold rule weighs the queue by it",
+            labels=["worker"])
         blocks = GaugeMetricFamily("kvroute_router_worker_cached_blocks",
                                    "Blocks the index holds per worker", labels=["worker"])
         arrivals = GaugeMetricFamily(
@@ -121,8 +126,9 @@ class _MirrorCollector(Collector):
             ld = m.registry.loads.get(w)
             inflight.add_metric([w], info.inflight)
             pending.add_metric([w], ld.pending_prefill_tokens if ld else 0)
+            context.add_metric([w], ld.pending_prefill_context if ld else 0)
             blocks.add_metric([w], m.index.count(w))
             arrivals.add_metric([w], ld.arrival_rate if ld else 0.0)
             up.add_metric([w], int(ld is not None))
             incompatible.add_metric([w], int(not info.compatible))
-        yield from (inflight, pending, blocks, arrivals, up, incompatible)
+        yield from (inflight, pending, context, blocks, arrivals, up, incompatible)

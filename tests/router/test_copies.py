@@ -52,6 +52,8 @@ async def hot_prefix_on_a_busy_holder(cluster: Any, policy: str, *,
     # ... with the context its tokens attend to (the system prompt at least): the hold rule
     # weighs a backlog by its attention too.
     assert router.registry.loads["x"].pending_prefill_context >= BUSY * SYSTEM
+    assert router.metrics.registry.get_sample_value(
+        "kvroute_router_worker_pending_prefill_context", {"worker": "x"}) >= BUSY * SYSTEM
     c = await generate(router.port, system + prompt(64, 4), max_tokens=1)
     b = await busy
     assert b[0].worker_id == "x" and b[0].cached_tokens >= SYSTEM
