@@ -85,9 +85,12 @@ class Trace:
         if rate_scale <= 0:
             raise ValueError(f"rate scale must be > 0, got {rate_scale}")
         t0 = self.requests[0].arrival_s if self.requests else 0.0
-        reqs = [replace(r, arrival_s=t0 + (r.arrival_s - t0) / rate_scale)
-                for r in self.requests]
-        # Same keys in the same order: the same continuations and replies.
+        return self._retimed([replace(r, arrival_s=t0 + (r.arrival_s - t0) / rate_scale)
+                              for r in self.requests])
+
+    def _retimed(self, reqs: list[TraceRequest]) -> Trace:
+        """This trace with ``reqs``, its requests at other arrival times in the same order:
+        the same keys, so the same continuations and replies (not recomputed)."""
         return Trace(reqs, self.block_size, self.source, self.skipped, self.warmup,
                      self.continuations(), self.reply_keys())
 
@@ -113,10 +116,8 @@ class Trace:
         near = [min(a, b) for a, b in zip([gaps[0], *gaps], [*gaps, gaps[-1]], strict=True)]
         # 0.499: a request and its neighbour moving toward each other never meet.
         k = 0.499 * spread
-        moved = [replace(r, arrival_s=r.arrival_s + rng.uniform(-k, k) * g)
-                 for r, g in zip(reqs, near, strict=True)]
-        return Trace(moved, self.block_size, self.source, self.skipped, self.warmup,
-                     self.continuations(), self.reply_keys())
+        return self._retimed([replace(r, arrival_s=r.arrival_s + rng.uniform(-k, k) * g)
+                              for r, g in zip(reqs, near, strict=True)])
 
     def with_warmup(self, n: int) -> Trace:
         """The same trace with its first ``n`` requests run but not measured (``warmup``).

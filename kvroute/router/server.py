@@ -241,9 +241,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             away: dict[str, tuple[int, int]] = {}  # worker -> its prefill's tokens, context
             for o in overflow:
                 c = d.cached_tokens(o.worker)
-                away[o.worker] = (len(tokens) - c, prefill_context(len(tokens) - c, c))
-                self._registry.begin(o.worker, away[o.worker][0], o.weight,
-                                     context=away[o.worker][1])
+                n = len(tokens) - c
+                away[o.worker] = (n, prefill_context(n, c))
+                self._registry.begin(o.worker, n, o.weight, context=away[o.worker][1])
             started = False
             done = False
             failure: grpc.aio.AioRpcError | None = None
