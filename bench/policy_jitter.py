@@ -23,12 +23,18 @@ A rate factor scales every gap between arrivals alike, so a cold start's first d
 the same at every jitter; ``--nudge F`` also moves each jitter's arrivals by up to F x half
 their gaps (``simulations.compare.at_rate``), so a lead that holds then is not the cold
 start's luck.
+
+``--json OUT`` also writes every replay's metrics (per load, policy and jitter, and the
+``--match-load`` replays); ``bench/score_cells.py`` reads such files, one per trace, and
+counts the cells the focus won.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from simulations.cli import (
@@ -45,8 +51,10 @@ from simulations.compare import (
     DEFAULT_JITTERS,
     Jittered,
     at_rate,
+    jittered_to_json,
     match_loads,
     matched_lines,
+    matched_to_json,
     parse_jitters,
     replay_jittered,
     verdicts,
@@ -98,10 +106,15 @@ def main() -> None:
                          "--focus's and that leads it on anything at higher rates until they "
                          "send as much, and compare again there")
     add_nudge_argument(ap)
+    ap.add_argument("--json", type=Path, default=None, metavar="OUT",
+                    help="also write every replay's metrics, per load, policy and jitter, to "
+                         "OUT (rewritten after each load), for bench/score_cells.py")
     ap.add_argument("--warmup", type=Warmup.parse, default=Warmup(), metavar="N|Ss",
                     help="run the trace's first N requests (or those of its first S seconds) "
                          "but leave them out of the figures")
     args = ap.parse_args()
+    if args.json is not None and not args.json.parent.is_dir():
+        ap.error(f"--json: no directory {args.json.parent}")
     if args.match_load and not args.closed_loop:
         ap.error("--match-load compares closed-loop replays (--closed-loop): in an open loop "
                  "every policy is offered the trace's load")
@@ -128,6 +141,9 @@ def main() -> None:
     others = spec if args.others_predict_ttl_ms is None else replace(
         spec, predict_ttl_s=args.others_predict_ttl_ms / 1000)
     jitters = parse_jitters(args.jitters)
+    cells: list[dict[str, object]] = []  # what --json writes, a load at a time
+    record = {"trace": args.trace, "focus": focus, "closed_loop": args.closed_loop,
+              "warmup": trace.warmup, "jitters": list(jitters), "loads": cells}
     floor = floor_summary(ttft_floor(trace, spec.cost)[trace.warmup:])
     print(f"TTFT floor (no queueing, every earlier prefix cached): mean {floor['mean_s']:.4g} / "
           f"p99 {floor['p99_s']:.4g} s at every load", flush=True)
@@ -161,6 +177,14 @@ def main() -> None:
             matched = match_loads(runs, focus, lambda j: j.mean().offered_load(capacity), one)
             for line in matched_lines(runs, matched, focus):
                 print(f"  {line}", flush=True)
+        else:
+            matched = []
+        if args.json is not None:
+            cells.append({"load": ld, "runs": jittered_to_json(runs),
+                          "matched": matched_to_json(matched)})
+            tmp = args.json.with_name(args.json.name + ".tmp")
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            tmp.replace(args.json)  # a reader never sees half a file
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 
 from simulations.metrics import PolicyMetrics
 from simulations.trace import Trace
@@ -259,3 +259,123 @@ def matched_lines(rows: Sequence[Jittered], matched: Sequence[Matched], focus: s
     return [f"at {focus}'s load (the lighter policies that lead it, replayed faster):",
             *(f"  {m}" for m in matched),
             *(f"  {v}" for v in verdicts(at_matched_load(rows, matched), focus=focus))]
+
+
+# A lead counts as consistent when two equal policies would split the jitters at least that
+# unevenly at most this often (the sign test of :attr:`Verdict.tie_chance`): ten jitters need
+# 9 of 10 (1 time in 47), three jitters can never show it (1 time in 4).
+ALPHA = 0.05
+
+
+@dataclass(frozen=True)
+class CellScore:
+    """How ``focus`` fared in one cell (a trace at one load) against the best of the other
+    policies on each of :data:`CRITERIA`: ``verdicts`` as :func:`verdicts` gives them.
+
+    On each metric, :meth:`codes` gives ``W`` or ``L`` when the lead holds by the sign test
+    at ``alpha`` (won or lost consistently), ``w`` or ``l`` when it holds on the jitters'
+    average only; a tie on the average counts as won (at least as good)."""
+
+    focus: str
+    verdicts: tuple[Verdict, ...]
+    alpha: float = ALPHA
+
+    def won(self, v: Verdict) -> bool:
+        return v.leader == self.focus
+
+    def significant(self, v: Verdict) -> bool:
+        return v.tie_chance <= self.alpha
+
+    def codes(self) -> str:
+        return "".join(("W" if self.won(v) else "L") if self.significant(v)
+                       else ("w" if self.won(v) else "l") for v in self.verdicts)
+
+    @property
+    def won_all(self) -> bool:
+        """At least the best other's on all three, by the jitters' averages (the test of the
+        README's policy tables)."""
+        return all(self.won(v) for v in self.verdicts)
+
+    @property
+    def won_all_consistently(self) -> bool:
+        return all(self.won(v) and self.significant(v) for v in self.verdicts)
+
+    @property
+    def no_consistent_loss(self) -> bool:
+        return not any(not self.won(v) and self.significant(v) for v in self.verdicts)
+
+    def margins(self) -> str:
+        """The focus's margin on each metric against the best other: TTFT in percent (below
+        zero: lower), hit ratio in points (above zero: higher)."""
+        out = []
+        for v in self.verdicts:
+            won = self.won(v)
+            other = v.runner_up if won else v.leader
+            if v.metric == "hit ratio":
+                out.append(f"{v.metric} {(1 if won else -1) * v.lead * 100:+.2f} pts ({other})")
+            else:  # lead is relative to the runner-up's; the margin to the other's value
+                margin = -v.lead if won else v.lead / (1 - v.lead)
+                out.append(f"{v.metric} {margin:+.1%} ({other})")
+        return ", ".join(out)
+
+
+def score_cell(rows: Sequence[Jittered], focus: str, alpha: float = ALPHA) -> CellScore:
+    """``focus`` against the best of the others in ``rows`` (see :class:`CellScore`)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha is a probability in (0, 1), got {alpha}")
+    return CellScore(focus, tuple(verdicts(rows, focus=focus)), alpha)
+
+
+def jittered_to_json(rows: Sequence[Jittered]) -> dict[str, list[dict[str, object]]]:
+    """Each policy's replays, one metrics row per jitter (``bench/policy_jitter.py --json``)."""
+    return {j.policy: [m.row() for m in j.runs] for j in rows}
+
+
+def jittered_from_json(data: object, where: str) -> list[Jittered]:
+    """The inverse of :func:`jittered_to_json`, checked: ``where`` names the data in errors."""
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{where}: expected an object of policy -> list of metrics rows")
+    names = {f.name for f in fields(PolicyMetrics)}
+    required = {f.name for f in fields(PolicyMetrics) if f.default is MISSING}
+    rows = []
+    for policy, runs in data.items():
+        if not isinstance(runs, list) or not runs:
+            raise ValueError(f"{where}: {policy}: expected a non-empty list of metrics rows")
+        parsed = []
+        for i, row in enumerate(runs):
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: {policy}: row {i} is not an object")
+            if bad := set(row) - names:
+                raise ValueError(f"{where}: {policy}: row {i}: unknown fields "
+                                 f"{', '.join(sorted(bad))}")
+            if missing := required - set(row):
+                raise ValueError(f"{where}: {policy}: row {i}: missing fields "
+                                 f"{', '.join(sorted(missing))}")
+            if not all(type(x) in (int, float) for k, x in row.items() if k != "policy"):
+                raise ValueError(f"{where}: {policy}: row {i}: every metric must be a number")
+            if row.get("policy") != policy:
+                raise ValueError(f"{where}: row {i} of {policy} is {row.get('policy')!r}'s")
+            parsed.append(PolicyMetrics(**row))
+        rows.append(Jittered(policy, tuple(parsed)))
+    if len({len(j.runs) for j in rows}) != 1:
+        raise ValueError(f"{where}: the policies were not replayed at the same jitters")
+    return rows
+
+
+def matched_to_json(matched: Sequence[Matched]) -> list[dict[str, object]]:
+    return [{"policy": m.policy, "target": m.target, "scale": m.scale, "sent": m.sent,
+             "reached": m.reached, "runs": [r.row() for r in m.runs.runs]} for m in matched]
+
+
+def matched_from_json(data: object, where: str) -> list[Matched]:
+    if not isinstance(data, list):
+        raise ValueError(f"{where}: expected a list of matched policies")
+    out = []
+    for i, m in enumerate(data):
+        try:
+            runs = jittered_from_json({m["policy"]: m["runs"]}, f"{where}[{i}]")[0]
+            out.append(Matched(m["policy"], float(m["target"]), float(m["scale"]),
+                               float(m["sent"]), runs, bool(m["reached"])))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{where}[{i}]: not a matched policy ({exc})") from None
+    return out

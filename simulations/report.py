@@ -52,9 +52,10 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
             f"average" for r in waits))
     lines += [f"{r.policy} also fetched {r.fetched_ratio:.1%} of prompt tokens' KV from other "
               "workers (not counted as hits)" for r in rows if r.fetched_ratio]
-    lines += [f"{r.policy} also copied hot prefixes to a second worker in the background: "
-              f"{r.copies} copies prefilled {r.copied_ratio:.2%} of prompt tokens again (no "
-              f"request waited for them; counted as misses, the hit ratio would be "
+    lines += [f"{r.policy} also copied hot prefixes to other workers in the background: "
+              f"{r.copies} {'copy' if r.copies == 1 else 'copies'} prefilled "
+              f"{r.copied_ratio:.2%} of prompt tokens again (no request waited for them; "
+              f"counted as misses, the hit ratio would be "
               f"{r.hit_ratio - r.copied_ratio:.1%})" for r in rows if r.copies]
     return "\n".join(lines)
 

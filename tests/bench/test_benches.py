@@ -25,6 +25,18 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def scored(chat: Path) -> Path:
+    """A ``policy_jitter.py --json`` file for ``score_cells.py`` to read."""
+    out = chat.with_name("jitter.json")
+    run = subprocess.run([sys.executable, str(BENCH / "policy_jitter.py"), str(chat),
+                          "--loads", "0.5,0.8", "--jitters", "0.98,1.02", "--policies",
+                          "kvroute,llmd,round_robin", "--workers", "4", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240, cwd=BENCH.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out
+
+
 CASES = {
     "routing_decision.py": (["--entries", "20000", "--iters", "20"],
                             ["p99 ratio", "policy (python)  replica", "  8192     128    0-4 |"]),
@@ -42,6 +54,8 @@ CASES = {
                           "--others-predict-ttl-ms", "0", "--nudge", "0.5"],
                          ["TTFT floor (no queueing", "hit ratio: ",
                           "closed loop: requests were sent at "]),
+    "score_cells.py": (["{scored}"], ["jitter  ", " 50%  ", " 80%  ", "as replayed: 2 cells",
+                                      "all three won consistently: "]),
     "program_overflow.py": (["--fanout", "4", "--loads", "0.8", "--max-batch", "32",
                              "--workers", "4"], ["0.80"]),
     "replay_speed.py": (["--trace", "{chat}", "--tile", "2", "--policies", "kvroute"],
@@ -54,10 +68,13 @@ def test_every_bench_is_covered() -> None:
 
 
 @pytest.mark.parametrize("script", sorted(CASES))
-def test_the_bench_runs_to_its_table(script: str, chat: Path) -> None:
+def test_the_bench_runs_to_its_table(script: str, chat: Path,
+                                     request: pytest.FixtureRequest) -> None:
     args, expected = CASES[script]
+    # Only score_cells.py reads a --json file: the replays that write it run for it alone.
+    scored = request.getfixturevalue("scored") if script == "score_cells.py" else ""
     run = subprocess.run([sys.executable, str(BENCH / script),
-                          *(a.format(chat=chat) for a in args)],
+                          *(a.format(chat=chat, scored=scored) for a in args)],
                          capture_output=True, text=True, timeout=240, cwd=BENCH.parent)
     assert run.returncode == 0, run.stderr[-2000:]
     for text in expected:

@@ -312,7 +312,8 @@ def test_background_copies_are_reported_apart_from_the_hit_ratio(tmp_path: Path)
     assert copied["copies"] > 0 and copied["copied_ratio"] > 0
     assert moved["copies"] == 0 and moved["copied_ratio"] == 0
     line = next(x for x in ran.stdout.splitlines() if x.startswith("kvroute also copied"))
-    assert f"{copied['copies']} copies prefilled {copied['copied_ratio']:.2%}" in line
+    noun = "copy" if copied["copies"] == 1 else "copies"
+    assert f"{copied['copies']} {noun} prefilled {copied['copied_ratio']:.2%}" in line
     assert f"the hit ratio would be {copied['hit_ratio'] - copied['copied_ratio']:.1%}" in line
     assert "kvroute:replicate=0 also copied" not in ran.stdout
 

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
 from simulations.compare import (
     Jittered,
+    Matched,
     Verdict,
     at_matched_load,
+    jittered_from_json,
+    jittered_to_json,
     match_load,
     match_loads,
+    matched_from_json,
+    matched_to_json,
     parse_jitters,
     replay_jittered,
+    score_cell,
     verdicts,
 )
 from simulations.metrics import PolicyMetrics
@@ -157,3 +164,58 @@ def test_only_lighter_leaders_are_matched_and_the_unreached_are_left_out() -> No
     assert again[3].mean().ttft_p99_s > 2.0  # at k's load it no longer leads on p99
     with pytest.raises(ValueError, match="no policy 'x'"):
         match_loads(rows, "x", sent_of, replay)
+
+
+def ten(policy: str, means: list[float], p99s: list[float], hits: list[float]) -> Jittered:
+    return Jittered(policy, tuple(metrics(policy, m, p, h)
+                                  for m, p, h in zip(means, p99s, hits, strict=True)))
+
+
+def test_a_cell_is_scored_per_metric_by_average_and_by_the_sign_test() -> None:
+    # the focus: lower mean at all 10 jitters (W); higher p99 at 9 of 10 (L); a better hit
+    # ratio on average, but at only 6 of 10 jitters (w)
+    focus = ten("k", [1.0] * 10, [2.2] * 9 + [1.9], [0.55] * 6 + [0.49] * 4)
+    peer = ten("p", [1.1] * 10, [2.0] * 10, [0.5] * 10)
+    worse = ten("q", [3.0] * 10, [9.0] * 10, [0.1] * 10)
+    s = score_cell([focus, peer, worse], "k")
+    assert s.codes() == "WLw"
+    assert not s.won_all and not s.won_all_consistently and not s.no_consistent_loss
+    # margins against the best other's value: mean 1.0 s vs 1.1 s; p99 2.17 s vs 2.0 s
+    assert "mean TTFT -9.1% (p)" in s.margins()
+    assert "p99 TTFT +8.5% (p)" in s.margins()
+    assert "hit ratio +2.60 pts (p)" in s.margins()  # 0.526 on average against 0.5
+    # the same p99 loss at three jitters cannot be told from noise (1 time in 4)
+    three = score_cell([ten("k", [1.0] * 3, [2.2] * 3, [0.5] * 3),
+                        ten("p", [1.1] * 3, [2.0] * 3, [0.5] * 3)], "k")
+    assert three.codes() == "wlw"  # equal hit ratios: a tie counts as won
+    assert three.no_consistent_loss and not three.won_all
+    assert score_cell([ten("k", [1.0] * 3, [1.0] * 3, [0.6] * 3),
+                       ten("p", [1.1] * 3, [2.0] * 3, [0.5] * 3)], "k").won_all
+    with pytest.raises(ValueError, match="alpha"):
+        score_cell([focus, peer], "k", alpha=1.5)
+
+
+def test_runs_survive_json_and_bad_json_is_named() -> None:
+    rows = [ten("k", [1.0, 1.1], [2.0, 2.1], [0.5, 0.6]),
+            ten("p", [1.2, 1.3], [2.2, 2.3], [0.4, 0.5])]
+    back = jittered_from_json(json.loads(json.dumps(jittered_to_json(rows))), "x")
+    assert back == rows
+    m = Matched("p", 0.8, 1.5, 0.79, rows[1], True)
+    assert matched_from_json(json.loads(json.dumps(matched_to_json([m]))), "x") == [m]
+    good = jittered_to_json(rows)
+    cases = [
+        ([], "expected an object"),
+        ({"k": []}, "non-empty list"),
+        ({"k": [1]}, "row 0 is not an object"),
+        ({"k": [{**good["k"][0], "speed": 1}]}, "unknown fields speed"),
+        ({"k": [{x: v for x, v in good["k"][0].items() if x != "hit_ratio"}]},
+         "missing fields hit_ratio"),
+        ({"k": [{**good["k"][0], "hit_ratio": "high"}]}, "must be a number"),
+        ({"p": good["k"]}, "row 0 of p is 'k'"),
+        ({"k": good["k"], "p": good["p"][:1]}, "not replayed at the same jitters"),
+    ]
+    for bad, why in cases:
+        with pytest.raises(ValueError, match=why):
+            jittered_from_json(bad, "f.json")
+    with pytest.raises(ValueError, match=r"f.json\[0\]: not a matched policy"):
+        matched_from_json([{"policy": "p"}], "f.json")
