@@ -273,8 +273,10 @@ class CellScore:
     policies on each of :data:`CRITERIA`: ``verdicts`` as :func:`verdicts` gives them.
 
     On each metric, :meth:`codes` gives ``W`` or ``L`` when the lead holds by the sign test
-    at ``alpha`` (won or lost consistently), ``w`` or ``l`` when it holds on the jitters'
-    average only; a tie on the average counts as won (at least as good)."""
+    at ``alpha`` (won or lost consistently: the leader strictly ahead at so many jitters that
+    two equal policies would split them so at most ``alpha`` of the time), ``w`` or ``l``
+    when it holds on the jitters' average only; a tie on the average counts as won (at least
+    as good)."""
 
     focus: str
     verdicts: tuple[Verdict, ...]
@@ -284,7 +286,9 @@ class CellScore:
         return v.leader == self.focus
 
     def significant(self, v: Verdict) -> bool:
-        return v.tie_chance <= self.alpha
+        # The leader must be strictly ahead at most jitters: level at every one (ahead at
+        # none) is as one-sided for the sign test, but it is a tie, not a lead.
+        return 2 * v.ahead_in > v.jitters and v.tie_chance <= self.alpha
 
     def codes(self) -> str:
         return "".join(("W" if self.won(v) else "L") if self.significant(v)

@@ -191,6 +191,10 @@ def test_a_cell_is_scored_per_metric_by_average_and_by_the_sign_test() -> None:
     assert three.no_consistent_loss and not three.won_all
     assert score_cell([ten("k", [1.0] * 3, [1.0] * 3, [0.6] * 3),
                        ten("p", [1.1] * 3, [2.0] * 3, [0.5] * 3)], "k").won_all
+    # equal at every jitter: a tie, won (at least as good) but not consistently
+    same = score_cell([ten("k", [1.0] * 10, [2.0] * 10, [0.5] * 10),
+                       ten("p", [1.0] * 10, [2.0] * 10, [0.5] * 10)], "k")
+    assert same.codes() == "www" and same.won_all and not same.won_all_consistently
     with pytest.raises(ValueError, match="alpha"):
         score_cell([focus, peer], "k", alpha=1.5)
 
