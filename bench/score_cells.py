@@ -62,13 +62,13 @@ def cells(path: Path, focus: str | None, alpha: float
 
 
 def summary(scores: list[CellScore], label: str) -> list[str]:
-    lost = Counter()
-    consistent = Counter()
+    lost: Counter[str] = Counter()
+    consistent: Counter[str] = Counter()
     for s in scores:
-        for (_, name, _), v in zip(CRITERIA, s.verdicts, strict=True):
+        for v in s.verdicts:
             if not s.won(v):
-                lost[name] += 1
-                consistent[name] += s.significant(v)
+                lost[v.metric] += 1
+                consistent[v.metric] += s.significant(v)
     n = len(scores)
     return [f"{label}: {n} cells",
             f"  all three at least the best other's (averages): "

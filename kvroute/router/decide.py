@@ -11,7 +11,7 @@ import xxhash
 
 from kvroute.core.blocks import BlockHasher, tokens_to_bytes
 from kvroute.core.index import PrefixIndex
-from kvroute.core.load import PrefixDemand, WorkerLoad
+from kvroute.core.load import PrefixDemand, WorkerLoad, prefill_context
 from kvroute.core.policies import Policy, RouteQuery, Scored
 from kvroute.router.registry import WorkerRegistry
 
@@ -32,6 +32,14 @@ class Decision:
 
     def cached_tokens(self, worker: str) -> int:
         return self.query.cached_tokens(worker)
+
+    def prefill(self, worker: str) -> tuple[int, int]:
+        """The prompt tokens ``worker`` would prefill (those it does not cache) and the
+        context they attend to (:func:`~kvroute.core.load.prefill_context`): what the
+        registry counts pending there until the first token."""
+        c = self.query.cached_tokens(worker)
+        n = self.query.prompt_tokens - c
+        return n, prefill_context(n, c)
 
 
 class Decider:

@@ -22,7 +22,6 @@ from kvroute.core.grpc_util import (
     start_metrics,
     wire_keeping_handler,
 )
-from kvroute.core.load import prefill_context
 from kvroute.core.native import native_builds
 from kvroute.core.placement import (
     ForkSegment,
@@ -233,17 +232,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 log.info("program fork split across workers", extra={"kv": {
                     "request": rid, "worker": w,
                     "overflow": {o.worker: list(o.children) for o in overflow}}})
-            uncached = len(tokens) - d.cached_tokens(w)
-            attended = prefill_context(uncached, d.cached_tokens(w))
+            uncached, attended = d.prefill(w)
             local = max(1, fanout - sum(o.weight for o in overflow))
             self._registry.begin(w, uncached + extra, local, context=attended)
             # Overflow workers' prefill is pending until their first chunk comes back.
-            away: dict[str, tuple[int, int]] = {}  # worker -> its prefill's tokens, context
+            away = {o.worker: d.prefill(o.worker) for o in overflow}  # tokens, context
             for o in overflow:
-                c = d.cached_tokens(o.worker)
-                n = len(tokens) - c
-                away[o.worker] = (n, prefill_context(n, c))
-                self._registry.begin(o.worker, n, o.weight, context=away[o.worker][1])
+                n, attends = away[o.worker]
+                self._registry.begin(o.worker, n, o.weight, context=attends)
             started = False
             done = False
             failure: grpc.aio.AioRpcError | None = None
@@ -339,8 +335,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._m.coalesced.inc()
         t0 = time.perf_counter()
         # A held request is load on its worker already (other decisions see it queued).
-        uncached = d.query.prompt_tokens - d.cached_tokens(w)
-        attended = prefill_context(uncached, d.cached_tokens(w))
+        uncached, attended = d.prefill(w)
         self._registry.begin(w, uncached, arrival=False, context=attended)
         try:
             await asyncio.wait_for(stored.wait(), self._cfg.coalesce_wait_s)

@@ -74,3 +74,13 @@ def test_a_decision_reads_how_hot_its_cached_prefix_is() -> None:
     assert rates[0] == 0.0 and 0 < rates[1] < rates[2]
     cold = decider.decide(list(range(500, 500 + 4 * BLOCK)), index, reg).query
     assert cold.prefix_rate == 0.0  # nothing cached: no prefix to be hot
+
+
+def test_a_decision_says_what_each_worker_would_prefill() -> None:
+    decider, index, reg = _setup()
+    tokens = list(range(6 * BLOCK + 2))  # 26 tokens: 6 full blocks and 2 more
+    index.add("a", decider.hasher("").keys(tokens)[:4])  # 16 tokens cached on a
+    d = decider.decide(tokens, index, reg)
+    # 10 new tokens after 16 cached attend to 10 * 16 + 10 * 10 // 2 token pairs
+    assert d.prefill("a") == (10, 10 * 16 + 50)
+    assert d.prefill("b") == (26, 26 * 26 // 2)  # nothing cached: all of it
