@@ -157,12 +157,14 @@ def request_rows(res: ReplayResult, floor: np.ndarray) -> list[dict[str, object]
     another worker held (``moved_tokens``), that were still in flight or whose event was
     still on its way (``flight_tokens``, ``stale_tokens``; see :func:`unseen_misses`), the
     request whose prefill it waited for (``held_for``: coalesced, or the branch leading its
-    program's fork on its worker), its TTFT floor (``floor``: :func:`ttft_floor`), TTFT and
-    end-to-end latency. Sorting by ``ttft_s - floor_s`` finds what a policy's tail is made of."""
+    program's fork on its worker; ``copy``: a background copy of its prefix), its TTFT
+    floor (``floor``: :func:`ttft_floor`), TTFT and end-to-end latency. Sorting by
+    ``ttft_s - floor_s`` finds what a policy's tail is made of."""
     rows: list[dict[str, object]] = []
     for r, (flight, stale) in zip(res.requests, unseen_misses(res), strict=True):
         fetched = min(r.received_tokens, r.cached_tokens)
-        held = "" if r.after is None else r.after.idx
+        # A request held for a background copy of its prefix: the copy is no trace request.
+        held = "" if r.after is None else "copy" if r.after.idx < 0 else r.after.idx
         rows.append(dict(zip(REQUEST_COLUMNS, (
             res.policy, r.idx, int(r.idx < res.warmup), r.worker, r.arrival_s, r.waited_s,
             r.prompt_tokens, r.output_tokens, r.cached_tokens - fetched, fetched,

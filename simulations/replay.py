@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.index import PrefixIndex
-from kvroute.core.load import PrefixDemand
+from kvroute.core.load import ArrivalRate, PrefixDemand
 from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
@@ -269,7 +269,11 @@ class Replayer:
         placed: dict[str, list[tuple[SimWorker, _ForkGroup]]] = {}
         inflight: InflightPrefixes[SimRequest] = InflightPrefixes(self.spec.coalesce_share)
         producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
-        demand = PrefixDemand()  # as the router's decider keeps it
+        # The router starts with the replay: its rates count from the first arrival.
+        start = min((r.arrival_s for r in reqs), default=0.0)
+        for w in self.workers:
+            w.arrivals = ArrivalRate(start=start)
+        demand = PrefixDemand(start=start)  # as the router's decider keeps it
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
         n = 0

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 # session's think time (its next turn comes back to the same cache), short enough to follow
 # a shift of traffic within a minute.
 ARRIVAL_TAU_S = 30.0
+# The shortest time a rate is read over after its counting starts: one request 0.1 s in
+# reads 1/s, not 10/s.
+ARRIVAL_MIN_WINDOW_S = 1.0
 
 
 def prefill_context(uncached: int, cached: int) -> int:
@@ -97,32 +100,50 @@ class ArrivalRate:
     rate that decays as ``exp(-elapsed / tau_s)``, so a steady stream of ``r`` requests per
     second reads ``r`` and a worker nobody sends to fades to 0 within a few ``tau_s``.
 
+    Counted from ``start`` (when counting began), that sum reads only
+    ``r * (1 - exp(-t / tau_s))`` after ``t`` seconds of the stream, so :meth:`at` divides
+    by that factor (``t`` at least ``ARRIVAL_MIN_WINDOW_S``): without it a router that has
+    just started reads every rate 30 times too low after 1 s and 3.5 times after 10 s, and
+    the policy terms that weigh arrivals sleep through a cold start. ``start`` -inf (the
+    default) is a count with no known beginning: no correction.
+
     The router keeps one per worker for its own traffic, the agent one for all of its
     worker's (its heartbeat's ``arrival_rate``), the replay simulator one per simulated
-    worker. Invariant: ``_rate`` is the rate at time ``_t``, the latest arrival's; reading
-    it (:meth:`at`) changes nothing. Times are seconds on any clock that never goes back.
+    worker. Invariant: ``_rate`` is the uncorrected sum at time ``_t``, the latest
+    arrival's; reading it (:meth:`at`) changes nothing. Times are seconds on any clock that
+    never goes back.
     """
 
     tau_s: float = ARRIVAL_TAU_S
+    start: float = -math.inf
     _rate: float = 0.0
     _t: float = -math.inf
 
     def __post_init__(self) -> None:
         if not self.tau_s > 0:
             raise ValueError(f"tau_s must be > 0, got {self.tau_s}")
+        if math.isnan(self.start) or self.start == math.inf:
+            raise ValueError(f"start must be a time or -inf, got {self.start}")
 
     def add(self, now: float, n: int = 1) -> None:
         """``n`` requests arrived at ``now``."""
         if now > self._t:
-            self._rate = self.at(now)
+            self._rate = self._sum(now)
             self._t = now
         self._rate += n / self.tau_s
 
-    def at(self, now: float) -> float:
-        """The rate at ``now`` (not before the latest arrival)."""
+    def _sum(self, now: float) -> float:
+        """The decayed sum at ``now`` (not before the latest arrival), uncorrected."""
         if now <= self._t or self._rate == 0.0:
             return self._rate
         return self._rate * math.exp((self._t - now) / self.tau_s)
+
+    def at(self, now: float) -> float:
+        """The rate at ``now`` (not before the latest arrival), corrected for a recent
+        start."""
+        rate = self._sum(now)
+        counted = max(max(now, self._t) - self.start, ARRIVAL_MIN_WINDOW_S)
+        return rate / -math.expm1(-counted / self.tau_s) if rate else rate
 
 
 class PrefixDemand:
@@ -133,16 +154,20 @@ class PrefixDemand:
     history ends at a new block each turn, so a session reads ~0. One :class:`ArrivalRate`
     per key, the ``max_keys`` most recently used kept (the oldest forgotten: a prefix nobody
     asked for lately has no demand to remember). The router's decider and the replay
-    simulator keep one each; ``now`` is their clock.
+    simulator keep one each; ``now`` is their clock, ``start`` when they began counting
+    (every key's rate is corrected for it, as :class:`ArrivalRate` says: a prefix first seen
+    long after has had no requests before, which is no bias to correct).
 
     Invariant: ``_rates`` holds at most ``max_keys`` entries, least recently observed first.
     """
 
-    def __init__(self, tau_s: float = ARRIVAL_TAU_S, max_keys: int = 1 << 16) -> None:
+    def __init__(self, tau_s: float = ARRIVAL_TAU_S, max_keys: int = 1 << 16,
+                 start: float = -math.inf) -> None:
         if not tau_s > 0 or max_keys < 1:
             raise ValueError(f"tau_s must be > 0 and max_keys >= 1, got {tau_s}, {max_keys}")
         self.tau_s = tau_s
         self.max_keys = max_keys
+        self.start = start  # when counting began: every key's, however late it first comes
         self._rates: OrderedDict[int, ArrivalRate] = OrderedDict()
 
     def observe(self, key: int, now: float) -> float:
@@ -151,7 +176,7 @@ class PrefixDemand:
         rates = self._rates
         r = rates.get(key)
         if r is None:
-            r = rates[key] = ArrivalRate(self.tau_s)
+            r = rates[key] = ArrivalRate(self.tau_s, self.start)
             if len(rates) > self.max_keys:
                 rates.popitem(last=False)
         else:

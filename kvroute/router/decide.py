@@ -51,7 +51,8 @@ class Decider:
         self.model = model
         self.block_size = block_size
         self.policy = policy
-        self.demand = PrefixDemand()  # how hot each cached prefix is (RouteQuery.prefix_rate)
+        # How hot each cached prefix is (RouteQuery.prefix_rate), counted from now.
+        self.demand = PrefixDemand(start=time.monotonic())
         self._hashers: dict[str, BlockHasher] = {}
 
     def hasher(self, salt: str) -> BlockHasher:

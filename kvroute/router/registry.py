@@ -43,7 +43,11 @@ class WorkerInfo:
     pending_context: int = 0  # prefill_context summed over our pending prefills
     cached_blocks: int = 0
     first_seen: float = field(default_factory=time.monotonic)
-    arrivals: ArrivalRate = field(default_factory=ArrivalRate)  # our requests, by monotonic
+    # Our requests, by monotonic time, counted from when we first saw the worker.
+    arrivals: ArrivalRate = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.arrivals = ArrivalRate(start=self.first_seen)
 
 
 def parse_static(spec: str) -> dict[str, str]:

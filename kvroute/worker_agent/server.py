@@ -77,7 +77,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         self._programs = programs
         # Requests received (from every router): the heartbeat's arrival_rate, so that each
         # router sees the worker's whole traffic, not only its own.
-        self.arrivals = ArrivalRate()
+        self.arrivals = ArrivalRate(start=time.monotonic())
 
     def invalid(self) -> None:
         """Count a request refused as INVALID_ARGUMENT."""

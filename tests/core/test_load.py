@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from kvroute.core.load import ArrivalRate, PrefixDemand, WorkerLoad, prefill_context
+from kvroute.core.load import (
+    ARRIVAL_MIN_WINDOW_S,
+    ArrivalRate,
+    PrefixDemand,
+    WorkerLoad,
+    prefill_context,
+)
 from kvroute.core.policies.kvroute_cost import work
 
 
@@ -29,6 +35,33 @@ def test_a_steady_stream_reads_its_rate_and_silence_fades() -> None:
     assert burst.at(5.0) == pytest.approx(0.4) and burst.at(1.0) == pytest.approx(0.4)
     with pytest.raises(ValueError, match="tau_s"):
         ArrivalRate(tau_s=0)
+
+
+def test_a_rate_counted_from_a_start_reads_a_stream_from_its_first_seconds() -> None:
+    """From ``start``, the sum holds only 1 - e^(-t / tau) of a steady rate after t seconds;
+    the reading divides that out (over at least ARRIVAL_MIN_WINDOW_S), so a router that has
+    just started sees its workers' traffic at once instead of tau_s later."""
+    cold, plain = ArrivalRate(tau_s=30.0, start=100.0), ArrivalRate(tau_s=30.0)
+    for i in range(9):  # 4 requests a second, from 100 s to 102 s
+        cold.add(100.0 + i * 0.25)
+        plain.add(100.0 + i * 0.25)
+    assert cold.at(102.0) == pytest.approx(4.0, rel=0.15)  # 9 requests over 2 s
+    assert plain.at(102.0) == pytest.approx(0.3, rel=0.05)  # ~9 / 30: 15x too low
+    assert cold.at(102.0) == pytest.approx(plain.at(102.0) / -math.expm1(-2.0 / 30.0))
+    # Long after the start the correction fades: both read the same.
+    for i in range(1, 1201):  # 2 per second for 600 s
+        cold.add(102.0 + i * 0.5)
+        plain.add(102.0 + i * 0.5)
+    assert cold.at(702.0) == pytest.approx(plain.at(702.0), rel=1e-8)
+    assert cold.at(702.0) == pytest.approx(2.0, rel=0.02)
+    # One request just after the start reads as one in the shortest window, not 1 / 0.1 s.
+    early = ArrivalRate(tau_s=30.0, start=0.0)
+    early.add(0.1)
+    assert early.at(0.1) == pytest.approx(1.0 / ARRIVAL_MIN_WINDOW_S, rel=0.02)
+    assert ArrivalRate(start=0.0).at(5.0) == 0.0  # nothing sent: nothing to correct
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="start"):
+            ArrivalRate(start=bad)
 
 
 def test_packed_carries_what_the_c_ranking_reads() -> None:
@@ -60,3 +93,11 @@ def test_prefix_demand_counts_the_requests_before_and_forgets_the_oldest_keys() 
     assert d.observe(9, 10.0) == pytest.approx(0.1)  # 9 was kept (8 went for 7)
     with pytest.raises(ValueError):
         PrefixDemand(tau_s=0)
+    # Counted from a start, a prefix read early is corrected as ArrivalRate is; one first read
+    # long after the start had no requests before it, and reads as its count says.
+    fresh = PrefixDemand(tau_s=30.0, start=0.0)
+    for t in (0.0, 0.5, 1.0, 1.5):
+        fresh.observe(1, t)
+    assert fresh.observe(1, 2.0) == pytest.approx(2.0, rel=0.1)  # 4 in 2 s, not 4 / 30
+    fresh.observe(2, 600.0)
+    assert fresh.observe(2, 600.0) == pytest.approx(1 / 30.0, rel=0.01)

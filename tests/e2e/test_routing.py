@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import signal
 import time
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.load import ARRIVAL_MIN_WINDOW_S, ARRIVAL_TAU_S
 from kvroute.core.policies import KvrouteCost
 from tests.support import AgentProc, generate, raw_rpc, request_wire, route, wait_for
 
@@ -277,7 +279,9 @@ async def test_a_sibling_routed_on_a_prediction_waits_for_that_prefill(cluster) 
     again = await generate(router.port, shared + prompt(32, 53), max_tokens=2)
     assert again[0].worker_id == predicted
     assert router.metrics.coalesced._value.get() == 1  # really cached: nothing to wait for
-    assert len(router.service._inflight) == 0  # every request's entry is gone with it
+    # Every request's entry is gone with it; a prefix asked for three times in the router's
+    # first seconds is hot, and its background copy holds an entry until it ends too.
+    await wait_for(lambda: len(router.service._inflight) == 0, what="every entry gone")
     assert router.registry.loads[predicted].inflight == 0  # the hold's load released too
 
 
@@ -357,7 +361,10 @@ async def test_a_replica_sees_the_arrivals_another_sent(cluster) -> None:
                    what="both replicas see a")
     for i in range(3):
         await generate(r1.port, prompt(64, 60 + i))
-    assert r1.registry.loads["a"].arrival_rate == pytest.approx(3 / 30, rel=0.05)
+    # 3 requests within seconds of r1 first seeing a: more than 3 per 30 s window (the count
+    # is corrected for having started just now), at most 3 in the shortest window.
+    most = 3 / (ARRIVAL_TAU_S * -math.expm1(-ARRIVAL_MIN_WINDOW_S / ARRIVAL_TAU_S))
+    assert 3 / ARRIVAL_TAU_S < r1.registry.loads["a"].arrival_rate <= most
     assert a.service is not None and a.service.arrivals.at(time.monotonic()) > 0
     await wait_for(lambda: r2.registry.loads["a"].arrival_rate > 0.09,
                    what="replica 2 saw the agent's arrival rate")

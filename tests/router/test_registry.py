@@ -5,7 +5,12 @@ import time
 
 import pytest
 
-from kvroute.core.load import ArrivalRate, prefill_context
+from kvroute.core.load import (
+    ARRIVAL_MIN_WINDOW_S,
+    ARRIVAL_TAU_S,
+    ArrivalRate,
+    prefill_context,
+)
 from kvroute.core.redis_schema import Heartbeat
 from kvroute.router.registry import WorkerRegistry, parse_static
 
@@ -40,22 +45,26 @@ def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:
     reg = WorkerRegistry({"s": "h:9"}, 16)
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=0.5)})
     assert reg.loads["w"].arrival_rate == 0.5 and reg.loads["s"].arrival_rate == 0
-    for _ in range(60):  # 60 requests at once: 2/s over the 30 s window
+    # 60 requests at once, in the first second we count: 60/s (2/s over the 30 s window,
+    # corrected for having counted only since the registry first saw the workers).
+    for _ in range(60):
         reg.begin("w", 10)
         reg.begin("s", 10)
-    assert reg.loads["w"].arrival_rate == pytest.approx(2.0, rel=0.01)
-    assert reg.loads["s"].arrival_rate == pytest.approx(2.0, rel=0.01)
+    first = 60 / ARRIVAL_TAU_S / -math.expm1(-ARRIVAL_MIN_WINDOW_S / ARRIVAL_TAU_S)
+    assert first == pytest.approx(61.0, rel=0.01)
+    assert reg.loads["w"].arrival_rate == pytest.approx(first, rel=0.01)
+    assert reg.loads["s"].arrival_rate == pytest.approx(first, rel=0.01)
     reg.begin("s", 10, arrival=False)  # held for s, not sent yet: load, but no arrival
-    assert reg.loads["s"].arrival_rate == pytest.approx(2.0, rel=0.01)
+    assert reg.loads["s"].arrival_rate == pytest.approx(first, rel=0.01)
     assert reg.loads["s"].inflight == 61
-    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=9.0)})
-    assert reg.loads["w"].arrival_rate == 9.0
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=90.0)})
+    assert reg.loads["w"].arrival_rate == 90.0
     # A static worker without heartbeats is refreshed by each scan, so its rate decays: here
     # its 60 requests are made two windows old.
     old = ArrivalRate()
     old.add(time.monotonic() - 60.0, n=60)
     reg._workers["s"].arrivals = old
-    assert reg.loads["s"].arrival_rate == pytest.approx(2.0, rel=0.01)  # not rebuilt yet
+    assert reg.loads["s"].arrival_rate == pytest.approx(first, rel=0.01)  # not rebuilt yet
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})
     assert reg.loads["s"].arrival_rate == pytest.approx(2.0 / math.e ** 2, rel=0.01)
 

@@ -86,7 +86,9 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
             # request neither got it nor was sent away from it
             assert int(r["flight_tokens"]) + int(r["stale_tokens"]) <= max(
                 0, int(r["prompt_tokens"]) - int(r["cached_tokens"]) - int(r["moved_tokens"]))
-            if r["held_for"]:  # coalesced: waited for a request sent before it
+            if r["held_for"] == "copy":  # held for a background copy: only kvroute makes them
+                assert p["policy"] == "kvroute"
+            elif r["held_for"]:  # coalesced: waited for a request sent before it
                 assert sent[int(r["held_for"])] <= sent[int(r["request"])]
     for png in ("ttft_cdf.png", "hit_ratio.png", "load_over_time.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
