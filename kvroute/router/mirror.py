@@ -267,6 +267,13 @@ class IndexMirror:
         for w in added:
             log.info("worker joined", extra={"kv": {"worker": w,
                                                     "address": beats[w].address}})
+        # A live worker we hold no cache state for: it registered after our bootstrap (as after
+        # a Redis restart, when its heartbeat may come back after we bootstrapped) and may send
+        # no event for a long while, so read its snapshot now rather than wait for one.
+        loaded = [w for w in beats if w not in self._feeds and w not in expired]
+        for w in loaded:
+            await self._load_snapshot(w)
+            self.registry.set_cached_blocks(w, self.index.count(w))
         now = time.monotonic()
         for w in members:
             if w in beats:
@@ -295,5 +302,5 @@ class IndexMirror:
                 if w not in expired:
                     self.index.remove_worker(w)
                     self._feeds.pop(w, None)
-        if added or expired:
+        if added or expired or any(w in self._feeds for w in loaded):
             self._on_change()

@@ -102,6 +102,25 @@ async def test_block_size_mismatch_is_flagged_and_ignored_for_matching(redis_ser
     assert not mirror.registry.compatible("w32")
 
 
+async def test_a_worker_that_returns_without_an_event_is_read_from_its_snapshot(
+        redis_server, mirror) -> None:
+    """After a Redis restart a worker may rewrite its snapshot and beat again after the
+    mirror bootstrapped, then send no event for a long while: the heartbeat scan reads its
+    snapshot instead of waiting for one."""
+    c = redis_server.client()
+    pipe = c.pipeline(transaction=True)  # snapshot and meta, but no feed entry
+    pipe.sadd(KEYS.snapshot("w"), *(pack_keys((k,)) for k in (4, 5, 6)))
+    pipe.hset(KEYS.meta("w"), mapping={"epoch": "e2", "seq": 1})
+    pipe.execute()
+    beat(c, "w")
+    await wait_for(lambda: mirror.index.keys_of("w") == {4, 5, 6}, what="snapshot read")
+    assert mirror.registry.loads["w"].cached_blocks == 3
+    # Its next event follows on from that snapshot.
+    publish(c, FeedEvent("w", "e2", 2, Op.STORE, (7,)), snapshot={4, 5, 6, 7})
+    await wait_for(lambda: mirror.index.keys_of("w") == {4, 5, 6, 7}, what="event applied")
+    assert mirror.stats.gaps == 0
+
+
 async def test_expired_heartbeat_removes_worker_and_blocks(redis_server, mirror) -> None:
     c = redis_server.client()
     beat(c, "w")
