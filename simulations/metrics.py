@@ -40,7 +40,8 @@ class PolicyMetrics:
     waited_mean_s: float = 0.0
     sent_rps: float = 0.0  # requests sent per second (closed loop: slower than the trace's rate)
     # tokens the router's background copies of hot prefixes prefilled (kvroute), per prompt
-    # token: work no request waited for, not counted in the hit ratio
+    # token: work the requests that set them off did not wait for (later ones may be held
+    # for one in flight: requests.csv's held_for=copy), not counted in the hit ratio
     copied_ratio: float = 0.0
     copies: int = 0
 

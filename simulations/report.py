@@ -54,7 +54,8 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
               "workers (not counted as hits)" for r in rows if r.fetched_ratio]
     lines += [f"{r.policy} also copied hot prefixes to other workers in the background: "
               f"{r.copies} {'copy' if r.copies == 1 else 'copies'} prefilled "
-              f"{r.copied_ratio:.2%} of prompt tokens again (no request waited for them; "
+              f"{r.copied_ratio:.2%} of prompt tokens again (the requests that set them "
+              f"off did not wait for them; "
               f"counted as misses, the hit ratio would be "
               f"{r.hit_ratio - r.copied_ratio:.1%})" for r in rows if r.copies]
     return "\n".join(lines)

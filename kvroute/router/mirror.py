@@ -136,8 +136,8 @@ class IndexMirror:
         self._expire_from = time.monotonic() + self.registry.max_ttl_s() + self._poll_s
         await self._poll_heartbeats()
         members = await self._r.smembers(self._keys.workers)
-        for raw in members:
-            await self._load_snapshot(raw.decode())
+        for w in {raw.decode() for raw in members} - self._feeds.keys():  # live ones: loaded
+            await self._load_snapshot(w)
         for w in self.index.workers():
             self.registry.set_cached_blocks(w, self.index.count(w))
         self.stats.bootstraps += 1
