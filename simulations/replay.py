@@ -71,7 +71,7 @@ from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.copies import copy_blocks
-from kvroute.router.decide import rank_request, rerank_confirmed
+from kvroute.router.decide import prefill_tail, rank_request, rerank_confirmed
 from kvroute.worker_agent.engines.base import CacheEvent
 from simulations.cluster import SimRequest, SimWorker
 from simulations.costmodel import CostModel
@@ -274,6 +274,7 @@ class Replayer:
         for w in self.workers:
             w.arrivals = ArrivalRate(start=start)
         demand = PrefixDemand(start=start)  # as the router's decider keeps it
+        tail = prefill_tail(self.policy)  # ... and its tail
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
         n = 0
@@ -303,7 +304,7 @@ class Replayer:
                     inflight.drop(producers.popleft())
             loads = {w.name: w.load(index.count(w.name), now) for w in self.workers}
             d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
-                             treq.affinity, demand=demand, now=now)
+                             treq.affinity, demand=demand, tail=tail, now=now)
             held = False
             if ttl > 0 and not n_branches:
                 # Routed there on a prediction: held until that prefill's first token, if

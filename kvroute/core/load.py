@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 # The window over which a worker's arrival rate is measured: long enough to span a chat
@@ -187,3 +188,63 @@ class PrefixDemand:
 
     def __len__(self) -> int:
         return len(self._rates)
+
+
+# A tail is read over the last requests: ~100 s of traffic at 20 requests per second, long
+# enough for a 1% quantile to rest on 20 of them, short enough to follow a change of traffic.
+TAIL_WINDOW = 2000
+# Below this many requests a high quantile is a guess: no tail is read (inf) until then.
+TAIL_MIN_SAMPLES = 200
+
+
+class PrefillTail:
+    """The high quantile of the least prefill requests lately needed: how long a prefill
+    is, in work units, at the tail of what the traffic costs anyway (``RouteQuery.tail_work``).
+
+    Each request is counted by the prefill it needs at best: its tokens past the longest
+    prefix any worker caches (``uncached``) after ``cached`` ones, weighed as kvroute's
+    policy weighs work, ``uncached + attn * prefill_context(uncached, cached)``. That floor
+    is the same whichever worker a policy picks, so the tail does not move with the
+    policy's choices. A request whose first token comes later than this tail is the tail:
+    the p99 of time-to-first-token is made of such requests, and of the prompts long enough
+    to be there on their own.
+
+    ``quantile`` in (0, 1) is read over the last ``window`` requests (the oldest forgotten),
+    and is ``inf`` until ``min_samples`` were counted. The router's decider and the replay
+    simulator keep one each.
+
+    Invariant: ``_sorted`` holds the values of ``_recent``, ascending; both hold at most
+    ``window``.
+    """
+
+    def __init__(self, quantile: float = 0.99, window: int = TAIL_WINDOW,
+                 min_samples: int = TAIL_MIN_SAMPLES, attn: float = 0.0) -> None:
+        if not 0.0 < quantile < 1.0:
+            raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"need 1 <= min_samples <= window, got {min_samples}, {window}")
+        if not attn >= 0:
+            raise ValueError(f"attn must be >= 0, got {attn}")
+        self.quantile = quantile
+        self.window = window
+        self.min_samples = min_samples
+        self.attn = attn
+        self._recent: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    def observe(self, uncached: int, cached: int) -> float:
+        """The tail of the requests seen before this one; then counts this one's least
+        prefill (``uncached`` tokens after ``cached``)."""
+        vals = self._sorted
+        n = len(vals)
+        tail = vals[min(n - 1, int(self.quantile * n))] if n >= self.min_samples else math.inf
+        w = uncached + self.attn * prefill_context(uncached, cached)
+        if n >= self.window:
+            old = self._recent.popleft()
+            del vals[bisect.bisect_left(vals, old)]
+        self._recent.append(w)
+        bisect.insort(vals, w)
+        return tail
+
+    def __len__(self) -> int:
+        return len(self._recent)

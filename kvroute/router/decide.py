@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import xxhash
 
 from kvroute.core.blocks import BlockHasher, tokens_to_bytes
 from kvroute.core.index import PrefixIndex
-from kvroute.core.load import PrefixDemand, WorkerLoad, prefill_context
+from kvroute.core.load import PrefillTail, PrefixDemand, WorkerLoad, prefill_context
 from kvroute.core.policies import Policy, RouteQuery, Scored
 from kvroute.router.registry import WorkerRegistry
 
@@ -53,6 +54,7 @@ class Decider:
         self.policy = policy
         # How hot each cached prefix is (RouteQuery.prefix_rate), counted from now.
         self.demand = PrefixDemand(start=time.monotonic())
+        self.tail = prefill_tail(policy)  # RouteQuery.tail_work
         self._hashers: dict[str, BlockHasher] = {}
 
     def hasher(self, salt: str) -> BlockHasher:
@@ -85,7 +87,12 @@ class Decider:
             affinity = keys[0] if keys else xxhash.xxh3_64_intdigest(tokens_to_bytes(tokens))
         return rank_request(self.policy, index, keys, len(tokens), self.block_size, loads,
                             affinity, registry.match_filter, session=bool(session_id),
-                            demand=self.demand, now=time.monotonic())
+                            demand=self.demand, tail=self.tail, now=time.monotonic())
+
+
+def prefill_tail(policy: Policy) -> PrefillTail:
+    """A :class:`PrefillTail` weighing work as ``policy`` does (its ``attn``, if it has one)."""
+    return PrefillTail(attn=float(getattr(policy, "attn", 0.0)))
 
 
 def rank_request(
@@ -100,6 +107,7 @@ def rank_request(
     *,
     session: bool = False,
     demand: PrefixDemand | None = None,
+    tail: PrefillTail | None = None,
     now: float = 0.0,
 ) -> Decision:
     """Index lookup + policy: the part of a decision the router and the replay simulator
@@ -107,7 +115,8 @@ def rank_request(
     ``affinity`` is the session's hash when ``session``, else the first block's key; the
     query's ``family`` is derived here (see :class:`RouteQuery`), and with ``demand`` its
     ``prefix_rate``: the requests lately whose longest cached prefix ended at the same block
-    (this one counted, at ``now``, for the next)."""
+    (this one counted, at ``now``, for the next); with ``tail`` its ``tail_work`` (this one's
+    least prefill counted for the next)."""
     matched: dict[str, int] = {}
     if index is not None:
         matched = {w: n for w, n in index.match(keys).items()
@@ -115,7 +124,12 @@ def rank_request(
     top = max(matched.values(), default=0)  # blocks of the longest prefix cached anywhere
     family = affinity if session else prefix_family(keys, top, affinity)
     rate = demand.observe(keys[top - 1], now) if demand is not None and top else 0.0
-    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family, rate)
+    tail_work = math.inf
+    if tail is not None:
+        c = min(top * block_size, prompt_tokens)
+        tail_work = tail.observe(prompt_tokens - c, c)
+    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family, rate,
+                       tail_work)
     return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())
 
 

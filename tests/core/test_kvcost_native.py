@@ -63,8 +63,8 @@ def random_query(rng: random.Random) -> RouteQuery:
 
 
 def test_c_and_python_rank_alike_on_random_clusters() -> None:
-    rng = random.Random(7)
-    held = spread = tied = arrivals = demanded = ramped = 0
+    rng, tails = random.Random(7), random.Random(11)
+    held = spread = tied = arrivals = demanded = ramped = tailed = 0
     for _ in range(3000):
         policy, query = random_policy(rng), random_query(rng)
         want = list(policy.rank_python(query))
@@ -81,10 +81,17 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
             ld.arrival_rate for ld in query.loads.values())
         if query.prefix_rate:  # a hot prefix: did its demand change the hold rule's verdict?
             demanded += list(policy.rank_python(replace(query, prefix_rate=0.0))) != want
-    # the draws reached the tie-breaks, the affinity, hold and arrival terms, demand, and
-    # the KV term's ramp between its ends
-    assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000 and demanded > 10
-    assert ramped > 100, ramped
+        # The same query with a tail known: the paths agree, and the tail let a held
+        # request go in some
+        for tail in tails.sample((500.0, 1000.0, 2000.0, 4000.0, 8000.0, 16000.0, 25000.0), 3):
+            tailed_query = replace(query, tail_work=tail)
+            with_tail = list(policy.rank_python(tailed_query))
+            assert list(policy.rank(tailed_query)) == with_tail, (policy, tailed_query)
+            tailed += with_tail != want
+    # the draws reached the tie-breaks, the affinity, hold and arrival terms, demand, the
+    # tail, and the KV term's ramp between its ends
+    assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000 and demanded > 5
+    assert ramped > 100 and tailed > 10, (ramped, tailed)
 
 
 def test_the_c_path_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ import pytest
 from kvroute.core.load import (
     ARRIVAL_MIN_WINDOW_S,
     ArrivalRate,
+    PrefillTail,
     PrefixDemand,
     WorkerLoad,
     prefill_context,
@@ -101,3 +102,21 @@ def test_prefix_demand_counts_the_requests_before_and_forgets_the_oldest_keys() 
     assert fresh.observe(1, 2.0) == pytest.approx(2.0, rel=0.1)  # 4 in 2 s, not 4 / 30
     fresh.observe(2, 600.0)
     assert fresh.observe(2, 600.0) == pytest.approx(1 / 30.0, rel=0.01)
+
+
+def test_prefill_tail_reads_the_quantile_of_the_requests_before_over_its_window() -> None:
+    tail = PrefillTail(quantile=0.9, window=100, min_samples=10)
+    assert [tail.observe(n, 0) for n in range(1, 11)] == [math.inf] * 10  # too few yet
+    assert tail.observe(1000, 0) == 10  # 10 values 1..10: the 90th percentile is 10
+    # 100 more of 5 tokens push the 1..10 and the 1000 out of the window
+    for _ in range(100):
+        tail.observe(5, 0)
+    assert len(tail) == 100 and tail.observe(0, 0) == 5
+    # The work counts its attention as kvroute's policy does: n + attn * n * (c + n / 2)
+    weighed = PrefillTail(min_samples=1, attn=1e-3)
+    weighed.observe(100, 1000)
+    assert weighed.observe(0, 0) == pytest.approx(100 + 1e-3 * prefill_context(100, 1000)) == 205
+    for bad in ({"quantile": 1.0}, {"quantile": 0.0}, {"window": 5, "min_samples": 6},
+                {"min_samples": 0}, {"attn": -1.0}):
+        with pytest.raises(ValueError):
+            PrefillTail(**bad)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvroute.core.load import WorkerLoad, prefill_context
@@ -67,6 +69,30 @@ def test_kvroute_holds_a_long_prefix_against_balance_but_not_a_queue() -> None:
     short = q({"a": 24}, {"a": kv(700), "b": empty})  # a costs ~350 more than b
     assert KvrouteCost().rank(short)[0].worker == "b"
     assert KvrouteCost(hold_min=0.3).rank(short)[0].worker == "a"
+
+
+def test_the_tail_rule_lets_go_a_request_whose_first_token_would_be_in_the_tail() -> None:
+    """With ``tail_hold``, a backlog the hold rule forgives still moves the request when its
+    first token on the holder would come later than ``tail_hold`` x the traffic's tail and
+    elsewhere would not. Off by default."""
+    def query(tail: float, pending_b: int = 0) -> RouteQuery:
+        # 960 of 1024 tokens cached on a, behind 5000 queued: held (3x the redo ~5850)
+        loads = {"a": WorkerLoad(pending_prefill_tokens=5000),
+                 "b": WorkerLoad(pending_prefill_tokens=pending_b)}
+        return RouteQuery(1024, 16, {"a": 60}, loads, 1, 1, 0.0, tail)
+
+    pol = KvrouteCost(tail_hold=1.0)
+    assert pol.rank(query(math.inf))[0].worker == "a"  # no tail known yet
+    # first_a = 5000 + work(64, 960) ~ 5066: past a tail of 4000, and b would give the first
+    # token within it (work(1024, 0) ~ 1041)
+    assert pol.rank(query(4000.0))[0].worker == "b"
+    assert KvrouteCost().rank(query(4000.0))[0].worker == "a"  # off by default
+    assert KvrouteCost(tail_hold=1.5).rank(query(4000.0))[0].worker == "a"  # 6000 > 5066
+    assert pol.rank(query(6000.0))[0].worker == "a"  # within the tail: held
+    # b's own backlog would put it in the tail too: held
+    assert pol.rank(query(4000.0, pending_b=4100))[0].worker == "a"
+    with pytest.raises(ValueError, match="tail_hold"):
+        KvrouteCost(tail_hold=-1)
 
 
 def test_a_hot_prefix_gets_a_second_copy_sooner() -> None:

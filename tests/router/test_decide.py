@@ -6,6 +6,7 @@ from __future__ import annotations
 import xxhash
 
 from kvroute.core.index import PrefixIndex
+from kvroute.core.load import prefill_context
 from kvroute.core.policies import KvrouteCost, make_policy
 from kvroute.core.redis_schema import Heartbeat
 from kvroute.router.decide import Decider, rerank_confirmed
@@ -84,3 +85,20 @@ def test_a_decision_says_what_each_worker_would_prefill() -> None:
     # 10 new tokens after 16 cached attend to 10 * 16 + 10 * 10 // 2 token pairs
     assert d.prefill("a") == (10, 10 * 16 + 50)
     assert d.prefill("b") == (26, 26 * 26 // 2)  # nothing cached: all of it
+
+
+def test_the_query_carries_the_tail_of_the_least_prefills_before_it() -> None:
+    """``tail_work``: inf until the decider has seen enough requests, then the 99th
+    percentile of what the requests before needed at best (their tokens past the longest
+    prefix any worker caches), weighed with the policy's attention cost."""
+    decider, index, reg = _setup()
+    assert decider.tail.attn == KvrouteCost().attn
+    short = list(range(2 * BLOCK))
+    for _ in range(decider.tail.min_samples):
+        assert decider.decide(short, index, reg).query.tail_work == float("inf")
+    long = list(range(100, 100 + 40 * BLOCK))
+    index.add("a", decider.hasher("").keys(long)[:30])  # 30 of its 40 blocks cached on a
+    want = 10 * BLOCK + KvrouteCost().attn * prefill_context(10 * BLOCK, 30 * BLOCK)
+    for _ in range(10):  # more than 1% of the window: the 99th percentile is this one's
+        decider.decide(long, index, reg)
+    assert decider.decide(short, index, reg).query.tail_work == want

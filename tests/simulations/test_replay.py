@@ -592,3 +592,29 @@ def test_the_router_sees_each_workers_arrival_rate() -> None:
     # A request every 2 s on each worker for 39 s: 0.5/s, not the 0.36 of an uncorrected
     # sum (0.5/s x (1 - e^(-39/30))), less a little for the count's steps.
     assert 0.45 < min(seen[-1].values()) <= max(seen[-1].values()) < 0.55
+
+
+def test_the_policy_reads_the_tail_the_router_would() -> None:
+    """The replay keeps the router's PrefillTail: once 200 requests are counted, each query's
+    ``tail_work`` is the 99th percentile of the least prefills before it (each request's
+    tokens past the longest prefix cached anywhere when it was routed)."""
+    from kvroute.core.load import PrefillTail
+    from kvroute.core.policies import RoundRobin
+
+    seen: list[tuple[float, int]] = []
+
+    class Recording(RoundRobin):
+        def rank(self, query):  # type: ignore[no-untyped-def]
+            top = max((query.cached_tokens(w) for w in query.matched_blocks), default=0)
+            seen.append((query.tail_work, query.prompt_tokens - top))
+            return super().rank(query)
+
+    # 300 prompts of 1-3 blocks, each a new prefix except the few that repeat one
+    tr = parse([json.dumps({"timestamp": 100 * i, "input_length": 512 * (1 + i % 3),
+                            "output_length": 2, "hash_ids": [i % 250 + 1000 * k
+                                                             for k in range(1 + i % 3)]})
+                for i in range(300)])
+    Replayer(tr, Recording(), ClusterSpec(workers=2)).run()
+    want = PrefillTail()  # RoundRobin has no attn: tokens alone
+    assert all(tail == want.observe(n, 0) for tail, n in seen)
+    assert seen[199][0] == math.inf and seen[-1][0] == 1536

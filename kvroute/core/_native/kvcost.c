@@ -1,13 +1,13 @@
 /* kvroute's default policy (KvrouteCost.rank, kvroute/core/policies/kvroute_cost.py) in C:
  * the same ranking, bit for bit, without a Python loop over the workers.
  *
- * rank(params, loads, matched, prompt_tokens, block_size, affinity, family, prefix_rate)
- *     -> (workers best first, their costs)
+ * rank(params, loads, matched, prompt_tokens, block_size, affinity, family, prefix_rate,
+ *      tail_work) -> (workers best first, their costs)
  *
  *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
  *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
  *             arrival_weight, prefill_s_per_token, demand_horizon_s, kv_fill_from,
- *             kv_fill_full), floats
+ *             kv_fill_full, tail_hold), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -34,7 +34,7 @@
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
        P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, P_FILL_FROM,
-       P_FILL_FULL, N_PARAMS };
+       P_FILL_FULL, P_TAIL_HOLD, N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill and arrival_rate */
 enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, L_CONTEXT,
@@ -143,9 +143,10 @@ static PyObject *rank(PyObject *self, PyObject *args) {
     PyObject *params, *loads, *matched;
     long long p, bs;
     unsigned long long affinity, family;
-    double prefix_rate;
-    if (!PyArg_ParseTuple(args, "O!O!O!LLKKd", &PyTuple_Type, &params, &PyDict_Type, &loads,
-                          &PyDict_Type, &matched, &p, &bs, &affinity, &family, &prefix_rate))
+    double prefix_rate, tail_work;
+    if (!PyArg_ParseTuple(args, "O!O!O!LLKKdd", &PyTuple_Type, &params, &PyDict_Type, &loads,
+                          &PyDict_Type, &matched, &p, &bs, &affinity, &family, &prefix_rate,
+                          &tail_work))
         return NULL;
     if (PyTuple_GET_SIZE(params) != N_PARAMS) {
         PyErr_Format(PyExc_ValueError, "params must hold %d values", N_PARAMS);
@@ -298,10 +299,20 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             /* a queue on a hot prefix's holder delays every request for it meanwhile */
             double demand = 1.0 + prm[P_HORIZON] * prefix_rate;
             /* the backlog in work units, its attention included, as the redo */
-            double backlog = ((double)holder->f[L_PENDING] + attn * (double)holder->f[L_CONTEXT])
-                - ((double)cheapest->f[L_PENDING] + attn * (double)cheapest->f[L_CONTEXT]);
-            if (backlog * demand < prm[P_HOLD] * redo)
-                holder->cost = nextafter(cheapest->cost, -INFINITY);
+            const double queued_h = (double)holder->f[L_PENDING]
+                                    + attn * (double)holder->f[L_CONTEXT];
+            const double queued_m = (double)cheapest->f[L_PENDING]
+                                    + attn * (double)cheapest->f[L_CONTEXT];
+            double backlog = queued_h - queued_m;
+            int keep = backlog * demand < prm[P_HOLD] * redo;
+            if (keep && prm[P_TAIL_HOLD] != 0.0 && tail_work < INFINITY) {
+                /* held, its first token would come in the tail, and on m it would not */
+                double first_h = queued_h + work(p - top, top, attn);
+                double first_m = queued_m + work(p - c0, c0, attn);
+                double tail = prm[P_TAIL_HOLD] * tail_work;
+                if (first_m <= tail && tail < first_h) keep = 0;
+            }
+            if (keep) holder->cost = nextafter(cheapest->cost, -INFINITY);
         }
     }
 

@@ -7,6 +7,7 @@ very same policy objects.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, count, islice
@@ -43,6 +44,7 @@ class RouteQuery:
     affinity: int = 0
     family: int = 0
     prefix_rate: float = 0.0
+    tail_work: float = math.inf
 
     def cached_tokens(self, worker: str) -> int:
         return min(self.matched_blocks.get(worker, 0) * self.block_size, self.prompt_tokens)

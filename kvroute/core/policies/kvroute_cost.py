@@ -79,6 +79,16 @@ class KvrouteCost:
                                                 the router copies h's prefix there
         demand = 1 + demand_horizon_s * d       with replicate 0: the request moves to m
 
+    and with ``tail_hold`` > 0 (the tail rule, off by default), unless the request's first
+    token would come in the tail there and not on m::
+
+        first_m <= tail_hold * T < first_h      (then the hold rule keeps nothing)
+
+        first_w = backlog_w + work(P - c_w, c_w)   # when w would prefill its last token
+        T       = the 99th percentile of work(P - c*, c*) over the last 2000 requests:
+                  the least prefill the traffic needs at its tail (RouteQuery.tail_work,
+                  kept by the router and the replay: ``PrefillTail``; inf before 200)
+
     where ``d`` is the prefix's demand: requests per second lately whose longest cached
     prefix ended at the same block (``RouteQuery.prefix_rate``).
 
@@ -262,6 +272,26 @@ class KvrouteCost:
       0.4 warm, chat's and agent's p99 margins by 0.9 and 3.7 points cold, and the closed loop
       gained most (README, "Arrival rates counted from the start"); rag's p99 margin from a
       cold start narrowed by 1.3 points.
+    * The p99 of time-to-first-token is made of the longest prompts, whose own prefill puts
+      them there, and of requests that waited: on chat and rag traffic from a cold start,
+      kvroute's p99 was lost to Mooncake-local's by 0.5-5.9% in 12 of 52 open-loop cells,
+      and several of the 30 slowest requests were turns the hold rule kept behind a new
+      session's long first prefill on their holder (a 6k-token prompt with 5952 tokens
+      cached waited 0.6 s; Mooncake-local, which moves it, gave it its first token in
+      0.05 s). The tail rule (``tail_hold`` > 0) lets such a request go when its first
+      token on the holder would come later than the traffic's tail ``T`` (the 99th
+      percentile of the least prefill of the last 2000 requests: what the longest prompts
+      cost anyway) and on the cheapest worker would not. It trades hits for p99, so it is
+      off by default. ``kvroute:tail_hold=1`` against the default (``bench/policy_jitter.py``,
+      three jitters, 16 workers, the 52 open-loop cells against the same peers' runs):
+      from a cold start all three won in 43 cells instead of 40 (p99 lost in 9 instead of
+      12; chat's p99 margin over the best peer 1.1% instead of 0.5%, rag's 1.2% below it
+      instead of 0.9% above); from a warm start in 38 instead of 43: p99 lost in 1 instead
+      of 5, but the hit ratio in 12 instead of 7, by up to 0.20 points, 11 of them on rag
+      traffic, where every policy is within a few hundredths of a point of the others and
+      each move redoes a document (0.07% of the tokens on rag seed 1 at 80%). With
+      ``tail_hold`` 1.15 or 1.5, or ``hold`` 1000 beside it, the counts stay within
+      77-83 of 104 either way (the default: 83).
 
     Parameters (tuned with ``bench/policy_jitter.py`` on the Mooncake trace and the four
     generated workloads, 16 workers, 50-95% load; see README):
@@ -303,6 +333,10 @@ class KvrouteCost:
             to the cheapest worker without it) while each holder would get more than this
             many of its requests over ``demand_horizon_s``, the average worker has no
             request queued and the copy's worker no prefill pending (2.0; 0: off).
+        tail_hold: the hold rule lets a request go when its first token on the holder
+            would come later than this many times the traffic's tail ``T`` and on the
+            cheapest worker would not (0, the default: off; 1 puts p99 before hits, see
+            the tail rule above).
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
@@ -349,6 +383,7 @@ class KvrouteCost:
     demand_horizon_s: float = 10.0
     replicate: float = 1.0
     spread_demand: float = 2.0
+    tail_hold: float = 0.0
     name: str = "kvroute"
     # The same policy with replicate 0: its ranking says where a copy would be made.
     _moving: KvrouteCost | None = field(default=None, init=False, repr=False, compare=False)
@@ -378,6 +413,7 @@ class KvrouteCost:
         "arrival_weight": (0.0, 0.5, 1.0, 2.0, 4.0),
         "demand_horizon_s": (0.0, 3.0, 10.0, 30.0),
         "spread_demand": (0.0, 1.0, 2.0, 4.0, 8.0),
+        "tail_hold": (0.0, 0.8, 1.0, 1.5, 2.0),
     }
 
     def __post_init__(self) -> None:
@@ -398,6 +434,8 @@ class KvrouteCost:
             raise ValueError(f"prefill_s_per_token must be > 0; got {self.prefill_s_per_token}")
         if not self.demand_horizon_s >= 0:
             raise ValueError(f"demand_horizon_s must be >= 0; got {self.demand_horizon_s}")
+        if not self.tail_hold >= 0:
+            raise ValueError(f"tail_hold must be >= 0 (0: off); got {self.tail_hold}")
         if not self.spread_demand >= 0:
             raise ValueError(f"spread_demand must be >= 0; got {self.spread_demand}")
         if self.replicate not in (0.0, 1.0):
@@ -419,10 +457,10 @@ class KvrouteCost:
                   self.kv_decay, self.affinity_weight, self.attn, self.hold, self.hold_min,
                   self.batch_weight, self.batch_tokens, self.transfer_cost,
                   self.arrival_weight, self.prefill_s_per_token, self._demand_horizon,
-                  self.kv_fill_from, self.kv_fill_full)
+                  self.kv_fill_from, self.kv_fill_full, self.tail_hold)
         order, costs = _native_rank(params, loads, matched, query.prompt_tokens,
                                     query.block_size, query.affinity, query.family,
-                                    query.prefix_rate)
+                                    query.prefix_rate, query.tail_work)
         return Ranking(order, costs)
 
     def rank_python(self, query: RouteQuery) -> Sequence[Scored]:
@@ -463,7 +501,7 @@ class KvrouteCost:
             self._batch_delay(costs, cached, loads, p)
         if top and self.hold > 0:
             self._hold(costs, cached, top, loads, p, beta,
-                       query.prefix_rate if self._demand_horizon else 0.0)
+                       query.prefix_rate if self._demand_horizon else 0.0, query.tail_work)
         # Only what no worker caches yet is placed anew (cached prefixes: miss and hold terms).
         spread = self.affinity_weight * (mean_queued - 1.0) * (p - top)
         if spread > 0 and len(costs) > 1:  # only under load: the ordering costs a hash each
@@ -559,13 +597,15 @@ class KvrouteCost:
                 costs[w] += k * ld.arrival_rate * wk * wk
 
     def _hold(self, costs: dict[str, float], cached: dict[str, int], top: int,
-              loads: Mapping[str, WorkerLoad], p: int, beta: float, rate: float) -> None:
+              loads: Mapping[str, WorkerLoad], p: int, beta: float, rate: float,
+              tail: float = math.inf) -> None:
         """The hold rule: keep a request on its longest cached prefix when that is most of
         the prompt, the holder has a free batch slot and no worker's queued prefill is
         shorter by ``hold`` x the prefill it would redo, or its fetch when cheaper, counting
         the holder's backlog once more per request the prefix's demand ``rate`` brings over
-        ``demand_horizon_s`` (see the class docstring). ``top`` is the longest cached
-        prefix. Rewrites ``costs`` in place."""
+        ``demand_horizon_s``; with ``tail_hold``, not when that would put its first token
+        in the tail ``tail`` (``RouteQuery.tail_work``) and a move would not (see the class
+        docstring). ``top`` is the longest cached prefix. Rewrites ``costs`` in place."""
         if top < self.hold_min * p:
             return
         holder = min((w for w, c in cached.items() if c == top), key=costs.__getitem__)
@@ -584,7 +624,13 @@ class KvrouteCost:
         lm = loads[cheapest]
         # The backlog in work units, its attention included, as the redo: counted in tokens,
         # a holder prefilling a 190k-token prompt (68 s) looked 4x shorter than it was.
-        backlog = ((lh.pending_prefill_tokens + attn * lh.pending_prefill_context)
-                   - (lm.pending_prefill_tokens + attn * lm.pending_prefill_context))
-        if backlog * demand < self.hold * redo:
-            costs[holder] = math.nextafter(costs[cheapest], -math.inf)
+        queued_h = lh.pending_prefill_tokens + attn * lh.pending_prefill_context
+        queued_m = lm.pending_prefill_tokens + attn * lm.pending_prefill_context
+        if (queued_h - queued_m) * demand >= self.hold * redo:
+            return
+        if self.tail_hold and tail < math.inf:
+            # Held, its first token would come in the tail, and on m it would not: let it go.
+            limit = self.tail_hold * tail
+            if queued_m + work(n0, c0, attn) <= limit < queued_h + work(n, top, attn):
+                return
+        costs[holder] = math.nextafter(costs[cheapest], -math.inf)
