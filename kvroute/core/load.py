@@ -232,14 +232,19 @@ class PrefillTail:
         self._recent: deque[float] = deque()
         self._sorted: list[float] = []
 
+    def current(self) -> float:
+        """The tail of the requests counted so far (``inf`` under ``min_samples``)."""
+        vals = self._sorted
+        n = len(vals)
+        return vals[min(n - 1, int(self.quantile * n))] if n >= self.min_samples else math.inf
+
     def observe(self, uncached: int, cached: int) -> float:
         """The tail of the requests seen before this one; then counts this one's least
         prefill (``uncached`` tokens after ``cached``)."""
+        tail = self.current()
         vals = self._sorted
-        n = len(vals)
-        tail = vals[min(n - 1, int(self.quantile * n))] if n >= self.min_samples else math.inf
         w = uncached + self.attn * prefill_context(uncached, cached)
-        if n >= self.window:
+        if len(vals) >= self.window:
             old = self._recent.popleft()
             del vals[bisect.bisect_left(vals, old)]
         self._recent.append(w)

@@ -10,6 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvroute.core.load import PrefillTail
     from kvroute.router.mirror import IndexMirror
 
 DECISION_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2.5e-3, 5e-3,
@@ -68,6 +69,26 @@ class RouterMetrics:
 
     def watch(self, mirror: IndexMirror) -> None:
         self.registry.register(_MirrorCollector(mirror))
+
+    def watch_tail(self, tail: PrefillTail) -> None:
+        """Report the decider's tail (read at scrape time: nothing is added per request)."""
+        self.registry.register(_TailCollector(tail))
+
+
+class _TailCollector(Collector):
+    def __init__(self, tail: PrefillTail) -> None:
+        self._t = tail
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        t = self._t.current()
+        yield GaugeMetricFamily(
+            "kvroute_router_prefill_tail_work",
+            f"The {self._t.quantile:.0%} quantile of the least prefill the last "
+            f"{self._t.window} requests needed (tokens past the longest prefix cached "
+            f"anywhere, plus their attention, in the policy's work units): the tail "
+            f"kvroute:tail_hold compares a held request's first token with; 0 until "
+            f"{self._t.min_samples} requests were seen",
+            value=t if t < float("inf") else 0.0)
 
 
 class _MirrorCollector(Collector):

@@ -119,6 +119,8 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
     invalid = router.metrics.registry.get_sample_value(
         "kvroute_router_requests_total", {"rpc": "Route", "outcome": "invalid"})
     assert invalid == 4  # three bad ids (one per encoding), one malformed message
+    # The decider's tail is scraped too: none yet, far fewer than 200 requests were routed.
+    assert router.metrics.registry.get_sample_value("kvroute_router_prefill_tail_work") == 0
 
 
 async def test_text_prompts_with_a_tokenizer(cluster) -> None:
