@@ -211,7 +211,7 @@ class PrefillTail:
 
     ``quantile`` in (0, 1) is read over the last ``window`` requests (the oldest forgotten),
     and is ``inf`` until ``min_samples`` were counted. The router's decider and the replay
-    simulator keep one each.
+    simulator keep one each for a policy that reads it (kvroute with ``tail_hold``).
 
     Invariant: ``_sorted`` holds the values of ``_recent``, ascending; both hold at most
     ``window``.

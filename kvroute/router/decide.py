@@ -54,7 +54,7 @@ class Decider:
         self.policy = policy
         # How hot each cached prefix is (RouteQuery.prefix_rate), counted from now.
         self.demand = PrefixDemand(start=time.monotonic())
-        self.tail = prefill_tail(policy)  # RouteQuery.tail_work
+        self.tail = prefill_tail(policy)  # RouteQuery.tail_work, if the policy reads it
         self._hashers: dict[str, BlockHasher] = {}
 
     def hasher(self, salt: str) -> BlockHasher:
@@ -90,8 +90,12 @@ class Decider:
                             demand=self.demand, tail=self.tail, now=time.monotonic())
 
 
-def prefill_tail(policy: Policy) -> PrefillTail:
-    """A :class:`PrefillTail` weighing work as ``policy`` does (its ``attn``, if it has one)."""
+def prefill_tail(policy: Policy) -> PrefillTail | None:
+    """A :class:`PrefillTail` weighing work as ``policy`` does (its ``attn``), for a policy
+    that reads the tail (a positive ``tail_hold``, kvroute's tail rule); else None: no
+    decision pays for a tail nobody reads."""
+    if not getattr(policy, "tail_hold", 0.0) > 0:
+        return None
     return PrefillTail(attn=float(getattr(policy, "attn", 0.0)))
 
 

@@ -27,6 +27,10 @@ from kvroute.router.registry import WorkerRegistry
 log = logging.getLogger("kvroute.router.mirror")
 
 _XREAD_COUNT = 1000
+# How long before a live worker whose snapshot held no readable state (none written yet, or
+# malformed) is read again: at every heartbeat scan, a malformed one would be logged and
+# counted twice a second.
+_SNAPSHOT_RETRY_S = 5.0
 _SNAPSHOT_SCRIPT = "return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2])}"
 
 
@@ -72,6 +76,8 @@ class IndexMirror:
         self._last_id = b"0-0"
         self._next_poll = 0.0
         self._missing_since: dict[str, float] = {}
+        # When a live worker whose snapshot held no readable state may be read again.
+        self._snapshot_due: dict[str, float] = {}
         self._prune_after_s = prune_after_s
         self._stopping = asyncio.Event()
         self._expire_from = 0.0
@@ -134,6 +140,7 @@ class IndexMirror:
         # A Redis that restarted empty shows no heartbeats until agents beat again: give
         # them one TTL before treating silence as death.
         self._expire_from = time.monotonic() + self.registry.max_ttl_s() + self._poll_s
+        self._snapshot_due.clear()  # Redis may have restarted: read every worker afresh
         await self._poll_heartbeats()
         members = await self._r.smembers(self._keys.workers)
         for w in {raw.decode() for raw in members} - self._feeds.keys():  # live ones: loaded
@@ -270,11 +277,18 @@ class IndexMirror:
         # A live worker we hold no cache state for: it registered after our bootstrap (as after
         # a Redis restart, when its heartbeat may come back after we bootstrapped) and may send
         # no event for a long while, so read its snapshot now rather than wait for one.
-        loaded = [w for w in beats if w not in self._feeds and w not in expired]
+        # One with none to read yet (or a malformed one) is read again after a while.
+        now = time.monotonic()
+        due = self._snapshot_due
+        loaded = [w for w in beats
+                  if w not in self._feeds and w not in expired and due.get(w, 0.0) <= now]
         for w in loaded:
             await self._load_snapshot(w)
             self.registry.set_cached_blocks(w, self.index.count(w))
-        now = time.monotonic()
+            if w in self._feeds:
+                due.pop(w, None)
+            else:
+                due[w] = now + _SNAPSHOT_RETRY_S
         for w in members:
             if w in beats:
                 self._missing_since.pop(w, None)
@@ -287,6 +301,7 @@ class IndexMirror:
         for w in expired:
             dropped = self.index.remove_worker(w)
             self._feeds.pop(w, None)
+            due.pop(w, None)
             log.warning("worker heartbeat expired; forgetting it",
                         extra={"kv": {"worker": w, "blocks_dropped": dropped}})
         if gone:
@@ -299,6 +314,7 @@ class IndexMirror:
             await pipe.execute()
             for w in gone:
                 self._missing_since.pop(w, None)
+                due.pop(w, None)
                 if w not in expired:
                     self.index.remove_worker(w)
                     self._feeds.pop(w, None)

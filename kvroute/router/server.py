@@ -417,7 +417,8 @@ class RouterApp:
         self.port = bind(server, cfg.host, cfg.port)
         self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, self.metrics.registry)
         self.metrics.watch(self.mirror)
-        self.metrics.watch_tail(self.decider.tail)
+        if self.decider.tail is not None:
+            self.metrics.watch_tail(self.decider.tail)
         if self.discovery is not None:
             await self.discovery.start()  # closes the gate before the first heartbeat scan
         self._mirror_task = asyncio.create_task(self.mirror.run(), name="index-mirror")

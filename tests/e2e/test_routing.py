@@ -43,6 +43,9 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cache_hits(cluster) -
     assert second[0].cached_tokens >= 2048
     assert second[-1].usage.cached_tokens == second[0].cached_tokens
     assert all(r.worker_id == w for r in second)
+    # The default policy reads no tail: the router keeps and reports none.
+    assert router.decider.tail is None
+    assert router.metrics.registry.get_sample_value("kvroute_router_prefill_tail_work") is None
 
 
 async def test_router_started_after_agents_routes_by_cache_at_once(cluster) -> None:
@@ -89,7 +92,9 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
 
     for w in ("a", "b"):
         await cluster.agent(w)
-    router = await cluster.router()
+    # (with the tail rule on: its tail is scraped below; under 200 requests it reads none,
+    # so the routing is the default's)
+    router = await cluster.router(policy="kvroute:tail_hold=1")
     await wait_for(lambda: len(router.registry.loads) == 2, what="2 workers registered")
     system = prompt(1024, 11)
     first = await generate(router.port, system + prompt(50, 12))
@@ -119,7 +124,8 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
     invalid = router.metrics.registry.get_sample_value(
         "kvroute_router_requests_total", {"rpc": "Route", "outcome": "invalid"})
     assert invalid == 4  # three bad ids (one per encoding), one malformed message
-    # The decider's tail is scraped too: none yet, far fewer than 200 requests were routed.
+    # The decider's tail is scraped too, for a policy that reads it: none yet, far fewer
+    # than 200 requests were routed.
     assert router.metrics.registry.get_sample_value("kvroute_router_prefill_tail_work") == 0
 
 

@@ -88,11 +88,14 @@ def test_a_decision_says_what_each_worker_would_prefill() -> None:
 
 
 def test_the_query_carries_the_tail_of_the_least_prefills_before_it() -> None:
-    """``tail_work``: inf until the decider has seen enough requests, then the 99th
+    """``tail_work``, kept for a policy that reads it (kvroute's ``tail_hold``): inf until
+    the decider has seen enough requests, then the 99th
     percentile of what the requests before needed at best (their tokens past the longest
     prefix any worker caches), weighed with the policy's attention cost."""
-    decider, index, reg = _setup()
-    assert decider.tail.attn == KvrouteCost().attn
+    _, index, reg = _setup()
+    assert Decider("m", BLOCK, KvrouteCost()).tail is None  # the default reads no tail
+    decider = Decider("m", BLOCK, KvrouteCost(tail_hold=1.0))
+    assert decider.tail is not None and decider.tail.attn == KvrouteCost().attn
     short = list(range(2 * BLOCK))
     for _ in range(decider.tail.min_samples):
         assert decider.decide(short, index, reg).query.tail_work == float("inf")

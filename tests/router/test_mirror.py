@@ -121,6 +121,20 @@ async def test_a_worker_that_returns_without_an_event_is_read_from_its_snapshot(
     assert mirror.stats.gaps == 0
 
 
+async def test_a_worker_without_readable_state_is_not_read_at_every_scan(
+        redis_server, mirror) -> None:
+    """A live worker whose snapshot is malformed is read (and counted) once, then again
+    only after _SNAPSHOT_RETRY_S: not at every heartbeat scan."""
+    c = redis_server.client()
+    c.hset(KEYS.meta("w"), mapping={"epoch": "e1"})  # no seq: malformed
+    beat(c, "w")
+    await wait_for(lambda: mirror.stats.malformed == 1, what="its snapshot read")
+    loads = mirror.stats.snapshot_loads
+    await asyncio.sleep(10 * 0.05)  # ten heartbeat scans
+    assert mirror.stats.snapshot_loads == loads and mirror.stats.malformed == 1
+    assert "w" in mirror.registry.loads and mirror.index.count("w") == 0
+
+
 async def test_expired_heartbeat_removes_worker_and_blocks(redis_server, mirror) -> None:
     c = redis_server.client()
     beat(c, "w")

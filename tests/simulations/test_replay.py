@@ -604,6 +604,8 @@ def test_the_policy_reads_the_tail_the_router_would() -> None:
     seen: list[tuple[float, int]] = []
 
     class Recording(RoundRobin):
+        tail_hold = 1.0  # it reads the tail, as kvroute with tail_hold does
+
         def rank(self, query):  # type: ignore[no-untyped-def]
             top = max((query.cached_tokens(w) for w in query.matched_blocks), default=0)
             seen.append((query.tail_work, query.prompt_tokens - top))

@@ -34,7 +34,9 @@ class RouteQuery:
     holds, requests diverge into families that the first block would lump together.
     ``prefix_rate`` is how many requests per second lately had the same longest cached
     prefix (:class:`~kvroute.core.load.PrefixDemand`): a hot shared document's is high, a
-    session's ~0.
+    session's ~0. ``tail_work`` is the prefill at the tail of what requests lately needed at
+    best, in work units (:class:`~kvroute.core.load.PrefillTail`; ``inf``: no tail known
+    yet, or none kept because the policy does not read it).
     """
 
     prompt_tokens: int
