@@ -154,6 +154,13 @@ class PrefixIndex:
         predicted again since. Returns how many were dropped."""
         deadline, worker, keys = heapq.heappop(self._pred_heap)
         self._pred_heap_keys -= len(keys)
+        return self.withdraw(worker, keys, deadline)
+
+    def withdraw(self, worker: str, keys: Iterable[int], deadline: float) -> int:
+        """Drop the predictions of ``keys`` on ``worker`` made with ``deadline`` (by
+        :meth:`predict`) that were not confirmed or predicted again since: the request they
+        stood for failed before its prefill, so nothing will store them. Returns how many
+        were dropped. (Their heap entry stays and finds nothing at its deadline.)"""
         pred = self._pred_of.get(worker)
         slot = self._slot_of.get(worker)
         if pred is None or slot is None:

@@ -29,11 +29,17 @@ Invariants:
   prompt adds just its new suffix, a cold 8k-token prompt 512 keys.
 * ``producer`` returns a request only for a block matched on ``w`` by prediction alone (the
   index does not really hold it there): a really stored block needs no wait.
+
+A request (or a background copy) that fails before its prefill will store nothing: its
+predictions are withdrawn at once (:meth:`Predicted.withdraw`) rather than left to mislead
+routing until their deadline.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvroute.core.config import COALESCE_SHARE
@@ -106,3 +112,29 @@ class InflightPrefixes(Generic[R]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """The blocks a request just sent to ``worker`` is predicted to store, until ``deadline``
+    (on ``time.monotonic``)."""
+
+    worker: str
+    keys: tuple[int, ...]
+    deadline: float
+
+    def withdraw(self, index: PrefixIndex) -> int:
+        """The request failed before its prefill: nothing will store these blocks, so drop
+        what is still only predicted of them. Returns how many were dropped."""
+        return index.withdraw(self.worker, self.keys, self.deadline)
+
+
+def predict_sent(index: PrefixIndex, inflight: InflightPrefixes[R], request: R, worker: str,
+                 keys: Sequence[int], uncached: int, ttl_s: float) -> Predicted:
+    """``request`` is being sent to ``worker`` to prefill ``uncached`` tokens of a prompt of
+    block ``keys``: predict them there for ``ttl_s`` and register it as their producer, so a
+    sibling routed to them waits for its first token."""
+    deadline = time.monotonic() + ttl_s
+    predicted = index.predict(worker, keys, deadline)
+    inflight.add(request, worker, predicted, uncached)
+    return Predicted(worker, predicted, deadline)

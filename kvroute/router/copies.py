@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ import grpc
 from kvroute.core.agent_client import AgentChannels
 from kvroute.core.load import prefill_context
 from kvroute.core.policies import RouteQuery
-from kvroute.router.coalesce import InflightPrefixes
+from kvroute.router.coalesce import InflightPrefixes, predict_sent
 from kvroute.router.decide import Decision
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
@@ -101,10 +100,10 @@ class PrefixCopier:
         self.metrics.copied_tokens.inc(len(copy.token_ids))
         self.registry.begin(worker, uncached, context=context)
         stored = asyncio.Event()
+        predicted = None
         if self.predict_ttl_s > 0 and self.mirror.available:
-            predicted = self.mirror.index.predict(worker, keys,
-                                                  time.monotonic() + self.predict_ttl_s)
-            self.inflight.add(stored, worker, predicted, uncached)
+            predicted = predict_sent(self.mirror.index, self.inflight, stored, worker, keys,
+                                     uncached, self.predict_ttl_s)
         started = False
         try:
             async for _ in self.channels.stub(address).Generate(copy):
@@ -117,6 +116,8 @@ class PrefixCopier:
                 "worker": worker, "request": copy.request_id, "tokens": len(copy.token_ids)}})
         except grpc.aio.AioRpcError as exc:
             self.metrics.copies.labels("failed").inc()
+            if predicted is not None and not started:
+                self.metrics.withdrawn.inc(predicted.withdraw(self.mirror.index))
             log.warning("hot prefix copy failed", extra={"kv": {
                 "worker": worker, "request": copy.request_id, "code": exc.code().name,
                 "details": exc.details()}})

@@ -62,6 +62,11 @@ class RouterMetrics:
         self.copied_tokens = Counter(
             "kvroute_router_prefix_copy_tokens",
             "Prompt tokens sent in background copies of hot prefixes", registry=r)
+        self.withdrawn = Counter(
+            "kvroute_router_predictions_withdrawn",
+            "Predicted index entries dropped before their deadline because the request or "
+            "background copy they stood for failed before its prefill (--predict-ttl-s)",
+            registry=r)
         self.coalesce_wait = Histogram(
             "kvroute_router_coalesce_wait_seconds",
             "How long a coalesced request waited for its sibling's first token",

@@ -43,7 +43,7 @@ from kvroute.core.validate import (
     check_tokens,
 )
 from kvroute.core.wire import request_token_ids, with_string_field
-from kvroute.router.coalesce import InflightPrefixes
+from kvroute.router.coalesce import InflightPrefixes, predict_sent
 from kvroute.router.copies import PrefixCopier
 from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_confirmed
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
@@ -246,14 +246,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             call = (self._channels.generate_wire(info.address)(payload) if payload is not None
                     else self._channels.stub(info.address).Generate(fwd))
             stored = asyncio.Event()  # set at this attempt's first token, or when it ends
+            predicted = None
             if predicting:
                 # Siblings arriving before this request's store events find it here, and
                 # wait for its first token (see _await_producer). Added just before the
                 # try whose finally releases it, so no path leaves it behind.
                 # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
-                predicted = self._mirror.index.predict(
-                    w, d.keys, time.monotonic() + self._cfg.predict_ttl_s)
-                self._inflight.add(stored, w, predicted, uncached)
+                predicted = predict_sent(self._mirror.index, self._inflight, stored, w,
+                                         d.keys, uncached, self._cfg.predict_ttl_s)
             try:
                 async for resp in call:
                     if not started:
@@ -292,6 +292,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._m.requests.labels("Generate", "ok").inc()
                 return
             assert failure is not None
+            if predicted is not None and not started:
+                # Refused or failed before its prefill: nothing will store those blocks.
+                self._m.withdrawn.inc(predicted.withdraw(self._mirror.index))
             if started:
                 # Tokens already reached the client: a retry would repeat them.
                 self._m.requests.labels("Generate", "failed_midstream").inc()

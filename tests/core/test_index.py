@@ -156,6 +156,24 @@ def test_predictions_survive_a_real_evict_and_clear_and_vice_versa(native: bool)
     assert idx.match([4]) == {} and idx.expire(2.0) == 0
 
 
+def test_a_withdrawn_prediction_matches_no_more(native: bool) -> None:
+    idx = PrefixIndex(native=native)
+    idx.add("w", [1])
+    assert idx.predict("w", [1, 2, 3, 4], deadline=10.0) == (2, 3, 4)
+    idx.add("w", [2])  # the engine stored one before the request failed
+    idx.predict("w", [4], deadline=12.0)  # a later request predicts one again
+    idx.predict("x", [1, 2, 3], deadline=10.0)  # the same deadline elsewhere
+    assert idx.withdraw("w", (2, 3, 4), 10.0) == 1  # only 3: 2 is real, 4 is the later's
+    assert idx.match([1, 2, 3]) == {"w": 2, "x": 3}
+    assert idx.keys_of("w") == {1, 2} and idx.predicted("w") == 1
+    assert idx.withdraw("w", (2, 3, 4), 10.0) == 0  # once only
+    assert idx.withdraw("gone", (1,), 10.0) == 0
+    # Its heap entry finds nothing left at the deadline; the later prediction still expires.
+    assert idx.expire(11.0) == 3  # x's three
+    assert idx.match([4]) == {"w": 1}
+    assert idx.expire(12.0) == 1 and idx.match([4]) == {}
+
+
 def test_a_later_prediction_extends_the_deadline(native: bool) -> None:
     idx = PrefixIndex(native=native)
     idx.predict("w", [1], deadline=1.0)

@@ -85,6 +85,23 @@ async def test_malformed_requests_get_invalid_argument(cluster) -> None:
         assert needle in err.value.details(), err.value.details()
 
 
+async def test_a_request_refused_before_its_prefill_leaves_no_prediction(cluster) -> None:
+    """The worker refuses the prompt (too long for it): the blocks the router predicted it
+    would store are withdrawn at once, so a sibling is not sent after a prefix nobody is
+    computing for the rest of --predict-ttl-s."""
+    await cluster.agent("a", max_prompt_tokens=500)
+    router = await cluster.router()
+    await wait_for(lambda: set(router.registry.loads) == {"a"}, what="a registered")
+    tokens = prompt(1024, 90)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(router.port, tokens)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert router.mirror.index.predicted("a") == 0
+    assert router.mirror.index.match(BlockHasher(16, "default").keys(tokens)) == {}
+    assert router.metrics.withdrawn._value.get() == 1024 // 16
+    assert len(router.service._inflight) == 0
+
+
 async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
     # The router reads the ids from the bytes gRPC received (kvroute/core/wire.py); a client
     # may write them unpacked or in several packed records, and must get the same answer.

@@ -92,11 +92,17 @@ async def test_without_copies_the_request_moves(cluster: Any, policy: str,
 
 async def test_a_failed_copy_is_counted_and_leaves_no_load(cluster: Any) -> None:
     # y refuses prompts as long as the prefix: the copy fails, the request it came with not.
-    router, _, c = await hot_prefix_on_a_busy_holder(cluster, POLICY,
-                                                     y={"max_prompt_tokens": SYSTEM - 1})
+    router, system, c = await hot_prefix_on_a_busy_holder(cluster, POLICY,
+                                                          y={"max_prompt_tokens": SYSTEM - 1})
     assert c[0].worker_id == "x" and c[0].cached_tokens >= SYSTEM
     await wait_for(lambda: copies(router, "failed") == 1, what="the copy failed")
     assert copies(router, "ok") == 0
+    # Nothing will store the prefix on y: its predictions are gone at once, not at their
+    # deadline (30 s), so no request is routed to y for a prefix it does not hold.
+    keys = BlockHasher(16, "default").keys(system)
+    assert router.mirror.index.match(keys).get("y", 0) == 0
+    assert router.mirror.index.predicted("y") == 0
+    assert router.metrics.withdrawn._value.get() == len(keys)
     ld = router.registry.loads["y"]
     assert ld.pending_prefill_tokens == 0 and ld.pending_prefill_context == 0
     assert ld.inflight == 0
