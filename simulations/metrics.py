@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,10 +31,13 @@ class PolicyMetrics:
     wall_s: float  # how long the replay took on this machine
     fetched_ratio: float = 0.0  # prompt tokens whose KV came from another worker (Mooncake)
     moved_ratio: float = 0.0  # prompt tokens cached elsewhere, not where the policy sent them
-    # prompt tokens the router could not see yet (see ``unseen_misses``): still being
+    # prompt tokens the router could not see yet (see ``missed_hits``): still being
     # prefilled when the request arrived, or prefilled but their event not yet arrived
     inflight_ratio: float = 0.0
     stale_ratio: float = 0.0
+    # prompt tokens an infinite cache would have hit that no worker held any more: with
+    # hit, fetched, moved, in-flight and stale, the infinite cache's hit ratio
+    evicted_ratio: float = 0.0
     # requests sent after their trace time, because the reply they carry had not ended yet
     # (closed-loop replay), and how much later on average
     waited_ratio: float = 0.0
@@ -67,7 +71,7 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     first = min(r.arrival_s for r in reqs)
     span = max(r.finished_s for r in reqs) - first
     sending = max(r.arrival_s for r in reqs) - first
-    unseen = unseen_misses(res)[res.warmup:]
+    missed = missed_hits(res)[res.warmup:]
     # What each worker prefilled for these requests and the copies their routing made (a
     # request's uncached prompt tokens: a worker computes nothing else).
     by_worker = dict.fromkeys((w.name for w in res.workers), 0)
@@ -85,8 +89,9 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         imbalance=float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0,
         wall_s=res.wall_s, fetched_ratio=fetched / prompt,
         moved_ratio=sum(r.moved_tokens for r in reqs) / prompt,
-        inflight_ratio=sum(f for f, _ in unseen) / prompt,
-        stale_ratio=sum(s for _, s in unseen) / prompt,
+        inflight_ratio=sum(m.flight for m in missed) / prompt,
+        stale_ratio=sum(m.stale for m in missed) / prompt,
+        evicted_ratio=sum(m.evicted for m in missed) / prompt,
         waited_ratio=len(waited) / len(reqs),
         waited_mean_s=float(np.mean(waited)) if waited else 0.0,
         sent_rps=len(reqs) / sending if sending > 0 else math.inf,
@@ -94,11 +99,21 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         copies=len(copies))
 
 
-def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
+class Missed(NamedTuple):
+    """A request's prompt tokens that an earlier request had already brought (so an infinite
+    cache would hit them) and that it neither got nor was sent away from (``moved_tokens``),
+    by why: see :func:`missed_hits`."""
+
+    flight: int
+    stale: int
+    evicted: int
+
+
+def missed_hits(res: ReplayResult) -> list[Missed]:
     """Per request of ``res.requests``, in that order, the tokens of its prefix that an
-    earlier request had already brought (so an infinite cache would hit them) but that the
-    router could not see when it routed this one, and that it neither got nor was moved away
-    from: ``(in flight, stale)``.
+    earlier request had already brought (so an infinite cache would hit them) but that it
+    neither got nor was moved away from, by why: the router could not see them yet when it
+    routed this one (in flight, stale), or no worker held them any more (evicted).
 
     * in flight: their first prefill had not ended anywhere when it arrived (bursts sharing
       a new prefix; the router's coalescing, ``--predict-ttl-ms``, recovers them), or, for
@@ -108,12 +123,16 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
     * stale: it had ended, but less than the propagation delay before (the cache event was
       still on its way to the router's index).
 
-    What remains of a request's loss against the infinite cache is evictions. A prefill ends
-    at its request's first token (with ``--chunked-prefill`` its early chunks are stored
-    sooner, so a few of those tokens count as in flight a little too long)."""
+    * evicted: the rest: no worker's cache held them any more (a finite cache's LRU made room
+      for other blocks), or the router saw them nowhere.
+
+    So per request, hits + fetched + moved + in flight + stale + evicted = the infinite
+    cache's hits. A prefill ends at its request's first token (with ``--chunked-prefill`` its
+    early chunks are stored sooner, so a few of those tokens count as in flight a little too
+    long)."""
     reqs = res.requests
     if not reqs or not res.workers:
-        return [(0, 0)] * len(reqs)
+        return [Missed(0, 0, 0)] * len(reqs)
     bs = res.workers[0].block_size
     ready: dict[int, float] = {}  # key -> when a prefill holding it first ended
     for r in reqs:
@@ -125,7 +144,7 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
             if not ready.get(k, math.inf) <= t:
                 ready[k] = t
     seen: set[int] = set()
-    out = [(0, 0)] * len(reqs)
+    out = [Missed(0, 0, 0)] * len(reqs)
     for i in sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s):
         r = reqs[i]
         n = leading_held(r.keys, _cacheable(r.prompt_tokens, len(r.keys), bs), seen)
@@ -136,7 +155,8 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
             visible += 1
         missed = max(0, n * bs - r.cached_tokens - r.moved_tokens)
         flight = min(missed, (n - done) * bs)
-        out[i] = (flight, min(missed - flight, (done - visible) * bs))
+        stale = min(missed - flight, (done - visible) * bs)
+        out[i] = Missed(flight, stale, missed - flight - stale)
         seen.update(r.keys)
         seen.update(r.reply_keys)
     return out
@@ -145,7 +165,8 @@ def unseen_misses(res: ReplayResult) -> list[tuple[int, int]]:
 # requests.csv: one row per request and policy (see :func:`request_rows`)
 REQUEST_COLUMNS = ("policy", "request", "warmup", "worker", "sent_s", "waited_s",
                    "prompt_tokens", "output_tokens", "cached_tokens", "fetched_tokens",
-                   "moved_tokens", "flight_tokens", "stale_tokens", "held_for", "floor_s",
+                   "moved_tokens", "flight_tokens", "stale_tokens", "evicted_tokens",
+                   "held_for", "floor_s",
                    "ttft_s", "e2e_s")
 
 
@@ -156,20 +177,22 @@ def request_rows(res: ReplayResult, floor: np.ndarray) -> list[dict[str, object]
     its trace time, closed loop), what it found cached there (``cached_tokens``, hits;
     ``fetched_tokens``, KV fetched from another worker), the prompt tokens it missed that
     another worker held (``moved_tokens``), that were still in flight or whose event was
-    still on its way (``flight_tokens``, ``stale_tokens``; see :func:`unseen_misses`), the
+    still on its way, or that no worker held any more (``flight_tokens``, ``stale_tokens``,
+    ``evicted_tokens``; see :func:`missed_hits`), the
     request whose prefill it waited for (``held_for``: coalesced, or the branch leading its
     program's fork on its worker; ``copy``: a background copy of its prefix), its TTFT
     floor (``floor``: :func:`ttft_floor`), TTFT and end-to-end latency. Sorting by
     ``ttft_s - floor_s`` finds what a policy's tail is made of."""
     rows: list[dict[str, object]] = []
-    for r, (flight, stale) in zip(res.requests, unseen_misses(res), strict=True):
+    for r, (flight, stale, evicted) in zip(res.requests, missed_hits(res), strict=True):
         fetched = min(r.received_tokens, r.cached_tokens)
         # A request held for a background copy of its prefix: the copy is no trace request.
         held = "" if r.after is None else "copy" if r.after.idx < 0 else r.after.idx
         rows.append(dict(zip(REQUEST_COLUMNS, (
             res.policy, r.idx, int(r.idx < res.warmup), r.worker, r.arrival_s, r.waited_s,
             r.prompt_tokens, r.output_tokens, r.cached_tokens - fetched, fetched,
-            r.moved_tokens, flight, stale, held, float(floor[r.idx]), r.first_token_s - r.arrival_s,
+            r.moved_tokens, flight, stale, evicted, held, float(floor[r.idx]),
+            r.first_token_s - r.arrival_s,
             r.finished_s - r.arrival_s), strict=True)))
     rows.sort(key=lambda row: row["request"])
     return rows

@@ -351,10 +351,11 @@ class Replayer:
                 chosen, group = branches.pop(0)
                 group.join(req)
                 placed[treq.program] = branches
-            # The policy's move: prefix it walked away from (its hits lost to balance).
+            # The policy's move: prefix it walked away from (its hits lost to balance), but
+            # for what it fetched instead (Mooncake's transfer: not lost, reported apart).
             q = d.query
-            req.moved_tokens = max(map(q.cached_tokens, q.matched_blocks), default=0) \
-                - q.cached_tokens(chosen.name)
+            req.moved_tokens = max(0, max(map(q.cached_tokens, q.matched_blocks), default=0)
+                                   - q.cached_tokens(chosen.name) - req.received_tokens)
             chosen.arrivals.add(now)  # as the router counts what it sends (registry.begin)
             chosen.submit(req, now)
             if replica is not None and not n_branches \

@@ -19,7 +19,7 @@ from simulations.replay import ReplayResult
 def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
           floor: dict[str, float] | None = None) -> str:
     wide = max(13, *(len(r.policy) for r in rows))  # variants: kvroute:hold=2
-    head = (f"{'policy':<{wide}} {'hit':>6} {'moved':>6} {'flight':>6} {'stale':>6} "
+    head = (f"{'policy':<{wide}} {'hit':>6} {'moved':>6} {'flight':>6} {'stale':>6} {'evict':>6} "
             f"{'TTFT mean':>9} {'p50':>7} {'p99':>8} {'E2E mean':>8} {'p99':>8} {'req/s':>6} "
             f"{'imbal':>6} {'wall':>6}")
     lines = [head, "-" * len(head)]
@@ -28,7 +28,7 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
         mark = " *" if r.ttft_mean_s == best else ""
         lines.append(
             f"{r.policy:<{wide}} {r.hit_ratio:>6.1%} {r.moved_ratio:>6.1%} "
-            f"{r.inflight_ratio:>6.1%} {r.stale_ratio:>6.1%} "
+            f"{r.inflight_ratio:>6.1%} {r.stale_ratio:>6.1%} {r.evicted_ratio:>6.1%} "
             f"{r.ttft_mean_s:>8.2f}s {r.ttft_p50_s:>6.2f}s {r.ttft_p99_s:>7.2f}s "
             f"{r.e2e_mean_s:>7.2f}s {r.e2e_p99_s:>7.2f}s "
             f"{r.throughput_rps:>6.2f} {r.imbalance:>6.2f} {r.wall_s:>5.1f}s{mark}")
@@ -44,7 +44,8 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
                  "when it arrived "
                  "(--predict-ttl-ms coalesces prefills); "
                  "stale: prefilled, but their cache event not yet at the router "
-                 "(--propagation-ms)")
+                 "(--propagation-ms); evict: held by no worker any more (--capacity-blocks); "
+                 "hit + moved + flight + stale + evict (+ fetched) = the infinite cache's")
     waits = [r for r in rows if r.waited_ratio]
     if waits:
         lines.append("sent when the reply they carry ended, after their trace time: " + ", ".join(

@@ -70,11 +70,16 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
         mine = [r for r in rows if r["policy"] == p["policy"]]
         assert [int(r["request"]) for r in mine] == list(range(240))
         tokens = {col: sum(int(r[col]) for r in mine) for col in (
-            "prompt_tokens", "cached_tokens", "moved_tokens", "flight_tokens", "stale_tokens")}
+            "prompt_tokens", "cached_tokens", "moved_tokens", "flight_tokens", "stale_tokens",
+            "evicted_tokens")}
         for col, ratio in (("cached_tokens", "hit_ratio"), ("moved_tokens", "moved_ratio"),
                            ("flight_tokens", "inflight_ratio"),
-                           ("stale_tokens", "stale_ratio")):
+                           ("stale_tokens", "stale_ratio"), ("evicted_tokens", "evicted_ratio")):
             assert tokens[col] / tokens["prompt_tokens"] == pytest.approx(p[ratio]), col
+        # Every token the infinite cache hits is got or missed for one reason.
+        assert sum(p[k] for k in ("hit_ratio", "fetched_ratio", "moved_ratio", "inflight_ratio",
+                                  "stale_ratio", "evicted_ratio")) == pytest.approx(
+            doc["bounds"]["infinite cache"]), p["policy"]
         assert tokens["flight_tokens"] > 0  # open loop: turns overtake their replies
         assert statistics.mean(float(r["ttft_s"]) for r in mine) == pytest.approx(
             p["ttft_mean_s"])

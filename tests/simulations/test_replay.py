@@ -277,7 +277,7 @@ def test_moves_off_a_cached_prefix_are_counted(mooncake: Trace) -> None:
 
 
 def test_a_prefix_the_router_cannot_see_yet_is_counted_in_flight_or_stale() -> None:
-    from simulations.metrics import unseen_misses
+    from simulations.metrics import missed_hits
 
 
     prefix = tuple(range(100, 164))  # 64 blocks of 16 tokens, ~90 ms of prefill
@@ -290,13 +290,13 @@ def test_a_prefix_the_router_cannot_see_yet_is_counted_in_flight_or_stale() -> N
     res = run(tr, "round_robin", workers=2, predict_ttl_s=0.0)
     assert res.requests[0].first_token_s == pytest.approx(first_ends, abs=0.002)
     assert [r.cached_tokens for r in res.requests] == [0, 0, 1024]
-    assert unseen_misses(res) == [(0, 0), (1024, 0), (0, 0)]
+    assert missed_hits(res) == [(0, 0, 0), (1024, 0, 0), (0, 0, 0)]
     m = measure(res)
     assert m.inflight_ratio == pytest.approx(1024 / 3120) and m.moved_ratio == 0
     # The router's coalescing holds the second for the first's prefill: a hit, none lost.
     res = run(tr, "kvroute", workers=2, predict_ttl_s=0.01)
     assert [r.cached_tokens for r in res.requests] == [0, 1024, 1024]
-    assert unseen_misses(res) == [(0, 0)] * 3
+    assert missed_hits(res) == [(0, 0, 0)] * 3
     # 20 ms after the first's prefill ended, round robin sends a sharer to a third worker:
     # the prefix is cached on the first's, but its event (50 ms) has not reached the
     # router, so the miss is stale; delivered at once, the router saw it: moved.
@@ -306,14 +306,52 @@ def test_a_prefix_the_router_cannot_see_yet_is_counted_in_flight_or_stale() -> N
     late = run(tr, "round_robin", workers=3, predict_ttl_s=0.0)
     assert [r.worker for r in late.requests] == ["w00", "w01", "w02"]
     assert late.requests[2].cached_tokens == 0 and late.requests[2].moved_tokens == 0
-    assert unseen_misses(late) == [(0, 0), (0, 0), (0, 1024)]
+    assert missed_hits(late) == [(0, 0, 0), (0, 0, 0), (0, 1024, 0)]
     # One figure per request in the result's order, whatever that is (a closed-loop replay
     # sends requests out of trace order): requests.csv pairs them up.
     late.requests.reverse()
-    assert unseen_misses(late) == [(0, 1024), (0, 0), (0, 0)]
+    assert missed_hits(late) == [(0, 1024, 0), (0, 0, 0), (0, 0, 0)]
     assert measure(late).stale_ratio == pytest.approx(1024 / 2144)
     now = run(tr, "round_robin", workers=3, predict_ttl_s=0.0, propagation_s=0.0)
-    assert now.requests[2].moved_tokens == 1024 and unseen_misses(now)[2] == (0, 0)
+    assert now.requests[2].moved_tokens == 1024 and missed_hits(now)[2] == (0, 0, 0)
+
+
+def test_a_prefix_no_worker_holds_any_more_is_counted_evicted() -> None:
+    from simulations.metrics import missed_hits
+
+    prefix = tuple(range(100, 132))  # 32 blocks of 16 tokens
+    other = tuple(range(500, 560))  # 60 blocks: more than the cache has beside the prefix
+    tr = Trace([TraceRequest(0.0, 528, 2, (*prefix, 1)),
+                TraceRequest(1.0, 976, 2, (*other, 2)),  # evicts most of the prefix
+                TraceRequest(2.0, 528, 2, (*prefix, 3))], 16)
+    res = run(tr, "kvroute", workers=1, capacity_blocks=70)
+    third = res.requests[2]
+    assert third.cached_tokens < 512 and third.moved_tokens == 0
+    assert missed_hits(res)[2] == (0, 0, 512 - third.cached_tokens)
+    assert measure(res).evicted_ratio == pytest.approx((512 - third.cached_tokens) / 2032)
+    # With room for both, nothing is evicted.
+    roomy = run(tr, "kvroute", workers=1, capacity_blocks=200)
+    assert roomy.requests[2].cached_tokens == 512
+    assert missed_hits(roomy) == [(0, 0, 0)] * 3
+
+
+@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "mooncake"])
+def test_every_token_the_infinite_cache_hits_is_got_or_missed_for_one_reason(
+        mooncake: Trace, policy: str) -> None:
+    """Per request: hits + fetched + moved + in flight + stale + evicted = the infinite
+    cache's hits (a small cache, so all of them occur; Mooncake's transfer fetches)."""
+    from simulations.metrics import missed_hits
+
+    tr = head(mooncake, 600, 2.0)
+    res = run(tr, policy, workers=4, capacity_blocks=300)
+    inf = infinite_cache_hits(tr)
+    missed = missed_hits(res)
+    for r, m in zip(res.requests, missed, strict=True):
+        assert r.cached_tokens + r.moved_tokens + sum(m) == inf[r.idx], r.idx
+    assert sum(m.evicted for m in missed) > 0
+    got = measure(res)
+    assert (got.hit_ratio + got.fetched_ratio + got.moved_ratio + got.inflight_ratio
+            + got.stale_ratio + got.evicted_ratio) == pytest.approx(hit_ratio(tr, inf))
 
 
 def test_a_request_waits_for_an_in_flight_prefill_only_when_it_gets_most_of_it() -> None:
