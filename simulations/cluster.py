@@ -137,7 +137,10 @@ class SimWorker:
         self.finished: list[SimRequest] = []
         self._version = 0  # bumped on every state change, to reuse the load view
         self._load_key: tuple[int, int, bool, int] | None = None
-        self.arrivals = ArrivalRate()  # requests routed here, as the router counts them
+        # Requests routed here and the tokens they had to prefill, as the router counts them
+        # (registry.begin): see :meth:`routed`; the replay restarts both at its first arrival.
+        self.arrivals = ArrivalRate()
+        self.prefills = ArrivalRate()
         self._admitted: list[SimRequest] = []  # prefilled in the latest admitting iteration
         self._admitted_end = 0.0  # ... which ends then (their first token)
         self._load = WorkerLoad()
@@ -161,11 +164,23 @@ class SimWorker:
         key = (self._version, cached_blocks, prefilling, math.floor(now))
         if self._load_key != key:
             self._load_key = key
-            self._load = self._build_load(cached_blocks, prefilling, self.arrivals.at(now))
+            self._load = self._build_load(cached_blocks, prefilling, self.arrivals.at(now),
+                                          self.prefills.at(now))
         return self._load
 
-    def _build_load(self, cached_blocks: int, prefilling: bool, arrival_rate: float
-                    ) -> WorkerLoad:
+    def start_rates(self, start: float) -> None:
+        """Count arrivals and prefills from ``start`` (the router's start: see ArrivalRate)."""
+        self.arrivals = ArrivalRate(start=start)
+        self.prefills = ArrivalRate(start=start)
+
+    def routed(self, now: float, uncached: int) -> None:
+        """A request (or a background copy) was routed here at ``now`` with ``uncached``
+        tokens to prefill, as the router counts it (``registry.begin``)."""
+        self.arrivals.add(now)
+        self.prefills.add(now, uncached)
+
+    def _build_load(self, cached_blocks: int, prefilling: bool, arrival_rate: float,
+                    prefill_rate: float) -> WorkerLoad:
         pending = self.pending_prefill + sum(r.routed_uncached for r in self.prefilling)
         context = self.pending_context + sum(r.routed_context for r in self.prefilling)
         if prefilling:
@@ -179,7 +194,8 @@ class SimWorker:
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending, cached_blocks=cached_blocks,
             max_running=self.max_batch, max_batched_tokens=self.prefill_budget,
-            arrival_rate=arrival_rate, pending_prefill_context=context)
+            arrival_rate=arrival_rate, pending_prefill_context=context,
+            prefill_rate=prefill_rate)
 
     def submit(self, req: SimRequest, now: float) -> None:
         if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:

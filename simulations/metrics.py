@@ -127,9 +127,10 @@ def missed_hits(res: ReplayResult) -> list[Missed]:
       for other blocks), or the router saw them nowhere.
 
     So per request, hits + fetched + moved + in flight + stale + evicted = the infinite
-    cache's hits. A prefill ends at its request's first token (with ``--chunked-prefill`` its
-    early chunks are stored sooner, so a few of those tokens count as in flight a little too
-    long)."""
+    cache's hits, that cache fed in the order the requests were sent (in a closed loop not
+    always the trace's order, which ``infinite_cache_hits`` follows). A prefill ends at its
+    request's first token (with ``--chunked-prefill`` its early chunks are stored sooner,
+    so a few of those tokens count as in flight a little too long)."""
     reqs = res.requests
     if not reqs or not res.workers:
         return [Missed(0, 0, 0)] * len(reqs)

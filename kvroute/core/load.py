@@ -37,7 +37,10 @@ class WorkerLoad:
     (vLLM's ``--max-num-batched-tokens``; 0: unknown): requests queued together within it are
     admitted together, and each gets its first token only when all their prefills are done.
     ``arrival_rate`` is requests per second sent to the worker lately (:class:`ArrivalRate`;
-    the only field that is not a count).
+    not a count), and ``prefill_rate`` the prompt tokens per second sent to it lately that it
+    had to prefill (uncached when routed; the router's own count, as engines do not report
+    it): once its cache is full, each such token evicts a cached one, so this is how fast its
+    cache turns over.
     ``pending_prefill_context`` is the context those pending tokens attend to
     (:func:`prefill_context` summed over the pending prefills; the router's own count, as
     engines report tokens only; 0: unknown), so a policy can weigh the pending prefill by
@@ -55,6 +58,7 @@ class WorkerLoad:
     max_batched_tokens: int = 0
     arrival_rate: float = 0.0
     pending_prefill_context: int = 0
+    prefill_rate: float = 0.0
     # Derived in __post_init__: a policy reads them for every worker on every decision, and
     # a load changes far less often than it is read (128 workers: ~15 us less per ranking).
     busy: int = field(init=False, repr=False, compare=False)
@@ -63,7 +67,7 @@ class WorkerLoad:
     # What the C build of kvroute's policy reads, one attribute per worker instead of nine
     # (kvroute/core/_native/kvcost.c): pending_prefill_tokens, busy, used_blocks, queued,
     # max_batched_tokens, max_running, occupied, pending_prefill_context (ints), cache_fill,
-    # arrival_rate (floats).
+    # arrival_rate, prefill_rate (floats).
     packed: tuple[int | float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,7 +83,8 @@ class WorkerLoad:
         object.__setattr__(self, "packed", (
             self.pending_prefill_tokens, self.busy, self.used_blocks, self.queued,
             self.max_batched_tokens, self.max_running, self.occupied,
-            self.pending_prefill_context, self.cache_fill, float(self.arrival_rate)))
+            self.pending_prefill_context, self.cache_fill, float(self.arrival_rate),
+            float(self.prefill_rate)))
 
     @property
     def occupied(self) -> int:

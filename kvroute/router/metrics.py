@@ -141,6 +141,11 @@ class _MirrorCollector(Collector):
             "Requests per second reaching each worker lately (30 s window; the larger of this "
             "router's count and the agent's heartbeat), as the policy sees it",
             labels=["worker"])
+        prefills = GaugeMetricFamily(
+            "kvroute_router_worker_prefill_rate",
+            "Uncached prompt tokens per second this router sent each worker lately (30 s "
+            "window): how fast its cache turns over once full, as the policy sees it",
+            labels=["worker"])
         up = GaugeMetricFamily("kvroute_router_worker_routable",
                                "1 if the worker can be routed to", labels=["worker"])
         incompatible = GaugeMetricFamily(
@@ -155,6 +160,7 @@ class _MirrorCollector(Collector):
             context.add_metric([w], ld.pending_prefill_context if ld else 0)
             blocks.add_metric([w], m.index.count(w))
             arrivals.add_metric([w], ld.arrival_rate if ld else 0.0)
+            prefills.add_metric([w], ld.prefill_rate if ld else 0.0)
             up.add_metric([w], int(ld is not None))
             incompatible.add_metric([w], int(not info.compatible))
-        yield from (inflight, pending, context, blocks, arrivals, up, incompatible)
+        yield from (inflight, pending, context, blocks, arrivals, prefills, up, incompatible)

@@ -43,11 +43,14 @@ class WorkerInfo:
     pending_context: int = 0  # prefill_context summed over our pending prefills
     cached_blocks: int = 0
     first_seen: float = field(default_factory=time.monotonic)
-    # Our requests, by monotonic time, counted from when we first saw the worker.
+    # Our requests, and the tokens they had to prefill there, by monotonic time, counted
+    # from when we first saw the worker.
     arrivals: ArrivalRate = field(init=False)
+    prefills: ArrivalRate = field(init=False)
 
     def __post_init__(self) -> None:
         self.arrivals = ArrivalRate(start=self.first_seen)
+        self.prefills = ArrivalRate(start=self.first_seen)
 
 
 def parse_static(spec: str) -> dict[str, str]:
@@ -207,7 +210,9 @@ class WorkerRegistry:
             info.pending_prefill += uncached_tokens
             info.pending_context += context
             if arrival:
-                info.arrivals.add(time.monotonic())
+                now = time.monotonic()
+                info.arrivals.add(now)
+                info.prefills.add(now, uncached_tokens)
             self._refresh(worker)
 
     def first_token(self, worker: str, uncached_tokens: int, context: int = 0) -> None:
@@ -261,12 +266,14 @@ class WorkerRegistry:
             return
         hb = info.heartbeat
         rate = info.arrivals.at(now)
+        prefill_rate = info.prefills.at(now)
         if hb is None:
             self.loads[worker] = WorkerLoad(inflight=info.inflight,
                                             pending_prefill_tokens=info.pending_prefill,
                                             cached_blocks=info.cached_blocks,
                                             arrival_rate=rate,
-                                            pending_prefill_context=info.pending_context)
+                                            pending_prefill_context=info.pending_context,
+                                            prefill_rate=prefill_rate)
             return
         # The heartbeat counts every router's traffic but is up to one interval old; our own
         # counters are exact for our traffic. Take the larger of each.
@@ -282,4 +289,5 @@ class WorkerRegistry:
             max_batched_tokens=hb.max_batched_tokens,
             arrival_rate=max(hb.arrival_rate, rate),
             pending_prefill_context=info.pending_context,  # engines report tokens only
+            prefill_rate=prefill_rate,  # our own traffic's: no heartbeat carries it
         )

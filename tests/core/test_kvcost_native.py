@@ -51,7 +51,8 @@ def random_query(rng: random.Random) -> RouteQuery:
             max_running=rng.choice((0, 64)),
             max_batched_tokens=rng.choice((0, 2048, 8192)),
             cached_blocks=rng.choice((0, 1000, 4096, 5000)),  # 5000: an index ahead of evictions
-            arrival_rate=0.0 if idle else rng.choice((0.0, 0.05, 1.5, 7.25)))
+            arrival_rate=0.0 if idle else rng.choice((0.0, 0.05, 1.5, 7.25)),
+            prefill_rate=0.0 if idle else rng.choice((0.0, 0.0, 120.5, 4000.0, 25000.0)))
     bs = rng.choice((16, 64))
     p = rng.randint(1, 20000)
     names = list(loads)
@@ -64,7 +65,7 @@ def random_query(rng: random.Random) -> RouteQuery:
 
 def test_c_and_python_rank_alike_on_random_clusters() -> None:
     rng, tails = random.Random(7), random.Random(11)
-    held = spread = tied = arrivals = demanded = ramped = tailed = 0
+    held = spread = tied = arrivals = demanded = ramped = tailed = churned = 0
     for _ in range(3000):
         policy, query = random_policy(rng), random_query(rng)
         want = list(policy.rank_python(query))
@@ -79,6 +80,10 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
         ramped += policy.kv_weight > 0 and 0 < policy._kv_ramp(1 - room) < 1
         arrivals += policy.arrival_weight > 0 and room > 0 and any(
             ld.arrival_rate for ld in query.loads.values())
+        if policy.churn_s:  # did the churn term change the order?
+            churned += list(policy.rank_python(
+                replace(query, loads={w: replace(ld, prefill_rate=0.0)
+                                      for w, ld in query.loads.items()}))) != want
         if query.prefix_rate:  # a hot prefix: did its demand change the hold rule's verdict?
             demanded += list(policy.rank_python(replace(query, prefix_rate=0.0))) != want
         # The same query with a tail known: the paths agree, and the tail let a held
@@ -88,10 +93,10 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
             with_tail = list(policy.rank_python(tailed_query))
             assert list(policy.rank(tailed_query)) == with_tail, (policy, tailed_query)
             tailed += with_tail != want
-    # the draws reached the tie-breaks, the affinity, hold and arrival terms, demand, the
-    # tail, and the KV term's ramp between its ends
+    # the draws reached the tie-breaks, the affinity, hold, arrival and churn terms, demand,
+    # the tail, and the KV term's ramp between its ends
     assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000 and demanded > 5
-    assert ramped > 100 and tailed > 10, (ramped, tailed)
+    assert ramped > 100 and tailed > 10 and churned > 50, (ramped, tailed, churned)
 
 
 def test_the_c_path_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:

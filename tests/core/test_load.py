@@ -68,11 +68,13 @@ def test_a_rate_counted_from_a_start_reads_a_stream_from_its_first_seconds() -> 
 def test_packed_carries_what_the_c_ranking_reads() -> None:
     ld = WorkerLoad(inflight=3, running=2, queued=1, free_blocks=60, capacity_blocks=100,
                     pending_prefill_tokens=500, cached_blocks=25, max_running=8,
-                    max_batched_tokens=2048, arrival_rate=1.5, pending_prefill_context=9000)
-    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 9000, 0.25, 1.5)
+                    max_batched_tokens=2048, arrival_rate=1.5, pending_prefill_context=9000,
+                    prefill_rate=750.0)
+    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 9000, 0.25, 1.5, 750.0)
     assert WorkerLoad(cached_blocks=130, capacity_blocks=100).cache_fill == 1.0  # index ahead
     assert WorkerLoad(cached_blocks=130).cache_fill == 0.0  # capacity unknown
-    assert isinstance(WorkerLoad(arrival_rate=2).packed[-1], float)
+    assert isinstance(WorkerLoad(arrival_rate=2).packed[-2], float)
+    assert isinstance(WorkerLoad(prefill_rate=2).packed[-1], float)
 
 
 def test_prefill_context_is_what_new_tokens_attend_to() -> None:

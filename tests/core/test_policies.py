@@ -229,6 +229,41 @@ def test_kvroute_keeps_a_long_prefill_off_a_worker_many_requests_reach() -> None
     assert full[0].worker == "a"
 
 
+def test_the_churn_term_sends_a_new_prompt_where_caches_turn_over_slowest() -> None:
+    """The churn term (``churn_s``, 3 s by default): once the caches are full, a prompt no
+    worker caches most of goes where the least was prefilled lately (each prefilled token
+    there evicts a cached one), past a small queue; with room in the caches, or for a prompt
+    cached somewhere, the term does nothing."""
+    def load(rate: float, fill: int, **kw: int) -> WorkerLoad:
+        return WorkerLoad(prefill_rate=rate, capacity_blocks=1000, free_blocks=1000,
+                          cached_blocks=fill, **kw)
+
+    churning, calm = load(4000.0, 1000), load(100.0, 1000, pending_prefill_tokens=500)
+    on, off = KvrouteCost(), KvrouteCost(churn_s=0.0)
+    assert on.churn_s == 3.0  # the default
+    assert off.rank(q({}, {"a": churning, "b": calm}))[0].worker == "a"
+    assert on.rank(q({}, {"a": churning, "b": calm}))[0].worker == "b"
+    costs = {s.worker: s.cost for s in on.rank(q({}, {"a": churning, "b": load(0.0, 1000)}))}
+    base = {s.worker: s.cost for s in off.rank(
+        q({}, {"a": churning, "b": load(0.0, 1000)}))}
+    assert costs["a"] - base["a"] == pytest.approx(3.0 * 4000.0)  # churn_s x tokens/s
+    assert costs["b"] == base["b"]
+    # Half-way up the ramp (a mean fill of 0.6): half the term.
+    half = {s.worker: s.cost for s in on.rank(q({}, {"a": load(4000.0, 600),
+                                                     "b": load(0.0, 600)}))}
+    half0 = {s.worker: s.cost for s in off.rank(
+        q({}, {"a": load(4000.0, 600), "b": load(0.0, 600)}))}
+    assert half["a"] - half0["a"] == pytest.approx(3.0 * 4000.0 / 2)
+    # Caches with room (a mean fill of 0.3): off.
+    roomy = {"a": load(4000.0, 300), "b": load(100.0, 300, pending_prefill_tokens=500)}
+    assert on.rank(q({}, roomy))[0].worker == "a"
+    # Most of the prompt cached on a: the hit decides, the churn term is not added.
+    assert list(on.rank(q({"a": 60}, {"a": churning, "b": calm}))) == list(
+        off.rank(q({"a": 60}, {"a": churning, "b": calm})))
+    with pytest.raises(ValueError, match="churn_s"):
+        KvrouteCost(churn_s=-1.0)
+
+
 def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:
     full = WorkerLoad(free_blocks=0, capacity_blocks=30000, cached_blocks=30000)
     empty = WorkerLoad(free_blocks=30000, capacity_blocks=30000, cached_blocks=30000)

@@ -73,6 +73,11 @@ async def test_the_request_stays_and_the_prefix_is_copied(cluster: Any) -> None:
     # Its load came and went: nothing left pending or in flight on y.
     y = router.registry.loads["y"]
     assert y.pending_prefill_tokens == 0 and y.pending_prefill_context == 0 and y.inflight == 0
+    # ... but its prefill counts in y's prefill rate (the churn term's), gauge included.
+    assert y.prefill_rate >= SYSTEM / 30.0
+    assert router.metrics.registry.get_sample_value(
+        "kvroute_router_worker_prefill_rate", {"worker": "y"}) == pytest.approx(
+        router.registry.loads["y"].prefill_rate, rel=0.05)
     # The next request for the prefix finds two holders and takes the idle one.
     d = await generate(router.port, system + prompt(64, 5), max_tokens=1)
     assert d[0].cached_tokens >= SYSTEM

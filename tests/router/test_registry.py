@@ -69,6 +69,28 @@ def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:
     assert reg.loads["s"].arrival_rate == pytest.approx(2.0 / math.e ** 2, rel=0.01)
 
 
+def test_prefill_rate_counts_the_uncached_tokens_we_send() -> None:
+    """Each request sent counts its uncached tokens (with or without a heartbeat; no
+    heartbeat carries the rate), a held one only once it is sent."""
+    reg = WorkerRegistry({"s": "h:9"}, 16)
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=0.5)})
+    assert reg.loads["w"].prefill_rate == 0 and reg.loads["s"].prefill_rate == 0
+    reg.begin("w", 3000)
+    reg.begin("w", 0)  # all cached: an arrival, no prefill
+    reg.begin("s", 1000)
+    reg.begin("s", 5000, arrival=False)  # held, not sent yet
+    per_token = 1 / ARRIVAL_TAU_S / -math.expm1(-ARRIVAL_MIN_WINDOW_S / ARRIVAL_TAU_S)
+    assert reg.loads["w"].prefill_rate == pytest.approx(3000 * per_token, rel=0.01)
+    assert reg.loads["s"].prefill_rate == pytest.approx(1000 * per_token, rel=0.01)
+    assert reg.loads["w"].arrival_rate == pytest.approx(2 * per_token, rel=0.01)
+    # It decays as the arrival rate does.
+    old = ArrivalRate()
+    old.add(time.monotonic() - 60.0, n=3000)
+    reg._workers["w"].prefills = old
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})
+    assert reg.loads["w"].prefill_rate == pytest.approx(100.0 / math.e ** 2, rel=0.01)
+
+
 def test_expiry_spares_static_workers_and_can_be_suspended() -> None:
     reg = WorkerRegistry({"s": "h:9"}, 16)
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})

@@ -606,7 +606,7 @@ def test_hot_prefixes_are_copied_while_their_requests_stay(load: float) -> None:
 def test_the_router_sees_each_workers_arrival_rate() -> None:
     """The replay counts what it routes to each worker as the router does (ArrivalRate, 30 s
     window, counted from the first arrival), and a policy reads that rate in the load view
-    at every decision."""
+    at every decision; and so the tokens they had to prefill (``prefill_rate``)."""
     from kvroute.core.load import ARRIVAL_MIN_WINDOW_S, ARRIVAL_TAU_S
     from kvroute.core.policies import RoundRobin
 
@@ -615,6 +615,9 @@ def test_the_router_sees_each_workers_arrival_rate() -> None:
     class Recording(RoundRobin):
         def rank(self, query):  # type: ignore[no-untyped-def]
             seen.append({w: ld.arrival_rate for w, ld in query.loads.items()})
+            # each prompt is 100 new tokens: 100 tokens per request
+            for ld in query.loads.values():
+                assert ld.prefill_rate == pytest.approx(100 * ld.arrival_rate, rel=1e-9)
             return super().rank(query)
 
     tr = parse([json.dumps({"timestamp": 1000 * i, "input_length": 100, "output_length": 2,

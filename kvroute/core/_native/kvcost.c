@@ -7,7 +7,7 @@
  *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
  *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
  *             arrival_weight, prefill_s_per_token, demand_horizon_s, kv_fill_from,
- *             kv_fill_full, tail_hold), floats
+ *             kv_fill_full, tail_hold, churn_s), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -34,18 +34,20 @@
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
        P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, P_FILL_FROM,
-       P_FILL_FULL, P_TAIL_HOLD, N_PARAMS };
+       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, N_PARAMS };
 
-/* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill and arrival_rate */
+/* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill, arrival_rate and
+ * prefill_rate */
 enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, L_CONTEXT,
        N_LOAD };
-#define N_PACKED (N_LOAD + 2)
+#define N_PACKED (N_LOAD + 3)
 
 typedef struct {
     PyObject *name;      /* borrowed from loads */
     long long f[N_LOAD];
     double fill;         /* cache_fill */
     double rate;         /* arrival_rate */
+    double prefills;     /* prefill_rate */
     long long cached;    /* tokens of the prompt cached there */
     double cost;
     uint64_t tie;        /* rendezvous hash, for sorting */
@@ -121,7 +123,7 @@ static int read_load(PyObject *load, Worker *w) {
     if (packed == NULL) return -1;
     if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != N_PACKED) {
         PyErr_SetString(PyExc_TypeError,
-                        "WorkerLoad.packed must be a tuple of 8 ints and 2 floats");
+                        "WorkerLoad.packed must be a tuple of 8 ints and 3 floats");
         Py_DECREF(packed);
         return -1;
     }
@@ -134,8 +136,10 @@ static int read_load(PyObject *load, Worker *w) {
     }
     w->fill = PyFloat_AsDouble(PyTuple_GET_ITEM(packed, N_LOAD));
     w->rate = PyFloat_AsDouble(PyTuple_GET_ITEM(packed, N_LOAD + 1));
+    w->prefills = PyFloat_AsDouble(PyTuple_GET_ITEM(packed, N_LOAD + 2));
     Py_DECREF(packed);
-    if ((w->fill == -1.0 || w->rate == -1.0) && PyErr_Occurred()) return -1;
+    if ((w->fill == -1.0 || w->rate == -1.0 || w->prefills == -1.0) && PyErr_Occurred())
+        return -1;
     return 0;
 }
 
@@ -336,6 +340,14 @@ static PyObject *rank(PyObject *self, PyObject *args) {
                 w->cost += k * w->rate * wk * wk;
             }
         }
+    }
+
+    /* The churn term: a prompt no worker caches most of goes where the caches turn over
+     * slowest, as they fill. */
+    if (prm[P_CHURN] > 0 && (double)top < prm[P_HOLD_MIN] * (double)p) {
+        const double k = prm[P_CHURN] * ramp;
+        if (k > 0)
+            for (i = 0; i < n; i++) ws[i].cost += k * ws[i].prefills;
     }
 
     if (sort_ranking(by, tmp, n, (uint64_t)affinity) < 0) goto done;
