@@ -38,9 +38,9 @@ class WorkerLoad:
     admitted together, and each gets its first token only when all their prefills are done.
     ``arrival_rate`` is requests per second sent to the worker lately (:class:`ArrivalRate`;
     not a count), and ``prefill_rate`` the prompt tokens per second sent to it lately that it
-    had to prefill (uncached when routed; the router's own count, as engines do not report
-    it): once its cache is full, each such token evicts a cached one, so this is how fast its
-    cache turns over.
+    had to prefill (uncached; the larger of the router's own count and the agent's, which
+    counts every router's traffic): once its cache is full, each such token evicts a cached
+    one, so this is how fast its cache turns over.
     ``pending_prefill_context`` is the context those pending tokens attend to
     (:func:`prefill_context` summed over the pending prefills; the router's own count, as
     engines report tokens only; 0: unknown), so a policy can weigh the pending prefill by

@@ -148,6 +148,7 @@ class Heartbeat:
     max_running: int = 0
     max_batched_tokens: int = 0
     arrival_rate: float = 0.0  # requests per second the agent received lately (all routers)
+    prefill_rate: float = 0.0  # prompt tokens per second its engine prefilled lately (uncached)
     block_size: int = DEFAULT_BLOCK_SIZE
     ttl_s: float = 3.0
     key_scheme: str = KEY_SCHEME
@@ -176,11 +177,12 @@ class Heartbeat:
             v = getattr(hb, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"heartbeat field {name} must be a non-negative int, got {v!r}")
-        rate = hb.arrival_rate
-        if isinstance(rate, bool) or not isinstance(rate, int | float) \
-                or not math.isfinite(rate) or rate < 0:
-            raise ValueError(f"heartbeat field arrival_rate must be a non-negative finite "
-                             f"number, got {rate!r}")
+        for name in ("arrival_rate", "prefill_rate"):
+            rate = getattr(hb, name)
+            if isinstance(rate, bool) or not isinstance(rate, int | float) \
+                    or not math.isfinite(rate) or rate < 0:
+                raise ValueError(f"heartbeat field {name} must be a non-negative finite "
+                                 f"number, got {rate!r}")
         if not isinstance(hb.ttl_s, int | float) or hb.ttl_s <= 0:
             raise ValueError(f"heartbeat field ttl_s must be a positive number, got {hb.ttl_s!r}")
         for name in ("worker_id", "address", "epoch", "key_scheme"):

@@ -143,8 +143,9 @@ class _MirrorCollector(Collector):
             labels=["worker"])
         prefills = GaugeMetricFamily(
             "kvroute_router_worker_prefill_rate",
-            "Uncached prompt tokens per second this router sent each worker lately (30 s "
-            "window): how fast its cache turns over once full, as the policy sees it",
+            "Uncached prompt tokens per second each worker prefilled lately (30 s window; the "
+            "larger of this router's count and the agent's heartbeat): how fast its cache "
+            "turns over once full, as the policy sees it",
             labels=["worker"])
         up = GaugeMetricFamily("kvroute_router_worker_routable",
                                "1 if the worker can be routed to", labels=["worker"])

@@ -4,8 +4,9 @@ Invariants:
 
 * ``loads`` has exactly one entry per routable worker, rebuilt for a worker whenever its
   heartbeat or the router's own counters for it change, so the hot path only reads it. Its
-  arrival rate (the larger of the heartbeat's, all routers' traffic, and our own) is read
-  at each rebuild: at least once a heartbeat scan, a fraction of its 30 s window.
+  arrival and prefill rates (the larger of the heartbeat's, all routers' traffic, and our
+  own) are read at each rebuild: at least once a heartbeat scan, a fraction of their 30 s
+  window.
 * A worker learned from heartbeats is forgotten when its heartbeat expires; a static worker
   is never forgotten, only marked down for ``down_s`` after a failed forward.
 * ``inflight``, ``pending_prefill`` and ``pending_context`` never go negative (every begin
@@ -289,5 +290,5 @@ class WorkerRegistry:
             max_batched_tokens=hb.max_batched_tokens,
             arrival_rate=max(hb.arrival_rate, rate),
             pending_prefill_context=info.pending_context,  # engines report tokens only
-            prefill_rate=prefill_rate,  # our own traffic's: no heartbeat carries it
+            prefill_rate=max(hb.prefill_rate, prefill_rate),  # as the arrival rate
         )

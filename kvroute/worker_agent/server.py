@@ -78,6 +78,9 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         # Requests received (from every router): the heartbeat's arrival_rate, so that each
         # router sees the worker's whole traffic, not only its own.
         self.arrivals = ArrivalRate(start=time.monotonic())
+        # ... and the prompt tokens its engine prefilled (the heartbeat's prefill_rate: how
+        # fast its cache turns over, whichever router sent them).
+        self.prefills = ArrivalRate(start=self.arrivals.start)
 
     def invalid(self) -> None:
         """Count a request refused as INVALID_ARGUMENT."""
@@ -127,6 +130,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
                     ttft = time.perf_counter() - t0
                     resp.ttft_ms = ttft * 1000
                     self._m.ttft.observe(ttft)
+                    self.prefills.add(time.monotonic(), max(0, len(ereq.token_ids) - cached))
                 n_out += len(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     resp.finish_reason = _FINISH.get(chunk.finish_reason,
@@ -246,14 +250,15 @@ class AgentApp:
 
         def heartbeat() -> Heartbeat:
             ld = engine.load()
+            now = time.monotonic()
             return Heartbeat(
                 worker_id=self.worker_id, address=advertise, epoch=pub.epoch,
                 running=ld.running, queued=ld.queued, free_blocks=ld.free_blocks,
                 capacity_blocks=ld.capacity_blocks,
                 pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
                 max_batched_tokens=ld.max_batched_tokens,
-                arrival_rate=service.arrivals.at(time.monotonic()), block_size=cfg.block_size,
-                ttl_s=cfg.heartbeat_ttl_s,
+                arrival_rate=service.arrivals.at(now), prefill_rate=service.prefills.at(now),
+                block_size=cfg.block_size, ttl_s=cfg.heartbeat_ttl_s,
             )
 
         pub = CachePublisher(

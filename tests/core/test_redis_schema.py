@@ -71,7 +71,11 @@ def test_heartbeat_validation() -> None:
     assert Heartbeat.from_json(hb.to_json()).arrival_rate == 2.5
     # An older agent sends none: unknown, 0.
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').arrival_rate == 0
-    for bad in ("-1", "NaN", "Infinity", '"2"', "true", "null"):
-        with pytest.raises(ValueError, match="arrival_rate"):
-            Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
-                                f'"arrival_rate":{bad}}}')
+    for field in ("arrival_rate", "prefill_rate"):
+        for bad in ("-1", "NaN", "Infinity", '"2"', "true", "null"):
+            with pytest.raises(ValueError, match=field):
+                Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
+                                    f'"{field}":{bad}}}')
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", prefill_rate=1250.5)
+    assert Heartbeat.from_json(hb.to_json()).prefill_rate == 1250.5
+    assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').prefill_rate == 0

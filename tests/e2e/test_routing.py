@@ -377,8 +377,10 @@ async def test_router_replicas_share_one_view(cluster) -> None:
 
 
 async def test_a_replica_sees_the_arrivals_another_sent(cluster) -> None:
-    """The agent counts every request it receives and its heartbeat carries the rate, so a
-    router replica that sent a worker nothing still sees the traffic the others sent."""
+    """The agent counts every request it receives, and the prompt tokens its engine
+    prefilled, and its heartbeat carries both rates, so a router replica that sent a worker
+    nothing still sees the traffic the others sent, and how fast that worker's cache turns
+    over (the churn term's)."""
     a = await cluster.agent("a")
     r1 = await cluster.router()
     r2 = await cluster.router()
@@ -393,6 +395,11 @@ async def test_a_replica_sees_the_arrivals_another_sent(cluster) -> None:
     assert a.service is not None and a.service.arrivals.at(time.monotonic()) > 0
     await wait_for(lambda: r2.registry.loads["a"].arrival_rate > 0.09,
                    what="replica 2 saw the agent's arrival rate")
+    # 3 prompts of 64 new tokens each (one token is always computed, so at least 63 each)
+    await wait_for(lambda: r2.registry.loads["a"].prefill_rate > 3 * 63 / ARRIVAL_TAU_S,
+                   what="replica 2 saw the agent's prefill rate")
+    assert r2.registry.loads["a"].prefill_rate <= 3 * 64 * most / 3
+    assert r1.registry.loads["a"].prefill_rate > 3 * 63 / ARRIVAL_TAU_S  # its own count
 
 
 async def test_policy_parameters_set_on_the_command_line_take_effect(cluster) -> None:

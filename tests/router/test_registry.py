@@ -70,8 +70,9 @@ def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:
 
 
 def test_prefill_rate_counts_the_uncached_tokens_we_send() -> None:
-    """Each request sent counts its uncached tokens (with or without a heartbeat; no
-    heartbeat carries the rate), a held one only once it is sent."""
+    """Each request sent counts its uncached tokens (with or without a heartbeat), a held
+    one only once it is sent; the heartbeat's rate (every router's traffic) counts when it
+    is the larger."""
     reg = WorkerRegistry({"s": "h:9"}, 16)
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=0.5)})
     assert reg.loads["w"].prefill_rate == 0 and reg.loads["s"].prefill_rate == 0
@@ -89,6 +90,8 @@ def test_prefill_rate_counts_the_uncached_tokens_we_send() -> None:
     reg._workers["w"].prefills = old
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})
     assert reg.loads["w"].prefill_rate == pytest.approx(100.0 / math.e ** 2, rel=0.01)
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", prefill_rate=5000.0)})
+    assert reg.loads["w"].prefill_rate == 5000.0
 
 
 def test_expiry_spares_static_workers_and_can_be_suspended() -> None:
