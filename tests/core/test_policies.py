@@ -242,6 +242,7 @@ def test_the_churn_term_sends_a_new_prompt_where_caches_turn_over_slowest() -> N
     on, off = KvrouteCost(), KvrouteCost(churn_s=0.0)
     assert on.churn_s == 3.0  # the default
     assert off.rank(q({}, {"a": churning, "b": calm}))[0].worker == "a"
+    assert KvrouteCost().rank(q({}, {"a": churning, "b": calm}))[0].worker == "b"
     assert on.rank(q({}, {"a": churning, "b": calm}))[0].worker == "b"
     costs = {s.worker: s.cost for s in on.rank(q({}, {"a": churning, "b": load(0.0, 1000)}))}
     base = {s.worker: s.cost for s in off.rank(

@@ -285,16 +285,19 @@ class KvrouteCost:
       of the router's count and the agent's), in with the caches' fill like the KV term
       (``ramp``: off while they have room, when a placement evicts nothing). On the Mooncake
       trace, whose caches run 85-99% full, against the same policy without it
-      (``bench/policy_jitter.py``, three jitters, 16 workers): from a warm start the hit
-      ratio 0.8 points higher at 50% and 65% load (57.2% and 56.6%) and mean TTFT 3.8% and
-      6.5% lower (p99 0.8% and 7.2% lower); at 80% 0.3 points higher and mean 1.1% lower but
-      p99 3.8% higher, and at 95% 0.6 points lower and mean 3.3% higher (still 20% below the
-      best peer's). With vLLM V1's chunked prefills (five jitters): 0.8 points higher at 50%
-      and 65%, and 2.8 at 80% (50.8%, level with llm-d's where it was 2.8 below; mean TTFT
-      2.59 s against 4.23 s). With the term faded as queues grow (as the KV term), 95%
-      gained back what it lost and 50-80% lost more. The caches of the chat, agent, rag and
-      fork workloads stay under 40% full, so there it never acts (their 96 open-loop cells
-      are unchanged, bit for bit).
+      (``bench/policy_jitter.py``, three jitters, 16 workers, open loop): from a warm start
+      the hit ratio 0.8 points higher at 50% and 65% load (57.2% and 56.6%) and mean TTFT
+      3.8% and 6.5% lower (p99 0.8% and 7.2% lower); at 80% 0.3 points higher and mean 1.1%
+      lower but p99 3.8% higher, and at 95% 0.6 points lower and mean 3.3% higher (still 20%
+      below the best peer's); from a cold start alike. ``churn_s`` 1 gains less at 50-65%
+      (0.4-0.6 points) and loses nothing at 80-95% (0.5-0.6 points more, p99 3-9% lower),
+      but in a closed loop at 50% (ten jitters) its p99 was 0.3% above Mooncake-local's
+      where 3's was 0.8% below and 0's 0.2% below; 10 lost more at 80%. With vLLM V1's
+      chunked prefills (five jitters, warm): 0.8 points higher at 50% and 65%, and 2.8 at
+      80% (50.8%, level with llm-d's where it was 2.8 below; mean TTFT 2.59 s against 4.23
+      s). Faded as queues grow (as the KV term), the term gave back 95%'s loss and lost more
+      at 50-80%. The caches of the chat, agent, rag and fork workloads stay under 40% full,
+      so there it never acts (their 96 open-loop cells are unchanged, bit for bit).
     * The p99 of time-to-first-token is made of the longest prompts, whose own prefill puts
       them there, and of requests that waited: on chat and rag traffic from a cold start,
       kvroute's p99 was lost to Mooncake-local's by 0.5-5.9% in 12 of 52 open-loop cells,
