@@ -229,40 +229,44 @@ def test_kvroute_keeps_a_long_prefill_off_a_worker_many_requests_reach() -> None
     assert full[0].worker == "a"
 
 
-def test_the_churn_term_sends_a_new_prompt_where_caches_turn_over_slowest() -> None:
-    """The churn term (``churn_s``, 3 s by default): once the caches are full, a prompt no
-    worker caches most of goes where the least was prefilled lately (each prefilled token
-    there evicts a cached one), past a small queue; with room in the caches, or for a prompt
-    cached somewhere, the term does nothing."""
+def test_the_churn_term_sends_a_new_prompt_where_the_least_was_prefilled() -> None:
+    """The churn term: a prompt no worker caches most of goes where the least was prefilled
+    lately, past a small queue: ``churn_s`` (0.3 s) of each worker's prefill rate while the
+    caches have room (what was prefilled there comes back there, and waits behind it),
+    ``churn_full_s`` (3 s) once they are full (each prefilled token evicts a cached one),
+    linear between. For a prompt cached somewhere the term does nothing."""
     def load(rate: float, fill: int, **kw: int) -> WorkerLoad:
         return WorkerLoad(prefill_rate=rate, capacity_blocks=1000, free_blocks=1000,
                           cached_blocks=fill, **kw)
 
+    def extra(pol: KvrouteCost, fill: int) -> float:
+        """What the term adds to a worker prefilling 4000 tokens/s at that fill."""
+        loads = {"a": load(4000.0, fill), "b": load(0.0, fill)}
+        got = {s.worker: s.cost for s in pol.rank(q({}, loads))}
+        base = {s.worker: s.cost for s in off.rank(q({}, loads))}
+        assert got["b"] == base["b"]
+        return got["a"] - base["a"]
+
+    off = KvrouteCost(churn_s=0.0, churn_full_s=0.0)
+    on = KvrouteCost()
+    assert (on.churn_s, on.churn_full_s) == (0.3, 3.0)  # the defaults
     churning, calm = load(4000.0, 1000), load(100.0, 1000, pending_prefill_tokens=500)
-    on, off = KvrouteCost(), KvrouteCost(churn_s=0.0)
-    assert on.churn_s == 3.0  # the default
     assert off.rank(q({}, {"a": churning, "b": calm}))[0].worker == "a"
-    assert KvrouteCost().rank(q({}, {"a": churning, "b": calm}))[0].worker == "b"
     assert on.rank(q({}, {"a": churning, "b": calm}))[0].worker == "b"
-    costs = {s.worker: s.cost for s in on.rank(q({}, {"a": churning, "b": load(0.0, 1000)}))}
-    base = {s.worker: s.cost for s in off.rank(
-        q({}, {"a": churning, "b": load(0.0, 1000)}))}
-    assert costs["a"] - base["a"] == pytest.approx(3.0 * 4000.0)  # churn_s x tokens/s
-    assert costs["b"] == base["b"]
-    # Half-way up the ramp (a mean fill of 0.6): half the term.
-    half = {s.worker: s.cost for s in on.rank(q({}, {"a": load(4000.0, 600),
-                                                     "b": load(0.0, 600)}))}
-    half0 = {s.worker: s.cost for s in off.rank(
-        q({}, {"a": load(4000.0, 600), "b": load(0.0, 600)}))}
-    assert half["a"] - half0["a"] == pytest.approx(3.0 * 4000.0 / 2)
-    # Caches with room (a mean fill of 0.3): off.
+    assert extra(on, 1000) == pytest.approx(3.0 * 4000.0)  # full: churn_full_s x tokens/s
+    assert extra(on, 300) == pytest.approx(0.3 * 4000.0)  # room (fill under 0.4): churn_s
+    assert extra(on, 600) == pytest.approx(1.65 * 4000.0)  # half-way up the ramp
+    assert extra(KvrouteCost(churn_s=0.0), 300) == 0.0
+    # Room in the caches: the term alone still moves the new prompt off the busy prefiller.
     roomy = {"a": load(4000.0, 300), "b": load(100.0, 300, pending_prefill_tokens=500)}
-    assert on.rank(q({}, roomy))[0].worker == "a"
+    assert on.rank(q({}, roomy))[0].worker == "b"
     # Most of the prompt cached on a: the hit decides, the churn term is not added.
     assert list(on.rank(q({"a": 60}, {"a": churning, "b": calm}))) == list(
         off.rank(q({"a": 60}, {"a": churning, "b": calm})))
     with pytest.raises(ValueError, match="churn_s"):
         KvrouteCost(churn_s=-1.0)
+    with pytest.raises(ValueError, match="churn_full_s"):
+        KvrouteCost(churn_full_s=-1.0)
 
 
 def test_kvroute_avoids_a_worker_whose_kv_is_full() -> None:

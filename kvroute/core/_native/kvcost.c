@@ -7,7 +7,7 @@
  *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
  *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
  *             arrival_weight, prefill_s_per_token, demand_horizon_s, kv_fill_from,
- *             kv_fill_full, tail_hold, churn_s), floats
+ *             kv_fill_full, tail_hold, churn_s, churn_full_s), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -34,7 +34,7 @@
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
        P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, P_FILL_FROM,
-       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, N_PARAMS };
+       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, P_CHURN_FULL, N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill, arrival_rate and
  * prefill_rate */
@@ -342,10 +342,10 @@ static PyObject *rank(PyObject *self, PyObject *args) {
         }
     }
 
-    /* The churn term: a prompt no worker caches most of goes where the caches turn over
-     * slowest, as they fill. */
-    if (prm[P_CHURN] > 0 && (double)top < prm[P_HOLD_MIN] * (double)p) {
-        const double k = prm[P_CHURN] * ramp;
+    /* The churn term: a prompt no worker caches most of goes where the least was
+     * prefilled lately (what comes back there waits behind it; once full, it is evicted). */
+    if ((double)top < prm[P_HOLD_MIN] * (double)p) {
+        const double k = prm[P_CHURN] + (prm[P_CHURN_FULL] - prm[P_CHURN]) * ramp;
         if (k > 0)
             for (i = 0; i < n; i++) ws[i].cost += k * ws[i].prefills;
     }

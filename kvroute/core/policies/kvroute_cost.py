@@ -46,7 +46,7 @@ class KvrouteCost:
                + affinity_weight * max(0, q - 1) * (P - c*) * r_w   # keep families apart
                + arrival_weight * room * lambda_w * s * work(P - c_w, c_w)^2 / 2
                                                              # the arrivals it delays
-               + churn_s * ramp(F) * pi_w     if c* < hold_min * P   # what it evicts
+               + churn(F) * pi_w              if c* < hold_min * P   # what it delays, evicts
 
         work(n, c) = n * (1 + attn * (c + n / 2))            # n new tokens after c cached
         q          = mean_w(queued_w)                        # the cluster's mean queue
@@ -62,7 +62,8 @@ class KvrouteCost:
         room       = 1 - F                                   # the caches' free share
         s          = prefill_s_per_token                     # seconds per unit of work
         pi_w       = prompt tokens per second w prefilled lately (uncached; its
-                     prefill_rate): how fast its cache turns over once full
+                     prefill_rate): what comes back to it, how fast its cache turns over
+        churn(F)   = churn_s + (churn_full_s - churn_s) * ramp(F)   # 0.3 s .. 3 s
 
     then the hold rule, before the affinity and arrival terms: with ``h`` the worker holding
     the longest cached prefix ``c_h`` (the cheaper one if several) and ``m`` the cheapest
@@ -275,29 +276,39 @@ class KvrouteCost:
       0.4 warm, chat's and agent's p99 margins by 0.9 and 3.7 points cold, and the closed loop
       gained most (README, "Arrival rates counted from the start"); rag's p99 margin from a
       cold start narrowed by 1.3 points.
-    * Once the caches are full, each token a worker prefills evicts a cached one, so a
-      worker that prefills more turns its cache over sooner and its sessions come back to
-      find their history gone. Sessions stay where their history is (the hold rule), so
-      where a new prompt lands decides where its family's churn goes for the rest of its
-      life, and the queue it sees then is a poor guide to that. The churn term charges a
-      prompt no worker caches most of ``churn_s`` seconds of each worker's recent prefill
-      (``prefill_rate``: the uncached tokens sent there, over the arrival window, the larger
-      of the router's count and the agent's), in with the caches' fill like the KV term
-      (``ramp``: off while they have room, when a placement evicts nothing). On the Mooncake
-      trace, whose caches run 85-99% full, against the same policy without it
-      (``bench/policy_jitter.py``, three jitters, 16 workers, open loop): from a warm start
-      the hit ratio 0.8 points higher at 50% and 65% load (57.2% and 56.6%) and mean TTFT
-      3.8% and 6.5% lower (p99 0.8% and 7.2% lower); at 80% 0.3 points higher and mean 1.1%
-      lower but p99 3.8% higher, and at 95% 0.6 points lower and mean 3.3% higher (still 20%
-      below the best peer's); from a cold start alike. ``churn_s`` 1 gains less at 50-65%
-      (0.4-0.6 points) and loses nothing at 80-95% (0.5-0.6 points more, p99 3-9% lower),
-      but in a closed loop at 50% (ten jitters) its p99 was 0.3% above Mooncake-local's
-      where 3's was 0.8% below and 0's 0.2% below; 10 lost more at 80%. With vLLM V1's
+    * What a worker prefilled lately comes back to it: a session's next turn, a document's
+      next read, held there by their cached prefix (the hold rule). A new long prompt sent
+      there is prefilled ahead of them, and they wait it out: on rag seed 3 at 95% load from
+      a cold start, a new 9.6k-token prompt went to the worker that had just prefilled a
+      10k-token document, chosen for its lower arrival rate, and two reads of that document
+      77 ms later waited 1 s each (p99 5.9% above Mooncake-local's). And once the caches are
+      full, each token a worker prefills evicts a cached one, so a worker that prefills more
+      turns its cache over sooner and its sessions come back to find their history gone.
+      Either way the queue a new prompt sees is a poor guide to what will come. The churn
+      term charges a prompt no worker caches most of ``churn_s`` (0.3) seconds of each
+      worker's recent prefill (``prefill_rate``: the uncached tokens sent there, over the
+      arrival window, the larger of the router's count and the agent's) while the caches
+      have room, ``churn_full_s`` (3) once they are full, linear between (``ramp``). Against
+      the same policy without it (the 52 open-loop cells, three jitters, against the same
+      peers' runs): all three won in 47 cells from a cold start instead of 40 (p99 lost in 5
+      instead of 12; chat's mean p99 margin over the best peer 1.2% instead of 0.5%, rag's
+      0.7% below it instead of 0.9% above) and 43 from a warm start as before (p99 lost in 1
+      instead of 5, the hit ratio in 8 instead of 7, by up to 0.04 points); hit ratio
+      margins within 0.02 points of before. ``churn_s`` 1 won as many open-loop cells but in
+      a closed loop from a cold start cost agent traffic up to 4.4% of mean TTFT, 13% of p99
+      and 0.07 points of hit ratio, and chat up to 0.10 points; 0.3 moves those cells by
+      about 1% of mean TTFT and 0.01-0.05 points either way. On the Mooncake trace, whose
+      caches run 85-99% full, the full-cache weight alone (``churn_s`` 0), from a warm
+      start: the hit ratio 0.8 points higher at 50% and 65% load (57.2% and 56.6%) and mean
+      TTFT 3.8% and 6.5% lower (p99 0.8% and 7.2% lower); at 80% 0.3 points higher and mean
+      1.1% lower but p99 3.8% higher, and at 95% 0.6 points lower and mean 3.3% higher
+      (still 20% below the best peer's); a full-cache weight of 1 gained less at 50-65% and
+      lost nothing at 80-95%, but in a closed loop at 50% (ten jitters) its p99 was 0.3%
+      above Mooncake-local's where 3's was 0.8% below; 10 lost more at 80%. With vLLM V1's
       chunked prefills (five jitters, warm): 0.8 points higher at 50% and 65%, and 2.8 at
       80% (50.8%, level with llm-d's where it was 2.8 below; mean TTFT 2.59 s against 4.23
       s). Faded as queues grow (as the KV term), the term gave back 95%'s loss and lost more
-      at 50-80%. The caches of the chat, agent, rag and fork workloads stay under 40% full,
-      so there it never acts (their 96 open-loop cells are unchanged, bit for bit).
+      at 50-80%.
     * The p99 of time-to-first-token is made of the longest prompts, whose own prefill puts
       them there, and of requests that waited: on chat and rag traffic from a cold start,
       kvroute's p99 was lost to Mooncake-local's by 0.5-5.9% in 12 of 52 open-loop cells,
@@ -348,8 +359,9 @@ class KvrouteCost:
         arrival_weight: weight of the delay a prefill imposes on the requests arriving
             meanwhile (0.5; 0 turns the term off).
         churn_s: seconds of a worker's recent prefill (``prefill_rate``, tokens per
-            second) charged to a prompt no worker caches most of, as the caches fill
-            (``ramp``): 3.0 (0: off).
+            second) charged to a prompt no worker caches most of while the caches have room
+            (0.3), and churn_full_s once they are full (3.0; linear between, by ``ramp``;
+            both 0: off).
         prefill_s_per_token: seconds of prefill per unit of work, to turn that delay into
             work units: 8.6e-5 s for Llama-3.1-8B on an A100, like ``attn`` a property of
             the model and GPU (``simulations/costmodel.py``).
@@ -413,7 +425,8 @@ class KvrouteCost:
     replicate: float = 1.0
     spread_demand: float = 2.0
     tail_hold: float = 0.0
-    churn_s: float = 3.0
+    churn_s: float = 0.3
+    churn_full_s: float = 3.0
     name: str = "kvroute"
     # The same policy with replicate 0: its ranking says where a copy would be made.
     _moving: KvrouteCost | None = field(default=None, init=False, repr=False, compare=False)
@@ -444,7 +457,8 @@ class KvrouteCost:
         "demand_horizon_s": (0.0, 3.0, 10.0, 30.0),
         "spread_demand": (0.0, 1.0, 2.0, 4.0, 8.0),
         "tail_hold": (0.0, 0.8, 1.0, 1.5, 2.0),
-        "churn_s": (0.0, 1.0, 3.0, 10.0),
+        "churn_s": (0.0, 0.3, 1.0, 3.0),
+        "churn_full_s": (0.0, 1.0, 3.0, 10.0),
     }
 
     def __post_init__(self) -> None:
@@ -467,8 +481,9 @@ class KvrouteCost:
             raise ValueError(f"demand_horizon_s must be >= 0; got {self.demand_horizon_s}")
         if not self.tail_hold >= 0:
             raise ValueError(f"tail_hold must be >= 0 (0: off); got {self.tail_hold}")
-        if not self.churn_s >= 0:
-            raise ValueError(f"churn_s must be >= 0 (0: off); got {self.churn_s}")
+        if not (self.churn_s >= 0 and self.churn_full_s >= 0):
+            raise ValueError(f"churn_s and churn_full_s must be >= 0 (both 0: off); got "
+                             f"{self.churn_s} and {self.churn_full_s}")
         if not self.spread_demand >= 0:
             raise ValueError(f"spread_demand must be >= 0; got {self.spread_demand}")
         if self.replicate not in (0.0, 1.0):
@@ -490,7 +505,8 @@ class KvrouteCost:
                   self.kv_decay, self.affinity_weight, self.attn, self.hold, self.hold_min,
                   self.batch_weight, self.batch_tokens, self.transfer_cost,
                   self.arrival_weight, self.prefill_s_per_token, self._demand_horizon,
-                  self.kv_fill_from, self.kv_fill_full, self.tail_hold, self.churn_s)
+                  self.kv_fill_from, self.kv_fill_full, self.tail_hold, self.churn_s,
+                  self.churn_full_s)
         order, costs = _native_rank(params, loads, matched, query.prompt_tokens,
                                     query.block_size, query.affinity, query.family,
                                     query.prefix_rate, query.tail_work)
@@ -544,7 +560,7 @@ class KvrouteCost:
                 costs[w] += r * step
         if self.arrival_weight > 0:
             self._arrivals(costs, cached, loads, p, fill)
-        if self.churn_s > 0 and top < self.hold_min * p:
+        if top < self.hold_min * p:
             self._churn(costs, loads, fill)
         return rank_by_cost(query, costs)
 
@@ -634,9 +650,10 @@ class KvrouteCost:
     def _churn(self, costs: dict[str, float], loads: Mapping[str, WorkerLoad],
                fill: float) -> None:
         """The churn term, for a prompt no worker caches most of: ``churn_s`` seconds of
-        each worker's recent prefill (its ``prefill_rate``), as the caches fill (``ramp``;
-        see the class docstring). Adds to ``costs`` in place."""
-        k = self.churn_s * self._kv_ramp(fill)
+        each worker's recent prefill (its ``prefill_rate``) while the caches have room,
+        ``churn_full_s`` once they are full, linear between (``ramp``; see the class
+        docstring). Adds to ``costs`` in place."""
+        k = self.churn_s + (self.churn_full_s - self.churn_s) * self._kv_ramp(fill)
         if k > 0:
             for w, ld in loads.items():
                 costs[w] += k * ld.prefill_rate
