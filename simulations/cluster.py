@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvroute.core.load import ArrivalRate, WorkerLoad, prefill_context
+from kvroute.core.load import SentTraffic, WorkerLoad, prefill_context
 from kvroute.worker_agent.engines.base import CacheEvent
 from kvroute.worker_agent.engines.block_pool import BlockPool
 from simulations.costmodel import CostModel
@@ -138,9 +138,8 @@ class SimWorker:
         self._version = 0  # bumped on every state change, to reuse the load view
         self._load_key: tuple[int, int, bool, int] | None = None
         # Requests routed here and the tokens they had to prefill, as the router counts them
-        # (registry.begin): see :meth:`routed`; the replay restarts both at its first arrival.
-        self.arrivals = ArrivalRate()
-        self.prefills = ArrivalRate()
+        # (registry.begin); the replay counts from its first arrival.
+        self.sent = SentTraffic()
         self._admitted: list[SimRequest] = []  # prefilled in the latest admitting iteration
         self._admitted_end = 0.0  # ... which ends then (their first token)
         self._load = WorkerLoad()
@@ -164,20 +163,9 @@ class SimWorker:
         key = (self._version, cached_blocks, prefilling, math.floor(now))
         if self._load_key != key:
             self._load_key = key
-            self._load = self._build_load(cached_blocks, prefilling, self.arrivals.at(now),
-                                          self.prefills.at(now))
+            self._load = self._build_load(cached_blocks, prefilling,
+                                          self.sent.arrivals.at(now), self.sent.prefills.at(now))
         return self._load
-
-    def start_rates(self, start: float) -> None:
-        """Count arrivals and prefills from ``start`` (the router's start: see ArrivalRate)."""
-        self.arrivals = ArrivalRate(start=start)
-        self.prefills = ArrivalRate(start=start)
-
-    def routed(self, now: float, uncached: int) -> None:
-        """A request (or a background copy) was routed here at ``now`` with ``uncached``
-        tokens to prefill, as the router counts it (``registry.begin``)."""
-        self.arrivals.add(now)
-        self.prefills.add(now, uncached)
 
     def _build_load(self, cached_blocks: int, prefilling: bool, arrival_rate: float,
                     prefill_rate: float) -> WorkerLoad:

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.index import PrefixIndex
-from kvroute.core.load import PrefixDemand
+from kvroute.core.load import PrefixDemand, SentTraffic
 from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
@@ -272,7 +272,7 @@ class Replayer:
         # The router starts with the replay: its rates count from the first arrival.
         start = min((r.arrival_s for r in reqs), default=0.0)
         for w in self.workers:
-            w.start_rates(start)
+            w.sent = SentTraffic(start=start)
         demand = PrefixDemand(start=start)  # as the router's decider keeps it
         tail = prefill_tail(self.policy)  # ... and its tail
         samples: list[tuple[float, list[int]]] = []
@@ -356,14 +356,14 @@ class Replayer:
             q = d.query
             req.moved_tokens = max(0, max(map(q.cached_tokens, q.matched_blocks), default=0)
                                    - q.cached_tokens(chosen.name) - req.received_tokens)
-            chosen.routed(now, req.routed_uncached)  # as the router counts what it sends
+            chosen.sent.add(now, req.routed_uncached)  # as the router counts what it sends
             chosen.submit(req, now)
             if replica is not None and not n_branches \
                     and (plan := replica(d.query, chosen.name)) is not None:
                 copy = self._copy(req, plan, d.query.cached_tokens(plan[0]), copying, now)
                 if copy is not None:
                     copies.append(copy)
-                    by_name[plan[0]].routed(now, copy.routed_uncached)  # as the router
+                    by_name[plan[0]].sent.add(now, copy.routed_uncached)  # as the router
                     by_name[plan[0]].submit(copy, now)
                     if ttl > 0:  # as the router: later requests coalesce on it
                         inflight.add(copy, plan[0],

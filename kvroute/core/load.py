@@ -39,8 +39,8 @@ class WorkerLoad:
     ``arrival_rate`` is requests per second sent to the worker lately (:class:`ArrivalRate`;
     not a count), and ``prefill_rate`` the prompt tokens per second sent to it lately that it
     had to prefill (uncached; the larger of the router's own count and the agent's, which
-    counts every router's traffic): once its cache is full, each such token evicts a cached
-    one, so this is how fast its cache turns over.
+    counts every router's traffic): what comes back to it (a session's next turn, a
+    document's next read), and, once its cache is full, how fast it turns over.
     ``pending_prefill_context`` is the context those pending tokens attend to
     (:func:`prefill_context` summed over the pending prefills; the router's own count, as
     engines report tokens only; 0: unknown), so a policy can weigh the pending prefill by
@@ -150,6 +150,29 @@ class ArrivalRate:
         rate = self._sum(now)
         counted = max(max(now, self._t) - self.start, ARRIVAL_MIN_WINDOW_S)
         return rate / -math.expm1(-counted / self.tau_s) if rate else rate
+
+
+@dataclass(slots=True)
+class SentTraffic:
+    """What a router sent one worker lately, as the load view reads it: requests per second
+    (``arrivals``: ``WorkerLoad.arrival_rate``) and the uncached prompt tokens per second
+    they brought (``prefills``: ``WorkerLoad.prefill_rate``), both counted from ``start``
+    (see :class:`ArrivalRate`). The router keeps one per worker (``registry.begin``) and the
+    replay simulator one per simulated worker, so both count alike."""
+
+    start: float = -math.inf
+    arrivals: ArrivalRate = field(init=False)
+    prefills: ArrivalRate = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.arrivals = ArrivalRate(start=self.start)
+        self.prefills = ArrivalRate(start=self.start)
+
+    def add(self, now: float, uncached: int) -> None:
+        """A request (or a background copy) with ``uncached`` tokens to prefill was sent at
+        ``now``."""
+        self.arrivals.add(now)
+        self.prefills.add(now, uncached)
 
 
 class PrefixDemand:

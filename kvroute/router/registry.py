@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvroute.core.load import ArrivalRate, WorkerLoad
+from kvroute.core.load import SentTraffic, WorkerLoad
 from kvroute.core.redis_schema import KEY_SCHEME, Heartbeat
 
 log = logging.getLogger("kvroute.router.registry")
@@ -46,12 +46,10 @@ class WorkerInfo:
     first_seen: float = field(default_factory=time.monotonic)
     # Our requests, and the tokens they had to prefill there, by monotonic time, counted
     # from when we first saw the worker.
-    arrivals: ArrivalRate = field(init=False)
-    prefills: ArrivalRate = field(init=False)
+    sent: SentTraffic = field(init=False)
 
     def __post_init__(self) -> None:
-        self.arrivals = ArrivalRate(start=self.first_seen)
-        self.prefills = ArrivalRate(start=self.first_seen)
+        self.sent = SentTraffic(start=self.first_seen)
 
 
 def parse_static(spec: str) -> dict[str, str]:
@@ -211,9 +209,7 @@ class WorkerRegistry:
             info.pending_prefill += uncached_tokens
             info.pending_context += context
             if arrival:
-                now = time.monotonic()
-                info.arrivals.add(now)
-                info.prefills.add(now, uncached_tokens)
+                info.sent.add(time.monotonic(), uncached_tokens)
             self._refresh(worker)
 
     def first_token(self, worker: str, uncached_tokens: int, context: int = 0) -> None:
@@ -266,8 +262,8 @@ class WorkerRegistry:
         if info.down_until > now:
             return
         hb = info.heartbeat
-        rate = info.arrivals.at(now)
-        prefill_rate = info.prefills.at(now)
+        rate = info.sent.arrivals.at(now)
+        prefill_rate = info.sent.prefills.at(now)
         if hb is None:
             self.loads[worker] = WorkerLoad(inflight=info.inflight,
                                             pending_prefill_tokens=info.pending_prefill,

@@ -398,7 +398,7 @@ async def test_a_replica_sees_the_arrivals_another_sent(cluster) -> None:
     # 3 prompts of 64 new tokens each (one token is always computed, so at least 63 each)
     await wait_for(lambda: r2.registry.loads["a"].prefill_rate > 3 * 63 / ARRIVAL_TAU_S,
                    what="replica 2 saw the agent's prefill rate")
-    assert r2.registry.loads["a"].prefill_rate <= 3 * 64 * most / 3
+    assert r2.registry.loads["a"].prefill_rate <= 64 * most
     assert r1.registry.loads["a"].prefill_rate > 3 * 63 / ARRIVAL_TAU_S  # its own count
 
 

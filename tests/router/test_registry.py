@@ -63,7 +63,7 @@ def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:
     # its 60 requests are made two windows old.
     old = ArrivalRate()
     old.add(time.monotonic() - 60.0, n=60)
-    reg._workers["s"].arrivals = old
+    reg._workers["s"].sent.arrivals = old
     assert reg.loads["s"].arrival_rate == pytest.approx(first, rel=0.01)  # not rebuilt yet
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})
     assert reg.loads["s"].arrival_rate == pytest.approx(2.0 / math.e ** 2, rel=0.01)
@@ -87,7 +87,7 @@ def test_prefill_rate_counts_the_uncached_tokens_we_send() -> None:
     # It decays as the arrival rate does.
     old = ArrivalRate()
     old.add(time.monotonic() - 60.0, n=3000)
-    reg._workers["w"].prefills = old
+    reg._workers["w"].sent.prefills = old
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})
     assert reg.loads["w"].prefill_rate == pytest.approx(100.0 / math.e ** 2, rel=0.01)
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", prefill_rate=5000.0)})

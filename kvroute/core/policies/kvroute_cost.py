@@ -523,7 +523,8 @@ class KvrouteCost:
         mean_queued = sum(ld.queued for ld in loads.values()) / len(loads)
         beta = self.miss_weight * (1.0 + self.stickiness * mean_queued)
         fill = sum(ld.cache_fill for ld in loads.values()) / len(loads)
-        kw = self.kv_weight / (1.0 + self.kv_decay * mean_queued) * self._kv_ramp(fill)
+        ramp = self._kv_ramp(fill)
+        kw = self.kv_weight / (1.0 + self.kv_decay * mean_queued) * ramp
         dw, attn = self.decode_weight, self.attn
         full_miss = beta * work(p, 0, attn)  # most workers match nothing
         # kw * kv_usage * capacity tokens == kw * blocks held * block size
@@ -561,7 +562,7 @@ class KvrouteCost:
         if self.arrival_weight > 0:
             self._arrivals(costs, cached, loads, p, fill)
         if top < self.hold_min * p:
-            self._churn(costs, loads, fill)
+            self._churn(costs, loads, ramp)
         return rank_by_cost(query, costs)
 
     @property
@@ -648,12 +649,12 @@ class KvrouteCost:
                 costs[w] += k * ld.arrival_rate * wk * wk
 
     def _churn(self, costs: dict[str, float], loads: Mapping[str, WorkerLoad],
-               fill: float) -> None:
+               ramp: float) -> None:
         """The churn term, for a prompt no worker caches most of: ``churn_s`` seconds of
         each worker's recent prefill (its ``prefill_rate``) while the caches have room,
         ``churn_full_s`` once they are full, linear between (``ramp``; see the class
         docstring). Adds to ``costs`` in place."""
-        k = self.churn_s + (self.churn_full_s - self.churn_s) * self._kv_ramp(fill)
+        k = self.churn_s + (self.churn_full_s - self.churn_s) * ramp
         if k > 0:
             for w, ld in loads.items():
                 costs[w] += k * ld.prefill_rate
