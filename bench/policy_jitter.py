@@ -143,7 +143,9 @@ def main() -> None:
     jitters = parse_jitters(args.jitters)
     cells: list[dict[str, object]] = []  # what --json writes, a load at a time
     record = {"trace": args.trace, "focus": focus, "closed_loop": args.closed_loop,
-              "warmup": trace.warmup, "jitters": list(jitters), "loads": cells}
+              "warmup": trace.warmup, "jitters": list(jitters), "workers": args.workers,
+              "prefill_budget": args.prefill_budget, "chunked_prefill": args.chunked_prefill,
+              "programs": args.programs, "nudge": args.nudge, "loads": cells}
     floor = floor_summary(ttft_floor(trace, spec.cost)[trace.warmup:])
     print(f"TTFT floor (no queueing, every earlier prefix cached): mean {floor['mean_s']:.4g} / "
           f"p99 {floor['p99_s']:.4g} s at every load", flush=True)

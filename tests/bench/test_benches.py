@@ -7,6 +7,7 @@ unnoticed, as it once left ``gc_pause.py``."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ def scored(chat: Path) -> Path:
     return out
 
 
+# A campaign of one small generated trace, one load, one jitter, 4 workers.
+TINY_CAMPAIGN = ["--kinds", "chat", "--seeds", "1", "--requests", "150", "--mooncake", "none"]
+TINY_REPLAY = ["--loads", "0.8", "--jitters", "1", "--workers", "4"]
+
 CASES = {
     "routing_decision.py": (["--entries", "20000", "--iters", "20"],
                             ["p99 ratio", "policy (python)  replica", "  8192     128    0-4 |"]),
@@ -58,6 +63,8 @@ CASES = {
                                       "all three won consistently: "]),
     "program_overflow.py": (["--fanout", "4", "--loads", "0.8", "--max-batch", "32",
                              "--workers", "4"], ["0.80"]),
+    "campaign.py": (["{chat}.campaign", *TINY_CAMPAIGN, "--policies", "kvroute,llmd", "--",
+                     *TINY_REPLAY], ["[1/1] chat_s1", "as replayed: 1 cells"]),
     "replay_speed.py": (["--trace", "{chat}", "--tile", "2", "--policies", "kvroute"],
                         ["400 requests, 16 workers", "kvroute ", "x round_robin"]),
 }
@@ -79,3 +86,54 @@ def test_the_bench_runs_to_its_table(script: str, chat: Path,
     assert run.returncode == 0, run.stderr[-2000:]
     for text in expected:
         assert text in run.stdout, (text, run.stdout[-2000:])
+
+
+def campaign(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH / "campaign.py"), str(out),
+                           *TINY_CAMPAIGN, *args], capture_output=True, text=True,
+                          timeout=240, cwd=BENCH.parent)
+
+
+def test_campaign_scores_a_variant_against_the_peers_runs(tmp_path: Path) -> None:
+    peers = tmp_path / "peers"
+    run = campaign(peers, "--policies", "kvroute,llmd,round_robin", "--", *TINY_REPLAY)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads((peers / "chat_s1.json").read_text())
+    run = campaign(tmp_path / "v", "--variant", "kvroute:hold=6", "--peers-from", str(peers),
+                   "--", *TINY_REPLAY)
+    assert run.returncode == 0, run.stderr[-2000:]
+    merged = json.loads((tmp_path / "v" / "chat_s1.json").read_text())
+    assert merged["focus"] == "kvroute:hold=6"
+    (cell,) = merged["loads"]
+    # The peers' runs as they were; the default kvroute's gone, the variant's in its place.
+    assert set(cell["runs"]) == {"kvroute:hold=6", "llmd", "round_robin"}
+    assert cell["runs"]["llmd"] == record["loads"][0]["runs"]["llmd"]
+    assert "kvroute:hold=6" in run.stdout and "as replayed: 1 cells" in run.stdout
+
+
+def test_campaign_refuses_mixed_options(tmp_path: Path) -> None:
+    peers = tmp_path / "peers"
+    assert campaign(peers, "--policies", "kvroute,llmd", "--", *TINY_REPLAY).returncode == 0
+    # Resuming with other options would mix replays made two ways.
+    run = campaign(peers, "--policies", "kvroute,llmd", "--", *TINY_REPLAY, "--workers", "8")
+    assert run.returncode != 0 and "made with other options (replay)" in run.stderr
+    # A variant replayed from a warm start is not scored against cold peers.
+    run = campaign(tmp_path / "v", "--variant", "kvroute:hold=6", "--peers-from", str(peers),
+                   "--warmup", "20", "--", *TINY_REPLAY)
+    assert run.returncode != 0
+    assert "made with other options (warmup: 0, the variant's 20)" in run.stdout
+    assert "1 of 1 traces failed" in run.stderr
+    # Nor one replayed on a cluster of another size.
+    run = campaign(tmp_path / "v8", "--variant", "kvroute:hold=6", "--peers-from", str(peers),
+                   "--", *TINY_REPLAY, "--workers", "8")
+    assert run.returncode != 0
+    assert "made with other options (workers: 4, the variant's 8)" in run.stdout
+
+
+def test_campaign_reports_a_failed_replay(tmp_path: Path) -> None:
+    run = campaign(tmp_path / "bad", "--", "--loads", "7")  # policy_jitter.py refuses it
+    assert run.returncode != 0
+    assert "chat_s1: bench/policy_jitter.py failed (exit 2)" in run.stdout
+    assert "loads: expected comma-separated fractions" in (tmp_path / "bad" / "chat_s1.log"
+                                                           ).read_text()
+    assert not (tmp_path / "bad" / "chat_s1.json").exists()

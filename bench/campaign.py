@@ -1,0 +1,229 @@
+"""The policy campaign in one command: the generated workloads and the Mooncake trace through
+kvroute and the peers, every cell scored: the figures the README's policy tables count.
+
+    python bench/campaign.py OUT                         # open loop, cold start
+    python bench/campaign.py OUT-warm --warmup 600       # warm start
+    python bench/campaign.py OUT-closed --closed-loop --match-load
+    python bench/campaign.py OUT-v --variant kvroute:churn_s=1 --peers-from OUT
+
+The traces are ``kvroute gen KIND --requests 3000 --rate 20 --seed S`` for each KIND of
+``--kinds`` and S of ``--seeds`` (written to ``OUT/traces``, kept when there) and the shared
+Mooncake trace. Each is replayed by ``bench/policy_jitter.py`` (its output in
+``OUT/NAME.log``, its replays in ``OUT/NAME.json``), ``--jobs`` at a time; a trace whose JSON
+is there is not replayed again, so an interrupted campaign resumes where it stopped. Then
+``bench/score_cells.py`` scores every cell (a trace at one load) and counts them.
+
+``--variant POLICY --peers-from DIR`` replays only POLICY (a registry name with parameters,
+as ``kvroute replay --policies`` takes them) and scores it against the peers' runs of an
+earlier campaign with the same options: DIR's replays, its focus's taken out. This is how a
+parameter is tuned against the whole campaign in a seventh of its time. Closed-loop runs
+with ``--match-load`` cannot be reused so (each peer's matched replays were made at its
+focus's load) and are refused.
+
+The whole open-loop campaign (13 traces, 7 policies, 4 loads, 3 jitters: 1,092 replays)
+takes about 6 minutes with two jobs on a two-core machine; a variant alone about 1 minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from simulations.cli import AT_LEAST_ONE, POSITIVE, Warmup, make_policies
+from simulations.generators import KINDS, generate, write_jsonl
+
+BENCH = Path(__file__).resolve().parent
+SHARED = BENCH.parents[1] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+# What a policy_jitter --json record says of how it replayed (older records lack some).
+REPLAY_OPTIONS = ("closed_loop", "warmup", "jitters", "workers", "prefill_budget",
+                  "chunked_prefill", "programs", "nudge")
+PEERS = "kvroute,llmd,preble,chwbl,sglang,dynamo,mooncake_local"
+
+
+def csv_ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas: {text!r}") from None
+    return out
+
+
+def csv_kinds(text: str) -> list[str]:
+    kinds = text.split(",")
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {', '.join(bad)} (known: {', '.join(KINDS)})")
+    return kinds
+
+
+def traces(args: argparse.Namespace) -> list[Path]:
+    """The campaign's traces: the Mooncake trace (unless ``none``) and the generated ones,
+    generated into ``OUT/traces`` when not there yet."""
+    out: list[Path] = []
+    if str(args.mooncake) != "none":
+        if not args.mooncake.is_file():
+            sys.exit(f"campaign: no Mooncake trace at {args.mooncake} "
+                     "(give --mooncake PATH, or --mooncake none to leave it out)")
+        out.append(args.mooncake)
+    folder = args.out / "traces"
+    folder.mkdir(parents=True, exist_ok=True)
+    for kind in args.kinds:
+        for seed in args.seeds:
+            path = folder / f"{kind}_s{seed}.jsonl"
+            if not path.is_file():
+                tmp = path.with_name(path.name + ".tmp")
+                write_jsonl(generate(kind, args.requests, args.rate, seed=seed), tmp)
+                tmp.replace(path)
+            out.append(path)
+    return out
+
+
+def check_options(path: Path, options: dict) -> None:
+    """Record a campaign's options in ``path``, or, resuming, exit if they differ: the
+    replays already there were made with those."""
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before != options:
+            changed = ", ".join(k for k in options if before.get(k) != options[k])
+            sys.exit(f"campaign: {path.parent} holds a campaign made with other options "
+                     f"({changed}); give another directory")
+    else:
+        path.write_text(json.dumps(options, indent=1) + "\n")
+
+
+def focus_only(record: dict, focus: str, peers: dict) -> dict:
+    """``peers`` (a policy_jitter --json record) with its focus's runs replaced by those of
+    ``record``, whose only policy is ``focus``: the variant scored against the same peers'
+    replays. Loads the peers' record lacks are left out."""
+    if peers.get("closed_loop") and any(c.get("matched") for c in peers["loads"]):
+        raise ValueError("its closed-loop replays were matched to its focus's load "
+                         "(--match-load): replay the peers with the variant instead")
+    for key in REPLAY_OPTIONS:
+        if key in record and key in peers and record[key] != peers[key]:
+            raise ValueError(f"made with other options ({key}: {peers.get(key)!r}, the "
+                             f"variant's {record.get(key)!r})")
+    mine = {c["load"]: c["runs"] for c in record["loads"]}
+    loads = []
+    for cell in peers["loads"]:
+        if cell["load"] not in mine:
+            continue
+        runs = {p: r for p, r in cell["runs"].items() if p != peers["focus"]}
+        runs[focus] = mine[cell["load"]][focus]
+        loads.append({"load": cell["load"], "runs": runs, "matched": []})
+    return dict(peers, focus=focus, loads=loads)
+
+
+def replay(trace: Path, args: argparse.Namespace, extra: list[str]) -> tuple[Path, float]:
+    """One trace through bench/policy_jitter.py; its JSON lands in OUT when complete."""
+    name = trace.name.removesuffix(".jsonl")
+    target = args.out / f"{name}.json"
+    raw = target if args.variant is None else args.out / "variant" / f"{name}.json"
+    start = time.monotonic()
+    if not raw.is_file():
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        policies = args.variant or args.policies
+        cmd = [sys.executable, str(BENCH / "policy_jitter.py"), str(trace), "--policies",
+               policies, "--json", str(raw), *extra]
+        with (args.out / f"{name}.log").open("w") as log:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=BENCH.parent)
+        if done.returncode != 0 or not raw.is_file():
+            raise RuntimeError(f"{name}: bench/policy_jitter.py failed (exit "
+                               f"{done.returncode}); see {args.out / (name + '.log')}")
+    if args.variant is not None:
+        peers_file = args.peers_from / f"{name}.json"
+        try:
+            peers = json.loads(peers_file.read_text())
+            merged = focus_only(json.loads(raw.read_text()), args.variant_name, peers)
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise RuntimeError(f"{name}: cannot score against {peers_file}: {exc}") from None
+        target.write_text(json.dumps(merged) + "\n")
+    return target, time.monotonic() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Options after -- go to bench/policy_jitter.py "
+                                        "(e.g. -- --chunked-prefill --prefill-budget 8192).")
+    ap.add_argument("out", type=Path, help="directory for the traces, replays and logs")
+    ap.add_argument("--kinds", type=csv_kinds, default=list(KINDS),
+                    help="generated workloads (default: %(default)s)")
+    ap.add_argument("--seeds", type=csv_ints, default=[1, 2, 3])
+    ap.add_argument("--requests", type=AT_LEAST_ONE, default=3000)
+    ap.add_argument("--rate", type=POSITIVE, default=20.0,
+                    help="the generated traces' request rate (loads are set per cell)")
+    ap.add_argument("--mooncake", type=Path, default=SHARED,
+                    help="the Mooncake trace, or 'none' (default: %(default)s)")
+    ap.add_argument("--policies", default=PEERS,
+                    help="the first is the focus (default: %(default)s)")
+    ap.add_argument("--variant", default=None, metavar="POLICY",
+                    help="replay only this policy, scored against --peers-from's runs")
+    ap.add_argument("--peers-from", type=Path, default=None, metavar="DIR")
+    ap.add_argument("--warmup", default=None, metavar="N|Ss")
+    ap.add_argument("--closed-loop", action="store_true")
+    ap.add_argument("--match-load", action="store_true")
+    ap.add_argument("--jobs", type=AT_LEAST_ONE, default=2,
+                    help="traces replayed at once (default: %(default)s)")
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if (args.variant is None) != (args.peers_from is None):
+        ap.error("--variant and --peers-from go together")
+    if args.variant is not None:
+        if args.match_load:
+            ap.error("--match-load replays cannot be reused with --peers-from")
+        if not args.peers_from.is_dir():
+            ap.error(f"--peers-from: no directory {args.peers_from}")
+        factories = make_policies(args.variant, 0)  # exits with the reason on a bad spec
+        if len(factories) != 1:
+            ap.error("--variant names one policy")
+        args.variant_name = factories[0]().name
+    for flag, on in (("--closed-loop", args.closed_loop), ("--match-load", args.match_load)):
+        if on:
+            extra.append(flag)
+    if args.warmup is not None:
+        try:
+            Warmup.parse(args.warmup)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            ap.error(f"--warmup: {exc}")
+        extra += ["--warmup", args.warmup]
+    if args.variant is None:
+        extra += ["--others-predict-ttl-ms", "0"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    check_options(args.out / "campaign.json", {
+        "kinds": args.kinds, "seeds": args.seeds, "requests": args.requests,
+        "rate": args.rate, "mooncake": str(args.mooncake),
+        "policies": args.variant or args.policies, "replay": extra})
+    todo = traces(args)
+    print(f"campaign: {len(todo)} traces into {args.out}, {args.jobs} at a time", flush=True)
+    done: list[Path] = []
+    failed: list[str] = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(replay, t, args, extra) for t in todo]
+        for n, fut in enumerate(as_completed(futures), 1):
+            try:
+                path, took = fut.result()
+            except RuntimeError as exc:
+                failed.append(str(exc))
+                print(f"[{n}/{len(todo)}] {exc}", flush=True)
+                continue
+            done.append(path)
+            print(f"[{n}/{len(todo)}] {path.stem} ({took:.0f} s)", flush=True)
+    if done:
+        focus = args.variant_name if args.variant else args.policies.split(",")[0]
+        print(f"{focus} against the best of the others, cell by cell:", flush=True)
+        subprocess.run([sys.executable, str(BENCH / "score_cells.py"),
+                        *map(str, sorted(done))], cwd=BENCH.parent, check=False)
+    if failed:
+        sys.exit(f"campaign: {len(failed)} of {len(todo)} traces failed")
+
+
+if __name__ == "__main__":
+    main()
