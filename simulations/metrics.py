@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from kvroute.core.index import leading_held
+from simulations.cluster import SimRequest
 from simulations.costmodel import CostModel
 from simulations.replay import ReplayResult
 from simulations.trace import Trace
@@ -48,6 +50,13 @@ class PolicyMetrics:
     # for one in flight: requests.csv's held_for=copy), not counted in the hit ratio
     copied_ratio: float = 0.0
     copies: int = 0
+    # The p99 tail (see :func:`tail_of`): its requests, the share of their TTFT that is their
+    # own prefill, and how many waited mostly for other work on a worker holding at least
+    # half of their prompt (held there by their cache) or less (queued)
+    tail_requests: int = 0
+    tail_own_share: float = 0.0
+    tail_held: float = 0.0  # (requests; a float once averaged over jitters)
+    tail_queued: float = 0.0
 
     def row(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -80,6 +89,7 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         by_worker[r.worker] += r.prompt_tokens - r.cached_tokens
     prefilled = np.array(list(by_worker.values()), dtype=float)
     waited = [r.waited_s for r in reqs if r.waited_s > 0]
+    tail = tail_of(reqs, ttft, res.workers[0].cost) if res.workers else Tail(0, 0.0, 0, 0)
     return PolicyMetrics(
         policy=res.policy, requests=len(reqs), hit_ratio=cached / prompt,
         ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
@@ -96,7 +106,45 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         waited_mean_s=float(np.mean(waited)) if waited else 0.0,
         sent_rps=len(reqs) / sending if sending > 0 else math.inf,
         copied_ratio=sum(c.prompt_tokens - c.cached_tokens for c in copies) / prompt,
-        copies=len(copies))
+        copies=len(copies), tail_requests=tail.requests, tail_own_share=tail.own_share,
+        tail_held=tail.held, tail_queued=tail.queued)
+
+
+class Tail(NamedTuple):
+    """What a replay's p99 tail is made of (:func:`tail_of`)."""
+
+    requests: int
+    own_share: float
+    held: int
+    queued: int
+
+
+def tail_of(reqs: Sequence[SimRequest], ttft: np.ndarray, cost: CostModel) -> Tail:
+    """The requests whose TTFT is at least the 99th percentile (``ttft``, in ``reqs``'
+    order): how many, the share of their TTFT that is their own prefill (of what they did
+    not find cached on the worker they were sent to, that worker otherwise idle), and how
+    many waited longer than that for other work: on a worker caching at least half of their
+    prompt (``held``: the policy kept them with their cache, or a coalesced prefill they
+    waited for) or less (``queued``). A policy whose tail is its own prefill has the p99
+    the traffic's longest prompts make; ``held`` and ``queued`` are what it could change."""
+    if not len(reqs):
+        return Tail(0, 0.0, 0, 0)
+    cut = np.percentile(ttft, 99)
+    own_s = total_s = 0.0
+    held = queued = n = 0
+    for r, t in zip(reqs, ttft, strict=True):
+        if t < cut:
+            continue
+        n += 1
+        own = min(float(t), cost.prefill_s(r.prompt_tokens - r.cached_tokens, r.cached_tokens))
+        own_s += own
+        total_s += float(t)
+        if t - own > own:
+            if 2 * r.cached_tokens >= r.prompt_tokens:
+                held += 1
+            else:
+                queued += 1
+    return Tail(n, own_s / total_s if total_s > 0 else 1.0, held, queued)
 
 
 class Missed(NamedTuple):

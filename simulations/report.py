@@ -59,6 +59,13 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
               f"off did not wait for them; "
               f"counted as misses, the hit ratio would be "
               f"{r.hit_ratio - r.copied_ratio:.1%})" for r in rows if r.copies]
+    tails = [r for r in rows if r.tail_requests]
+    if tails:
+        lines.append("p99 tail, its requests' own prefill / how many waited longer than that "
+                     "on a worker caching half their prompt or more / on one caching less: "
+                     + "; ".join(f"{r.policy} {r.tail_own_share:.0%} / {r.tail_held:.3g} / "
+                                 f"{r.tail_queued:.3g} of {r.tail_requests}"
+                                 for r in sorted(tails, key=lambda r: r.ttft_p99_s)))
     return "\n".join(lines)
 
 
