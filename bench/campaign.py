@@ -128,14 +128,18 @@ def replay(trace: Path, args: argparse.Namespace, extra: list[str]) -> tuple[Pat
     start = time.monotonic()
     if not raw.is_file():
         raw.parent.mkdir(parents=True, exist_ok=True)
+        # policy_jitter.py rewrites its JSON after each load: only a finished one is renamed
+        # to what a resumed campaign takes as done.
+        partial = raw.with_name(f"{name}.partial.json")
         policies = args.variant or args.policies
         cmd = [sys.executable, str(BENCH / "policy_jitter.py"), str(trace), "--policies",
-               policies, "--json", str(raw), *extra]
+               policies, "--json", str(partial), *extra]
         with (args.out / f"{name}.log").open("w") as log:
             done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=BENCH.parent)
-        if done.returncode != 0 or not raw.is_file():
+        if done.returncode != 0 or not partial.is_file():
             raise RuntimeError(f"{name}: bench/policy_jitter.py failed (exit "
                                f"{done.returncode}); see {args.out / (name + '.log')}")
+        partial.replace(raw)
     if args.variant is not None:
         peers_file = args.peers_from / f"{name}.json"
         try:

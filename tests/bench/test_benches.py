@@ -137,3 +137,20 @@ def test_campaign_reports_a_failed_replay(tmp_path: Path) -> None:
     assert "loads: expected comma-separated fractions" in (tmp_path / "bad" / "chat_s1.log"
                                                            ).read_text()
     assert not (tmp_path / "bad" / "chat_s1.json").exists()
+
+
+def test_campaign_resumes_past_finished_traces_only(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    args = ("--policies", "kvroute,llmd", "--", *TINY_REPLAY)
+    assert campaign(out, *args).returncode == 0
+    done = (out / "chat_s1.json").read_text()
+    (out / "chat_s1.log").unlink()
+    assert campaign(out, *args).returncode == 0
+    assert not (out / "chat_s1.log").exists()  # finished: not replayed again
+    assert (out / "chat_s1.json").read_text() == done
+    # An interrupted replay leaves only a partial file, which a resumed campaign redoes.
+    (out / "chat_s1.json").rename(out / "chat_s1.partial.json")
+    assert campaign(out, *args).returncode == 0
+    assert (out / "chat_s1.log").exists()
+    assert json.loads((out / "chat_s1.json").read_text()) == json.loads(done)
+    assert not (out / "chat_s1.partial.json").exists()
