@@ -52,10 +52,11 @@ class PolicyMetrics:
     copies: int = 0
     # The p99 tail (see :func:`tail_of`): its requests, the share of their TTFT that is their
     # own prefill, and how many waited mostly for other work on a worker holding at least
-    # half of their prompt (held there by their cache) or less (queued)
-    tail_requests: int = 0
+    # half of their prompt (held there by their cache) or less (queued); the counts are
+    # floats, as they are once averaged over jitters
+    tail_requests: float = 0.0
     tail_own_share: float = 0.0
-    tail_held: float = 0.0  # (requests; a float once averaged over jitters)
+    tail_held: float = 0.0
     tail_queued: float = 0.0
 
     def row(self) -> dict[str, float | str | int]:

@@ -64,7 +64,7 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
         lines.append("p99 tail, its requests' own prefill / how many waited longer than that "
                      "on a worker caching half their prompt or more / on one caching less: "
                      + "; ".join(f"{r.policy} {r.tail_own_share:.0%} / {r.tail_held:.3g} / "
-                                 f"{r.tail_queued:.3g} of {r.tail_requests}"
+                                 f"{r.tail_queued:.3g} of {r.tail_requests:.3g}"
                                  for r in sorted(tails, key=lambda r: r.ttft_p99_s)))
     return "\n".join(lines)
 

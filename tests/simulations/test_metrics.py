@@ -61,4 +61,4 @@ def test_a_replay_reports_its_tail() -> None:
     (line,) = [x for x in text.splitlines() if x.startswith("p99 tail")]
     for m in rows:
         assert (f"{m.policy} {m.tail_own_share:.0%} / {m.tail_held:.3g} / "
-                f"{m.tail_queued:.3g} of {m.tail_requests}") in line
+                f"{m.tail_queued:.3g} of {m.tail_requests:.3g}") in line
