@@ -10,8 +10,11 @@ The traces are ``kvroute gen KIND --requests 3000 --rate 20 --seed S`` for each 
 ``--kinds`` and S of ``--seeds`` (written to ``OUT/traces``, kept when there) and the shared
 Mooncake trace. Each is replayed by ``bench/policy_jitter.py`` (its output in
 ``OUT/NAME.log``, its replays in ``OUT/NAME.json``), ``--jobs`` at a time; a trace whose JSON
-is there is not replayed again, so an interrupted campaign resumes where it stopped. Then
-``bench/score_cells.py`` scores every cell (a trace at one load) and counts them.
+is there is not replayed again, so an interrupted campaign resumes where it stopped (a
+trace cut short leaves ``NAME.json.partial``), and the options are kept in
+``OUT/campaign.options``: resuming with others is refused. Then ``bench/score_cells.py``
+scores every cell (a trace at one load) and counts them, as ``score_cells.py OUT/*.json``
+does again later.
 
 ``--variant POLICY --peers-from DIR`` replays only POLICY (a registry name with parameters,
 as ``kvroute replay --policies`` takes them) and scores it against the peers' runs of an
@@ -130,7 +133,7 @@ def replay(trace: Path, args: argparse.Namespace, extra: list[str]) -> tuple[Pat
         raw.parent.mkdir(parents=True, exist_ok=True)
         # policy_jitter.py rewrites its JSON after each load: only a finished one is renamed
         # to what a resumed campaign takes as done.
-        partial = raw.with_name(f"{name}.partial.json")
+        partial = raw.with_name(f"{name}.json.partial")  # not out/*.json for score_cells
         policies = args.variant or args.policies
         cmd = [sys.executable, str(BENCH / "policy_jitter.py"), str(trace), "--policies",
                policies, "--json", str(partial), *extra]
@@ -201,7 +204,7 @@ def main() -> None:
     if args.variant is None:
         extra += ["--others-predict-ttl-ms", "0"]
     args.out.mkdir(parents=True, exist_ok=True)
-    check_options(args.out / "campaign.json", {
+    check_options(args.out / "campaign.options", {
         "kinds": args.kinds, "seeds": args.seeds, "requests": args.requests,
         "rate": args.rate, "mooncake": str(args.mooncake),
         "policies": args.variant or args.policies, "replay": extra})

@@ -109,6 +109,11 @@ def test_campaign_scores_a_variant_against_the_peers_runs(tmp_path: Path) -> Non
     assert set(cell["runs"]) == {"kvroute:hold=6", "llmd", "round_robin"}
     assert cell["runs"]["llmd"] == record["loads"][0]["runs"]["llmd"]
     assert "kvroute:hold=6" in run.stdout and "as replayed: 1 cells" in run.stdout
+    # What the campaign leaves in OUT/*.json is what score_cells.py reads, nothing else.
+    again = subprocess.run([sys.executable, str(BENCH / "score_cells.py"),
+                            *map(str, sorted((tmp_path / "v").glob("*.json")))],
+                           capture_output=True, text=True, timeout=60, cwd=BENCH.parent)
+    assert again.returncode == 0 and "as replayed: 1 cells" in again.stdout, again.stderr
 
 
 def test_campaign_refuses_mixed_options(tmp_path: Path) -> None:
@@ -149,8 +154,8 @@ def test_campaign_resumes_past_finished_traces_only(tmp_path: Path) -> None:
     assert not (out / "chat_s1.log").exists()  # finished: not replayed again
     assert (out / "chat_s1.json").read_text() == done
     # An interrupted replay leaves only a partial file, which a resumed campaign redoes.
-    (out / "chat_s1.json").rename(out / "chat_s1.partial.json")
+    (out / "chat_s1.json").rename(out / "chat_s1.json.partial")
     assert campaign(out, *args).returncode == 0
     assert (out / "chat_s1.log").exists()
     assert json.loads((out / "chat_s1.json").read_text()) == json.loads(done)
-    assert not (out / "chat_s1.partial.json").exists()
+    assert not (out / "chat_s1.json.partial").exists()

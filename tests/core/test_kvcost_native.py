@@ -29,6 +29,7 @@ def random_policy(rng: random.Random) -> KvrouteCost:
     params["replicate"] = float(rng.random() < 0.1)
     if rng.random() < 0.3:
         params["transfer_cost"] = rng.choice((0.122, 0.5))
+    params["chunked_prefill"] = float(rng.random() < 0.3)
     return KvrouteCost(**params)
 
 

@@ -195,6 +195,16 @@ def test_kvroute_keeps_a_long_prefill_off_short_queued_requests() -> None:
     assert first(KvrouteCost(batch_tokens=4096), waiting, 6000) == "a"
     # A short prompt adds little delay: the queue ahead is still the cheaper wait.
     assert first(KvrouteCost(), waiting, 64) == "a"
+    # An engine that chunks prefills (vLLM V1) puts the prompt's first budget - pending
+    # tokens in the queue's iteration whatever its length: a queue that would not fit it
+    # whole is still delayed by that chunk (3796 tokens here).
+    chunking = KvrouteCost(chunked_prefill=1)
+    assert first(chunking, small_budget, 6000) == "b"
+    assert first(chunking, waiting, 6000) == "b"
+    full = WorkerLoad(queued=3, pending_prefill_tokens=300, max_batched_tokens=300)
+    assert first(chunking, full, 6000) == "a"  # no room left in that iteration: no delay
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        KvrouteCost(chunked_prefill=0.5)
 
 
 def test_kvroute_keeps_a_long_prefill_off_a_worker_many_requests_reach() -> None:

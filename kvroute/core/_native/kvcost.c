@@ -7,7 +7,7 @@
  *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
  *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
  *             arrival_weight, prefill_s_per_token, demand_horizon_s, kv_fill_from,
- *             kv_fill_full, tail_hold, churn_s, churn_full_s), floats
+ *             kv_fill_full, tail_hold, churn_s, churn_full_s, chunked_prefill), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -34,7 +34,7 @@
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
        P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, P_FILL_FROM,
-       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, P_CHURN_FULL, N_PARAMS };
+       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, P_CHURN_FULL, P_CHUNKED, N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill, arrival_rate and
  * prefill_rate */
@@ -250,8 +250,16 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             if (!w->f[L_QUEUED]) continue;
             long long new_tokens = p - w->cached;
             double budget = w->f[L_BUDGET] ? (double)w->f[L_BUDGET] : prm[P_BATCH_TOKENS];
-            if ((double)(w->f[L_PENDING] + new_tokens) <= budget)
+            double room = budget - (double)w->f[L_PENDING];
+            if (prm[P_CHUNKED] != 0.0) {
+                /* its first chunk joins the queue's iteration */
+                if (room > 0) {
+                    long long first = (double)new_tokens <= room ? new_tokens : (long long)room;
+                    w->cost += bw * (double)w->f[L_QUEUED] * work(first, w->cached, attn);
+                }
+            } else if ((double)new_tokens <= room) {
                 w->cost += bw * (double)w->f[L_QUEUED] * work(new_tokens, w->cached, attn);
+            }
         }
     }
 
