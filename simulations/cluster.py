@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvroute.core.load import SentTraffic, WorkerLoad, prefill_context
+from kvroute.core.load import PrefillMode, SentTraffic, WorkerLoad, prefill_context
 from kvroute.worker_agent.engines.base import CacheEvent
 from kvroute.worker_agent.engines.block_pool import BlockPool
 from simulations.costmodel import CostModel
@@ -183,7 +183,8 @@ class SimWorker:
             pending_prefill_tokens=pending, cached_blocks=cached_blocks,
             max_running=self.max_batch, max_batched_tokens=self.prefill_budget,
             arrival_rate=arrival_rate, pending_prefill_context=context,
-            prefill_rate=prefill_rate)
+            prefill_rate=prefill_rate,
+            prefill_mode=PrefillMode.CHUNKED if self.chunked_prefill else PrefillMode.WHOLE)
 
     def submit(self, req: SimRequest, now: float) -> None:
         if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:

@@ -197,6 +197,11 @@ class AgentConfig(CommonConfig):
     vllm_events: str = opt("tcp://127.0.0.1:5557", "vllm engine: KV-events ZMQ PUB endpoint")
     vllm_replay: str = opt("", "vllm engine: KV-events ZMQ replay (ROUTER) endpoint, optional")
     vllm_topic: str = opt("", "vllm engine: KV-events topic to subscribe to ('' = all)")
+    vllm_chunked_prefill: bool = opt(True, "vllm engine: whether it chunks long prefills "
+                                     "(vLLM V1's default; --no-vllm-chunked-prefill when vLLM "
+                                     "runs with --no-enable-chunked-prefill), reported to routers, "
+                                     "whose policy charges a queue for a prompt's first chunk "
+                                     "or for the whole prompt accordingly")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,6 +6,7 @@ import bisect
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 # The window over which a worker's arrival rate is measured: long enough to span a chat
 # session's think time (its next turn comes back to the same cache), short enough to follow
@@ -25,9 +26,31 @@ def prefill_context(uncached: int, cached: int) -> int:
     return uncached * cached + uncached * uncached // 2
 
 
+class PrefillMode(StrEnum):
+    """How an engine admits a prompt longer than the room left in an iteration's prefill
+    budget: what the batch term of kvroute's policy charges the requests queued there for
+    it (``kvroute.core.policies.kvroute_cost``). An agent reports its engine's in its
+    heartbeat; the replay simulator its cluster's."""
+
+    UNKNOWN = ""
+    """Not reported (an older agent): the policy assumes its ``chunked_prefill``."""
+    WHOLE = "whole"
+    """Whole or not at all: it waits for the next iteration (the sim and tiny engines, and
+    vLLM with ``--no-enable-chunked-prefill``)."""
+    CHUNKED = "chunked"
+    """Its first ``budget - pending`` tokens join the iteration (vLLM V1's default)."""
+
+    @property
+    def code(self) -> int:
+        """As ``WorkerLoad.packed`` carries it to the C ranking (kvcost.c's ``L_MODE``):
+        0 unknown, 1 whole, 2 chunked."""
+        return (PrefillMode.UNKNOWN, PrefillMode.WHOLE, PrefillMode.CHUNKED).index(self)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
-    """How busy one worker is. Every field is a count; 0 means idle or unknown.
+    """How busy one worker is. Every field but ``prefill_mode`` is a count; 0 means idle or
+    unknown.
 
     ``inflight`` and ``pending_prefill_tokens`` combine the router's own accounting (exact,
     immediate) with the agent's heartbeat (cluster-wide, up to one heartbeat old).
@@ -44,7 +67,8 @@ class WorkerLoad:
     ``pending_prefill_context`` is the context those pending tokens attend to
     (:func:`prefill_context` summed over the pending prefills; the router's own count, as
     engines report tokens only; 0: unknown), so a policy can weigh the pending prefill by
-    its attention as well as its length.
+    its attention as well as its length. ``prefill_mode`` is how its engine admits a prompt
+    longer than the room left in its prefill budget (:class:`PrefillMode`).
     """
 
     inflight: int = 0
@@ -59,6 +83,7 @@ class WorkerLoad:
     arrival_rate: float = 0.0
     pending_prefill_context: int = 0
     prefill_rate: float = 0.0
+    prefill_mode: PrefillMode = PrefillMode.UNKNOWN
     # Derived in __post_init__: a policy reads them for every worker on every decision, and
     # a load changes far less often than it is read (128 workers: ~15 us less per ranking).
     busy: int = field(init=False, repr=False, compare=False)
@@ -66,11 +91,17 @@ class WorkerLoad:
     cache_fill: float = field(init=False, repr=False, compare=False)
     # What the C build of kvroute's policy reads, one attribute per worker instead of nine
     # (kvroute/core/_native/kvcost.c): pending_prefill_tokens, busy, used_blocks, queued,
-    # max_batched_tokens, max_running, occupied, pending_prefill_context (ints), cache_fill,
-    # arrival_rate, prefill_rate (floats).
+    # max_batched_tokens, max_running, occupied, pending_prefill_context, prefill_mode
+    # (ints; the mode's code), cache_fill, arrival_rate, prefill_rate (floats).
     packed: tuple[int | float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # A plain string from a caller becomes the enum; anything else is refused here.
+        try:
+            object.__setattr__(self, "prefill_mode", PrefillMode(self.prefill_mode))
+        except ValueError:
+            raise ValueError(f"prefill_mode must be one of {[m.value for m in PrefillMode]}, "
+                             f"got {self.prefill_mode!r}") from None
         # busy: sequences decoding there (the router's own count when higher);
         # used_blocks: KV blocks held (0 when the capacity is unknown).
         object.__setattr__(self, "busy", max(self.running, self.inflight))
@@ -83,7 +114,8 @@ class WorkerLoad:
         object.__setattr__(self, "packed", (
             self.pending_prefill_tokens, self.busy, self.used_blocks, self.queued,
             self.max_batched_tokens, self.max_running, self.occupied,
-            self.pending_prefill_context, self.cache_fill, float(self.arrival_rate),
+            self.pending_prefill_context, self.prefill_mode.code, self.cache_fill,
+            float(self.arrival_rate),
             float(self.prefill_rate)))
 
     @property

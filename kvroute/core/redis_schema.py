@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
 from kvroute.core.blocks import DEFAULT_BLOCK_SIZE
+from kvroute.core.load import PrefillMode
 
 KEY_SCHEME = "kvroute/v1"
 _NAME = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,200}$")
@@ -149,6 +150,7 @@ class Heartbeat:
     max_batched_tokens: int = 0
     arrival_rate: float = 0.0  # requests per second the agent received lately (all routers)
     prefill_rate: float = 0.0  # prompt tokens per second its engine prefilled lately (uncached)
+    prefill_mode: str = PrefillMode.UNKNOWN  # a PrefillMode: "whole", "chunked" or "" (unknown)
     block_size: int = DEFAULT_BLOCK_SIZE
     ttl_s: float = 3.0
     key_scheme: str = KEY_SCHEME
@@ -183,6 +185,9 @@ class Heartbeat:
                     or not math.isfinite(rate) or rate < 0:
                 raise ValueError(f"heartbeat field {name} must be a non-negative finite "
                                  f"number, got {rate!r}")
+        if not isinstance(hb.prefill_mode, str) or hb.prefill_mode not in set(PrefillMode):
+            raise ValueError(f"heartbeat field prefill_mode must be one of "
+                             f"{[m.value for m in PrefillMode]}, got {hb.prefill_mode!r}")
         if not isinstance(hb.ttl_s, int | float) or hb.ttl_s <= 0:
             raise ValueError(f"heartbeat field ttl_s must be a positive number, got {hb.ttl_s!r}")
         for name in ("worker_id", "address", "epoch", "key_scheme"):

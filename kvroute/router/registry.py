@@ -284,6 +284,7 @@ class WorkerRegistry:
             cached_blocks=info.cached_blocks,
             max_running=hb.max_running,
             max_batched_tokens=hb.max_batched_tokens,
+            prefill_mode=hb.prefill_mode,
             arrival_rate=max(hb.arrival_rate, rate),
             pending_prefill_context=info.pending_context,  # engines report tokens only
             prefill_rate=max(hb.prefill_rate, prefill_rate),  # as the arrival rate

@@ -13,9 +13,18 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+
+class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFILL_MODE_UNSPECIFIED: _ClassVar[PrefillMode]
+    PREFILL_MODE_WHOLE: _ClassVar[PrefillMode]
+    PREFILL_MODE_CHUNKED: _ClassVar[PrefillMode]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
+PREFILL_MODE_UNSPECIFIED: PrefillMode
+PREFILL_MODE_WHOLE: PrefillMode
+PREFILL_MODE_CHUNKED: PrefillMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop_token_ids")
@@ -90,7 +99,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., branch_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[_program_pb2.ProgramEvent, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[_program_pb2.BranchResult, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "running", "queued", "free_blocks", "capacity_blocks", "pending_prefill_tokens", "max_running")
+    __slots__ = ("worker_id", "running", "queued", "free_blocks", "capacity_blocks", "pending_prefill_tokens", "max_running", "max_batched_tokens", "prefill_mode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +107,8 @@ class WorkerLoad(_message.Message):
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running: int
     queued: int
@@ -105,4 +116,6 @@ class WorkerLoad(_message.Message):
     capacity_blocks: int
     pending_prefill_tokens: int
     max_running: int
-    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
+    max_batched_tokens: int
+    prefill_mode: PrefillMode
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ...) -> None: ...

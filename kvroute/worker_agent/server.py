@@ -189,6 +189,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
             worker_id=self._worker, running=ld.running, queued=ld.queued,
             free_blocks=ld.free_blocks, capacity_blocks=ld.capacity_blocks,
             pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
+            max_batched_tokens=ld.max_batched_tokens, prefill_mode=ld.prefill_mode.code,
         )
 
 
@@ -256,7 +257,7 @@ class AgentApp:
                 running=ld.running, queued=ld.queued, free_blocks=ld.free_blocks,
                 capacity_blocks=ld.capacity_blocks,
                 pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
-                max_batched_tokens=ld.max_batched_tokens,
+                max_batched_tokens=ld.max_batched_tokens, prefill_mode=ld.prefill_mode,
                 arrival_rate=service.arrivals.at(now), prefill_rate=service.prefills.at(now),
                 block_size=cfg.block_size, ttl_s=cfg.heartbeat_ttl_s,
             )

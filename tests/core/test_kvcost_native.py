@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 import pytest
 
-from kvroute.core.load import WorkerLoad
+from kvroute.core.load import PrefillMode, WorkerLoad
 from kvroute.core.policies import KvrouteCost, RouteQuery, kvroute_cost
 
 
@@ -53,7 +53,8 @@ def random_query(rng: random.Random) -> RouteQuery:
             max_batched_tokens=rng.choice((0, 2048, 8192)),
             cached_blocks=rng.choice((0, 1000, 4096, 5000)),  # 5000: an index ahead of evictions
             arrival_rate=0.0 if idle else rng.choice((0.0, 0.05, 1.5, 7.25)),
-            prefill_rate=0.0 if idle else rng.choice((0.0, 0.0, 120.5, 4000.0, 25000.0)))
+            prefill_rate=0.0 if idle else rng.choice((0.0, 0.0, 120.5, 4000.0, 25000.0)),
+            prefill_mode=rng.choice(list(PrefillMode)))
     bs = rng.choice((16, 64))
     p = rng.randint(1, 20000)
     names = list(loads)

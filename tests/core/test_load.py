@@ -9,6 +9,7 @@ import pytest
 from kvroute.core.load import (
     ARRIVAL_MIN_WINDOW_S,
     ArrivalRate,
+    PrefillMode,
     PrefillTail,
     PrefixDemand,
     WorkerLoad,
@@ -69,8 +70,12 @@ def test_packed_carries_what_the_c_ranking_reads() -> None:
     ld = WorkerLoad(inflight=3, running=2, queued=1, free_blocks=60, capacity_blocks=100,
                     pending_prefill_tokens=500, cached_blocks=25, max_running=8,
                     max_batched_tokens=2048, arrival_rate=1.5, pending_prefill_context=9000,
-                    prefill_rate=750.0)
-    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 9000, 0.25, 1.5, 750.0)
+                    prefill_rate=750.0, prefill_mode="chunked")
+    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 9000, 2, 0.25, 1.5, 750.0)
+    assert ld.prefill_mode is PrefillMode.CHUNKED  # a plain string becomes the enum
+    assert [WorkerLoad(prefill_mode=m).packed[8] for m in ("", "whole")] == [0, 1]
+    with pytest.raises(ValueError, match="prefill_mode must be one of"):
+        WorkerLoad(prefill_mode="partial")
     assert WorkerLoad(cached_blocks=130, capacity_blocks=100).cache_fill == 1.0  # index ahead
     assert WorkerLoad(cached_blocks=130).cache_fill == 0.0  # capacity unknown
     assert isinstance(WorkerLoad(arrival_rate=2).packed[-2], float)

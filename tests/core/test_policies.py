@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from kvroute.core.load import WorkerLoad, prefill_context
+from kvroute.core.load import PrefillMode, WorkerLoad, prefill_context
 from kvroute.core.policies import KvrouteCost, LeastLoaded, RoundRobin, RouteQuery, make_policy
 
 
@@ -203,6 +204,11 @@ def test_kvroute_keeps_a_long_prefill_off_short_queued_requests() -> None:
     assert first(chunking, waiting, 6000) == "b"
     full = WorkerLoad(queued=3, pending_prefill_tokens=300, max_batched_tokens=300)
     assert first(chunking, full, 6000) == "a"  # no room left in that iteration: no delay
+    # A worker that reports how its engine admits long prompts is taken at its word,
+    # whatever the policy assumes of the others.
+    reports = replace(small_budget, prefill_mode=PrefillMode.CHUNKED)
+    assert first(KvrouteCost(), reports, 6000) == "b"
+    assert first(chunking, replace(small_budget, prefill_mode=PrefillMode.WHOLE), 6000) == "a"
     with pytest.raises(ValueError, match="chunked_prefill"):
         KvrouteCost(chunked_prefill=0.5)
 

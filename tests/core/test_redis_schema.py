@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvroute.core.load import PrefillMode
 from kvroute.core.redis_schema import (
     FeedError,
     FeedEvent,
@@ -78,4 +79,15 @@ def test_heartbeat_validation() -> None:
                                     f'"{field}":{bad}}}')
     hb = Heartbeat("w1", "127.0.0.1:1", "e", prefill_rate=1250.5)
     assert Heartbeat.from_json(hb.to_json()).prefill_rate == 1250.5
+    # How the engine admits a long prompt: named in the JSON, unknown when an older agent
+    # does not say, anything else refused.
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", prefill_mode=PrefillMode.CHUNKED)
+    assert '"prefill_mode":"chunked"' in hb.to_json()
+    assert Heartbeat.from_json(hb.to_json()).prefill_mode == "chunked"
+    assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}'
+                               ).prefill_mode is PrefillMode.UNKNOWN
+    for bad in ('"Chunked"', '"partial"', "1", "null", "[]"):
+        with pytest.raises(ValueError, match="prefill_mode must be one of"):
+            Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
+                                f'"prefill_mode":{bad}}}')
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').prefill_rate == 0

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from kvroute.core.blocks import BlockHasher
-from kvroute.core.load import ARRIVAL_MIN_WINDOW_S, ARRIVAL_TAU_S
+from kvroute.core.load import ARRIVAL_MIN_WINDOW_S, ARRIVAL_TAU_S, PrefillMode
 from kvroute.core.policies import KvrouteCost
 from tests.support import AgentProc, generate, raw_rpc, request_wire, route, wait_for
 
@@ -395,6 +395,8 @@ async def test_a_replica_sees_the_arrivals_another_sent(cluster) -> None:
     assert a.service is not None and a.service.arrivals.at(time.monotonic()) > 0
     await wait_for(lambda: r2.registry.loads["a"].arrival_rate > 0.09,
                    what="replica 2 saw the agent's arrival rate")
+    # The heartbeat also says how the engine admits a long prompt (the sim engine: whole).
+    assert r2.registry.loads["a"].prefill_mode is PrefillMode.WHOLE
     # 3 prompts of 64 new tokens each (one token is always computed, so at least 63 each)
     await wait_for(lambda: r2.registry.loads["a"].prefill_rate > 3 * 63 / ARRIVAL_TAU_S,
                    what="replica 2 saw the agent's prefill rate")
@@ -471,6 +473,8 @@ async def test_the_agent_reads_every_encoding_and_refuses_garbage(cluster) -> No
         load = await worker_agent_pb2_grpc.WorkerAgentStub(ch).GetLoad(
             worker_agent_pb2.GetLoadRequest())
         assert load.worker_id == "a"
+        # The sim engine admits whole prompts; the proto's enum numbers are PrefillMode.code.
+        assert load.prefill_mode == common_pb2.PREFILL_MODE_WHOLE == PrefillMode.WHOLE.code
     assert a.metrics.registry.get_sample_value(
         "kvroute_agent_requests_total", {"outcome": "invalid"}) == 1
 

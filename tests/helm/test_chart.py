@@ -199,6 +199,7 @@ def test_vllm_worker_renders_prefix_caching_and_kv_events(rendered: dict[str, st
     assert ns.vllm_replay == "tcp://127.0.0.1:5558"
     assert ns.vllm_topic == kv["topic"]
     assert ns.max_batched_tokens == 0  # not told: routers assume their default
+    assert ns.vllm_chunked_prefill is True  # vLLM V1 chunks long prefills by default
     cfg = from_env(AgentConfig, env)
     # The one block size is rendered into both vLLM and kvroute.
     assert cfg.block_size == int(flag(args, "--block-size")) == 16
@@ -219,8 +220,10 @@ def test_everything_on_uses_block_size_and_gpu_settings(rendered: dict[str, str]
     args = container(sts, "vllm")["args"]
     assert flag(args, "--block-size") == "32" and flag(args, "--tensor-parallel-size") == "2"
     assert flag(args, "--max-model-len") == "16384" and flag(args, "--max-num-seqs") == "128"
-    assert args.count("--max-num-seqs") == 1 and "--enable-chunked-prefill" in args
+    assert args.count("--max-num-seqs") == 1 and "--no-enable-chunked-prefill" in args
     argv, env = agent_argv(sts)
+    # vLLM told not to chunk prefills: its agent reports whole-prompt admission to routers.
+    assert build_parser().parse_args(argv).vllm_chunked_prefill is False
     assert env["KVROUTE_BLOCK_SIZE"] == "32"
     assert flag(argv, "--max-batch") == "128"  # routers learn the batch from the agent
     assert flag(argv, "--max-batched-tokens") == flag(args, "--max-num-batched-tokens") == "8192"

@@ -9,6 +9,7 @@ from kvroute.core.load import (
     ARRIVAL_MIN_WINDOW_S,
     ARRIVAL_TAU_S,
     ArrivalRate,
+    PrefillMode,
     prefill_context,
 )
 from kvroute.core.redis_schema import Heartbeat
@@ -26,11 +27,13 @@ def test_heartbeat_load_merges_with_local_counts() -> None:
     reg = WorkerRegistry({}, 16)
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", running=5,
                                          pending_prefill_tokens=100, max_running=64,
-                                         max_batched_tokens=8192)})
+                                         max_batched_tokens=8192,
+                                         prefill_mode="chunked")})
     reg.begin("w", 700, context=prefill_context(700, 9000))
     ld = reg.loads["w"]
     assert (ld.inflight, ld.running, ld.pending_prefill_tokens) == (1, 5, 700)
     assert (ld.max_running, ld.max_batched_tokens) == (64, 8192)  # the engine's limits
+    assert ld.prefill_mode is PrefillMode.CHUNKED  # and how it admits a long prompt
     # The context its tokens attend to is ours only (the heartbeat reports tokens alone).
     assert ld.pending_prefill_context == 700 * 9000 + 700 * 350
     reg.first_token("w", 700, prefill_context(700, 9000))

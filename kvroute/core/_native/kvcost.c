@@ -37,9 +37,10 @@ enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, 
        P_FILL_FULL, P_TAIL_HOLD, P_CHURN, P_CHURN_FULL, P_CHUNKED, N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill, arrival_rate and
- * prefill_rate */
+ * prefill_rate. L_MODE is PrefillMode.code: 0 unknown, 1 whole, 2 chunked. */
 enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, L_CONTEXT,
-       N_LOAD };
+       L_MODE, N_LOAD };
+enum { MODE_UNKNOWN, MODE_WHOLE, MODE_CHUNKED };
 #define N_PACKED (N_LOAD + 3)
 
 typedef struct {
@@ -123,7 +124,7 @@ static int read_load(PyObject *load, Worker *w) {
     if (packed == NULL) return -1;
     if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != N_PACKED) {
         PyErr_SetString(PyExc_TypeError,
-                        "WorkerLoad.packed must be a tuple of 8 ints and 3 floats");
+                        "WorkerLoad.packed must be a tuple of 9 ints and 3 floats");
         Py_DECREF(packed);
         return -1;
     }
@@ -251,7 +252,9 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             long long new_tokens = p - w->cached;
             double budget = w->f[L_BUDGET] ? (double)w->f[L_BUDGET] : prm[P_BATCH_TOKENS];
             double room = budget - (double)w->f[L_PENDING];
-            if (prm[P_CHUNKED] != 0.0) {
+            int chunked = w->f[L_MODE] == MODE_UNKNOWN ? prm[P_CHUNKED] != 0.0
+                                                       : w->f[L_MODE] == MODE_CHUNKED;
+            if (chunked) {
                 /* its first chunk joins the queue's iteration */
                 if (room > 0) {
                     long long first = (double)new_tokens <= room ? new_tokens : (long long)room;

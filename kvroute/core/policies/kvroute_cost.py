@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from kvroute.core.load import WorkerLoad
+from kvroute.core.load import PrefillMode, WorkerLoad
 from kvroute.core.policies.base import (
     Ranking,
     RouteQuery,
@@ -58,8 +58,9 @@ class KvrouteCost:
         c*         = max_w c_w                               # the longest prefix cached
         b_w        = queued_w  if pending_w + P - c_w <= budget_w  else 0
         budget_w   = w's max_batched_tokens (the engine's prefill budget), else batch_tokens
-                     (with chunked_prefill: queued_w x work(min(P - c_w, budget_w -
-                     pending_w), c_w) while that is > 0: the first chunk's share)
+                     (where w's engine chunks prefills: queued_w x work(min(P - c_w,
+                     budget_w - pending_w), c_w) while that is > 0, the first chunk's
+                     share; w's prefill_mode says, else chunked_prefill)
         lambda_w   = requests per second sent to w lately (its arrival_rate)
         room       = 1 - F                                   # the caches' free share
         s          = prefill_s_per_token                     # seconds per unit of work
@@ -150,8 +151,10 @@ class KvrouteCost:
       term is off there: charged on every queue, it pushed requests off their caches under
       overload (Mooncake trace at 80%: 10.2 s mean TTFT instead of 6.9 s). (An engine that
       chunks prefills, as vLLM V1 does, still puts the first ``budget - pending`` tokens of
-      such a prompt in the queue's iteration; the figures here were measured without the
-      simulator's ``--chunked-prefill``, so the all-or-nothing gate is what was tuned.)
+      such a prompt in the queue's iteration, and the term charges that chunk there. Each
+      worker's agent reports which its engine does (``WorkerLoad.prefill_mode``); the
+      figures here were measured without the simulator's ``--chunked-prefill``, so the
+      all-or-nothing gate is what was tuned.)
       With it, mean TTFT fell 5-6% on fork traffic at 50-80% load and 5% on agent at 80%,
       and p99 1-3% on chat, at the same hit ratios (seed 1; on seed 2, agent at 65-80% 2-8%
       lower mean); it rose 2% on agent at 65%, and on the Mooncake trace at 80% by 6% (p99
@@ -380,17 +383,19 @@ class KvrouteCost:
             would come later than this many times the traffic's tail ``T`` and on the
             cheapest worker would not (0, the default: off; 1 puts p99 before hits, see
             the tail rule above).
-        chunked_prefill: 1 when the engines chunk long prefills (vLLM V1 does; the
-            simulator's ``--chunked-prefill``): a prompt's first ``budget - pending``
-            tokens then join the queue's iteration whatever its length, and the batch term
-            charges that chunk; 0 (the default) when they admit a prompt whole or not at
-            all, as the ``sim`` and ``tiny`` engines and the replay by default do. On the
-            52 open-loop cells replayed with chunked prefills (8192-token budget, cold,
-            three jitters), 1 wins 44 on all three against 0's 43: rag seed 3's p99 at 65%
-            and 80% load 2.8% and 1.5% above the best peer's instead of 5.6% and 3.2%, the
-            Mooncake trace's mean TTFT a little lower and its hit ratio 0.07 points lower
-            on average, the rest level (README, "The miss weight against the whole
-            campaign").
+        chunked_prefill: how the batch term treats a worker whose agent does not report
+            its engine's ``prefill_mode`` (older agents; every current agent and the replay
+            simulator report it, and a report always wins). 1: as an engine that chunks
+            long prefills (vLLM V1 does): a prompt's first ``budget - pending`` tokens
+            join the queue's iteration whatever its length, and the term charges that
+            chunk; 0 (the default): as one that admits a prompt whole or not at all (the
+            ``sim`` and ``tiny`` engines, the replay without ``--chunked-prefill``).
+            Charging the chunk where engines chunk was measured on the 52 open-loop cells
+            replayed with chunked prefills (8192-token budget, cold, three jitters): 44
+            won on all three against 43 with the whole-prompt gate; rag seed 3's p99 at
+            65% and 80% load 2.8% and 1.5% above the best peer's instead of 5.6% and 3.2%,
+            the Mooncake trace's mean TTFT a little lower and its hit ratio 0.07 points
+            lower on average, the rest level (README, "Engines that chunk prefills").
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
@@ -640,7 +645,10 @@ class KvrouteCost:
                 c = cached.get(w, 0)
                 n = p - c
                 room = (ld.max_batched_tokens or default_budget) - ld.pending_prefill_tokens
-                if self.chunked_prefill:  # its first chunk joins the queue's iteration
+                mode = ld.prefill_mode
+                if mode is PrefillMode.CHUNKED or (mode is PrefillMode.UNKNOWN
+                                                   and self.chunked_prefill):
+                    # its first chunk joins the queue's iteration
                     if room > 0:
                         costs[w] += bw * ld.queued * work(min(n, room), c, attn)
                 elif n <= room:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from kvroute.core.load import PrefillMode
 from kvroute.core.redis_schema import Op
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class EngineLoad:
     max_batched_tokens: int = 0
     """Most prompt tokens prefilled in one iteration (0: not reported; routers then assume
     their policy's ``batch_tokens``)."""
+    prefill_mode: PrefillMode = PrefillMode.UNKNOWN
+    """How the engine admits a prompt longer than the room left in an iteration."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ from itertools import islice
 from typing import Any
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.load import PrefillMode
 from kvroute.worker_agent.engines.base import (
     CacheEvent,
     CacheListener,
@@ -192,6 +193,7 @@ class BatchingEngine:
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending,
             max_running=self.max_batch,
+            prefill_mode=PrefillMode.WHOLE,  # step 1 admits whole prompts
         )
 
     def cached_keys(self) -> list[int]:

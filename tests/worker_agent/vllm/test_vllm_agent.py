@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.load import PrefillMode
 from kvroute.core.redis_schema import FeedEvent, Op, RedisKeys, unpack_keys
 from kvroute.worker_agent.engines.base import EngineError, EngineLoad, EngineRequest
 from kvroute.worker_agent.engines.vllm import VllmConfig, VllmEngine
@@ -242,7 +243,7 @@ async def test_older_servers_token_ids_via_logprobs_and_old_metric_names(fake_vl
     fake = fake_vllm("--no-return-token-ids", "--old-metrics", "--no-prompt-tokens-details")
     eng = VllmEngine(VllmConfig(url=fake.url, events=fake.events, served_model="fake-model",
                                 metrics_interval_s=0.05, max_num_seqs=32,
-                                max_num_batched_tokens=4096))
+                                max_num_batched_tokens=4096, chunked_prefill=False))
     await eng.start()
     try:
         p = prompt(50, 1)
@@ -251,9 +252,10 @@ async def test_older_servers_token_ids_via_logprobs_and_old_metric_names(fake_vl
         assert [c.token_ids[0] for c in chunks] == [(base + 7919 * t) % 50257 for t in range(3)]
         assert chunks[-1].finish_reason == "length" and eng.client.token_mode == "logprobs"
         # The request finished: nothing running, its blocks cached but free (as vLLM counts).
-        # The engine's limits are reported as given (vLLM's --max-num-seqs and
-        # --max-num-batched-tokens): routers use them.
-        await wait_for(lambda: eng.load() == EngineLoad(0, 0, 256, 256, 0, 32, 4096),
+        # The engine's limits are reported as given (vLLM's --max-num-seqs,
+        # --max-num-batched-tokens and --no-enable-chunked-prefill): routers use them.
+        await wait_for(lambda: eng.load() == EngineLoad(0, 0, 256, 256, 0, 32, 4096,
+                                                        PrefillMode.WHOLE),
                        what="metrics read")
     finally:
         await eng.stop()
@@ -268,5 +270,6 @@ async def test_vllm_unreachable_is_an_engine_error() -> None:
             async for _ in eng.generate(EngineRequest("a", [1, 2, 3], 2)):
                 pass
         assert eng.load().running == 0
+        assert eng.load().prefill_mode is PrefillMode.CHUNKED  # vLLM V1's default
     finally:
         await eng.stop()

@@ -58,6 +58,7 @@ def from_agent_config(cfg: AgentConfig) -> VllmEngine:
         capacity_blocks=cfg.capacity_blocks,
         max_num_seqs=cfg.max_batch,
         max_num_batched_tokens=cfg.max_batched_tokens,
+        chunked_prefill=cfg.vllm_chunked_prefill,
         # Load is published once per heartbeat: two polls per beat keep it fresh.
         metrics_interval_s=min(1.0, max(0.05, cfg.heartbeat_s / 2)),
     ))

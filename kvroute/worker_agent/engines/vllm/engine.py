@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvroute.core.load import PrefillMode
 from kvroute.worker_agent.engines.base import (
     CacheEvent,
     CacheListener,
@@ -52,6 +53,9 @@ class VllmConfig:
     max_num_batched_tokens: int = 0
     """vLLM's ``--max-num-batched-tokens``, reported as the load's ``max_batched_tokens``
     (0: unknown)."""
+    chunked_prefill: bool = True
+    """Whether vLLM chunks long prefills (V1's default; False with
+    ``--no-enable-chunked-prefill``), reported as the load's ``prefill_mode``."""
     metrics_interval_s: float = 0.5
     replay_timeout_s: float = 1.0
     probe_s: float = 1.0
@@ -197,7 +201,9 @@ class VllmEngine(BatchSink):
             running=max(m.running, decoding), queued=m.waiting, free_blocks=free,
             capacity_blocks=capacity, pending_prefill_tokens=prefill,
             max_running=self.config.max_num_seqs,
-            max_batched_tokens=self.config.max_num_batched_tokens)
+            max_batched_tokens=self.config.max_num_batched_tokens,
+            prefill_mode=PrefillMode.CHUNKED if self.config.chunked_prefill
+            else PrefillMode.WHOLE)
 
     def cached_keys(self) -> list[int]:
         return self.blocks.cached_keys()
