@@ -32,19 +32,22 @@ class PrefillMode(StrEnum):
     it (``kvroute.core.policies.kvroute_cost``). An agent reports its engine's in its
     heartbeat; the replay simulator its cluster's."""
 
-    UNKNOWN = ""
+    code: int
+    """As ``WorkerLoad.packed`` carries it to the C ranking (kvcost.c's ``L_MODE``)."""
+
+    def __new__(cls, value: str, code: int) -> PrefillMode:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.code = code
+        return member
+
+    UNKNOWN = "", 0
     """Not reported (an older agent): the policy assumes its ``chunked_prefill``."""
-    WHOLE = "whole"
+    WHOLE = "whole", 1
     """Whole or not at all: it waits for the next iteration (the sim and tiny engines, and
     vLLM with ``--no-enable-chunked-prefill``)."""
-    CHUNKED = "chunked"
+    CHUNKED = "chunked", 2
     """Its first ``budget - pending`` tokens join the iteration (vLLM V1's default)."""
-
-    @property
-    def code(self) -> int:
-        """As ``WorkerLoad.packed`` carries it to the C ranking (kvcost.c's ``L_MODE``):
-        0 unknown, 1 whole, 2 chunked."""
-        return (PrefillMode.UNKNOWN, PrefillMode.WHOLE, PrefillMode.CHUNKED).index(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,8 @@ class WorkerLoad:
     def __post_init__(self) -> None:
         # A plain string from a caller becomes the enum; anything else is refused here.
         try:
-            object.__setattr__(self, "prefill_mode", PrefillMode(self.prefill_mode))
+            if type(self.prefill_mode) is not PrefillMode:
+                object.__setattr__(self, "prefill_mode", PrefillMode(self.prefill_mode))
         except ValueError:
             raise ValueError(f"prefill_mode must be one of {[m.value for m in PrefillMode]}, "
                              f"got {self.prefill_mode!r}") from None
