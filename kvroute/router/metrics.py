@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvroute.core.load import PrefillMode
+
 if TYPE_CHECKING:
     from kvroute.core.load import PrefillTail
     from kvroute.router.mirror import IndexMirror
@@ -147,6 +149,12 @@ class _MirrorCollector(Collector):
             "larger of this router's count and the agent's heartbeat): how fast its cache "
             "turns over once full, as the policy sees it",
             labels=["worker"])
+        modes = GaugeMetricFamily(
+            "kvroute_router_worker_prefill_mode",
+            "1 for how each worker's engine admits a long prompt, as its agent reports it "
+            "(whole, chunked, or unknown: the policy's chunked_prefill then decides); the "
+            "batch term charges a queue for the whole prompt or its first chunk",
+            labels=["worker", "mode"])
         up = GaugeMetricFamily("kvroute_router_worker_routable",
                                "1 if the worker can be routed to", labels=["worker"])
         incompatible = GaugeMetricFamily(
@@ -162,6 +170,10 @@ class _MirrorCollector(Collector):
             blocks.add_metric([w], m.index.count(w))
             arrivals.add_metric([w], ld.arrival_rate if ld else 0.0)
             prefills.add_metric([w], ld.prefill_rate if ld else 0.0)
+            mode = ld.prefill_mode if ld else PrefillMode.UNKNOWN
+            for each in PrefillMode:
+                modes.add_metric([w, each.value or "unknown"], int(each is mode))
             up.add_metric([w], int(ld is not None))
             incompatible.add_metric([w], int(not info.compatible))
-        yield from (inflight, pending, context, blocks, arrivals, prefills, up, incompatible)
+        yield from (inflight, pending, context, blocks, arrivals, prefills, modes, up,
+                    incompatible)

@@ -397,6 +397,10 @@ async def test_a_replica_sees_the_arrivals_another_sent(cluster) -> None:
                    what="replica 2 saw the agent's arrival rate")
     # The heartbeat also says how the engine admits a long prompt (the sim engine: whole).
     assert r2.registry.loads["a"].prefill_mode is PrefillMode.WHOLE
+    scraped = {m: r2.metrics.registry.get_sample_value(
+        "kvroute_router_worker_prefill_mode", {"worker": "a", "mode": m})
+        for m in ("whole", "chunked", "unknown")}
+    assert scraped == {"whole": 1, "chunked": 0, "unknown": 0}
     # 3 prompts of 64 new tokens each (one token is always computed, so at least 63 each)
     await wait_for(lambda: r2.registry.loads["a"].prefill_rate > 3 * 63 / ARRIVAL_TAU_S,
                    what="replica 2 saw the agent's prefill rate")
