@@ -32,6 +32,8 @@ class Branch:
     variables: dict[str, CaptureValue] = field(default_factory=dict)
     matcher: Any = None  # llguidance.LLMatcher of the open constraint, or None
     region_start: int = 0
+    region_grammar: str = ""
+    """The open region's constraint (its ``ConstraintSpec.grammar``)."""
     m_consumed: int = 0
     """Tokens of the open region the matcher has consumed (may run ahead of ``tokens``
     while an engine request is in flight; reconciled after it)."""
@@ -64,8 +66,9 @@ class Branch:
             del self.tokens[-k:]
             del self.lps[-k:]
 
-    def open_constraint(self, matcher: Any) -> None:
+    def open_constraint(self, matcher: Any, grammar: str) -> None:
         self.matcher = matcher
+        self.region_grammar = grammar
         self.region_start = len(self.tokens)
         self.m_consumed = 0
 
@@ -96,7 +99,8 @@ class Branch:
             id=branch_id, tokens=list(self.tokens), prompt_len=self.prompt_len,
             lps=list(self.lps), variables=dict(self.variables),
             matcher=self.matcher.deep_copy() if self.matcher is not None else None,
-            region_start=self.region_start, m_consumed=self.m_consumed,
+            region_start=self.region_start, region_grammar=self.region_grammar,
+            m_consumed=self.m_consumed,
             first_cached=None, last_cached=self.last_cached,
         )
 

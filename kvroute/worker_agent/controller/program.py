@@ -127,7 +127,8 @@ class Plan:
     needs_text: bool
     """Text fast-forwards or stop strings: the agent needs a tokenizer matching the engine."""
     continues_constraint: bool = False
-    """Some gen sets ``continue_constraint`` (needs an engine that takes per-step masks)."""
+    """Some gen sets ``continue_constraint`` (an engine that takes per-step masks continues
+    any constraint; one that takes a whole grammar per request, a regular one only)."""
 
 
 def constraint_spec(c: program_pb2.Constraint, where: str, max_bytes: int) -> ConstraintSpec:

@@ -26,7 +26,9 @@ constrained region: no local grammar fast-forward, no split); the engine enforce
 local matcher only checks and tracks the returned tokens (output outside the constraint --
 e.g. an old vLLM that ignored ``structured_outputs`` -- fails the program with INTERNAL).
 ``continue_constraint`` needs the grammar state mid-region, which such an engine cannot take:
-refused with UNIMPLEMENTED. Forks, backtracks and fast-forwards are as on the other engines
+a regular constraint (regex, choices) is sent as the regex of its rest after the region's
+text so far (``continuation``); a program continuing any other is refused with
+UNIMPLEMENTED. Forks, backtracks and fast-forwards are as on the other engines
 (N requests sharing the prefix; the next request's prompt edited). The engine's exact
 ``cached_tokens`` may arrive only on a request's last chunk (vllm: from ``usage``); the branch's
 figures are corrected from it.
@@ -54,6 +56,7 @@ import xxhash
 
 from kvroute.core.agent_client import AgentChannels
 from kvroute.v1 import common_pb2, program_pb2
+from kvroute.worker_agent.controller import continuation
 from kvroute.worker_agent.controller.branch import Branch, CaptureValue
 from kvroute.worker_agent.controller.grammars import MaskBuffer, compile_constraints
 from kvroute.worker_agent.controller.overflow import (
@@ -243,11 +246,17 @@ class ProgramRuntime:
                                f"program: constrained gen needs an engine with token masks "
                                f"(tiny, sim) or per-request grammars (vllm); the {kind} "
                                f"engine has neither")
+        rests: dict[str, continuation.Node] = {}
         if plan.continues_constraint and kind not in MASK_ENGINES:
-            raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
-                               f"gen.continue_constraint: needs an engine with per-step token "
-                               f"masks (tiny, sim); the {kind} engine takes a whole grammar "
-                               f"per request")
+            # The engine takes a whole grammar per request: a continued region is sent as
+            # what is left of its constraint, which only a regular one has as a regex.
+            for spec in plan.constraints:
+                try:
+                    rests[spec.grammar] = continuation.constraint_node(spec.kind, spec.source)
+                except continuation.UnsupportedError as exc:
+                    raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
+                                       f"gen.continue_constraint on the {kind} engine, which "
+                                       f"takes a whole grammar per request: {exc}") from None
         vocab = await self.vocab() if (plan.constraints or plan.needs_text
                                        or kind in VOCAB_ENGINES) else None
         if vocab is None and (plan.constraints or plan.needs_text):
@@ -259,7 +268,7 @@ class ProgramRuntime:
         templates = {} if vocab is None else await compile_constraints(
             plan.constraints, vocab, self.limits.compile_timeout_s,
             json_whitespace_flexible=kind in GRAMMAR_ENGINES)
-        return _Prepared(plan, vocab, templates, split)
+        return _Prepared(plan, vocab, templates, split, rests)
 
     async def run(self, prepared: _Prepared, request: common_pb2.GenerateRequest,
                   request_id: str) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -288,6 +297,9 @@ class _Prepared:
     vocab: Vocab | None
     templates: dict[str, Any]
     split: Split | None = None
+    rests: dict[str, continuation.Node] = field(default_factory=dict)
+    """Regular constraints as nodes, by grammar: what a continued region is sent as on an
+    engine that takes a whole grammar per request (``continuation.rest_of``)."""
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -660,7 +672,8 @@ class _Run:
 
     async def gen(self, b: Branch, g: Gen) -> None:
         if g.constraint is not None:
-            b.open_constraint(self.prep.templates[g.constraint.grammar].deep_copy())
+            b.open_constraint(self.prep.templates[g.constraint.grammar].deep_copy(),
+                              g.constraint.grammar)
         elif g.continue_constraint:
             if b.matcher is None:
                 raise ProgramError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -697,8 +710,40 @@ class _Run:
                 s.reason = "length"  # one engine request per gen: never split
         await self.finish_gen(b, g, s)
 
+    def _rest_of_region(self, b: Branch, vocab: Vocab) -> str | None:
+        """The regex an engine taking whole grammars is sent to continue ``b``'s open
+        region: its constraint's rest after the text generated in it (None: complete)."""
+        raw = b"".join(vocab.token_bytes(t) for t in b.tokens[b.region_start:])
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            raise ProgramError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"gen.continue_constraint: branch {b.id}'s constrained text so "
+                               f"far ends inside a UTF-8 character; its rest cannot be written "
+                               f"as a regex") from None
+        try:
+            return continuation.rest_of(self.prep.rests[b.region_grammar], text,
+                                        self.rt.limits.max_grammar_bytes)
+        except continuation.UnsupportedError as exc:
+            raise ProgramError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"gen.continue_constraint: {exc}") from None
+        except continuation.NotAPrefixError as exc:  # the matcher accepted what this refuses
+            raise ProgramError(grpc.StatusCode.INTERNAL,
+                               f"gen.continue_constraint: branch {b.id}: {exc}") from None
+
     async def decode(self, b: Branch, g: Gen, s: _GenState, vocab: Vocab | None) -> None:
         """One engine request; sets ``s.reason`` unless it ended for a grammar fast-forward."""
+        constraint = None
+        if b.matcher is not None and self.rt.grammar_engine:
+            if g.constraint is not None:
+                constraint = (g.constraint.kind, g.constraint.source)
+            else:  # continue_constraint: what is left of the region's constraint
+                assert vocab is not None
+                rest = self._rest_of_region(b, vocab)
+                if rest is None:
+                    s.reason = "grammar"  # the region is complete: nothing to ask for
+                    return
+                constraint = ("regex", rest)
         req = self.request
         self.n_requests += 1
         rid = f"{self.request_id}/{b.id}/{self.n_requests}"
@@ -712,11 +757,7 @@ class _Run:
         if eos is not None:
             stop_ids.add(eos)
         masker = None
-        constraint = None
-        if b.matcher is not None and self.rt.grammar_engine:
-            assert g.constraint is not None  # continue_constraint is refused in prepare()
-            constraint = (g.constraint.kind, g.constraint.source)
-        elif b.matcher is not None:
+        if b.matcher is not None and not self.rt.grammar_engine:
             assert vocab is not None
             masker = _Masker(b, MaskBuffer(vocab.size), mask_times=self.rt.mask_times)
         temperature = g.temperature if g.temperature is not None else req.sampling.temperature

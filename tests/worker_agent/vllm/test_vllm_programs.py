@@ -119,13 +119,16 @@ async def test_vllm_refuses_what_it_cannot_do_and_checks_what_it_returns(cluster
                                                                           ) -> None:
     fake = fake_vllm("--vocab", "258")
     agent, router = await start(cluster, fake)
-    # continue_constraint needs the grammar state mid-region: refused before any request.
-    steps = [gen(3, constraint=P.Constraint(regex="[0-9]{9}")),
-             gen(3, continue_constraint=True)]
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await run(router.port, steps, prompt=PROMPT, router=True)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "continue_constraint" in err.value.details()
+    # continue_constraint of a JSON schema (or Lark grammar) would need the grammar's state
+    # mid-region, which vLLM cannot take: refused before any request.
+    for c in (P.Constraint(json_schema='{"type": "integer"}'),
+              P.Constraint(lark='start: "a"+')):
+        steps = [gen(3, constraint=c), gen(3, continue_constraint=True)]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await run(router.port, steps, prompt=PROMPT, router=True)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "continue_constraint" in err.value.details()
+        assert "not regular" in err.value.details()
     assert received(fake) == []
     # The fake ignores JSON schemas (as a vLLM too old for structured_outputs would): the
     # runtime's own check of the output fails the program instead of returning it (asked of
@@ -137,3 +140,40 @@ async def test_vllm_refuses_what_it_cannot_do_and_checks_what_it_returns(cluster
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "structured_outputs" in err.value.details()
     assert received(fake)[0]["structured_outputs"] == {"json": schema}
+
+
+async def test_a_regular_constraint_continues_as_the_regex_of_its_rest(cluster, fake_vllm
+                                                                       ) -> None:
+    """vLLM starts each request's grammar from its beginning, so a continued region is sent
+    as what is left of its constraint: the regex of the strings that complete the text
+    generated in it so far (here for each branch of a fork, after the parent stopped
+    mid-region). The fake answers a literal regex with its first alternative."""
+    fake = fake_vllm("--vocab", "258")
+    _agent, router = await start(cluster, fake)
+    sky = P.Constraint(regex="skyline|sky blue|cloudy")
+    steps = [gen(3, constraint=sky, capture="a"),
+             fork([gen(8, continue_constraint=True, capture="b")], n=2)]
+    res = results(await run(router.port, steps, prompt=PROMPT, router=True))
+    first, *rest = received(fake)
+    assert first["structured_outputs"] == {"regex": "skyline|sky blue|cloudy"}
+    assert first["max_tokens"] == 3  # "sky": the region is still open
+    assert [r["structured_outputs"] for r in rest] == [{"regex": "line| blue"}] * 2
+    for b in ("0.0", "0.1"):
+        assert bytes(res[b].token_ids) == b"skyline"
+        v = res[b].variables["b"]  # a capture in a constrained region holds all of it
+        assert v.text == "skyline" and v.complete
+    assert res["0.0"].variables["a"].text == "sky" and not res["0.0"].variables["a"].complete
+    # A choice continues the same way; its rest is written as a regex with the options'
+    # special characters escaped.
+    opts = P.Constraint(choices=P.Choices(options=["a+b (sum)", "a*b (product)"]))
+    steps = [gen(2, constraint=opts), gen(20, continue_constraint=True, capture="c")]
+    res = results(await run(router.port, steps, prompt=PROMPT, router=True))
+    assert received(fake)[-1]["structured_outputs"] == {"regex": "b \\(sum\\)"}
+    assert res["0"].variables["c"].text == "a+b (sum)" and res["0"].variables["c"].complete
+    # A region complete with nothing more allowed is not asked for again.
+    n = len(received(fake))
+    steps = [gen(7, constraint=sky), gen(5, continue_constraint=True, capture="d")]
+    res = results(await run(router.port, steps, prompt=PROMPT, router=True))
+    assert len(received(fake)) == n + 1
+    assert res["0"].variables["d"].text == "skyline" and res["0"].variables["d"].complete
+
