@@ -130,7 +130,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill", action="store_true",
                    help="split prefills longer than the budget across iterations, as vLLM V1 "
                         "does: the running batch decodes between chunks, each chunk stores "
-                        "its blocks (default: a prefill runs whole in one iteration)")
+                        "its blocks (default: a prefill runs whole in one iteration); the "
+                        "workers report it to the policies as a vLLM V1 agent does")
     p.add_argument("--closed-loop", action="store_true",
                    help="send a chat turn or agent call that carries an earlier reply only "
                         "when that reply has ended, as its client would (default: every "
