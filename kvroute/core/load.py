@@ -49,6 +49,17 @@ class PrefillMode(StrEnum):
     CHUNKED = "chunked", 2
     """Its first ``budget - pending`` tokens join the iteration (vLLM V1's default)."""
 
+    @classmethod
+    def parse(cls, value: object, what: str = "prefill_mode") -> PrefillMode:
+        """``value`` (a member or its string) as a member; ValueError names ``what``."""
+        if type(value) is cls:
+            return value
+        if isinstance(value, str):
+            for mode in cls:
+                if value == mode.value:
+                    return mode
+        raise ValueError(f"{what} must be one of {[m.value for m in cls]}, got {value!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
@@ -100,12 +111,8 @@ class WorkerLoad:
 
     def __post_init__(self) -> None:
         # A plain string from a caller becomes the enum; anything else is refused here.
-        try:
-            if type(self.prefill_mode) is not PrefillMode:
-                object.__setattr__(self, "prefill_mode", PrefillMode(self.prefill_mode))
-        except ValueError:
-            raise ValueError(f"prefill_mode must be one of {[m.value for m in PrefillMode]}, "
-                             f"got {self.prefill_mode!r}") from None
+        if type(self.prefill_mode) is not PrefillMode:
+            object.__setattr__(self, "prefill_mode", PrefillMode.parse(self.prefill_mode))
         # busy: sequences decoding there (the router's own count when higher);
         # used_blocks: KV blocks held (0 when the capacity is unknown).
         object.__setattr__(self, "busy", max(self.running, self.inflight))

@@ -185,9 +185,7 @@ class Heartbeat:
                     or not math.isfinite(rate) or rate < 0:
                 raise ValueError(f"heartbeat field {name} must be a non-negative finite "
                                  f"number, got {rate!r}")
-        if not isinstance(hb.prefill_mode, str) or hb.prefill_mode not in set(PrefillMode):
-            raise ValueError(f"heartbeat field prefill_mode must be one of "
-                             f"{[m.value for m in PrefillMode]}, got {hb.prefill_mode!r}")
+        PrefillMode.parse(hb.prefill_mode, "heartbeat field prefill_mode")
         if not isinstance(hb.ttl_s, int | float) or hb.ttl_s <= 0:
             raise ValueError(f"heartbeat field ttl_s must be a positive number, got {hb.ttl_s!r}")
         for name in ("worker_id", "address", "epoch", "key_scheme"):
