@@ -178,7 +178,7 @@ def _show(n: Node, ctx: str = "top") -> str:
         others = [o for o in n.options if o is not _EMPTY]
         s = "|".join(_show(o) for o in others)
         if len(others) < len(n.options):  # the empty string is one of them
-            s = f"({s})?"
+            s = f"{s}?" if len(others) == 1 and isinstance(others[0], _Chars) else f"({s})?"
             return f"({s})" if ctx == "rep" else s
         return f"({s})" if ctx != "top" else s
     inner = _show(n.node, "rep")
