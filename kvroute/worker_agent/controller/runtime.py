@@ -27,11 +27,11 @@ local matcher only checks and tracks the returned tokens (output outside the con
 e.g. an old vLLM that ignored ``structured_outputs`` -- fails the program with INTERNAL).
 ``continue_constraint`` needs the grammar state mid-region, which such an engine cannot take:
 a regular constraint (regex, choices) is sent as the regex of its rest after the region's
-text so far (``continuation``); a program continuing any other is refused with
-UNIMPLEMENTED. Forks, backtracks and fast-forwards are as on the other engines
-(N requests sharing the prefix; the next request's prompt edited). The engine's exact
-``cached_tokens`` may arrive only on a request's last chunk (vllm: from ``usage``); the branch's
-figures are corrected from it.
+text so far (``continuation``); a program that continues a region and has any other
+constraint is refused with UNIMPLEMENTED. Forks, backtracks and fast-forwards are as on
+the other engines (N requests sharing the prefix; the next request's prompt edited). The
+engine's exact ``cached_tokens`` may arrive only on a request's last chunk (vllm: from
+``usage``); the branch's figures are corrected from it.
 
 Cancellation: everything runs in one task tree (TaskGroups); cancelling the consumer cancels
 every branch, and each branch closes its engine stream (``aclosing``), which frees the
@@ -713,9 +713,8 @@ class _Run:
     def _rest_of_region(self, b: Branch, vocab: Vocab) -> str | None:
         """The regex an engine taking whole grammars is sent to continue ``b``'s open
         region: its constraint's rest after the text generated in it (None: complete)."""
-        raw = b"".join(vocab.token_bytes(t) for t in b.tokens[b.region_start:])
         try:
-            text = raw.decode()
+            text = vocab.decode(b.tokens[b.region_start:], errors="strict")
         except UnicodeDecodeError:
             raise ProgramError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"gen.continue_constraint: branch {b.id}'s constrained text so "

@@ -55,8 +55,10 @@ class Vocab:
             return b""
         return bytes(self.ll.decode_bytes([token_id]))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in token_ids).decode(errors="replace")
+    def decode(self, token_ids: Sequence[int], errors: str = "replace") -> str:
+        """The tokens' text; ``errors`` as ``bytes.decode`` (``strict``: a cut UTF-8
+        character raises UnicodeDecodeError)."""
+        return b"".join(self.token_bytes(t) for t in token_ids).decode(errors=errors)
 
 
 def make_vocab(name: str) -> Vocab:
