@@ -7,7 +7,8 @@ again: it must send what is left of it. For a ``regex`` or ``choices`` constrain
 regular too: the Brzozowski derivative of the pattern by the text generated so far, the
 language of every ``w`` with ``text + w`` in the original's. :func:`rest_of` computes it
 and prints it back as a regex, which the engine then enforces for the rest of the region.
-``json_schema`` and ``lark`` constraints are context-free; their rest is not written here.
+A ``json_schema`` constraint is first written as a regex (``json_regex``: flat schemas
+without recursion are regular); a ``lark`` one is context-free and its rest is not written.
 
 The pattern is read with Python's own regex parser, and membership of a character in a
 class is decided by Python's regex engine on the class's own text, so ``\\d``, ``\\w``,
@@ -25,6 +26,7 @@ and small.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from re import _constants as sre  # type: ignore[attr-defined]
@@ -96,6 +98,8 @@ _CONTROL = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\f": "\\f", "\v": "\\v"}
 def _escape(ch: str, meta: frozenset[str]) -> str:
     if ch in _CONTROL:
         return _CONTROL[ch]
+    if ch < " " or ch == "\x7f":  # other control characters: written, not sent raw
+        return f"\\x{ord(ch):02x}"
     return "\\" + ch if ch in meta else ch
 
 
@@ -283,15 +287,22 @@ def choices(options: tuple[str, ...] | list[str]) -> Node:
     return _alt(*(_seq(*(_Chars(_escape(c, _META)) for c in o)) for o in options))
 
 
-def constraint_node(kind: str, source: str | tuple[str, ...]) -> Node:
-    """A ``regex`` or ``choices`` constraint as nodes (UnsupportedError for the other kinds)."""
+def constraint_node(kind: str, source: str | tuple[str, ...], max_len: int) -> Node:
+    """A ``regex``, ``choices`` or ``json_schema`` constraint as nodes (a schema through
+    :func:`~kvroute.worker_agent.controller.json_regex.schema_regex`, refused past
+    ``max_len`` characters); UnsupportedError for ``lark`` and what that refuses."""
     if kind == "regex":
         assert isinstance(source, str)
         return parse(source)
     if kind == "choices":
         return choices(tuple(source))
-    raise UnsupportedError(f"a {kind} constraint is not regular: its rest mid-region is not "
-                      f"written here (regex and choices constraints are)")
+    if kind == "json_schema":
+        assert isinstance(source, str)
+        # Imported here: json_regex raises this module's UnsupportedError.
+        from kvroute.worker_agent.controller.json_regex import schema_regex
+        return parse(schema_regex(json.loads(source), max_len))
+    raise UnsupportedError(f"a {kind} constraint is context-free: its rest mid-region is "
+                           f"not written here (regex, choices and json_schema ones are)")
 
 
 def rest_of(node: Node, text: str, max_len: int) -> str | None:

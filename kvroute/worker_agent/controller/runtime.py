@@ -26,9 +26,10 @@ constrained region: no local grammar fast-forward, no split); the engine enforce
 local matcher only checks and tracks the returned tokens (output outside the constraint --
 e.g. an old vLLM that ignored ``structured_outputs`` -- fails the program with INTERNAL).
 ``continue_constraint`` needs the grammar state mid-region, which such an engine cannot take:
-a regular constraint (regex, choices) is sent as the regex of its rest after the region's
-text so far (``continuation``); a program that continues a region and has any other
-constraint is refused with UNIMPLEMENTED. Forks, backtracks and fast-forwards are as on
+a regular constraint (regex, choices, a JSON schema without recursion: ``json_regex``) is
+sent as the regex of its rest after the region's text so far (``continuation``); a program
+that continues a region and has any other constraint (lark, a schema with no regex) is
+refused with UNIMPLEMENTED. Forks, backtracks and fast-forwards are as on
 the other engines (N requests sharing the prefix; the next request's prompt edited). The
 engine's exact ``cached_tokens`` may arrive only on a request's last chunk (vllm: from
 ``usage``); the branch's figures are corrected from it.
@@ -246,13 +247,14 @@ class ProgramRuntime:
                                f"program: constrained gen needs an engine with token masks "
                                f"(tiny, sim) or per-request grammars (vllm); the {kind} "
                                f"engine has neither")
-        rests: dict[str, continuation.Node] = {}
+        rests: dict[str, tuple[str, continuation.Node]] = {}
         if plan.continues_constraint and kind not in MASK_ENGINES:
             # The engine takes a whole grammar per request: a continued region is sent as
             # what is left of its constraint, which only a regular one has as a regex.
             for spec in plan.constraints:
                 try:
-                    rests[spec.grammar] = continuation.constraint_node(spec.kind, spec.source)
+                    rests[spec.grammar] = (spec.kind, continuation.constraint_node(
+                        spec.kind, spec.source, self.limits.max_grammar_bytes))
                 except continuation.UnsupportedError as exc:
                     raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                        f"gen.continue_constraint on the {kind} engine, which "
@@ -297,7 +299,7 @@ class _Prepared:
     vocab: Vocab | None
     templates: dict[str, Any]
     split: Split | None = None
-    rests: dict[str, continuation.Node] = field(default_factory=dict)
+    rests: dict[str, tuple[str, continuation.Node]] = field(default_factory=dict)
     """Regular constraints as nodes, by grammar: what a continued region is sent as on an
     engine that takes a whole grammar per request (``continuation.rest_of``)."""
 
@@ -720,13 +722,19 @@ class _Run:
                                f"gen.continue_constraint: branch {b.id}'s constrained text so "
                                f"far ends inside a UTF-8 character; its rest cannot be written "
                                f"as a regex") from None
+        kind, node = self.prep.rests[b.region_grammar]
         try:
-            return continuation.rest_of(self.prep.rests[b.region_grammar], text,
-                                        self.rt.limits.max_grammar_bytes)
+            return continuation.rest_of(node, text, self.rt.limits.max_grammar_bytes)
         except continuation.UnsupportedError as exc:
             raise ProgramError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"gen.continue_constraint: {exc}") from None
-        except continuation.NotAPrefixError as exc:  # the matcher accepted what this refuses
+        except continuation.NotAPrefixError as exc:
+            if kind == "json_schema":  # valid JSON for it, outside the subset written
+                raise ProgramError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"gen.continue_constraint: branch {b.id}: {exc} (its "
+                                   f"regex takes compact JSON with the schema's properties "
+                                   f"only, in its order: json_regex)") from None
+            # A regex's derivative refusing what the matcher accepted: a bug here.
             raise ProgramError(grpc.StatusCode.INTERNAL,
                                f"gen.continue_constraint: branch {b.id}: {exc}") from None
 

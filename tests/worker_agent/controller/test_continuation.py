@@ -77,8 +77,8 @@ def test_what_a_rest_looks_like() -> None:
     assert rest_of(parse("(ab|cd)e"), "cde", 999) is None  # complete: nothing left
     assert rest_of(parse("ab(cd)?"), "ab", 999) == "(cd)?"  # complete, or more
     assert rest_of(parse(r"\d{3}-\d{2,4}"), "12", 999) == r"\d-\d{2,4}"
-    assert rest_of(constraint_node("choices", ("yes", "yeah", "no")), "ye", 999) == "s|ah"
-    assert rest_of(constraint_node("choices", ("a.b", "a*")), "a", 999) == r"\.b|\*"
+    assert rest_of(constraint_node("choices", ("yes", "yeah", "no"), 999), "ye", 999) == "s|ah"
+    assert rest_of(constraint_node("choices", ("a.b", "a*"), 999), "a", 999) == r"\.b|\*"
     # Lazy and greedy repeats accept the same strings.
     assert rest_of(parse("(ab)+?c"), "ab", 999) == "(ab)*c"
     # A long prefix leaves a small rest: derivatives do not pile up.
@@ -89,7 +89,7 @@ def test_text_that_starts_nothing_the_constraint_accepts() -> None:
     with pytest.raises(NotAPrefixError, match="does not start"):
         rest_of(parse("(ab|cd)e"), "ac", 999)
     with pytest.raises(NotAPrefixError):
-        rest_of(constraint_node("choices", ("yes", "no")), "yes!", 999)
+        rest_of(constraint_node("choices", ("yes", "no"), 999), "yes!", 999)
 
 
 @pytest.mark.parametrize(("kind", "source", "why"), [
@@ -102,16 +102,16 @@ def test_text_that_starts_nothing_the_constraint_accepts() -> None:
     ("regex", "a*+b", "possessive"),
     ("regex", "(?>ab)c", "atomic"),
     ("regex", r"\p{L}+", "Python's regex parser does not read it"),
-    ("json_schema", '{"type": "integer"}', "not regular"),
-    ("lark", 'start: "a"+', "not regular"),
+    ("json_schema", '{"type": "object"}', "without properties"),
+    ("lark", 'start: "a"+', "context-free"),
 ])
 def test_what_is_refused_says_why(kind: str, source: str, why: str) -> None:
     with pytest.raises(UnsupportedError, match=why):
-        constraint_node(kind, source)
+        constraint_node(kind, source, 10**6)
 
 
 def test_a_rest_longer_than_the_limit_is_refused() -> None:
-    node = constraint_node("choices", tuple(f"x{i:03d}" for i in range(100)))
+    node = constraint_node("choices", tuple(f"x{i:03d}" for i in range(100)), 10**6)
     assert rest_of(node, "x0", 10**6) is not None
     with pytest.raises(UnsupportedError, match="max_grammar_bytes"):
         rest_of(node, "x", 50)

@@ -21,7 +21,8 @@
   can be tested, it answers a ``choice`` with the first option, and a ``regex`` that is a
   plain literal or an alternation of literals (``a|b\\.c``) with the first alternative, as
   ``--tokenizer`` token ids, ending with finish_reason "stop" (as vLLM does when the grammar
-  is complete); ``json`` / ``grammar`` are ignored (the usual made-up tokens).
+  is complete), and a ``json`` schema that has ``examples`` with its first example (compact);
+  other ``json`` and ``grammar`` are ignored (the usual made-up tokens).
 
 Run: ``python -m tests.worker_agent.vllm.fake_vllm --http-port P --events-port E ...``; it
 prints one line ``READY {json}`` when serving and stops on SIGTERM.
@@ -244,13 +245,17 @@ class FakeVllm:
     # -- generation --------------------------------------------------------------------------
 
     def forced(self, so: Any) -> list[int] | None:
-        """Tokens answering a ``choice`` or literal-alternation ``regex`` (NOT grammar
-        enforcement: see the module doc); None for anything else."""
+        """Tokens answering a ``choice``, a literal-alternation ``regex`` or a ``json`` schema
+        with ``examples`` (NOT grammar enforcement: see the module doc); None for anything
+        else."""
         if not isinstance(so, dict):
             return None
         text = None
         if isinstance(so.get("choice"), list) and so["choice"]:
             text = str(so["choice"][0])
+        elif isinstance(so.get("json"), dict) and so["json"].get("examples"):
+            text = json.dumps(so["json"]["examples"][0], separators=(",", ":"),
+                              ensure_ascii=False)
         elif isinstance(so.get("regex"), str):
             first = re.sub(r"\\(.)", r"\1", so["regex"].split("|")[0])
             if re.fullmatch(so["regex"], first):

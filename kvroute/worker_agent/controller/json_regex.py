@@ -1,0 +1,203 @@
+"""A JSON schema as the regex of the compact JSON texts the agent's matcher accepts for it.
+
+A ``json_schema`` constraint is context-free in general, so a region continued on an engine
+that takes a whole grammar per request (``continuation``) has no regex for its rest. But the
+schemas programs use are mostly flat records: objects of named fields, enums, arrays of
+those. Without recursion such a schema is regular, and :func:`schema_regex` writes it as a
+regex whose language is a subset of what the agent's own matcher accepts for the schema
+(llguidance with ``whitespace_flexible`` off, ``program.py``): no whitespace, ``,`` and
+``:`` as separators, properties in the schema's order, none but the schema's (llguidance
+lets others follow them), ``\\u`` escapes only for control characters as it does,
+numbers without bounds. So what
+the engine generates under the rest is accepted by the local check too; a region whose text
+so far left that subset (an extra property, say) is refused when continued
+(``continuation.NotAPrefixError``).
+
+Read: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
+``additionalProperties: false``, ``items`` (one schema), ``minItems``, ``maxItems``,
+``minLength``, ``maxLength``, ``anyOf`` / ``oneOf`` (as alternatives: the matcher checks a
+``oneOf`` as an ``anyOf`` too), ``$ref`` into ``$defs`` / ``definitions``, and the
+annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``). Anything
+else (a recursive ``$ref``, ``pattern``, ``format``, numeric bounds, ``allOf``, an object
+without ``properties``, ``items`` as a list, ``true`` as a schema, ...) raises
+``continuation.UnsupportedError`` naming it, as does a regex longer than ``max_len``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from kvroute.worker_agent.controller.continuation import UnsupportedError
+
+# The JSON text pieces (RFC 8259), compact. A string's characters: anything but a quote, a
+# backslash, a control character or DEL, or an escape the matcher takes (not ``\\/``, and
+# ``\\u`` only for a control character).
+_STRING_CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F])'
+_INTEGER = r"-?(?:0|[1-9][0-9]*)"
+_NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_SCALARS = {"integer": _INTEGER, "number": _NUMBER, "boolean": "(?:true|false)",
+            "null": "null"}
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
+                          "$comment", "$defs", "definitions", "deprecated", "readOnly",
+                          "writeOnly"})
+_READ = frozenset({"type", "enum", "const", "properties", "required", "additionalProperties",
+                   "items", "minItems", "maxItems", "minLength", "maxLength", "anyOf",
+                   "oneOf", "$ref"})
+
+
+def literal(value: Any) -> str:
+    """The regex of one JSON value's compact text (an ``enum`` option, a ``const``)."""
+    return re.escape(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+
+
+def _group(alternatives: list[str]) -> str:
+    return alternatives[0] if len(alternatives) == 1 else "(?:" + "|".join(alternatives) + ")"
+
+
+def _count(schema: Mapping[str, Any], lo_key: str, hi_key: str, where: str
+           ) -> tuple[int, int | None]:
+    lo, hi = schema.get(lo_key, 0), schema.get(hi_key)
+    for key, v in ((lo_key, lo), (hi_key, hi)):
+        if v is not None and (type(v) is not int or v < 0):
+            raise UnsupportedError(f"{where}.{key} must be a non-negative integer, got {v!r}")
+    if hi is not None and hi < lo:
+        raise UnsupportedError(f"{where}: {hi_key} {hi} is below {lo_key} {lo}")
+    return lo, hi
+
+
+def _repeat(unit: str, lo: int, hi: int | None) -> str:
+    if (lo, hi) == (0, None):
+        return f"(?:{unit})*"
+    if hi is None:
+        return f"(?:{unit}){{{lo},}}"
+    return f"(?:{unit}){{{lo},{hi}}}" if lo != hi else f"(?:{unit}){{{lo}}}"
+
+
+class _Writer:
+    """One schema's regex: ``root`` holds the definitions ``$ref`` names, ``active`` the refs
+    being expanded (a ref met again inside itself is recursion, which no regex has). Every
+    piece is checked against ``max_len`` as it is written: nested optional fields multiply
+    a regex's length, and a short schema must not build a huge one before it is refused."""
+
+    def __init__(self, root: Mapping[str, Any], max_len: int) -> None:
+        self.root = root
+        self.max_len = max_len
+        self.active: list[str] = []
+
+    def value(self, schema: Any, where: str) -> str:
+        out = self._value(schema, where)
+        if len(out) > self.max_len:
+            raise UnsupportedError(f"the schema's regex has {len(out)} characters or more, "
+                                   f"more than max_grammar_bytes ({self.max_len})")
+        return out
+
+    def _value(self, schema: Any, where: str) -> str:
+        if schema is False:
+            raise UnsupportedError(f"{where} is false: no value is allowed")
+        if not isinstance(schema, Mapping):
+            raise UnsupportedError(f"{where} is {schema!r}: only object schemas are read "
+                                   f"(true, any JSON value, has no regex)")
+        unknown = sorted(set(schema) - _READ - _ANNOTATIONS)
+        if unknown:
+            raise UnsupportedError(f"{where}: {', '.join(unknown)} not supported")
+        if "$ref" in schema:
+            return self.ref(schema, where)
+        if "const" in schema:
+            return literal(schema["const"])
+        if "enum" in schema:
+            options = schema["enum"]
+            if not isinstance(options, list) or not options:
+                raise UnsupportedError(f"{where}.enum must be a non-empty list")
+            return _group([literal(v) for v in options])
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                subs = schema[key]
+                if not isinstance(subs, list) or not subs:
+                    raise UnsupportedError(f"{where}.{key} must be a non-empty list")
+                return _group([self.value(s, f"{where}.{key}[{i}]")
+                               for i, s in enumerate(subs)])
+        kinds = schema.get("type")
+        if kinds is None:
+            raise UnsupportedError(f"{where} has no type, enum, const, anyOf or $ref "
+                                   f"(any JSON value has no regex)")
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        return _group([self.typed(schema, k, where) for k in kinds])
+
+    def typed(self, schema: Mapping[str, Any], kind: Any, where: str) -> str:
+        if kind in _SCALARS:
+            return _SCALARS[kind]
+        if kind == "string":
+            lo, hi = _count(schema, "minLength", "maxLength", where)
+            return '"' + _repeat(_STRING_CHAR, lo, hi) + '"'
+        if kind == "array":
+            items = schema.get("items")
+            if items is None:
+                raise UnsupportedError(f"{where}: an array without items (any JSON values)")
+            item = self.value(items, f"{where}.items")
+            lo, hi = _count(schema, "minItems", "maxItems", where)
+            if hi == 0:
+                return r"\[\]"
+            rest = _repeat("," + item, max(lo - 1, 0), None if hi is None else hi - 1)
+            body = item + rest
+            return r"\[" + (body if lo > 0 else f"(?:{body})?") + r"\]"
+        if kind == "object":
+            return self.record(schema, where)
+        raise UnsupportedError(f"{where}.type {kind!r} is not a JSON type")
+
+    def record(self, schema: Mapping[str, Any], where: str) -> str:
+        props = schema.get("properties")
+        if not isinstance(props, Mapping):
+            raise UnsupportedError(f"{where}: an object without properties (any keys)")
+        if schema.get("additionalProperties", False) is not False:
+            raise UnsupportedError(f"{where}.additionalProperties must be false or absent")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not set(required) <= set(props):
+            raise UnsupportedError(f"{where}.required must list properties it defines")
+        fields = [(literal(name) + ":" + self.value(sub, f"{where}.properties.{name}"),
+                   name in required) for name, sub in props.items()]
+        # The first field present carries no comma, each later one does: so one alternative
+        # per field that may come first (every field before it optional).
+        firsts: list[str] = []
+        for i, (text, needed) in enumerate(fields):
+            tail = "".join(f"(?:,{t})" if req else f"(?:,{t})?" for t, req in fields[i + 1:])
+            firsts.append(text + tail)
+            if needed:
+                break
+        if not firsts:
+            body = ""
+        elif not any(req for _, req in fields):  # the empty object too
+            body = "(?:" + "|".join(firsts) + ")?"
+        else:
+            body = _group(firsts)
+        return r"\{" + body + r"\}"
+
+    def ref(self, schema: Mapping[str, Any], where: str) -> str:
+        target = schema["$ref"]
+        m = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", target) \
+            if isinstance(target, str) else None
+        if m is None:
+            raise UnsupportedError(f"{where}.$ref {target!r}: only #/$defs/NAME and "
+                                   f"#/definitions/NAME are read")
+        if target in self.active:
+            raise UnsupportedError(f"{where}.$ref {target!r} is recursive (no regex has it)")
+        defs = self.root.get(m.group(1))
+        if not isinstance(defs, Mapping) or m.group(2) not in defs:
+            raise UnsupportedError(f"{where}.$ref {target!r} names no definition")
+        if len(schema) > 1 and set(schema) - _ANNOTATIONS - {"$ref"}:
+            raise UnsupportedError(f"{where}: $ref beside other keywords is not supported")
+        self.active.append(target)
+        try:
+            return self.value(defs[m.group(2)], target)
+        finally:
+            self.active.pop()
+
+
+def schema_regex(schema: Any, max_len: int) -> str:
+    """The regex of ``schema``'s compact instances (see the module docstring);
+    UnsupportedError names what it cannot write, or says it is longer than ``max_len``."""
+    if not isinstance(schema, Mapping):
+        raise UnsupportedError(f"the schema is {schema!r}, not an object schema")
+    return _Writer(schema, max_len).value(schema, "schema")
