@@ -300,8 +300,8 @@ class _Prepared:
     templates: dict[str, Any]
     split: Split | None = None
     rests: dict[str, tuple[str, continuation.Node]] = field(default_factory=dict)
-    """Regular constraints as nodes, by grammar: what a continued region is sent as on an
-    engine that takes a whole grammar per request (``continuation.rest_of``)."""
+    """Regular constraints as (kind, nodes), by grammar: what a continued region is sent as
+    on an engine that takes a whole grammar per request (``continuation.rest_of``)."""
 
 
 def _first_error(exc: BaseException) -> BaseException:
