@@ -8,17 +8,18 @@ regex whose language is a subset of what the agent's own matcher accepts for the
 (llguidance with ``whitespace_flexible`` off, ``program.py``): no whitespace, ``,`` and
 ``:`` as separators, properties in the schema's order, none but the schema's (llguidance
 lets others follow them), ``\\u`` escapes only for control characters as it does,
-numbers without bounds. So what
+bounds on integers only. So what
 the engine generates under the rest is accepted by the local check too; a region whose text
 so far left that subset (an extra property, say) is refused when continued
 (``continuation.NotAPrefixError``).
 
 Read: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties: false``, ``items`` (one schema), ``minItems``, ``maxItems``,
-``minLength``, ``maxLength``, ``anyOf`` / ``oneOf`` (as alternatives: the matcher checks a
+``minLength``, ``maxLength``, ``minimum`` / ``maximum`` and their exclusive forms on an
+``integer``, ``anyOf`` / ``oneOf`` (as alternatives: the matcher checks a
 ``oneOf`` as an ``anyOf`` too), ``$ref`` into ``$defs`` / ``definitions``, and the
 annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``). Anything
-else (a recursive ``$ref``, ``pattern``, ``format``, numeric bounds, ``allOf``, an object
+else (a recursive ``$ref``, ``pattern``, ``format``, bounds on a ``number``, ``allOf``, an object
 without ``properties``, ``items`` as a list, ``true`` as a schema, ...) raises
 ``continuation.UnsupportedError`` naming it, as does a regex longer than ``max_len``.
 """
@@ -26,6 +27,7 @@ without ``properties``, ``items`` as a list, ``true`` as a schema, ...) raises
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -45,7 +47,9 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schem
                           "writeOnly"})
 _READ = frozenset({"type", "enum", "const", "properties", "required", "additionalProperties",
                    "items", "minItems", "maxItems", "minLength", "maxLength", "anyOf",
-                   "oneOf", "$ref"})
+                   "oneOf", "$ref", "minimum", "maximum", "exclusiveMinimum",
+                   "exclusiveMaximum"})
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def literal(value: Any) -> str:
@@ -66,6 +70,66 @@ def _count(schema: Mapping[str, Any], lo_key: str, hi_key: str, where: str
     if hi is not None and hi < lo:
         raise UnsupportedError(f"{where}: {hi_key} {hi} is below {lo_key} {lo}")
     return lo, hi
+
+
+def _same_length(a: str, b: str) -> list[str]:
+    """Regexes of the digit strings from ``a`` to ``b`` (as long as each other)."""
+    if not a:
+        return [""]
+    if a[0] == b[0]:
+        return [a[0] + r for r in _same_length(a[1:], b[1:])]
+    n = len(a) - 1
+    if a[1:] == "0" * n and b[1:] == "9" * n:  # every digit string between: one class
+        return [f"[{a[0]}-{b[0]}]" + "[0-9]" * n]
+    out = [a[0] + r for r in _same_length(a[1:], "9" * n)]
+    if int(b[0]) - int(a[0]) > 1:
+        out.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}]" + "[0-9]" * n)
+    return out + [b[0] + r for r in _same_length("0" * n, b[1:])]
+
+
+def _naturals(lo: int, hi: int | None) -> list[str]:
+    """Regexes of the decimal numbers from ``lo`` >= 0 to ``hi`` (None: no end), without
+    leading zeros, one per length: ``[1-9][0-9]{n,}`` past the last bounded one."""
+    out: list[str] = []
+    length = len(str(lo))
+    while hi is None or length <= len(str(hi)):
+        first = lo if length == len(str(lo)) else 10 ** (length - 1)
+        if hi is None and first == 10 ** (length - 1) and length > 1:
+            return [*out, f"[1-9][0-9]{{{length - 1},}}"]
+        last = hi if hi is not None and length == len(str(hi)) else 10 ** length - 1
+        out += _same_length(str(first), str(last))
+        length += 1
+    return out
+
+
+def _integers(schema: Mapping[str, Any], where: str) -> str:
+    """The integers within the schema's bounds (none: every integer, ``-0`` too, as the
+    matcher takes it); bounds as the matcher reads them, ``-0`` left out of a bounded range."""
+    lo: int | None = None
+    hi: int | None = None
+    for key in _BOUNDS:
+        if key not in schema:
+            continue
+        v = schema[key]
+        if type(v) not in (int, float) or v != v or v in (math.inf, -math.inf):
+            raise UnsupportedError(f"{where}.{key} must be a number, got {v!r}")
+        if key in ("minimum", "exclusiveMinimum"):
+            b = math.ceil(v) if key == "minimum" else math.floor(v) + 1
+            lo = b if lo is None else max(lo, b)
+        else:
+            b = math.floor(v) if key == "maximum" else math.ceil(v) - 1
+            hi = b if hi is None else min(hi, b)
+    if lo is None and hi is None:
+        return _INTEGER
+    if lo is not None and hi is not None and hi < lo:
+        raise UnsupportedError(f"{where}: no integer lies within its bounds")
+    out: list[str] = []
+    if lo is None or lo < 0:  # the negative part, -1 down to lo: "-" and 1 .. -lo
+        neg_hi = -1 if hi is None or hi >= 0 else hi
+        out += ["-" + r for r in _naturals(-neg_hi, None if lo is None else -lo)]
+    if hi is None or hi >= 0:
+        out += _naturals(max(lo or 0, 0), hi)
+    return _group(out)
 
 
 def _repeat(unit: str, lo: int, hi: int | None) -> str:
@@ -127,6 +191,11 @@ class _Writer:
         return _group([self.typed(schema, k, where) for k in kinds])
 
     def typed(self, schema: Mapping[str, Any], kind: Any, where: str) -> str:
+        if kind == "integer":
+            return _integers(schema, where)
+        if any(key in schema for key in _BOUNDS):
+            raise UnsupportedError(f"{where}: bounds on a {kind} are not supported (on an "
+                                   f"integer they are)")
         if kind in _SCALARS:
             return _SCALARS[kind]
         if kind == "string":

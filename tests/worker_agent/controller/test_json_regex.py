@@ -25,6 +25,11 @@ def random_schema(rng: random.Random, depth: int, defs: dict[str, Any]) -> dict[
     if depth > 0:
         kinds += ["object", "object", "array", "anyOf", "ref", "types"]
     kind = rng.choice(kinds)
+    if kind == "integer" and rng.random() < 0.5:
+        lo = rng.choice([-120, -3, 0, 7, 95])
+        bounds = {rng.choice(["minimum", "exclusiveMinimum"]): lo,
+                  rng.choice(["maximum", "exclusiveMaximum"]): lo + rng.choice([2, 30, 1000])}
+        return {"type": "integer", **dict(rng.sample(sorted(bounds.items()), rng.randint(1, 2)))}
     if kind in ("integer", "number", "boolean", "null"):
         return {"type": kind}
     if kind == "string":
@@ -80,7 +85,9 @@ def instance(rng: random.Random, schema: dict[str, Any], root: dict[str, Any]) -
     kind = schema["type"]
     kind = rng.choice(kind) if isinstance(kind, list) else kind
     if kind == "integer":
-        return rng.choice([0, -3, 17, 12345])
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", -20000) + 1)
+        hi = schema.get("maximum", schema.get("exclusiveMaximum", 20000) - 1)
+        return rng.choice([lo, hi, rng.randint(lo, hi), min(max(0, lo), hi)])
     if kind == "number":
         return rng.choice([0, -1.5, 2.25e-7, 3e20, 7])
     if kind == "boolean":
@@ -164,6 +171,9 @@ def test_an_object_keeps_its_order_and_commas() -> None:
     # The rest is printed as a regex an engine can take, with the schema's own pieces.
     assert rest_of(parse(regex), '{"a":12', 999) == r'[0-9]*,"b":(true|false)(,"c":null)?\}'
     assert rest_of(parse(schema_regex({"enum": ["blue", "red"]}, 99)), '"b', 99) == 'lue"'
+    score = {"type": "integer", "minimum": 1, "maximum": 10}  # a judge's score, say
+    assert schema_regex(score, 99) == "(?:[1-9]|10)"
+    assert rest_of(parse(schema_regex(score, 99)), "1", 99) == "0?"
     one_of = {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 1}]}
     assert rest_of(parse(schema_regex(one_of, 999)), '"', 999).endswith(')?"')
 
@@ -175,7 +185,9 @@ def test_an_object_keeps_its_order_and_commas() -> None:
     ({"type": "array"}, "without items"),
     ({"type": "array", "items": [{"type": "null"}]}, "only object schemas"),
     ({"type": "string", "pattern": "a+"}, "pattern not supported"),
-    ({"type": "integer", "minimum": 0}, "minimum not supported"),
+    ({"type": "number", "minimum": 0}, "bounds on a number"),
+    ({"type": "integer", "minimum": 3, "exclusiveMaximum": 3}, "no integer"),
+    ({"type": "integer", "maximum": "9"}, "must be a number"),
     ({"allOf": [{"type": "null"}]}, "allOf not supported"),
     ({}, "no type"),
     ({"$ref": "#/$defs/t", "$defs": {"t": {"type": "array", "items": {"$ref": "#/$defs/t"}}}},
