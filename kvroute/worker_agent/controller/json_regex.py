@@ -7,8 +7,7 @@ those. Without recursion such a schema is regular, and :func:`schema_regex` writ
 regex whose language is a subset of what the agent's own matcher accepts for the schema
 (llguidance with ``whitespace_flexible`` off, ``program.py``): no whitespace, ``,`` and
 ``:`` as separators, properties in the schema's order, none but the schema's (llguidance
-lets others follow them), ``\\u`` escapes only for control characters as it does,
-bounds on integers only. So what
+lets others follow them), ``\\u`` escapes only for control characters as it does. So what
 the engine generates under the rest is accepted by the local check too; a region whose text
 so far left that subset (an extra property, say) is refused when continued
 (``continuation.NotAPrefixError``).
@@ -16,12 +15,13 @@ so far left that subset (an extra property, say) is refused when continued
 Read: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties: false``, ``items`` (one schema), ``minItems``, ``maxItems``,
 ``minLength``, ``maxLength``, ``minimum`` / ``maximum`` and their exclusive forms on an
-``integer``, ``anyOf`` / ``oneOf`` (as alternatives: the matcher checks a
-``oneOf`` as an ``anyOf`` too), ``$ref`` into ``$defs`` / ``definitions``, and the
-annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``). Anything
-else (a recursive ``$ref``, ``pattern``, ``format``, bounds on a ``number``, ``allOf``, an object
-without ``properties``, ``items`` as a list, ``true`` as a schema, ...) raises
-``continuation.UnsupportedError`` naming it, as does a regex longer than ``max_len``.
+``integer`` (exact digit ranges), ``anyOf`` / ``oneOf`` (as alternatives: the matcher
+checks a ``oneOf`` as an ``anyOf`` too), ``$ref`` into ``$defs`` / ``definitions``, and
+the annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``).
+Anything else (a recursive ``$ref``, ``pattern``, ``format``, bounds on a ``number``,
+``allOf``, an object without ``properties``, ``items`` as a list, ``true`` as a schema,
+...) raises ``continuation.UnsupportedError`` naming it, as does a regex longer than
+``max_len``.
 """
 
 from __future__ import annotations
@@ -193,9 +193,9 @@ class _Writer:
     def typed(self, schema: Mapping[str, Any], kind: Any, where: str) -> str:
         if kind == "integer":
             return _integers(schema, where)
-        if any(key in schema for key in _BOUNDS):
-            raise UnsupportedError(f"{where}: bounds on a {kind} are not supported (on an "
-                                   f"integer they are)")
+        if kind == "number" and any(key in schema for key in _BOUNDS):
+            raise UnsupportedError(f"{where}: bounds on a number are not supported (on an "
+                                   f"integer they are)")  # (other types ignore them)
         if kind in _SCALARS:
             return _SCALARS[kind]
         if kind == "string":
