@@ -13,7 +13,12 @@ import jsonschema
 import llguidance
 import pytest
 
-from kvroute.worker_agent.controller.continuation import UnsupportedError, parse, rest_of
+from kvroute.worker_agent.controller.continuation import (
+    NotAPrefixError,
+    UnsupportedError,
+    parse,
+    rest_of,
+)
 from kvroute.worker_agent.controller.json_regex import schema_regex
 from kvroute.worker_agent.controller.vocab import make_vocab
 
@@ -220,3 +225,18 @@ def test_nested_optional_fields_are_refused_before_their_regex_is_built() -> Non
         schema = {"type": "object", "properties": {f"f{i}": schema for i in range(6)}}
     with pytest.raises(UnsupportedError, match="max_grammar_bytes"):
         schema_regex(schema, 65536)
+
+
+def test_the_best_of_n_example_schema_continues() -> None:
+    """examples/best_of_n_json.py's schema (bounded age, enum city, short name) has a regex,
+    so its extraction can be forked mid-region on vLLM too."""
+    schema = {
+        "type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+        "properties": {"name": {"type": "string", "maxLength": 12},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                       "city": {"enum": ["Paris", "Oslo", "Lima"]}}}
+    node = parse(schema_regex(schema, 65536))
+    rest = rest_of(node, '{"name":"Ada Lovelace","age":13', 65536)
+    assert rest == r'0?,"city":"(Paris"|Oslo"|Lima")\}'  # 13 or 130: at most 130
+    with pytest.raises(NotAPrefixError):
+        rest_of(node, '{"name":"Ada Lovelace","age":131', 65536)
