@@ -287,10 +287,12 @@ def choices(options: tuple[str, ...] | list[str]) -> Node:
     return _alt(*(_seq(*(_Chars(_escape(c, _META)) for c in o)) for o in options))
 
 
-def constraint_node(kind: str, source: str | tuple[str, ...], max_len: int) -> Node:
+def constraint_node(kind: str, source: str | tuple[str, ...], max_len: int,
+                    json_flexible: bool = False) -> Node:
     """A ``regex``, ``choices`` or ``json_schema`` constraint as nodes (a schema through
     :func:`~kvroute.worker_agent.controller.json_regex.schema_regex`, refused past
-    ``max_len`` characters); UnsupportedError for ``lark`` and what that refuses."""
+    ``max_len`` characters, with whitespace inside objects and arrays when
+    ``json_flexible``); UnsupportedError for ``lark`` and what that refuses."""
     if kind == "regex":
         assert isinstance(source, str)
         return parse(source)
@@ -300,7 +302,7 @@ def constraint_node(kind: str, source: str | tuple[str, ...], max_len: int) -> N
         assert isinstance(source, str)
         # Imported here: json_regex raises this module's UnsupportedError.
         from kvroute.worker_agent.controller.json_regex import schema_regex
-        return parse(schema_regex(json.loads(source), max_len))
+        return parse(schema_regex(json.loads(source), max_len, json_flexible))
     raise UnsupportedError(f"a {kind} constraint is context-free: its rest mid-region is "
                            f"not written here (regex, choices and json_schema ones are)")
 

@@ -1,16 +1,17 @@
-"""A JSON schema as the regex of the compact JSON texts the agent's matcher accepts for it.
+"""A JSON schema as the regex of the JSON texts the agent's matcher accepts for it.
 
 A ``json_schema`` constraint is context-free in general, so a region continued on an engine
 that takes a whole grammar per request (``continuation``) has no regex for its rest. But the
 schemas programs use are mostly flat records: objects of named fields, enums, arrays of
 those. Without recursion such a schema is regular, and :func:`schema_regex` writes it as a
 regex whose language is a subset of what the agent's own matcher accepts for the schema
-(llguidance with ``whitespace_flexible`` off, ``program.py``): no whitespace, ``,`` and
-``:`` as separators, properties in the schema's order, none but the schema's (llguidance
-lets others follow them), ``\\u`` escapes only for control characters as it does. So what
-the engine generates under the rest is accepted by the local check too; a region whose text
-so far left that subset (an extra property, say) is refused when continued
-(``continuation.NotAPrefixError``).
+(llguidance: ``program.py``, with ``whitespace_flexible`` on for vLLM, ``grammars.py``):
+``,`` and ``:`` as separators (with whitespace around them and inside brackets where the
+matcher is flexible, none elsewhere), properties in the schema's order, none but the
+schema's (llguidance lets others follow them), ``\\u`` escapes only for control characters
+as it does. So what the engine generates under the rest is accepted by the local check too;
+a region whose text so far left that subset (an extra property, say) is refused when
+continued (``continuation.NotAPrefixError``).
 
 Read: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties: false``, ``items`` (one schema), ``minItems``, ``maxItems``,
@@ -40,6 +41,9 @@ from kvroute.worker_agent.controller.continuation import UnsupportedError
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F])'
 _INTEGER = r"-?(?:0|[1-9][0-9]*)"
 _NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+# With flexible whitespace, between the tokens inside an object or array (never around the
+# whole value).
+_WHITESPACE = "[ \\t\\n\\r]*"
 _SCALARS = {"integer": _INTEGER, "number": _NUMBER, "boolean": "(?:true|false)",
             "null": "null"}
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
@@ -52,8 +56,14 @@ _READ = frozenset({"type", "enum", "const", "properties", "required", "additiona
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-def literal(value: Any) -> str:
-    """The regex of one JSON value's compact text (an ``enum`` option, a ``const``)."""
+def literal(value: Any, ws: str = "") -> str:
+    """The regex of one JSON value's text (an ``enum`` option, a ``const``): compact, with
+    ``ws`` (a whitespace regex) inside its objects and arrays."""
+    if ws and isinstance(value, dict):
+        items = [f"{literal(k)}{ws}:{ws}{literal(v, ws)}" for k, v in value.items()]
+        return r"\{" + ws + f"{ws},{ws}".join(items) + ws + r"\}"
+    if ws and isinstance(value, list):
+        return r"\[" + ws + f"{ws},{ws}".join(literal(v, ws) for v in value) + ws + r"\]"
     return re.escape(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
 
 
@@ -146,9 +156,10 @@ class _Writer:
     piece is checked against ``max_len`` as it is written: nested optional fields multiply
     a regex's length, and a short schema must not build a huge one before it is refused."""
 
-    def __init__(self, root: Mapping[str, Any], max_len: int) -> None:
+    def __init__(self, root: Mapping[str, Any], max_len: int, flexible: bool) -> None:
         self.root = root
         self.max_len = max_len
+        self.ws = _WHITESPACE if flexible else ""
         self.active: list[str] = []
 
     def value(self, schema: Any, where: str) -> str:
@@ -170,12 +181,12 @@ class _Writer:
         if "$ref" in schema:
             return self.ref(schema, where)
         if "const" in schema:
-            return literal(schema["const"])
+            return literal(schema["const"], self.ws)
         if "enum" in schema:
             options = schema["enum"]
             if not isinstance(options, list) or not options:
                 raise UnsupportedError(f"{where}.enum must be a non-empty list")
-            return _group([literal(v) for v in options])
+            return _group([literal(v, self.ws) for v in options])
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 subs = schema[key]
@@ -207,11 +218,12 @@ class _Writer:
                 raise UnsupportedError(f"{where}: an array without items (any JSON values)")
             item = self.value(items, f"{where}.items")
             lo, hi = _count(schema, "minItems", "maxItems", where)
+            w = self.ws
             if hi == 0:
-                return r"\[\]"
-            rest = _repeat("," + item, max(lo - 1, 0), None if hi is None else hi - 1)
+                return r"\[" + w + r"\]"
+            rest = _repeat(f"{w},{w}{item}", max(lo - 1, 0), None if hi is None else hi - 1)
             body = item + rest
-            return r"\[" + (body if lo > 0 else f"(?:{body})?") + r"\]"
+            return r"\[" + w + (body if lo > 0 else f"(?:{body})?") + w + r"\]"
         if kind == "object":
             return self.record(schema, where)
         raise UnsupportedError(f"{where}.type {kind!r} is not a JSON type")
@@ -225,13 +237,15 @@ class _Writer:
         required = schema.get("required", [])
         if not isinstance(required, list) or not set(required) <= set(props):
             raise UnsupportedError(f"{where}.required must list properties it defines")
-        fields = [(literal(name) + ":" + self.value(sub, f"{where}.properties.{name}"),
+        w = self.ws
+        fields = [(f"{literal(name)}{w}:{w}" + self.value(sub, f"{where}.properties.{name}"),
                    name in required) for name, sub in props.items()]
         # The first field present carries no comma, each later one does: so one alternative
         # per field that may come first (every field before it optional).
         firsts: list[str] = []
         for i, (text, needed) in enumerate(fields):
-            tail = "".join(f"(?:,{t})" if req else f"(?:,{t})?" for t, req in fields[i + 1:])
+            tail = "".join(f"(?:{w},{w}{t})" if req else f"(?:{w},{w}{t})?"
+                           for t, req in fields[i + 1:])
             firsts.append(text + tail)
             if needed:
                 break
@@ -241,7 +255,7 @@ class _Writer:
             body = "(?:" + "|".join(firsts) + ")?"
         else:
             body = _group(firsts)
-        return r"\{" + body + r"\}"
+        return r"\{" + w + body + w + r"\}"
 
     def ref(self, schema: Mapping[str, Any], where: str) -> str:
         target = schema["$ref"]
@@ -264,9 +278,12 @@ class _Writer:
             self.active.pop()
 
 
-def schema_regex(schema: Any, max_len: int) -> str:
-    """The regex of ``schema``'s compact instances (see the module docstring);
-    UnsupportedError names what it cannot write, or says it is longer than ``max_len``."""
+def schema_regex(schema: Any, max_len: int, flexible: bool = False) -> str:
+    """The regex of ``schema``'s compact instances (see the module docstring), or with
+    ``flexible`` of its instances with whitespace inside objects and arrays, as the matcher
+    takes them with ``whitespace_flexible`` on (the agent's check on vLLM, whose guidance
+    backend lets a model write it). UnsupportedError names what it cannot write, or says
+    it is longer than ``max_len``."""
     if not isinstance(schema, Mapping):
         raise UnsupportedError(f"the schema is {schema!r}, not an object schema")
-    return _Writer(schema, max_len).value(schema, "schema")
+    return _Writer(schema, max_len, flexible).value(schema, "schema")

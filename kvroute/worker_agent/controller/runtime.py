@@ -253,8 +253,10 @@ class ProgramRuntime:
             # what is left of its constraint, which only a regular one has as a regex.
             for spec in plan.constraints:
                 try:
+                    # As the local check reads JSON there (compile_constraints below).
                     rests[spec.grammar] = (spec.kind, continuation.constraint_node(
-                        spec.kind, spec.source, self.limits.max_grammar_bytes))
+                        spec.kind, spec.source, self.limits.max_grammar_bytes,
+                        json_flexible=kind in GRAMMAR_ENGINES))
                 except continuation.UnsupportedError as exc:
                     raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                        f"gen.continue_constraint on the {kind} engine, which "
@@ -732,8 +734,8 @@ class _Run:
             if kind == "json_schema":  # valid JSON for it, outside the subset written
                 raise ProgramError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"gen.continue_constraint: branch {b.id}: {exc} (its "
-                                   f"regex takes compact JSON with the schema's properties "
-                                   f"only, in its order: json_regex)") from None
+                                   f"regex takes JSON with the schema's properties only, "
+                                   f"in its order: json_regex)") from None
             # A regex's derivative refusing what the matcher accepted: a bug here.
             raise ProgramError(grpc.StatusCode.INTERNAL,
                                f"gen.continue_constraint: branch {b.id}: {exc}") from None

@@ -115,11 +115,27 @@ def compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def local_check(vocab, schema: dict[str, Any]):
-    """The agent's own matcher for the schema (``program.py``: compact JSON): does it accept
-    a whole text?"""
+def written(value: Any, rng: random.Random | None) -> str:
+    """``value`` as JSON text: compact, or with random whitespace (``rng``) wherever the
+    matcher with flexible whitespace takes it (inside objects and arrays)."""
+    if rng is None:
+        return compact(value)
+
+    def ws() -> str:
+        return "".join(rng.choice(" \t\n\r") for _ in range(rng.choice([0, 0, 1, 2])))
+    if isinstance(value, dict):
+        items = [f"{compact(k)}{ws()}:{ws()}{written(v, rng)}" for k, v in value.items()]
+        return "{" + ws() + f"{ws()},{ws()}".join(items) + ws() + "}"
+    if isinstance(value, list):
+        return "[" + ws() + f"{ws()},{ws()}".join(written(v, rng) for v in value) + ws() + "]"
+    return compact(value)
+
+
+def local_check(vocab, schema: dict[str, Any], flexible: bool):
+    """The agent's own matcher for the schema (``program.py``; with flexible whitespace on
+    vLLM, ``grammars.py``): does it accept a whole text?"""
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        schema, defaults={"whitespace_flexible": False})
+        schema, defaults={"whitespace_flexible": flexible})
 
     def accepts(text: str) -> bool:
         m = llguidance.LLMatcher(vocab.ll, grammar, log_level=0)
@@ -127,7 +143,9 @@ def local_check(vocab, schema: dict[str, Any]):
     return accepts
 
 
-def test_instances_match_their_rest_after_every_split_and_matches_are_instances() -> None:
+@pytest.mark.parametrize("flexible", [False, True])
+def test_instances_match_their_rest_after_every_split_and_matches_are_instances(
+        flexible: bool) -> None:
     rng = random.Random(5)
     vocab = make_vocab("byte")
     checked = mutants = 0
@@ -136,12 +154,12 @@ def test_instances_match_their_rest_after_every_split_and_matches_are_instances(
         schema = random_schema(rng, 3, defs)
         if defs:
             schema = {"anyOf": [schema], "$defs": defs}
-        regex = schema_regex(schema, 10**6)
+        regex = schema_regex(schema, 10**6, flexible)
         node = parse(regex)
-        accepts = local_check(vocab, schema)
+        accepts = local_check(vocab, schema, flexible)
         for _ in range(4):
             value = instance(rng, schema, schema)
-            text = compact(value)
+            text = written(value, rng if flexible else None)
             jsonschema.validate(value, schema)  # the generator's own check
             assert re.fullmatch(regex, text), (schema, text)
             assert accepts(text), (schema, text)

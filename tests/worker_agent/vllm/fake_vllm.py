@@ -19,7 +19,8 @@
 * **Structured outputs:** ``structured_outputs`` is accepted and recorded, but this fake does
   NOT enforce grammars (real vLLM does, with its guidance backend). Only so that programs
   can be tested, it answers a ``choice`` with the first option, and a ``regex`` that is a
-  plain literal or an alternation of literals (``a|b\\.c``) with the first alternative, as
+  plain literal or an alternation of literals (``a|b\\.c``, JSON's optional whitespace
+  ``[ \\t\\n\\r]*`` read as none) with the first alternative, as
   ``--tokenizer`` token ids, ending with finish_reason "stop" (as vLLM does when the grammar
   is complete), and a ``json`` schema that has ``examples`` with its first example (compact);
   other ``json`` and ``grammar`` are ignored (the usual made-up tokens).
@@ -257,7 +258,9 @@ class FakeVllm:
             text = json.dumps(so["json"]["examples"][0], separators=(",", ":"),
                               ensure_ascii=False)
         elif isinstance(so.get("regex"), str):
-            first = re.sub(r"\\(.)", r"\1", so["regex"].split("|")[0])
+            # (JSON's optional whitespace, as a continued schema's rest has it: none)
+            literal = so["regex"].replace("[ \\t\\n\\r]*", "")
+            first = re.sub(r"\\(.)", r"\1", literal.split("|")[0])
             if re.fullmatch(so["regex"], first):
                 text = first
         return list(self.tokenizer.encode(text)) if text else None

@@ -181,7 +181,7 @@ async def test_a_regular_constraint_continues_as_the_regex_of_its_rest(cluster, 
 
 async def test_a_json_schema_continues_as_the_regex_of_its_rest(cluster, fake_vllm) -> None:
     """A flat JSON schema is regular: a region it constrains continues as the regex of the
-    compact JSON texts that complete it (``json_regex``, then the derivative). The fake
+    JSON texts that complete it (``json_regex``, then the derivative). The fake
     answers the schema with its example, cut here by ``max_tokens``, and the rest (a
     literal once the enum is decided) with itself."""
     fake = fake_vllm("--vocab", "258")
@@ -193,7 +193,8 @@ async def test_a_json_schema_continues_as_the_regex_of_its_rest(cluster, fake_vl
     res = results(await run(router.port, steps, prompt=PROMPT, router=True))
     first, second = received(fake)[-2:]
     assert first["structured_outputs"] == {"json": schema} and first["max_tokens"] == 12
-    assert second["structured_outputs"] == {"regex": 'lue"\\}'}
+    # Whitespace may follow, as vLLM's guidance backend and the agent's check allow it.
+    assert second["structured_outputs"] == {"regex": 'lue"[ \\t\\n\\r]*\\}'}
     v = res["0"].variables
     assert v["a"].text == '{"colour":"b' and not v["a"].complete
     assert v["b"].text == '{"colour":"blue"}' and v["b"].complete
