@@ -178,14 +178,13 @@ async def test_a_regular_constraint_continues_as_the_regex_of_its_rest(cluster, 
     assert res["0"].variables["d"].text == "skyline" and res["0"].variables["d"].complete
 
 
-
 async def test_a_json_schema_continues_as_the_regex_of_its_rest(cluster, fake_vllm) -> None:
     """A flat JSON schema is regular: a region it constrains continues as the regex of the
     JSON texts that complete it (``json_regex``, then the derivative). The fake
     answers the schema with its example, cut here by ``max_tokens``, and the rest (a
     literal once the enum is decided) with itself."""
     fake = fake_vllm("--vocab", "258")
-    _agent, router = await start(cluster, fake)
+    agent, router = await start(cluster, fake)
     schema = {"type": "object", "required": ["colour"], "examples": [{"colour": "blue"}],
               "properties": {"colour": {"enum": ["blue", "red"]}}, "additionalProperties": False}
     steps = [gen(12, constraint=P.Constraint(json_schema=json.dumps(schema)), capture="a"),
@@ -207,7 +206,7 @@ async def test_a_json_schema_continues_as_the_regex_of_its_rest(cluster, fake_vl
     steps = [gen(20, constraint=P.Constraint(json_schema=json.dumps(schema))),
              gen(20, continue_constraint=True)]
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await run(_agent.port, steps, prompt=PROMPT)
+        await run(agent.port, steps, prompt=PROMPT)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "schema's properties only" in err.value.details()
     assert len(received(fake)) == n + 1  # the continuation was never sent
