@@ -184,7 +184,7 @@ class SimWorker:
             max_running=self.max_batch, max_batched_tokens=self.prefill_budget,
             arrival_rate=arrival_rate, pending_prefill_context=context,
             prefill_rate=prefill_rate,
-            prefill_mode=PrefillMode.CHUNKED if self.chunked_prefill else PrefillMode.WHOLE)
+            prefill_mode=PrefillMode.of(self.chunked_prefill))
 
     def submit(self, req: SimRequest, now: float) -> None:
         if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:

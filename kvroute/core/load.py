@@ -50,6 +50,11 @@ class PrefillMode(StrEnum):
     """Its first ``budget - pending`` tokens join the iteration (vLLM V1's default)."""
 
     @classmethod
+    def of(cls, chunked: bool) -> PrefillMode:
+        """The mode of an engine that does or does not chunk long prefills."""
+        return cls.CHUNKED if chunked else cls.WHOLE
+
+    @classmethod
     def parse(cls, value: object, what: str = "prefill_mode") -> PrefillMode:
         """``value`` (a member or its string) as a member; ValueError names ``what``."""
         if type(value) is cls:

@@ -247,16 +247,17 @@ class ProgramRuntime:
                                f"program: constrained gen needs an engine with token masks "
                                f"(tiny, sim) or per-request grammars (vllm); the {kind} "
                                f"engine has neither")
+        # JSON as the engine's grammar backend writes it (whitespace and all), for the local
+        # check of what it returns and for the rest of a continued region alike.
+        json_flexible = kind in GRAMMAR_ENGINES
         rests: dict[str, tuple[str, continuation.Node]] = {}
         if plan.continues_constraint and kind not in MASK_ENGINES:
             # The engine takes a whole grammar per request: a continued region is sent as
             # what is left of its constraint, which only a regular one has as a regex.
             for spec in plan.constraints:
                 try:
-                    # As the local check reads JSON there (compile_constraints below).
                     rests[spec.grammar] = (spec.kind, continuation.constraint_node(
-                        spec.kind, spec.source, self.limits.max_grammar_bytes,
-                        json_flexible=kind in GRAMMAR_ENGINES))
+                        spec.kind, spec.source, self.limits.max_grammar_bytes, json_flexible))
                 except continuation.UnsupportedError as exc:
                     raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                        f"gen.continue_constraint on the {kind} engine, which "
@@ -271,7 +272,7 @@ class ProgramRuntime:
                                f"{self.tokenizer!r})")
         templates = {} if vocab is None else await compile_constraints(
             plan.constraints, vocab, self.limits.compile_timeout_s,
-            json_whitespace_flexible=kind in GRAMMAR_ENGINES)
+            json_whitespace_flexible=json_flexible)
         return _Prepared(plan, vocab, templates, split, rests)
 
     async def run(self, prepared: _Prepared, request: common_pb2.GenerateRequest,

@@ -202,8 +202,7 @@ class VllmEngine(BatchSink):
             capacity_blocks=capacity, pending_prefill_tokens=prefill,
             max_running=self.config.max_num_seqs,
             max_batched_tokens=self.config.max_num_batched_tokens,
-            prefill_mode=PrefillMode.CHUNKED if self.config.chunked_prefill
-            else PrefillMode.WHOLE)
+            prefill_mode=PrefillMode.of(self.config.chunked_prefill))
 
     def cached_keys(self) -> list[int]:
         return self.blocks.cached_keys()
