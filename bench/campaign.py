@@ -44,7 +44,7 @@ BENCH = Path(__file__).resolve().parent
 SHARED = BENCH.parents[1] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 # What a policy_jitter --json record says of how it replayed (older records lack some).
 REPLAY_OPTIONS = ("closed_loop", "warmup", "jitters", "workers", "prefill_budget",
-                  "chunked_prefill", "programs", "nudge")
+                  "chunked_prefill", "long_prefill_threshold", "programs", "nudge")
 PEERS = "kvroute,llmd,preble,chwbl,sglang,dynamo,mooncake_local"
 
 

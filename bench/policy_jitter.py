@@ -39,6 +39,7 @@ from pathlib import Path
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from simulations.cli import (
     AT_LEAST_ONE,
+    COUNT,
     FRACTION,
     NON_NEGATIVE,
     SWEEP_LOADS,
@@ -96,6 +97,9 @@ def main() -> None:
                     help="prompt tokens per iteration (vLLM's --max-num-batched-tokens)")
     ap.add_argument("--chunked-prefill", action="store_true",
                     help="chunk prefills longer than the budget, as vLLM V1")
+    ap.add_argument("--long-prefill-threshold", type=COUNT, default=0, metavar="N",
+                    help="with --chunked-prefill: most tokens of one prefill per iteration "
+                         "(vLLM's --long-prefill-token-threshold; 0: the whole budget)")
     ap.add_argument("--closed-loop", action="store_true",
                     help="send a request that carries an earlier reply only when that reply "
                          "has ended (default: every request at its trace time)")
@@ -128,10 +132,15 @@ def main() -> None:
         ap.error(f"--warmup: {exc}")
     base = len(trace.requests) / trace.duration_s
     cap = 480_000 // trace.block_size
-    spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
-                       predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
-                       coalesce_share=args.coalesce_share, prefill_budget=args.prefill_budget,
-                       chunked_prefill=args.chunked_prefill, closed_loop=args.closed_loop)
+    try:
+        spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
+                           predict_ttl_s=args.predict_ttl_ms / 1000, programs=args.programs,
+                           coalesce_share=args.coalesce_share,
+                           prefill_budget=args.prefill_budget,
+                           chunked_prefill=args.chunked_prefill, closed_loop=args.closed_loop,
+                           long_prefill_threshold=args.long_prefill_threshold)
+    except ValueError as exc:
+        ap.error(str(exc))
     capacity = capacity_rps(trace, args.workers, cap, spec.cost)
     factories = make_policies(args.policies, 0)
     names = [make().name for make in factories]
@@ -145,6 +154,7 @@ def main() -> None:
     record = {"trace": args.trace, "focus": focus, "closed_loop": args.closed_loop,
               "warmup": trace.warmup, "jitters": list(jitters), "workers": args.workers,
               "prefill_budget": args.prefill_budget, "chunked_prefill": args.chunked_prefill,
+              "long_prefill_threshold": args.long_prefill_threshold,
               "programs": args.programs, "nudge": args.nudge, "loads": cells}
     floor = floor_summary(ttft_floor(trace, spec.cost)[trace.warmup:])
     print(f"TTFT floor (no queueing, every earlier prefix cached): mean {floor['mean_s']:.4g} / "

@@ -132,6 +132,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "does: the running batch decodes between chunks, each chunk stores "
                         "its blocks (default: a prefill runs whole in one iteration); the "
                         "workers report it to the policies as a vLLM V1 agent does")
+    p.add_argument("--long-prefill-threshold", type=COUNT, default=0, metavar="N",
+                   help="with --chunked-prefill: the most tokens of one prefill per iteration "
+                        "(vLLM's --long-prefill-token-threshold), so requests queued behind "
+                        "a long prompt join its iterations instead of waiting it out; the "
+                        "workers report it to the policies (default: 0, the whole budget)")
     p.add_argument("--closed-loop", action="store_true",
                    help="send a chat turn or agent call that carries an earlier reply only "
                         "when that reply has ended, as its client would (default: every "
@@ -270,7 +275,8 @@ class Setup:
                 "warmup": self.trace.warmup,
                 "workers": sp.workers, "capacity_blocks": sp.capacity_blocks,
                 "max_batch": sp.max_batch, "prefill_budget": sp.prefill_budget,
-                "chunked_prefill": sp.chunked_prefill, "programs": sp.programs,
+                "chunked_prefill": sp.chunked_prefill,
+                "long_prefill_threshold": sp.long_prefill_threshold, "programs": sp.programs,
                 "closed_loop": sp.closed_loop,
                 "overflow": sp.overflow, "propagation_ms": sp.propagation_s * 1000,
                 "predict_ttl_ms": sp.predict_ttl_s * 1000, "coalesce_share": sp.coalesce_share,
@@ -303,14 +309,18 @@ def prepare(args: argparse.Namespace) -> Setup | None:
         raise SystemExit(f"error: --warmup: {exc}") from None
     cost = CostModel()
     cap = args.capacity_blocks or 480_000 // trace.block_size
-    spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
-                       propagation_s=args.propagation_ms / 1000, cost=cost,
-                       predict_ttl_s=args.predict_ttl_ms / 1000,
-                       coalesce_share=args.coalesce_share, programs=args.programs,
-                       overflow=not args.no_overflow, max_batch=args.max_batch,
-                       prefill_budget=args.prefill_budget,
-                       chunked_prefill=args.chunked_prefill,
-                       closed_loop=args.closed_loop)
+    try:
+        spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
+                           propagation_s=args.propagation_ms / 1000, cost=cost,
+                           predict_ttl_s=args.predict_ttl_ms / 1000,
+                           coalesce_share=args.coalesce_share, programs=args.programs,
+                           overflow=not args.no_overflow, max_batch=args.max_batch,
+                           prefill_budget=args.prefill_budget,
+                           chunked_prefill=args.chunked_prefill,
+                           long_prefill_threshold=args.long_prefill_threshold,
+                           closed_loop=args.closed_loop)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     too_big = [i for i, r in enumerate(trace.requests)
                if r.prompt_tokens + r.output_tokens > cap * trace.block_size]
     if too_big:

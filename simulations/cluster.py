@@ -43,7 +43,10 @@ progress continue oldest first, then waiting requests are admitted FIFO; a prefi
 than what is left of the budget takes the rest and goes on in the next iteration. So the
 running batch decodes between a long prompt's chunks instead of stalling for its whole
 prefill, and requests behind it are admitted into its last chunk's leftover budget. Each chunk
-stores the blocks it completes; the first token comes at the end of the last chunk.
+stores the blocks it completes; the first token comes at the end of the last chunk. With
+``long_prefill_threshold`` (vLLM's ``--long-prefill-token-threshold``) no prefill computes more
+than that many tokens in one iteration, running or newly admitted, so requests queued behind
+a long prompt are admitted beside its first chunk rather than its last.
 
 Stretches of pure decoding with no arrival and no finish are run in one jump.
 """
@@ -103,13 +106,14 @@ def _held(r: SimRequest, now: float) -> bool:
 class SimWorker:
     def __init__(self, name: str, capacity_blocks: int, block_size: int, cost: CostModel,
                  sink: EventSink, *, max_batch: int = 256, prefill_budget: int = 16384,
-                 chunked_prefill: bool = False) -> None:
+                 chunked_prefill: bool = False, long_prefill_threshold: int = 0) -> None:
         self.name = name
         self.block_size = block_size
         self.cost = cost
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget
         self.chunked_prefill = chunked_prefill
+        self.long_prefill_threshold = long_prefill_threshold
         self._sink = sink
         self._now = 0.0
         self.pool = BlockPool(capacity_blocks, listener=self._emit)
@@ -184,7 +188,8 @@ class SimWorker:
             max_running=self.max_batch, max_batched_tokens=self.prefill_budget,
             arrival_rate=arrival_rate, pending_prefill_context=context,
             prefill_rate=prefill_rate,
-            prefill_mode=PrefillMode.of(self.chunked_prefill))
+            prefill_mode=PrefillMode.of(self.chunked_prefill),
+            max_prefill_chunk=self.long_prefill_threshold if self.chunked_prefill else 0)
 
     def submit(self, req: SimRequest, now: float) -> None:
         if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:
@@ -287,13 +292,14 @@ class SimWorker:
         self._now = start
         bs, pool = self.block_size, self.pool
         budget = self.prefill_budget - len(self.running)  # each decode takes one token
+        cap = self.long_prefill_threshold or budget  # a prefill's most tokens per iteration
         if self.held:
             self._release_held(start)
         chunks: list[tuple[SimRequest, int]] = []
         for r in self.prefilling:
             if budget <= 0:
                 break
-            take = min(r.prefill_left, budget)
+            take = min(r.prefill_left, budget, cap)
             chunks.append((r, take))
             budget -= take
         while self.waiting and budget > 0 \
@@ -303,7 +309,7 @@ class SimWorker:
                 break
             r.prefill_left = r.prompt_tokens - r.cached_tokens
             self.prefilling.append(r)
-            take = min(r.prefill_left, budget)
+            take = min(r.prefill_left, budget, cap)
             chunks.append((r, take))
             budget -= take
         if not chunks:

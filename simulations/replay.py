@@ -107,6 +107,7 @@ class ClusterSpec:
     max_batch: int = 256
     prefill_budget: int = 16384
     chunked_prefill: bool = False  # vLLM V1's scheduler (see simulations/cluster.py)
+    long_prefill_threshold: int = 0  # > 0: most tokens of one prefill per iteration (chunked)
     propagation_s: float = 0.05
     # > 0: the router predicts a routed prompt's blocks until stored, at most this long, and
     # coalesces on them
@@ -118,6 +119,14 @@ class ClusterSpec:
     closed_loop: bool = False
     overflow: bool = True  # programs: split a fork that does not fit (router's placement)
     cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        if self.long_prefill_threshold < 0:
+            raise ValueError(f"long_prefill_threshold must be >= 0 (0: none), got "
+                             f"{self.long_prefill_threshold}")
+        if self.long_prefill_threshold and not self.chunked_prefill:
+            raise ValueError("a long-prefill threshold caps the chunks of a chunked prefill: "
+                             "it needs chunked prefill (--chunked-prefill)")
 
 
 @dataclass
@@ -158,7 +167,8 @@ class Replayer:
             SimWorker(f"w{i:02d}", spec.capacity_blocks, trace.block_size, spec.cost,
                       self._on_event, max_batch=spec.max_batch,
                       prefill_budget=spec.prefill_budget,
-                      chunked_prefill=spec.chunked_prefill)
+                      chunked_prefill=spec.chunked_prefill,
+                      long_prefill_threshold=spec.long_prefill_threshold)
             for i in range(spec.workers)]
         self._progress = progress
         self._sample_every = sample_every_s

@@ -202,6 +202,12 @@ class AgentConfig(CommonConfig):
                                      "runs with --no-enable-chunked-prefill), reported to routers, "
                                      "whose policy charges a queue for a prompt's first chunk "
                                      "or for the whole prompt accordingly")
+    vllm_long_prefill_threshold: int = opt(0, "vllm engine: its --long-prefill-token-threshold "
+                                           "(the most tokens of one prefill per iteration; "
+                                           "0: none), reported to routers, whose hold rule "
+                                           "then counts only the chunks a request would "
+                                           "join, not the whole queued prefill",
+                                           NON_NEGATIVE)
 
     def __post_init__(self) -> None:
         super().__post_init__()

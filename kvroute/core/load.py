@@ -88,6 +88,10 @@ class WorkerLoad:
     engines report tokens only; 0: unknown), so a policy can weigh the pending prefill by
     its attention as well as its length. ``prefill_mode`` is how its engine admits a prompt
     longer than the room left in its prefill budget (:class:`PrefillMode`).
+    ``max_prefill_chunk`` is the most tokens of one prefill a chunking engine computes per
+    iteration (vLLM's ``--long-prefill-token-threshold``; 0: none but the budget): below
+    it, a request queued behind a long prefill joins that prefill's iterations instead of
+    waiting it out.
     """
 
     inflight: int = 0
@@ -103,6 +107,7 @@ class WorkerLoad:
     pending_prefill_context: int = 0
     prefill_rate: float = 0.0
     prefill_mode: PrefillMode = PrefillMode.UNKNOWN
+    max_prefill_chunk: int = 0
     # Derived in __post_init__: a policy reads them for every worker on every decision, and
     # a load changes far less often than it is read (128 workers: ~15 us less per ranking).
     busy: int = field(init=False, repr=False, compare=False)
@@ -111,7 +116,8 @@ class WorkerLoad:
     # What the C build of kvroute's policy reads, one attribute per worker instead of nine
     # (kvroute/core/_native/kvcost.c): pending_prefill_tokens, busy, used_blocks, queued,
     # max_batched_tokens, max_running, occupied, pending_prefill_context, prefill_mode
-    # (ints; the mode's code), cache_fill, arrival_rate, prefill_rate (floats).
+    # (the mode's code), max_prefill_chunk, waiting (ints), cache_fill, arrival_rate,
+    # prefill_rate (floats).
     packed: tuple[int | float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -130,7 +136,8 @@ class WorkerLoad:
         object.__setattr__(self, "packed", (
             self.pending_prefill_tokens, self.busy, self.used_blocks, self.queued,
             self.max_batched_tokens, self.max_running, self.occupied,
-            self.pending_prefill_context, self.prefill_mode.code, self.cache_fill,
+            self.pending_prefill_context, self.prefill_mode.code, self.max_prefill_chunk,
+            self.waiting, self.cache_fill,
             float(self.arrival_rate),
             float(self.prefill_rate)))
 
@@ -139,6 +146,12 @@ class WorkerLoad:
         """Sequences running or waiting there (the router's own count when it is higher):
         what ``max_running`` bounds."""
         return max(self.running + self.queued, self.inflight)
+
+    @property
+    def waiting(self) -> int:
+        """Requests sent there and not running yet: the engine's queue, or the router's own
+        count when it is higher (a request in transit, a heartbeat behind)."""
+        return self.occupied - self.running
 
     @property
     def kv_usage(self) -> float:

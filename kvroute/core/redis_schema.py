@@ -151,6 +151,7 @@ class Heartbeat:
     arrival_rate: float = 0.0  # requests per second the agent received lately (all routers)
     prefill_rate: float = 0.0  # prompt tokens per second its engine prefilled lately (uncached)
     prefill_mode: str = PrefillMode.UNKNOWN  # a PrefillMode: "whole", "chunked" or "" (unknown)
+    max_prefill_chunk: int = 0  # most tokens of one prefill per iteration (0: none)
     block_size: int = DEFAULT_BLOCK_SIZE
     ttl_s: float = 3.0
     key_scheme: str = KEY_SCHEME
@@ -175,7 +176,7 @@ class Heartbeat:
             raise ValueError(f"heartbeat lacks a field: {exc}") from exc
         for name in ("running", "queued", "free_blocks", "capacity_blocks",
                      "pending_prefill_tokens", "max_running", "max_batched_tokens",
-                     "block_size"):
+                     "max_prefill_chunk", "block_size"):
             v = getattr(hb, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"heartbeat field {name} must be a non-negative int, got {v!r}")

@@ -285,6 +285,7 @@ class WorkerRegistry:
             max_running=hb.max_running,
             max_batched_tokens=hb.max_batched_tokens,
             prefill_mode=hb.prefill_mode,
+            max_prefill_chunk=hb.max_prefill_chunk,
             arrival_rate=max(hb.arrival_rate, rate),
             pending_prefill_context=info.pending_context,  # engines report tokens only
             prefill_rate=max(hb.prefill_rate, prefill_rate),  # as the arrival rate

@@ -99,7 +99,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., branch_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[_program_pb2.ProgramEvent, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[_program_pb2.BranchResult, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "running", "queued", "free_blocks", "capacity_blocks", "pending_prefill_tokens", "max_running", "max_batched_tokens", "prefill_mode")
+    __slots__ = ("worker_id", "running", "queued", "free_blocks", "capacity_blocks", "pending_prefill_tokens", "max_running", "max_batched_tokens", "prefill_mode", "max_prefill_chunk")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class WorkerLoad(_message.Message):
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running: int
     queued: int
@@ -118,4 +119,5 @@ class WorkerLoad(_message.Message):
     max_running: int
     max_batched_tokens: int
     prefill_mode: PrefillMode
-    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ...) -> None: ...
+    max_prefill_chunk: int
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., max_prefill_chunk: _Optional[int] = ...) -> None: ...

@@ -190,6 +190,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
             free_blocks=ld.free_blocks, capacity_blocks=ld.capacity_blocks,
             pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
             max_batched_tokens=ld.max_batched_tokens, prefill_mode=ld.prefill_mode.code,
+            max_prefill_chunk=ld.max_prefill_chunk,
         )
 
 
@@ -258,6 +259,7 @@ class AgentApp:
                 capacity_blocks=ld.capacity_blocks,
                 pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
                 max_batched_tokens=ld.max_batched_tokens, prefill_mode=ld.prefill_mode,
+                max_prefill_chunk=ld.max_prefill_chunk,
                 arrival_rate=service.arrivals.at(now), prefill_rate=service.prefills.at(now),
                 block_size=cfg.block_size, ttl_s=cfg.heartbeat_ttl_s,
             )

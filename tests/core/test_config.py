@@ -61,6 +61,7 @@ def test_route_candidates_must_not_be_negative() -> None:
     (AgentConfig, {"capacity_blocks": 0}, "--capacity-blocks (KVROUTE_CAPACITY_BLOCKS) must be "
                                           "an integer >= 1, got 0"),
     (AgentConfig, {"max_batched_tokens": -1}, "--max-batched-tokens"),
+    (AgentConfig, {"vllm_long_prefill_threshold": -1}, "--vllm-long-prefill-threshold"),
     (AgentConfig, {"grammar_compile_timeout_s": float("inf")}, "--grammar-compile-timeout-s"),
     (RouterConfig, {"port": 99999}, "--port (KVROUTE_PORT) must be an integer in [0, 65535]"),
     (RouterConfig, {"block_size": 0}, "--block-size"),

@@ -30,6 +30,7 @@ def random_policy(rng: random.Random) -> KvrouteCost:
     if rng.random() < 0.3:
         params["transfer_cost"] = rng.choice((0.122, 0.5))
     params["chunked_prefill"] = float(rng.random() < 0.3)
+    params["chunk_caps"] = float(rng.random() < 0.8)
     return KvrouteCost(**params)
 
 
@@ -54,7 +55,8 @@ def random_query(rng: random.Random) -> RouteQuery:
             cached_blocks=rng.choice((0, 1000, 4096, 5000)),  # 5000: an index ahead of evictions
             arrival_rate=0.0 if idle else rng.choice((0.0, 0.05, 1.5, 7.25)),
             prefill_rate=0.0 if idle else rng.choice((0.0, 0.0, 120.5, 4000.0, 25000.0)),
-            prefill_mode=rng.choice(list(PrefillMode)))
+            prefill_mode=rng.choice(list(PrefillMode)),
+            max_prefill_chunk=rng.choice((0, 0, 512, 2048)))
     bs = rng.choice((16, 64))
     p = rng.randint(1, 20000)
     names = list(loads)
@@ -67,7 +69,7 @@ def random_query(rng: random.Random) -> RouteQuery:
 
 def test_c_and_python_rank_alike_on_random_clusters() -> None:
     rng, tails = random.Random(7), random.Random(11)
-    held = spread = tied = arrivals = demanded = ramped = tailed = churned = 0
+    held = spread = tied = arrivals = demanded = ramped = tailed = churned = capped = 0
     for _ in range(3000):
         policy, query = random_policy(rng), random_query(rng)
         want = list(policy.rank_python(query))
@@ -86,6 +88,10 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
             churned += list(policy.rank_python(
                 replace(query, loads={w: replace(ld, prefill_rate=0.0)
                                       for w, ld in query.loads.items()}))) != want
+        if any(ld.max_prefill_chunk for ld in query.loads.values()):  # did a cap matter?
+            capped += list(policy.rank_python(
+                replace(query, loads={w: replace(ld, max_prefill_chunk=0)
+                                      for w, ld in query.loads.items()}))) != want
         if query.prefix_rate:  # a hot prefix: did its demand change the hold rule's verdict?
             demanded += list(policy.rank_python(replace(query, prefix_rate=0.0))) != want
         # The same query with a tail known: the paths agree, and the tail let a held
@@ -96,9 +102,10 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
             assert list(policy.rank(tailed_query)) == with_tail, (policy, tailed_query)
             tailed += with_tail != want
     # the draws reached the tie-breaks, the affinity, hold, arrival and churn terms, demand,
-    # the tail, and the KV term's ramp between its ends
+    # the tail, the engines' chunk caps, and the KV term's ramp between its ends
     assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000 and demanded > 5
-    assert ramped > 100 and tailed > 10 and churned > 50, (ramped, tailed, churned)
+    assert ramped > 100 and tailed > 10 and churned > 50 and capped > 200, \
+        (ramped, tailed, churned, capped)
 
 
 def test_the_c_path_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,8 +70,10 @@ def test_packed_carries_what_the_c_ranking_reads() -> None:
     ld = WorkerLoad(inflight=3, running=2, queued=1, free_blocks=60, capacity_blocks=100,
                     pending_prefill_tokens=500, cached_blocks=25, max_running=8,
                     max_batched_tokens=2048, arrival_rate=1.5, pending_prefill_context=9000,
-                    prefill_rate=750.0, prefill_mode="chunked")
-    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 9000, 2, 0.25, 1.5, 750.0)
+                    prefill_rate=750.0, prefill_mode="chunked", max_prefill_chunk=512)
+    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 9000, 2, 512, 1, 0.25, 1.5, 750.0)
+    # Waiting: the engine's queue, or the router's own count a heartbeat behind.
+    assert WorkerLoad(inflight=9, running=2, queued=1).waiting == 7
     assert ld.prefill_mode is PrefillMode.CHUNKED  # a plain string becomes the enum
     assert [WorkerLoad(prefill_mode=m).packed[8] for m in ("", "whole")] == [0, 1]
     with pytest.raises(ValueError, match="prefill_mode must be one of"):

@@ -72,6 +72,49 @@ def test_kvroute_holds_a_long_prefix_against_balance_but_not_a_queue() -> None:
     assert KvrouteCost(hold_min=0.3).rank(short)[0].worker == "a"
 
 
+def test_the_hold_rule_counts_only_the_chunks_ahead_where_an_engine_caps_them() -> None:
+    """An engine that caps each prefill's chunk (vLLM's --long-prefill-token-threshold)
+    lets a request queued behind a long prefill into its next iteration: the wait is the
+    chunks ahead, not the whole backlog, so a backlog that moves a request off its prefix
+    elsewhere keeps it where it is cached there. Not when the chunks ahead fill the
+    iteration, nor where the engine admits prompts whole."""
+    empty = WorkerLoad()
+    # 960 of 1024 tokens cached on a: 3x the redo is ~5850 work units; 7000 queued moves it.
+    def holder(**kw: object) -> dict[str, WorkerLoad]:
+        return {"a": WorkerLoad(pending_prefill_tokens=7000, max_batched_tokens=8192, **kw),
+                "b": empty}
+
+    assert KvrouteCost().rank(q({"a": 60}, holder()))[0].worker == "b"
+    capped = holder(prefill_mode=PrefillMode.CHUNKED, max_prefill_chunk=2048)
+    assert KvrouteCost().rank(q({"a": 60}, capped))[0].worker == "a"  # 2048 ahead, not 7000
+    assert KvrouteCost(chunk_caps=0).rank(q({"a": 60}, capped))[0].worker == "b"  # caps unread
+    # Three more queued: their chunks and the running one's fill the 8192-token iteration.
+    full = holder(prefill_mode=PrefillMode.CHUNKED, max_prefill_chunk=2048, queued=3)
+    assert KvrouteCost().rank(q({"a": 60}, full))[0].worker == "b"
+    whole = holder(prefill_mode=PrefillMode.WHOLE, max_prefill_chunk=2048)
+    assert KvrouteCost().rank(q({"a": 60}, whole))[0].worker == "b"
+    # Unknown mode: as the policy assumes (chunked_prefill).
+    unknown = holder(max_prefill_chunk=2048)
+    assert KvrouteCost(chunked_prefill=1).rank(q({"a": 60}, unknown))[0].worker == "a"
+    # The batch term charges the queue for the capped chunk, not the budget's room.
+    waiting = {"a": WorkerLoad(queued=3, pending_prefill_tokens=300, max_batched_tokens=8192,
+                               prefill_mode=PrefillMode.CHUNKED, max_prefill_chunk=512),
+               "b": WorkerLoad(queued=3, pending_prefill_tokens=300)}
+
+    def cost_a(pol: KvrouteCost) -> float:
+        return next(s.cost for s in pol.rank(q({}, waiting, prompt=6000)) if s.worker == "a")
+
+    pol = KvrouteCost(arrival_weight=0, churn_s=0, churn_full_s=0, affinity_weight=0)
+    delay = cost_a(pol) - cost_a(replace(pol, batch_weight=0))
+    assert delay == pytest.approx(pol.batch_weight * 3 * 512 * (1 + pol.attn * 256))
+    # ... the room left in the iteration, 7892 tokens, where the caps are not read.
+    uncapped = replace(pol, chunk_caps=0)
+    delay = cost_a(uncapped) - cost_a(replace(uncapped, batch_weight=0))
+    assert delay == pytest.approx(pol.batch_weight * 3 * 6000 * (1 + pol.attn * 3000))
+    with pytest.raises(ValueError, match="chunk_caps is 1"):
+        KvrouteCost(chunk_caps=0.5)
+
+
 def test_the_tail_rule_lets_go_a_request_whose_first_token_would_be_in_the_tail() -> None:
     """With ``tail_hold``, a backlog the hold rule forgives still moves the request when its
     first token on the holder would come later than ``tail_hold`` x the traffic's tail and

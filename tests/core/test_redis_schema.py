@@ -91,3 +91,12 @@ def test_heartbeat_validation() -> None:
             Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
                                 f'"prefill_mode":{bad}}}')
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').prefill_rate == 0
+    # The engine's cap on one prefill's chunk: carried, 0 (none) from an older agent.
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", max_prefill_chunk=2048)
+    assert Heartbeat.from_json(hb.to_json()).max_prefill_chunk == 2048
+    assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}'
+                               ).max_prefill_chunk == 0
+    for bad in ("-1", '"2048"', "2.5", "null"):
+        with pytest.raises(ValueError, match="max_prefill_chunk"):
+            Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
+                                f'"max_prefill_chunk":{bad}}}')

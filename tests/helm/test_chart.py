@@ -200,6 +200,7 @@ def test_vllm_worker_renders_prefix_caching_and_kv_events(rendered: dict[str, st
     assert ns.vllm_topic == kv["topic"]
     assert ns.max_batched_tokens == 0  # not told: routers assume their default
     assert ns.vllm_chunked_prefill is True  # vLLM V1 chunks long prefills by default
+    assert ns.vllm_long_prefill_threshold == 0 and "--long-prefill-token-threshold" not in args
     cfg = from_env(AgentConfig, env)
     # The one block size is rendered into both vLLM and kvroute.
     assert cfg.block_size == int(flag(args, "--block-size")) == 16
@@ -212,6 +213,16 @@ def test_vllm_worker_renders_prefix_caching_and_kv_events(rendered: dict[str, st
     headless = m.one("Service", "-worker")
     assert headless["spec"]["clusterIP"] == "None"
     assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+
+
+def test_a_long_prefill_threshold_goes_to_vllm_and_its_agent(helm: Path) -> None:
+    sts = Manifests.parse(template(
+        helm, sets=("workers.vllm.longPrefillTokenThreshold=2048",))).one("StatefulSet",
+                                                                          "-worker")
+    assert flag(container(sts, "vllm")["args"], "--long-prefill-token-threshold") == "2048"
+    argv, _ = agent_argv(sts)
+    # The agent reports it: routers count only the chunks a request would join.
+    assert build_parser().parse_args(argv).vllm_long_prefill_threshold == 2048
 
 
 def test_everything_on_uses_block_size_and_gpu_settings(rendered: dict[str, str]) -> None:

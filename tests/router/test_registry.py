@@ -28,12 +28,13 @@ def test_heartbeat_load_merges_with_local_counts() -> None:
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", running=5,
                                          pending_prefill_tokens=100, max_running=64,
                                          max_batched_tokens=8192,
-                                         prefill_mode="chunked")})
+                                         prefill_mode="chunked", max_prefill_chunk=2048)})
     reg.begin("w", 700, context=prefill_context(700, 9000))
     ld = reg.loads["w"]
     assert (ld.inflight, ld.running, ld.pending_prefill_tokens) == (1, 5, 700)
     assert (ld.max_running, ld.max_batched_tokens) == (64, 8192)  # the engine's limits
     assert ld.prefill_mode is PrefillMode.CHUNKED  # and how it admits a long prompt
+    assert ld.max_prefill_chunk == 2048  # ... a chunk at a time, at most this long
     # The context its tokens attend to is ours only (the heartbeat reports tokens alone).
     assert ld.pending_prefill_context == 700 * 9000 + 700 * 350
     reg.first_token("w", 700, prefill_context(700, 9000))

@@ -347,11 +347,21 @@ def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> 
                                                    "of trace time (30s)"),
                                 ("--warmup", "nans", "a number of requests (600) or seconds "
                                                      "of trace time (30s)"),
+                                ("--long-prefill-threshold", "-1", "an integer >= 0"),
                                 ("--workers", "two", "an integer >= 1")]:
         ran = replay(chat, "--policies", "kvroute", option, value)
         assert ran.returncode == 2, (option, ran.stderr)
         assert f"argument {option}: expected {want}, got '{value}'" in ran.stderr
         assert "Traceback" not in ran.stderr
+    # A cap on a prefill's chunks needs chunks.
+    ran = replay(chat, "--policies", "kvroute", "--long-prefill-threshold", "2048")
+    assert ran.returncode != 0 and "needs chunked prefill (--chunked-prefill)" in ran.stderr
+    assert "Traceback" not in ran.stderr
+    ran = replay(chat, "--policies", "kvroute", "--chunked-prefill", "--prefill-budget", "4096",
+                 "--long-prefill-threshold", "512", "--out", tmp_path / "capped")
+    assert ran.returncode == 0, ran.stderr
+    meta = json.loads((tmp_path / "capped" / "results.json").read_text())["meta"]
+    assert (meta["chunked_prefill"], meta["long_prefill_threshold"]) == (True, 512)
     bad = tmp_path / "bad.jsonl"
     lines = chat.read_text().splitlines()
     bad.write_text("\n".join([lines[0], "{broken", *lines[1:5]]) + "\n")

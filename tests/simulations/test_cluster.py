@@ -98,6 +98,40 @@ def test_chunked_prefill_decodes_between_chunks_and_stores_each_chunk() -> None:
         assert math.isfinite(r.finished_s) and r.cached_tokens == 0
 
 
+def test_a_long_prefill_threshold_lets_a_short_request_in_beside_a_long_prefill() -> None:
+    """vLLM's --long-prefill-token-threshold: each prefill computes at most that many tokens
+    an iteration, so a short request queued behind a long one is admitted into the first
+    iteration's leftover budget instead of waiting out every chunk; the worker reports the
+    cap."""
+    def run(threshold: int) -> tuple[SimRequest, SimRequest, int, SimWorker]:
+        stores = []
+        w = SimWorker("w", 4000, 16, CostModel(),
+                      lambda t, _, ev: stores.append(t) if ev.keys[0] < 256 else None,
+                      prefill_budget=1024, chunked_prefill=True,
+                      long_prefill_threshold=threshold)
+        long = SimRequest(0, 0.0, 4096, 2, tuple(range(256)))
+        short = SimRequest(1, 0.0, 64, 2, tuple(range(9000, 9004)))
+        w.submit(long, 0.0)
+        w.submit(short, 0.0)
+        w.advance(math.inf)
+        return long, short, len(stores), w
+
+    long0, short0, chunks0, _ = run(0)
+    long1, short1, chunks1, w = run(256)
+    assert (chunks0, chunks1) == (4, 16)  # 1024 tokens an iteration, then 256
+    assert short0.first_token_s > long0.first_token_s  # after its last chunk (a full one)
+    cost = CostModel()
+    # Capped: in the first iteration, beside the long prompt's first 256 tokens.
+    assert short1.first_token_s == pytest.approx(
+        cost.prefill_s(256, 0) + cost.prefill_s(64, 0) + cost.decode_step_s(0))
+    assert short1.first_token_s < long0.first_token_s / 3
+    assert long1.first_token_s > long0.first_token_s  # the long one takes longer
+    assert long1.cached_tokens == short1.cached_tokens == 0
+    assert w.load(0, w.t).max_prefill_chunk == 256
+    whole = SimWorker("w", 4000, 16, CostModel(), lambda *a: None, long_prefill_threshold=256)
+    assert whole.load(0, 0.0).max_prefill_chunk == 0  # no chunks to cap
+
+
 def test_a_chunked_prefill_stays_pending_until_its_first_token() -> None:
     w = SimWorker("w", 4000, 16, CostModel(), lambda *a: None, prefill_budget=1024,
                   chunked_prefill=True)

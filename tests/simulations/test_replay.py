@@ -84,11 +84,11 @@ def test_deterministic_for_a_seed(mooncake: Trace) -> None:
                [(r.worker, r.first_token_s, r.finished_s) for r in a[1].requests]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_conservation(mooncake: Trace, chunked: bool) -> None:
+@pytest.mark.parametrize(("chunked", "threshold"), [(False, 0), (True, 0), (True, 512)])
+def test_conservation(mooncake: Trace, chunked: bool, threshold: int) -> None:
     tr = head(mooncake, 800, 2.0)
     res = run(tr, "kvroute", workers=4, capacity_blocks=600, chunked_prefill=chunked,
-              prefill_budget=4096 if chunked else 16384)
+              prefill_budget=4096 if chunked else 16384, long_prefill_threshold=threshold)
     # Every request once, and each background copy of a hot prefix (kvroute's replicate).
     every = [*res.requests, *res.copies]
     assert sum(len(w.finished) for w in res.workers) == len(every)

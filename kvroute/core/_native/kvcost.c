@@ -7,7 +7,8 @@
  *   params:  (miss_weight, stickiness, decode_weight, kv_weight, kv_decay, affinity_weight,
  *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
  *             arrival_weight, prefill_s_per_token, demand_horizon_s, kv_fill_from,
- *             kv_fill_full, tail_hold, churn_s, churn_full_s, chunked_prefill), floats
+ *             kv_fill_full, tail_hold, churn_s, churn_full_s, chunked_prefill,
+ *             chunk_caps), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -34,12 +35,13 @@
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
        P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, P_FILL_FROM,
-       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, P_CHURN_FULL, P_CHUNKED, N_PARAMS };
+       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, P_CHURN_FULL, P_CHUNKED, P_CHUNK_CAPS, N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill, arrival_rate and
- * prefill_rate. L_MODE is PrefillMode.code: 0 unknown, 1 whole, 2 chunked. */
+ * prefill_rate. L_MODE is PrefillMode.code: 0 unknown, 1 whole, 2 chunked; L_CHUNK is
+ * max_prefill_chunk; L_WAITING is WorkerLoad.waiting. */
 enum { L_PENDING, L_BUSY, L_USED, L_QUEUED, L_BUDGET, L_MAX_RUNNING, L_OCCUPIED, L_CONTEXT,
-       L_MODE, N_LOAD };
+       L_MODE, L_CHUNK, L_WAITING, N_LOAD };
 enum { MODE_UNKNOWN, MODE_WHOLE, MODE_CHUNKED };
 #define N_PACKED (N_LOAD + 3)
 
@@ -58,6 +60,31 @@ typedef struct {
 /* work(n, c) = n * (1 + attn * (c + n / 2)), as kvroute_cost.work computes it */
 static double work(long long n, long long c, double attn) {
     return (double)n * (1.0 + attn * ((double)c + (double)n / 2.0));
+}
+
+/* Whether w's engine chunks long prefills: its prefill_mode, else the policy's
+ * chunked_prefill (KvrouteCost._chunks). */
+static inline int chunks(const Worker *w, const double *prm) {
+    return w->f[L_MODE] == MODE_UNKNOWN ? prm[P_CHUNKED] != 0.0 : w->f[L_MODE] == MODE_CHUNKED;
+}
+
+/* backlog_w of the hold rule (KvrouteCost._backlog): the queued prefill in work units, or,
+ * where the engine caps each prefill's chunk and the chunks ahead leave room in the
+ * iteration, their share of it. */
+/* The cap on one prefill's chunk the policy counts on w (KvrouteCost._cap; 0: none). */
+static inline long long chunk_cap(const Worker *w, const double *prm) {
+    return prm[P_CHUNK_CAPS] != 0.0 ? w->f[L_CHUNK] : 0;
+}
+
+static double backlog(const Worker *w, const double *prm) {
+    const long long pending = w->f[L_PENDING], cap = chunk_cap(w, prm);
+    double b = (double)pending + prm[P_ATTN] * (double)w->f[L_CONTEXT];
+    if (cap && pending && chunks(w, prm)) {
+        const long long ahead = (w->f[L_WAITING] + 1) * cap;
+        const double budget = w->f[L_BUDGET] ? (double)w->f[L_BUDGET] : prm[P_BATCH_TOKENS];
+        if ((double)ahead < budget && ahead < pending) b *= (double)ahead / (double)pending;
+    }
+    return b;
 }
 
 /* The orders the ranking needs, each total (positions are unique): by cost then position,
@@ -124,7 +151,7 @@ static int read_load(PyObject *load, Worker *w) {
     if (packed == NULL) return -1;
     if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != N_PACKED) {
         PyErr_SetString(PyExc_TypeError,
-                        "WorkerLoad.packed must be a tuple of 9 ints and 3 floats");
+                        "WorkerLoad.packed must be a tuple of 11 ints and 3 floats");
         Py_DECREF(packed);
         return -1;
     }
@@ -252,12 +279,12 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             long long new_tokens = p - w->cached;
             double budget = w->f[L_BUDGET] ? (double)w->f[L_BUDGET] : prm[P_BATCH_TOKENS];
             double room = budget - (double)w->f[L_PENDING];
-            int chunked = w->f[L_MODE] == MODE_UNKNOWN ? prm[P_CHUNKED] != 0.0
-                                                       : w->f[L_MODE] == MODE_CHUNKED;
-            if (chunked) {
-                /* its first chunk joins the queue's iteration */
+            if (chunks(w, prm)) {
+                /* its first chunk joins the queue's iteration (at most the engine's cap) */
                 if (room > 0) {
                     long long first = (double)new_tokens <= room ? new_tokens : (long long)room;
+                    const long long cap = chunk_cap(w, prm);
+                    if (cap && cap < first) first = cap;
                     w->cost += bw * (double)w->f[L_QUEUED] * work(first, w->cached, attn);
                 }
             } else if ((double)new_tokens <= room) {
@@ -314,12 +341,10 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             /* a queue on a hot prefix's holder delays every request for it meanwhile */
             double demand = 1.0 + prm[P_HORIZON] * prefix_rate;
             /* the backlog in work units, its attention included, as the redo */
-            const double queued_h = (double)holder->f[L_PENDING]
-                                    + attn * (double)holder->f[L_CONTEXT];
-            const double queued_m = (double)cheapest->f[L_PENDING]
-                                    + attn * (double)cheapest->f[L_CONTEXT];
-            double backlog = queued_h - queued_m;
-            int keep = backlog * demand < prm[P_HOLD] * redo;
+            const double queued_h = backlog(holder, prm);
+            const double queued_m = backlog(cheapest, prm);
+            const double gap = queued_h - queued_m;
+            int keep = gap * demand < prm[P_HOLD] * redo;
             if (keep && prm[P_TAIL_HOLD] != 0.0 && tail_work < INFINITY) {
                 /* held, its first token would come in the tail, and on m it would not */
                 double first_h = queued_h + work(p - top, top, attn);

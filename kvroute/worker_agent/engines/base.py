@@ -68,6 +68,9 @@ class EngineLoad:
     their policy's ``batch_tokens``)."""
     prefill_mode: PrefillMode = PrefillMode.UNKNOWN
     """How the engine admits a prompt longer than the room left in an iteration."""
+    max_prefill_chunk: int = 0
+    """Most tokens of one prefill a chunking engine computes per iteration (vLLM's
+    ``--long-prefill-token-threshold``; 0: none but the budget)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,7 +68,9 @@ async def converged(fake, agent, router, redis_server, what: str = "converged") 
 
 async def test_generate_stored_removed_cleared_end_to_end(cluster, fake_vllm) -> None:
     fake = fake_vllm("--capacity", "40")
-    agent, router = await start(cluster, fake)
+    agent, router = await start(cluster, fake, vllm_long_prefill_threshold=1024)
+    # vLLM's cap on a prefill's chunk reaches the router through the heartbeat.
+    assert router.registry.loads[W].max_prefill_chunk == 1024
     system = prompt(160, 1)  # 10 blocks
     first = await generate(router.port, system + prompt(40, 2), max_tokens=4)
     assert [r.worker_id for r in first] == [W] * 4
@@ -243,7 +245,8 @@ async def test_older_servers_token_ids_via_logprobs_and_old_metric_names(fake_vl
     fake = fake_vllm("--no-return-token-ids", "--old-metrics", "--no-prompt-tokens-details")
     eng = VllmEngine(VllmConfig(url=fake.url, events=fake.events, served_model="fake-model",
                                 metrics_interval_s=0.05, max_num_seqs=32,
-                                max_num_batched_tokens=4096, chunked_prefill=False))
+                                max_num_batched_tokens=4096, chunked_prefill=False,
+                                long_prefill_token_threshold=1024))
     await eng.start()
     try:
         p = prompt(50, 1)
@@ -253,9 +256,10 @@ async def test_older_servers_token_ids_via_logprobs_and_old_metric_names(fake_vl
         assert chunks[-1].finish_reason == "length" and eng.client.token_mode == "logprobs"
         # The request finished: nothing running, its blocks cached but free (as vLLM counts).
         # The engine's limits are reported as given (vLLM's --max-num-seqs,
-        # --max-num-batched-tokens and --no-enable-chunked-prefill): routers use them.
+        # --max-num-batched-tokens and --no-enable-chunked-prefill): routers use them. A
+        # long-prefill threshold caps chunks, so without chunking none is reported.
         await wait_for(lambda: eng.load() == EngineLoad(0, 0, 256, 256, 0, 32, 4096,
-                                                        PrefillMode.WHOLE),
+                                                        PrefillMode.WHOLE, 0),
                        what="metrics read")
     finally:
         await eng.stop()
@@ -263,7 +267,8 @@ async def test_older_servers_token_ids_via_logprobs_and_old_metric_names(fake_vl
 
 async def test_vllm_unreachable_is_an_engine_error() -> None:
     eng = VllmEngine(VllmConfig(url=f"http://127.0.0.1:{free_port()}",
-                                events=f"tcp://127.0.0.1:{free_port()}"))
+                                events=f"tcp://127.0.0.1:{free_port()}",
+                                long_prefill_token_threshold=2048))
     await eng.start()
     try:
         with pytest.raises(EngineError, match="vllm request failed"):
@@ -271,5 +276,8 @@ async def test_vllm_unreachable_is_an_engine_error() -> None:
                 pass
         assert eng.load().running == 0
         assert eng.load().prefill_mode is PrefillMode.CHUNKED  # vLLM V1's default
+        assert eng.load().max_prefill_chunk == 2048  # its --long-prefill-token-threshold
     finally:
         await eng.stop()
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        VllmConfig(long_prefill_token_threshold=-1)

@@ -59,6 +59,7 @@ def from_agent_config(cfg: AgentConfig) -> VllmEngine:
         max_num_seqs=cfg.max_batch,
         max_num_batched_tokens=cfg.max_batched_tokens,
         chunked_prefill=cfg.vllm_chunked_prefill,
+        long_prefill_token_threshold=cfg.vllm_long_prefill_threshold,
         # Load is published once per heartbeat: two polls per beat keep it fresh.
         metrics_interval_s=min(1.0, max(0.05, cfg.heartbeat_s / 2)),
     ))

@@ -56,6 +56,9 @@ class VllmConfig:
     chunked_prefill: bool = True
     """Whether vLLM chunks long prefills (V1's default; False with
     ``--no-enable-chunked-prefill``), reported as the load's ``prefill_mode``."""
+    long_prefill_token_threshold: int = 0
+    """vLLM's ``--long-prefill-token-threshold`` (the most tokens of one prefill per
+    iteration; 0: none), reported as the load's ``max_prefill_chunk`` when it chunks."""
     metrics_interval_s: float = 0.5
     replay_timeout_s: float = 1.0
     probe_s: float = 1.0
@@ -68,7 +71,7 @@ class VllmConfig:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if self.report_reused not in REPORT_MODES:
             raise ValueError(f"report_reused must be one of {REPORT_MODES}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: unknown), got {getattr(self, name)}")
 
@@ -202,7 +205,9 @@ class VllmEngine(BatchSink):
             capacity_blocks=capacity, pending_prefill_tokens=prefill,
             max_running=self.config.max_num_seqs,
             max_batched_tokens=self.config.max_num_batched_tokens,
-            prefill_mode=PrefillMode.of(self.config.chunked_prefill))
+            prefill_mode=PrefillMode.of(self.config.chunked_prefill),
+            max_prefill_chunk=self.config.long_prefill_token_threshold
+            if self.config.chunked_prefill else 0)
 
     def cached_keys(self) -> list[int]:
         return self.blocks.cached_keys()
