@@ -155,6 +155,12 @@ class _MirrorCollector(Collector):
             "(whole, chunked, or unknown: the policy's chunked_prefill then decides); the "
             "batch term charges a queue for the whole prompt or its first chunk",
             labels=["worker", "mode"])
+        chunk_caps = GaugeMetricFamily(
+            "kvroute_router_worker_max_prefill_chunk",
+            "Most tokens of one prefill each worker's engine computes per iteration, as its "
+            "agent reports it (vLLM's --long-prefill-token-threshold; 0: no cap): the hold "
+            "rule counts only the chunks a request there would join",
+            labels=["worker"])
         up = GaugeMetricFamily("kvroute_router_worker_routable",
                                "1 if the worker can be routed to", labels=["worker"])
         incompatible = GaugeMetricFamily(
@@ -173,7 +179,8 @@ class _MirrorCollector(Collector):
             mode = ld.prefill_mode if ld else PrefillMode.UNKNOWN
             for each in PrefillMode:
                 modes.add_metric([w, each.value or "unknown"], int(each is mode))
+            chunk_caps.add_metric([w], ld.max_prefill_chunk if ld else 0)
             up.add_metric([w], int(ld is not None))
             incompatible.add_metric([w], int(not info.compatible))
-        yield from (inflight, pending, context, blocks, arrivals, prefills, modes, up,
-                    incompatible)
+        yield from (inflight, pending, context, blocks, arrivals, prefills, modes, chunk_caps,
+                    up, incompatible)

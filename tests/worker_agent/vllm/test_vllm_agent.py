@@ -71,6 +71,8 @@ async def test_generate_stored_removed_cleared_end_to_end(cluster, fake_vllm) ->
     agent, router = await start(cluster, fake, vllm_long_prefill_threshold=1024)
     # vLLM's cap on a prefill's chunk reaches the router through the heartbeat.
     assert router.registry.loads[W].max_prefill_chunk == 1024
+    assert router.metrics.registry.get_sample_value(
+        "kvroute_router_worker_max_prefill_chunk", {"worker": W}) == 1024
     system = prompt(160, 1)  # 10 blocks
     first = await generate(router.port, system + prompt(40, 2), max_tokens=4)
     assert [r.worker_id for r in first] == [W] * 4
