@@ -31,6 +31,7 @@ def random_policy(rng: random.Random) -> KvrouteCost:
         params["transfer_cost"] = rng.choice((0.122, 0.5))
     params["chunked_prefill"] = float(rng.random() < 0.3)
     params["chunk_caps"] = float(rng.random() < 0.8)
+    params["join_hold"] = float(rng.random() < 0.7)
     return KvrouteCost(**params)
 
 

@@ -91,6 +91,17 @@ def test_the_hold_rule_counts_only_the_chunks_ahead_where_an_engine_caps_them() 
     # Three more queued: their chunks and the running one's fill the 8192-token iteration.
     full = holder(prefill_mode=PrefillMode.CHUNKED, max_prefill_chunk=2048, queued=3)
     assert KvrouteCost().rank(q({"a": 60}, full))[0].worker == "b"
+    # Two waiting: their chunks and the running one's, 6144 tokens, leave room for the
+    # request, which joins the next iteration and stays. With 800 of its tokens cached on
+    # b too, a move redoes 160, and weighed as a backlog (join_hold 0) the 6144 tokens
+    # ahead are more than 3x that: it would move.
+    joining = holder(prefill_mode=PrefillMode.CHUNKED, max_prefill_chunk=2048, queued=2)
+    assert KvrouteCost().rank(q({"a": 60, "b": 50}, joining))[0].worker == "a"
+    assert KvrouteCost(join_hold=0).rank(q({"a": 60, "b": 50}, joining))[0].worker == "b"
+    # The router's own count of requests sent there but not running yet counts as waiting
+    # (a heartbeat behind): three in transit fill the iteration.
+    transit = holder(prefill_mode=PrefillMode.CHUNKED, max_prefill_chunk=2048, inflight=3)
+    assert KvrouteCost().rank(q({"a": 60}, transit))[0].worker == "b"
     whole = holder(prefill_mode=PrefillMode.WHOLE, max_prefill_chunk=2048)
     assert KvrouteCost().rank(q({"a": 60}, whole))[0].worker == "b"
     # Unknown mode: as the policy assumes (chunked_prefill).
@@ -113,6 +124,8 @@ def test_the_hold_rule_counts_only_the_chunks_ahead_where_an_engine_caps_them() 
     assert delay == pytest.approx(pol.batch_weight * 3 * 6000 * (1 + pol.attn * 3000))
     with pytest.raises(ValueError, match="chunk_caps is 1"):
         KvrouteCost(chunk_caps=0.5)
+    with pytest.raises(ValueError, match="join_hold is 1"):
+        KvrouteCost(join_hold=2)
 
 
 def test_the_tail_rule_lets_go_a_request_whose_first_token_would_be_in_the_tail() -> None:

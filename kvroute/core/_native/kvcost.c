@@ -8,7 +8,7 @@
  *             attn, hold, hold_min, batch_weight, batch_tokens, transfer_cost,
  *             arrival_weight, prefill_s_per_token, demand_horizon_s, kv_fill_from,
  *             kv_fill_full, tail_hold, churn_s, churn_full_s, chunked_prefill,
- *             chunk_caps), floats
+ *             chunk_caps, join_hold), floats
  *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
@@ -35,7 +35,8 @@
 
 enum { P_MISS, P_STICK, P_DECODE, P_KV, P_KV_DECAY, P_AFFINITY, P_ATTN, P_HOLD, P_HOLD_MIN,
        P_BATCH, P_BATCH_TOKENS, P_TRANSFER, P_ARRIVAL, P_PREFILL_S, P_HORIZON, P_FILL_FROM,
-       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, P_CHURN_FULL, P_CHUNKED, P_CHUNK_CAPS, N_PARAMS };
+       P_FILL_FULL, P_TAIL_HOLD, P_CHURN, P_CHURN_FULL, P_CHUNKED, P_CHUNK_CAPS, P_JOIN_HOLD,
+       N_PARAMS };
 
 /* WorkerLoad.packed, in this order: N_LOAD ints, then cache_fill, arrival_rate and
  * prefill_rate. L_MODE is PrefillMode.code: 0 unknown, 1 whole, 2 chunked; L_CHUNK is
@@ -76,13 +77,21 @@ static inline long long chunk_cap(const Worker *w, const double *prm) {
     return prm[P_CHUNK_CAPS] != 0.0 ? w->f[L_CHUNK] : 0;
 }
 
+/* Whether a request sent to w joins its next iteration (KvrouteCost._joins): its engine
+ * caps each prefill's chunk and the chunks ahead leave room in the iteration. */
+static int joins(const Worker *w, const double *prm) {
+    const long long cap = chunk_cap(w, prm);
+    if (!cap || !chunks(w, prm)) return 0;
+    const double budget = w->f[L_BUDGET] ? (double)w->f[L_BUDGET] : prm[P_BATCH_TOKENS];
+    return (double)((w->f[L_WAITING] + 1) * cap) < budget;
+}
+
 static double backlog(const Worker *w, const double *prm) {
-    const long long pending = w->f[L_PENDING], cap = chunk_cap(w, prm);
+    const long long pending = w->f[L_PENDING];
     double b = (double)pending + prm[P_ATTN] * (double)w->f[L_CONTEXT];
-    if (cap && pending && chunks(w, prm)) {
-        const long long ahead = (w->f[L_WAITING] + 1) * cap;
-        const double budget = w->f[L_BUDGET] ? (double)w->f[L_BUDGET] : prm[P_BATCH_TOKENS];
-        if ((double)ahead < budget && ahead < pending) b *= (double)ahead / (double)pending;
+    if (pending && joins(w, prm)) {
+        const long long ahead = (w->f[L_WAITING] + 1) * chunk_cap(w, prm);
+        if (ahead < pending) b *= (double)ahead / (double)pending;
     }
     return b;
 }
@@ -334,7 +343,10 @@ static PyObject *rank(PyObject *self, PyObject *args) {
         /* (a holder exists when c0 < top: ``top`` came from a worker ``matched`` names) */
         int full = holder == NULL || (holder->f[L_MAX_RUNNING]
                                       && holder->f[L_OCCUPIED] >= holder->f[L_MAX_RUNNING]);
-        if (c0 < top && !full) {
+        if (c0 < top && !full && prm[P_JOIN_HOLD] != 0.0 && joins(holder, prm)) {
+            /* it joins the holder's next iteration: no move saves more than the chunks ahead */
+            holder->cost = nextafter(cheapest->cost, -INFINITY);
+        } else if (c0 < top && !full) {
             double redo = beta * (work(p - c0, c0, attn) - work(p - top, top, attn));
             double fetch = beta * tc * (double)(top - c0);
             if (fetch < redo) redo = fetch;

@@ -75,14 +75,17 @@ class KvrouteCost:
     worker::
 
         if c_h >= hold_min * P  and  c_m < c_h  and  h has batch headroom
-           and (backlog_h - backlog_m) * demand
-               < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h)):
+           and (joins_h  or  (backlog_h - backlog_m) * demand
+                              < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h))):
             h goes first (its reported cost is just below cost_m)
 
+        joins_w   = join_hold  and  w's engine chunks prefills and caps each chunk at cap_w
+                    and  ahead_w = (waiting_w + 1) x cap_w < budget_w
+                    (the request joins w's next iteration whatever is queued there)
+
         backlog_w = pending_w + attn * context_w   # w's queued prefill in work units
-                    (where w's engine chunks prefills and caps each chunk at cap_w, and
-                    ahead_w = (waiting_w + 1) x cap_w < min(budget_w, pending_w): that
-                    x ahead_w / pending_w, the chunks a request joins in the next iteration)
+                    (x ahead_w / pending_w where w joins and ahead_w < pending_w: the
+                    chunks the request waits for)
         context_w = what w's pending tokens attend to (pending_prefill_context)
         waiting_w = requests sent to w not running yet (WorkerLoad.waiting)
 
@@ -196,16 +199,21 @@ class KvrouteCost:
     * An engine that caps each prefill's chunk (vLLM's ``--long-prefill-token-threshold``,
       reported as ``max_prefill_chunk``) lets a request queued behind a long prefill into
       the next iteration beside that prefill's chunk: it waits for the chunks ahead of it,
-      one per request waiting there and the running one's, not for the whole prompt. So
-      where those chunks leave room in the iteration the hold rule counts only their share
-      of the backlog, and the batch term charges a queue only the capped chunk (a policy
-      that ignored the caps, ``chunk_caps`` 0, moved sessions off holders they could have
-      joined, and redid their histories). Over the 52 open-loop cells replayed with an
-      8192-token budget and a 2048-token cap (cold, three jitters), against ``chunk_caps``
-      0: all three won in 45 cells instead of 43; the Mooncake trace's hit ratio 1.6-3.4
-      points higher at 50-80% load (from 1.5-1.9 points below llm-d's to level with it at
-      50%, 0.3 below at 65% and 1.7 above at 80%), and its mean TTFT at 80% 18% below
-      llm-d's where it was 0.7% above (README, "A cap on each prefill's chunk").
+      one per request waiting there and the running one's, not for the whole prompt. Where
+      those chunks leave room in the iteration, no move can save the request more than
+      them, and a move redoes its prefix: so the hold rule keeps it on such a holder
+      (``join_hold``), counts only their share of the backlog on the worker it would move
+      to, and the batch term charges a queue only the capped chunk (a policy that ignored
+      the caps, ``chunk_caps`` 0, moved sessions off holders they could have joined, and
+      redid their histories). With an 8192-token budget and a 2048-token cap (three
+      jitters), against ``chunk_caps`` 0 over the 52 open-loop cells (cold): all three won
+      in 44 cells instead of 43; the Mooncake trace's hit ratio 1.6-3.3 points higher at
+      50-80% load (from 1.5-1.9 points below llm-d's to 0.1 above at 50%, 0.3 below at
+      65% and 1.7 above at 80%), and its mean TTFT at 80% 18% below llm-d's where it was
+      0.7% above. Closed loop, chat and agent from a warm start, at equal load: 12 of 24
+      cells won on all three (chat 10 of 12), none with ``join_hold`` 0, whose hit ratio
+      was 0.00-0.02 points below llm-d's in all 24 (README, "A cap on each prefill's
+      chunk").
     * A hot prefix is worth a second copy sooner than a session is. Every request that
       wants it over the next ``demand_horizon_s`` seconds (``d`` per second) queues on its
       holder's backlog, so the backlog counts ``1 + demand_horizon_s * d`` times; a
@@ -420,6 +428,9 @@ class KvrouteCost:
             join and the batch term only the capped chunk; 0: both ignore the caps, as the
             policy did before engines reported them (README, "A cap on each prefill's
             chunk").
+        join_hold: 1 (the default): with ``chunk_caps``, a holder whose next iteration the
+            request joins keeps it (``joins_h``); 0: its chunks ahead are weighed as any
+            backlog, against ``hold`` x the redo.
         transfer_cost: for clusters that can move KV between workers (as Mooncake's): a
             worker may fetch the longest cached prefix at this cost per token, in units of
             prefilling one; its miss term then becomes
@@ -471,6 +482,7 @@ class KvrouteCost:
     churn_full_s: float = 3.0
     chunked_prefill: float = 0.0
     chunk_caps: float = 1.0
+    join_hold: float = 1.0
     name: str = "kvroute"
     # The same policy with replicate 0: its ranking says where a copy would be made.
     _moving: KvrouteCost | None = field(default=None, init=False, repr=False, compare=False)
@@ -534,6 +546,9 @@ class KvrouteCost:
             raise ValueError(f"chunked_prefill is 1 (the engines chunk long prefills, as vLLM "
                              f"V1 does) or 0 (they admit a prompt whole); got "
                              f"{self.chunked_prefill}")
+        if self.join_hold not in (0.0, 1.0):
+            raise ValueError(f"join_hold is 1 (a holder whose next iteration the request joins "
+                             f"keeps it) or 0 (weigh its backlog as any); got {self.join_hold}")
         if self.chunk_caps not in (0.0, 1.0):
             raise ValueError(f"chunk_caps is 1 (count the chunks an engine's cap lets a request "
                              f"join) or 0 (ignore the caps); got {self.chunk_caps}")
@@ -557,7 +572,7 @@ class KvrouteCost:
                   self.batch_weight, self.batch_tokens, self.transfer_cost,
                   self.arrival_weight, self.prefill_s_per_token, self._demand_horizon,
                   self.kv_fill_from, self.kv_fill_full, self.tail_hold, self.churn_s,
-                  self.churn_full_s, self.chunked_prefill, self.chunk_caps)
+                  self.churn_full_s, self.chunked_prefill, self.chunk_caps, self.join_hold)
         order, costs = _native_rank(params, loads, matched, query.prompt_tokens,
                                     query.block_size, query.affinity, query.family,
                                     query.prefix_rate, query.tail_work)
@@ -692,18 +707,25 @@ class KvrouteCost:
         """The cap on one prefill's chunk the policy counts on ``ld``'s worker (0: none)."""
         return ld.max_prefill_chunk if self.chunk_caps else 0
 
+    def _joins(self, ld: WorkerLoad) -> bool:
+        """Whether a request sent to ``ld``'s worker joins its next iteration whatever is
+        queued there: its engine caps each prefill's chunk (``max_prefill_chunk``), and the
+        chunks ahead, one per request waiting there and the running prefill's, leave room
+        in the iteration."""
+        cap = self._cap(ld)
+        return bool(cap) and self._chunks(ld) \
+            and (ld.waiting + 1) * cap < (ld.max_batched_tokens or self.batch_tokens)
+
     def _backlog(self, ld: WorkerLoad) -> float:
         """``backlog_w`` of the hold rule: the prefill a request sent to ``ld``'s worker
-        waits for, in work units. All of the queued prefill, but where the engine caps each
-        prefill's chunk (``max_prefill_chunk``) and the chunks of the prefills ahead leave
-        room in the iteration, only those chunks' share of it: the request joins the next
-        iteration beside them instead of waiting them out (see the class docstring)."""
+        waits for, in work units. All of the queued prefill, but where the request joins
+        the next iteration (:meth:`_joins`), only the share of it the chunks ahead take:
+        it does not wait them out (see the class docstring)."""
         pending = ld.pending_prefill_tokens
         b = pending + self.attn * ld.pending_prefill_context
-        cap = self._cap(ld)
-        if cap and pending and self._chunks(ld):
-            ahead = (ld.waiting + 1) * cap  # the queue's chunks and the running prefill's
-            if ahead < (ld.max_batched_tokens or self.batch_tokens) and ahead < pending:
+        if pending and self._joins(ld):
+            ahead = (ld.waiting + 1) * self._cap(ld)  # the chunks ahead in its iteration
+            if ahead < pending:
                 b *= ahead / pending
         return b
 
@@ -762,6 +784,10 @@ class KvrouteCost:
         lh = loads[holder]
         if lh.max_running and lh.occupied >= lh.max_running:
             return  # no batch slot: the request would wait for one whatever its prefix
+        if self.join_hold and self._joins(lh):
+            # It joins the holder's next iteration: no move saves more than the chunks ahead.
+            costs[holder] = math.nextafter(costs[cheapest], -math.inf)
+            return
         attn = self.attn
         n0, n = p - c0, p - top
         redo = beta * (work(n0, c0, attn) - work(n, top, attn))
