@@ -69,9 +69,6 @@ static inline int chunks(const Worker *w, const double *prm) {
     return w->f[L_MODE] == MODE_UNKNOWN ? prm[P_CHUNKED] != 0.0 : w->f[L_MODE] == MODE_CHUNKED;
 }
 
-/* backlog_w of the hold rule (KvrouteCost._backlog): the queued prefill in work units, or,
- * where the engine caps each prefill's chunk and the chunks ahead leave room in the
- * iteration, their share of it. */
 /* The cap on one prefill's chunk the policy counts on w (KvrouteCost._cap; 0: none). */
 static inline long long chunk_cap(const Worker *w, const double *prm) {
     return prm[P_CHUNK_CAPS] != 0.0 ? w->f[L_CHUNK] : 0;
@@ -86,6 +83,8 @@ static int joins(const Worker *w, const double *prm) {
     return (double)((w->f[L_WAITING] + 1) * cap) < budget;
 }
 
+/* backlog_w of the hold rule (KvrouteCost._backlog): the queued prefill in work units, or,
+ * where the request joins the next iteration, the share of it the chunks ahead take. */
 static double backlog(const Worker *w, const double *prm) {
     const long long pending = w->f[L_PENDING];
     double b = (double)pending + prm[P_ATTN] * (double)w->f[L_CONTEXT];

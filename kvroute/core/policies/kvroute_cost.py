@@ -75,11 +75,11 @@ class KvrouteCost:
     worker::
 
         if c_h >= hold_min * P  and  c_m < c_h  and  h has batch headroom
-           and (joins_h  or  (backlog_h - backlog_m) * demand
+           and (join_hold and joins_h  or  (backlog_h - backlog_m) * demand
                               < hold * beta * (work(P - c_m, c_m) - work(P - c_h, c_h))):
             h goes first (its reported cost is just below cost_m)
 
-        joins_w   = join_hold  and  w's engine chunks prefills and caps each chunk at cap_w
+        joins_w   = w's engine chunks prefills and caps each chunk at cap_w
                     and  ahead_w = (waiting_w + 1) x cap_w < budget_w
                     (the request joins w's next iteration whatever is queued there)
 
