@@ -45,6 +45,8 @@ SHARED = BENCH.parents[1] / "shared" / "traces" / "mooncake_synthetic_trace.json
 # What a policy_jitter --json record says of how it replayed (older records lack some).
 REPLAY_OPTIONS = ("closed_loop", "warmup", "jitters", "workers", "prefill_budget",
                   "chunked_prefill", "long_prefill_threshold", "programs", "nudge")
+# What a record made before an option was recorded replayed with.
+OPTION_DEFAULTS = {"long_prefill_threshold": 0}
 PEERS = "kvroute,llmd,preble,chwbl,sglang,dynamo,mooncake_local"
 
 
@@ -109,9 +111,10 @@ def focus_only(record: dict, focus: str, peers: dict) -> dict:
         raise ValueError("its closed-loop replays were matched to its focus's load "
                          "(--match-load): replay the peers with the variant instead")
     for key in REPLAY_OPTIONS:
-        if key in record and key in peers and record[key] != peers[key]:
-            raise ValueError(f"made with other options ({key}: {peers.get(key)!r}, the "
-                             f"variant's {record.get(key)!r})")
+        mine, theirs = (r.get(key, OPTION_DEFAULTS.get(key)) for r in (record, peers))
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(f"made with other options ({key}: {theirs!r}, the variant's "
+                             f"{mine!r})")
     mine = {c["load"]: c["runs"] for c in record["loads"]}
     loads = []
     for cell in peers["loads"]:
