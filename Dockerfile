@@ -16,7 +16,13 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
+# The one kvroute package, one top-level folder per part (pyproject.toml's package-dir).
 COPY kvroute ./kvroute
+COPY proto ./proto
+COPY core ./core
+COPY vendor ./vendor
+COPY router ./router
+COPY worker_agent ./worker_agent
 COPY simulations ./simulations
 # kubernetes: the chart's default worker discovery watches pods.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[kubernetes]"

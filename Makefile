@@ -25,8 +25,8 @@ lint: setup
 
 # Regenerate the committed gRPC stubs (tests/test_grpc_surface.py fails when they are stale).
 proto: setup
-	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. \
-		--grpc_python_out=. $(PROTOS)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
+		--grpc_python_out=proto $(PROTOS)
 
 bench: setup
 	$(BIN)/python bench/routing_decision.py

@@ -8,27 +8,27 @@ setup(
     ext_modules=[
         Extension(
             "kvroute.core._chainhash",  # block-key hashing (kvroute/core/blocks.py)
-            sources=["kvroute/core/_native/chainhash.c"],
-            include_dirs=["kvroute/core/_native"],
+            sources=["core/_native/chainhash.c"],
+            include_dirs=["vendor/xxhash"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
             "kvroute.core._holders",  # the prefix index's key -> holders map (holders.py)
-            sources=["kvroute/core/_native/holders.c"],
+            sources=["core/_native/holders.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
             "kvroute.core._wire",  # a request's token ids off the wire (wire.py)
-            sources=["kvroute/core/_native/wire.c"],
+            sources=["core/_native/wire.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
             "kvroute.core._kvcost",  # kvroute's default policy (policies/kvroute_cost.py)
-            sources=["kvroute/core/_native/kvcost.c"],
-            include_dirs=["kvroute/core/_native"],
+            sources=["core/_native/kvcost.c"],
+            include_dirs=["vendor/xxhash"],
             # no fused multiply-add: the costs must round exactly as the Python path's
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,

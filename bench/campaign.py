@@ -37,8 +37,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from simulations.cli import AT_LEAST_ONE, POSITIVE, Warmup, make_policies
-from simulations.generators import KINDS, generate, write_jsonl
+from kvroute.simulations.cli import AT_LEAST_ONE, POSITIVE, Warmup, make_policies
+from kvroute.simulations.generators import KINDS, generate, write_jsonl
 
 BENCH = Path(__file__).resolve().parent
 SHARED = BENCH.parents[1] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"

@@ -4,7 +4,7 @@ change in rate can move one policy's TTFT by 5-20%), so each load is replayed at
 
     python bench/policy_jitter.py TRACE [--policies kvroute,llmd,preble,chwbl] [--loads ...]
 
-Prints the trace's TTFT floor (``simulations.metrics.ttft_floor``: no policy's TTFT is
+Prints the trace's TTFT floor (``kvroute.simulations.metrics.ttft_floor``: no policy's TTFT is
 lower), then, per load (fraction of the cluster's capacity, as `kvroute replay --load`), every
 policy's mean TTFT / p99 TTFT (s) and hit ratio, best mean first, then who leads on each and
 at how many jitters (a lead that does not hold at every jitter is within noise), and how
@@ -21,7 +21,7 @@ clients cannot send that much is left out of them (it does not carry that load).
 
 A rate factor scales every gap between arrivals alike, so a cold start's first decisions are
 the same at every jitter; ``--nudge F`` also moves each jitter's arrivals by up to F x half
-their gaps (``simulations.compare.at_rate``), so a lead that holds then is not the cold
+their gaps (``kvroute.simulations.compare.at_rate``), so a lead that holds then is not the cold
 start's luck.
 
 ``--json OUT`` also writes every replay's metrics (per load, policy and jitter, and the
@@ -37,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
-from simulations.cli import (
+from kvroute.simulations.cli import (
     AT_LEAST_ONE,
     COUNT,
     FRACTION,
@@ -48,7 +48,7 @@ from simulations.cli import (
     make_policies,
     parse_loads,
 )
-from simulations.compare import (
+from kvroute.simulations.compare import (
     DEFAULT_JITTERS,
     Jittered,
     at_rate,
@@ -60,16 +60,16 @@ from simulations.compare import (
     replay_jittered,
     verdicts,
 )
-from simulations.metrics import (
+from kvroute.simulations.metrics import (
     PolicyMetrics,
     capacity_rps,
     floor_summary,
     measure,
     ttft_floor,
 )
-from simulations.replay import ClusterSpec, Replayer
-from simulations.report import sent_loads
-from simulations.trace import TraceError, load
+from kvroute.simulations.replay import ClusterSpec, Replayer
+from kvroute.simulations.report import sent_loads
+from kvroute.simulations.trace import TraceError, load
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from simulations.cli import make_policies
-from simulations.generators import generate
-from simulations.metrics import capacity_rps, measure
-from simulations.replay import ClusterSpec, Replayer
-from simulations.trace import Trace, load, parse
+from kvroute.simulations.cli import make_policies
+from kvroute.simulations.generators import generate
+from kvroute.simulations.metrics import capacity_rps, measure
+from kvroute.simulations.replay import ClusterSpec, Replayer
+from kvroute.simulations.trace import Trace, load, parse
 
 
 def main() -> None:

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from kvroute.core.policies import REGISTRY
-from simulations.cli import AT_LEAST_ONE, POSITIVE, make_policies
-from simulations.replay import ClusterSpec, Replayer
-from simulations.trace import load
+from kvroute.simulations.cli import AT_LEAST_ONE, POSITIVE, make_policies
+from kvroute.simulations.replay import ClusterSpec, Replayer
+from kvroute.simulations.trace import load
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / \
     "mooncake_synthetic_trace.jsonl"

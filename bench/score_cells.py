@@ -23,7 +23,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from simulations.compare import (
+from kvroute.simulations.compare import (
     ALPHA,
     CRITERIA,
     CellScore,

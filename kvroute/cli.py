@@ -10,22 +10,15 @@ import sys
 from collections.abc import Sequence
 
 from kvroute import __version__
-from kvroute.core.config import AgentConfig, RouterConfig, add_arguments, from_namespace
+from kvroute.core.config import (
+    AgentConfig,
+    DefaultsFormatter,
+    RawDefaultsFormatter,
+    RouterConfig,
+    add_arguments,
+    from_namespace,
+)
 from kvroute.core.logs import setup_logging
-
-
-class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default after its help, unless the help already says it (say, "default:
-    the router's") or the option is a switch (its default is always off)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.nargs == 0 or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class RawDefaultsFormatter(DefaultsFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown, and a description kept as written (a formula)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,19 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("policies", help="list routing policies with their formulas")
     rp = sub.add_parser("replay", help="replay a trace through every policy on a simulated "
                         "cluster", formatter_class=fmt)
-    from simulations.cli import add_arguments as add_replay_arguments
+    from kvroute.simulations.cli import add_arguments as add_replay_arguments
 
     add_replay_arguments(rp)
-    import simulations.tune
-    from simulations.tune import add_arguments as add_tune_arguments
+    import kvroute.simulations.tune
+    from kvroute.simulations.tune import add_arguments as add_tune_arguments
 
     tp = sub.add_parser("tune", help="search a policy's parameters on a trace for the variant "
                         "that beats the peers", formatter_class=RawDefaultsFormatter,
-                        description=simulations.tune.__doc__)
+                        description=kvroute.simulations.tune.__doc__)
     add_tune_arguments(tp)
     gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
                         "fork)", formatter_class=RawDefaultsFormatter)
-    from simulations.generators import add_arguments as add_gen_arguments
+    from kvroute.simulations.generators import add_arguments as add_gen_arguments
 
     add_gen_arguments(gp)
     return p
@@ -102,15 +95,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                   + tuned + "\n")
         return 0
     if args.command == "gen":
-        from simulations.generators import run as run_gen
+        from kvroute.simulations.generators import run as run_gen
 
         return run_gen(args)
     if args.command == "replay":
-        from simulations.cli import run as run_replay
+        from kvroute.simulations.cli import run as run_replay
 
         return run_replay(args)
     if args.command == "tune":
-        from simulations.tune import run as run_tune
+        from kvroute.simulations.tune import run as run_tune
 
         return run_tune(args)
     if args.command == "demo":

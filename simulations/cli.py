@@ -13,7 +13,7 @@ from pathlib import Path
 from kvroute.core import config
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.policies import REGISTRY, Policy, make_policy
-from simulations.compare import (
+from kvroute.simulations.compare import (
     Jittered,
     Matched,
     at_rate,
@@ -23,8 +23,8 @@ from simulations.compare import (
     replay_jittered,
     verdicts,
 )
-from simulations.costmodel import CostModel
-from simulations.metrics import (
+from kvroute.simulations.costmodel import CostModel
+from kvroute.simulations.metrics import (
     PolicyMetrics,
     capacity_rps,
     floor_summary,
@@ -34,8 +34,8 @@ from simulations.metrics import (
     measure,
     ttft_floor,
 )
-from simulations.replay import ClusterSpec, Replayer, ReplayResult
-from simulations.trace import Trace, TraceError, load
+from kvroute.simulations.replay import ClusterSpec, Replayer, ReplayResult
+from kvroute.simulations.trace import Trace, TraceError, load
 
 # The loads a sweep replays at, light to saturated, as fractions of the cluster's capacity
 # (``kvroute replay --sweep``, ``kvroute tune --loads``, ``bench/policy_jitter.py``).
@@ -195,7 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_nudge_argument(p: argparse.ArgumentParser) -> None:
-    """``--nudge`` (:func:`simulations.compare.at_rate`), for `kvroute replay` and the bench."""
+    """``--nudge`` (:func:`~kvroute.simulations.compare.at_rate`), for replay and the bench."""
     p.add_argument("--nudge", type=FRACTION, default=0.0, metavar="F",
                    help="move each arrival by up to F x half the gap to its neighbour, with "
                         "a seed per rate: jitters of the rate alone leave a cold start's "
@@ -357,7 +357,7 @@ def prepare(args: argparse.Namespace) -> Setup | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from simulations.report import (
+    from kvroute.simulations.report import (
         plot_replay,
         plot_sweep,
         sent_loads,

@@ -60,9 +60,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvroute.core.load import PrefillMode, SentTraffic, WorkerLoad, prefill_context
+from kvroute.simulations.costmodel import CostModel
 from kvroute.worker_agent.engines.base import CacheEvent
 from kvroute.worker_agent.engines.block_pool import BlockPool
-from simulations.costmodel import CostModel
 
 EventSink = Callable[[float, str, CacheEvent], None]
 

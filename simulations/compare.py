@@ -25,8 +25,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, fields, replace
 
-from simulations.metrics import PolicyMetrics
-from simulations.trace import Trace
+from kvroute.simulations.metrics import PolicyMetrics
+from kvroute.simulations.trace import Trace
 
 DEFAULT_JITTERS = (0.98, 1.0, 1.02)
 

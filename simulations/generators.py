@@ -16,12 +16,12 @@ different ways:
 Every record is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 "hash_ids": [...], "block_size": tokens, "session": id}``: the session is the conversation,
 agent run, RAG request or fork program it belongs to (the replay reads a reply's blocks only
-from a later request of the same session, see :func:`simulations.trace.continuations`). The id
-at position i stands for the whole prefix up to and including block i (the last block may
-be partial: ``ceil(input_length / block_size)`` ids), so two requests share a prefix exactly
-as far as their leading ids agree. Ids are assigned from a content chain hash: each piece of
-content (a system prompt, a document, a reply...) is a unique segment, and a block's id
-hashes the previous block's id with the (segment, offset, count) pieces that fill it.
+from a later request of the same session, see :func:`kvroute.simulations.trace.continuations`).
+The id at position i stands for the whole prefix up to and including block i (the last block
+may be partial: ``ceil(input_length / block_size)`` ids), so two requests share a prefix
+exactly as far as their leading ids agree. Ids are assigned from a content chain hash: each
+piece of content (a system prompt, a document, a reply...) is a unique segment, and a block's
+id hashes the previous block's id with the (segment, offset, count) pieces that fill it.
 
 Arrivals are Poisson. For ``rag`` every request arrives independently at ``rate_per_s``; for
 the others a session / program starts as a Poisson process at ``rate_per_s`` divided by its
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvroute.core.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
+from kvroute.core.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RawDefaultsFormatter
 
 DEFAULT_BLOCK_SIZE = 64
 KINDS = ("chat", "agent", "rag", "fork")
@@ -498,10 +498,10 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
 
 def infinite_cache_hit_ratio(records: Sequence[dict]) -> float:
     """Fraction of prompt tokens an unbounded cache would serve, as the replay simulator
-    counts it (:func:`simulations.metrics.infinite_cache_hits`: full blocks of earlier
+    counts it (:func:`kvroute.simulations.metrics.infinite_cache_hits`: full blocks of earlier
     prompts and replies, one prompt token always computed)."""
-    from simulations.metrics import hit_ratio, infinite_cache_hits
-    from simulations.trace import parse
+    from kvroute.simulations.metrics import hit_ratio, infinite_cache_hits
+    from kvroute.simulations.trace import parse
 
     if not records:
         return 0.0
@@ -575,8 +575,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvroute gen KIND --requests N --rate R --seed S --out FILE``."""
-    from kvroute.cli import RawDefaultsFormatter
-
     parser = add_arguments(argparse.ArgumentParser(
         prog="kvroute gen", formatter_class=RawDefaultsFormatter,
         description="Generate a synthetic workload trace (Mooncake JSONL format with a "

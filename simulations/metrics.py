@@ -12,10 +12,10 @@ from typing import NamedTuple
 import numpy as np
 
 from kvroute.core.index import leading_held
-from simulations.cluster import SimRequest
-from simulations.costmodel import CostModel
-from simulations.replay import ReplayResult
-from simulations.trace import Trace
+from kvroute.simulations.cluster import SimRequest
+from kvroute.simulations.costmodel import CostModel
+from kvroute.simulations.replay import ReplayResult
+from kvroute.simulations.trace import Trace
 
 
 @dataclass(frozen=True)

@@ -72,10 +72,10 @@ from kvroute.core.redis_schema import Op
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.copies import copy_blocks
 from kvroute.router.decide import prefill_tail, rank_request, rerank_confirmed
+from kvroute.simulations.cluster import SimRequest, SimWorker
+from kvroute.simulations.costmodel import CostModel
+from kvroute.simulations.trace import Trace
 from kvroute.worker_agent.engines.base import CacheEvent
-from simulations.cluster import SimRequest, SimWorker
-from simulations.costmodel import CostModel
-from simulations.trace import Trace
 
 
 @dataclass(slots=True)

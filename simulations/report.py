@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from simulations.compare import Jittered, Matched, at_matched_load, verdicts
-from simulations.metrics import REQUEST_COLUMNS, PolicyMetrics, floor_summary, request_rows
-from simulations.replay import ReplayResult
+from kvroute.simulations.compare import Jittered, Matched, at_matched_load, verdicts
+from kvroute.simulations.metrics import REQUEST_COLUMNS, PolicyMetrics, floor_summary, request_rows
+from kvroute.simulations.replay import ReplayResult
 
 
 def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
@@ -106,8 +106,8 @@ def write_results(out: Path, rows: Sequence[PolicyMetrics], bounds: dict[str, fl
 
 def write_requests(out: Path, results: Sequence[ReplayResult], floor: np.ndarray) -> Path:
     """requests.csv: every request of every policy's replay (with jitters, the one nearest
-    the nominal rate), a row each, warm-up included (:func:`~simulations.metrics.request_rows`;
-    ``floor``: every request's)."""
+    the nominal rate), a row each, warm-up included
+    (:func:`~kvroute.simulations.metrics.request_rows`; ``floor``: every request's)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "requests.csv"
     with path.open("w", newline="") as f:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from kvroute.core.policies import REGISTRY, make_policy, parameters
 from kvroute.core.policies.spec import SEPARATOR, parse_spec
-from simulations.cli import (
+from kvroute.simulations.cli import (
     AT_LEAST_ONE,
     NON_NEGATIVE,
     SWEEP_LOADS,
@@ -58,9 +58,9 @@ from simulations.cli import (
     prepare,
     progress_bar,
 )
-from simulations.compare import DEFAULT_JITTERS, Jittered, parse_jitters
-from simulations.metrics import PolicyMetrics, measure
-from simulations.replay import Replayer
+from kvroute.simulations.compare import DEFAULT_JITTERS, Jittered, parse_jitters
+from kvroute.simulations.metrics import PolicyMetrics, measure
+from kvroute.simulations.replay import Replayer
 
 DEFAULT_PEERS = "llmd,preble,chwbl,sglang,dynamo,mooncake_local"
 NEVER = 1000.0  # a grid value this large means "never" (kvroute's hold): no edge beyond it

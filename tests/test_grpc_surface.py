@@ -73,7 +73,7 @@ def test_committed_stubs_match_the_protos() -> None:
         generated = sorted(p.relative_to(tmp) for p in Path(tmp).rglob("*.py*"))
         assert generated, "protoc produced nothing"
         for rel in generated:
-            committed = ROOT / rel
+            committed = ROOT / "proto" / rel
             assert committed.exists(), f"{rel} is not committed: run `make proto`"
             assert committed.read_bytes() == (Path(tmp) / rel).read_bytes(), (
                 f"{rel} is stale: run `make proto`")

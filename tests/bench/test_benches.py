@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.generators import generate, write_jsonl
+from kvroute.simulations.generators import generate, write_jsonl
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

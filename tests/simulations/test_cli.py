@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.generators import generate, write_jsonl
+from kvroute.simulations.generators import generate, write_jsonl
 
 
 def replay(*args: str | Path) -> subprocess.CompletedProcess[str]:

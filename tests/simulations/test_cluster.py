@@ -8,9 +8,9 @@ import math
 import pytest
 
 from kvroute.core.load import prefill_context
+from kvroute.simulations.cluster import SimRequest, SimWorker
+from kvroute.simulations.costmodel import CostModel
 from kvroute.worker_agent.engines.base import CacheEvent, Op
-from simulations.cluster import SimRequest, SimWorker
-from simulations.costmodel import CostModel
 
 
 def worker() -> SimWorker:

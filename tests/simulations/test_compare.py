@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from simulations.compare import (
+from kvroute.simulations.compare import (
     Jittered,
     Matched,
     Verdict,
@@ -23,7 +23,7 @@ from simulations.compare import (
     score_cell,
     verdicts,
 )
-from simulations.metrics import PolicyMetrics
+from kvroute.simulations.metrics import PolicyMetrics
 
 
 def metrics(policy: str, mean: float, p99: float, hit: float) -> PolicyMetrics:

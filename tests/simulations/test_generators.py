@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.generators import (
+from kvroute.simulations.generators import (
     KINDS,
     build,
     generate,

@@ -1,4 +1,4 @@
-"""What a replay's p99 tail is made of (``simulations.metrics.tail_of``)."""
+"""What a replay's p99 tail is made of (``kvroute.simulations.metrics.tail_of``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from simulations.cli import make_policies
-from simulations.cluster import SimRequest
-from simulations.costmodel import CostModel
-from simulations.generators import generate
-from simulations.metrics import Tail, measure, tail_of
-from simulations.replay import ClusterSpec, Replayer
-from simulations.report import table
-from simulations.trace import parse
+from kvroute.simulations.cli import make_policies
+from kvroute.simulations.cluster import SimRequest
+from kvroute.simulations.costmodel import CostModel
+from kvroute.simulations.generators import generate
+from kvroute.simulations.metrics import Tail, measure, tail_of
+from kvroute.simulations.replay import ClusterSpec, Replayer
+from kvroute.simulations.report import table
+from kvroute.simulations.trace import parse
 
 COST = CostModel()
 

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 
 from kvroute.core.policies import REGISTRY, make_policy
-from simulations.cluster import SimRequest
-from simulations.generators import generate
-from simulations.metrics import (
+from kvroute.simulations.cluster import SimRequest
+from kvroute.simulations.generators import generate
+from kvroute.simulations.metrics import (
     global_lru_hits,
     hit_ratio,
     infinite_cache_hits,
     measure,
     ttft_floor,
 )
-from simulations.replay import ClusterSpec, Replayer
-from simulations.trace import Trace, TraceError, TraceRequest, load, parse
+from kvroute.simulations.replay import ClusterSpec, Replayer
+from kvroute.simulations.trace import Trace, TraceError, TraceRequest, load, parse
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
     "mooncake_synthetic_trace.jsonl"
@@ -75,7 +75,7 @@ def run(trace: Trace, policy: str, **spec: object):
 
 def test_deterministic_for_a_seed(mooncake: Trace) -> None:
     tr = head(mooncake, 600, 2.0)
-    from simulations.cli import make_policies
+    from kvroute.simulations.cli import make_policies
 
     for name in ("kvroute", "random"):
         a = [Replayer(tr, make_policies(name, 7)[0](), ClusterSpec(workers=4)).run()
@@ -226,7 +226,7 @@ def test_no_request_beats_the_ttft_floor(mooncake: Trace, mode: str) -> None:
     """The floor (own prefill after the infinite cache's hits, nothing queued) bounds every
     request's TTFT under every policy: with whole and chunked prefills, KV fetches
     (mooncake), and forks run as programs; and the floor is met when nothing queues."""
-    from simulations.generators import generate
+    from kvroute.simulations.generators import generate
 
     if mode == "programs":
         recs = generate("fork", 300, rate_per_s=20.0, seed=5, block_size=64)
@@ -277,7 +277,7 @@ def test_moves_off_a_cached_prefix_are_counted(mooncake: Trace) -> None:
 
 
 def test_a_prefix_the_router_cannot_see_yet_is_counted_in_flight_or_stale() -> None:
-    from simulations.metrics import missed_hits
+    from kvroute.simulations.metrics import missed_hits
 
 
     prefix = tuple(range(100, 164))  # 64 blocks of 16 tokens, ~90 ms of prefill
@@ -317,7 +317,7 @@ def test_a_prefix_the_router_cannot_see_yet_is_counted_in_flight_or_stale() -> N
 
 
 def test_a_prefix_no_worker_holds_any_more_is_counted_evicted() -> None:
-    from simulations.metrics import missed_hits
+    from kvroute.simulations.metrics import missed_hits
 
     prefix = tuple(range(100, 132))  # 32 blocks of 16 tokens
     other = tuple(range(500, 560))  # 60 blocks: more than the cache has beside the prefix
@@ -340,7 +340,7 @@ def test_every_token_the_infinite_cache_hits_is_got_or_missed_for_one_reason(
         mooncake: Trace, policy: str) -> None:
     """Per request: hits + fetched + moved + in flight + stale + evicted = the infinite
     cache's hits (a small cache, so all of them occur; Mooncake's transfer fetches)."""
-    from simulations.metrics import missed_hits
+    from kvroute.simulations.metrics import missed_hits
 
     tr = head(mooncake, 600, 2.0)
     res = run(tr, policy, workers=4, capacity_blocks=300)
@@ -419,7 +419,7 @@ def test_propagation_delay_is_modelled(mooncake: Trace) -> None:
 def test_forks_run_as_programs_prefill_the_shared_prefix_once() -> None:
     """Controller-program forks (placed once, prefix prefilled once, branches beside it)
     against the same branches routed as independent requests, as peer routers do."""
-    from simulations.generators import generate
+    from kvroute.simulations.generators import generate
 
     recs = generate("fork", 240, rate_per_s=20.0, seed=3, block_size=64)
     tr = parse([json.dumps(r) for r in recs])
@@ -465,7 +465,7 @@ def test_siblings_routed_on_predictions_wait_for_the_first_prefill() -> None:
     """Coalescing: with predicted entries, a fork's siblings (arriving together, as plain
     requests) go where the first went and are admitted after its prefill, so each hits the
     shared prefix; without predictions they spread and each prefills it."""
-    from simulations.generators import generate
+    from kvroute.simulations.generators import generate
 
     recs = generate("fork", 240, rate_per_s=20.0, seed=3, block_size=64)
     tr = parse([json.dumps(r) for r in recs])
@@ -491,7 +491,7 @@ def test_programs_that_do_not_fit_their_worker_overflow_to_the_next_longest_pref
     """The router's placement rule in the simulator: with small batches under load, some
     branches leave their program's worker; each still finds the shared prefix cached there
     (that worker prefilled it once), and nothing is lost."""
-    from simulations.generators import generate
+    from kvroute.simulations.generators import generate
 
     recs = generate("fork", 240, rate_per_s=60.0, seed=3, block_size=64)
     tr = parse([json.dumps(r) for r in recs])
@@ -534,7 +534,7 @@ def test_a_warm_up_is_kept_through_scaling_and_must_leave_requests_to_measure() 
 
 
 def test_hash_ids_expand_to_tokens_that_share_exactly_the_shared_ids() -> None:
-    from simulations.trace import expand_tokens
+    from kvroute.simulations.trace import expand_tokens
 
     a = expand_tokens([1, 2, 3], 1400, block_size=512)
     b = expand_tokens([1, 2, 9], 1536, block_size=512)
@@ -549,7 +549,7 @@ def test_mooncake_fetches_hot_prefixes_instead_of_recomputing_them() -> None:
     (timed), is cached on the fetching worker (a replica of the hot prefix), and is not
     counted as a cache hit."""
     from kvroute.core.policies.peers import MooncakeConductor
-    from simulations.costmodel import CostModel
+    from kvroute.simulations.costmodel import CostModel
 
     lines = SHARED.read_text().splitlines()[:600]
     part = parse(lines)
@@ -574,7 +574,7 @@ def test_hot_prefixes_are_copied_while_their_requests_stay(load: float) -> None:
     """kvroute's replicate: where a prefix's demand would have moved a request off its busy
     holder, the request stays and the router copies the prefix to the worker it would have
     moved to; the copy is a one-token request of the prefix's whole blocks, measured apart."""
-    from simulations.metrics import capacity_rps
+    from kvroute.simulations.metrics import capacity_rps
 
     tr = parse([json.dumps(r) for r in generate("rag", 600, 20.0, seed=1, block_size=64)])
     spec = ClusterSpec(workers=4)

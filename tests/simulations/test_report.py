@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from simulations.metrics import PolicyMetrics
-from simulations.report import plot_sweep, sweep_loads
+from kvroute.simulations.metrics import PolicyMetrics
+from kvroute.simulations.report import plot_sweep, sweep_loads
 
 
 def metrics(policy: str, mean: float, sent_rps: float) -> PolicyMetrics:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from simulations.compare import at_rate
-from simulations.generators import generate
-from simulations.trace import Trace, parse
+from kvroute.simulations.compare import at_rate
+from kvroute.simulations.generators import generate
+from kvroute.simulations.trace import Trace, parse
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from kvroute.core.policies import make_policy, parameters
-from simulations.cli import Setup
-from simulations.costmodel import CostModel
-from simulations.generators import generate, write_jsonl
-from simulations.metrics import capacity_rps
-from simulations.replay import ClusterSpec
-from simulations.trace import load
-from simulations.tune import (
+from kvroute.simulations.cli import Setup
+from kvroute.simulations.costmodel import CostModel
+from kvroute.simulations.generators import generate, write_jsonl
+from kvroute.simulations.metrics import capacity_rps
+from kvroute.simulations.replay import ClusterSpec
+from kvroute.simulations.trace import load
+from kvroute.simulations.tune import (
     Evaluator,
     Search,
     margins,

@@ -7,7 +7,7 @@ otherwise have moved that request to make a second copy, the router sends the co
 one-token request of the prefix's whole blocks, with the request's model and cache salt (so
 the blocks' keys are the same), to the worker the policy named. No request waits for it;
 later requests find two holders. The simulator models the same copy
-(``simulations.replay.Replayer._copy``).
+(``kvroute.simulations.replay.Replayer._copy``).
 """
 
 from __future__ import annotations

@@ -221,6 +221,20 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless the help already says it (say, "default:
+    the router's") or the option is a switch (its default is always off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class RawDefaultsFormatter(DefaultsFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and a description kept as written (a formula)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, str]) -> None:
     """One flag per field; the default shown is the environment's value if set."""
     hints = get_type_hints(cls)
