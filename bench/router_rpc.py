@@ -40,6 +40,7 @@ import grpc
 
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.config import AgentConfig, RouterConfig
+from kvroute.core.grpc_util import new_server
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys
 from kvroute.demo.procs import scratch_redis
@@ -177,7 +178,7 @@ async def measure(args: argparse.Namespace, redis_url: str) -> None:
     async def take(_req: common_pb2.GenerateRequest, _ctx: object) -> bytes:
         return b""
 
-    generated = grpc.aio.server()
+    generated = new_server()
     router_pb2_grpc.add_RouterServicer_to_server(router.service, generated)
     generated.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Null", {
         "Take": grpc.unary_unary_rpc_method_handler(

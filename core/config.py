@@ -165,8 +165,16 @@ class AgentConfig(CommonConfig):
                          "across workers when it would not fit", AT_LEAST_ONE)
     max_batched_tokens: int = opt(0, "vllm engine: its --max-num-batched-tokens, reported to "
                                   "routers, which avoid delaying requests that would be "
-                                  "prefilled with this one (0: unknown; routers assume 8192)",
-                                  NON_NEGATIVE)
+                                  "prefilled with this one (0: unknown; routers assume 8192); "
+                                  "sim engine: the most prompt tokens it prefills per step, "
+                                  "reported likewise (0: no limit)", NON_NEGATIVE)
+    sim_chunked_prefill: bool = opt(False, "sim engine: split long prefills across steps "
+                                    "under --max-batched-tokens as vLLM V1 does (reported to "
+                                    "routers as chunked; default: whole prompts)")
+    sim_long_prefill_threshold: int = opt(0, "sim engine, with --sim-chunked-prefill: the most "
+                                          "tokens of one prefill per step (vLLM's "
+                                          "--long-prefill-token-threshold; 0: none)",
+                                          NON_NEGATIVE)
     time_scale: float = opt(1.0, "multiplies the sim engine's modelled latencies", NON_NEGATIVE)
     heartbeat_s: float = opt(1.0, "seconds between heartbeats", POSITIVE)
     heartbeat_ttl_s: float = opt(3.0, "heartbeat TTL: a worker silent this long is dead; longer "
@@ -215,6 +223,12 @@ class AgentConfig(CommonConfig):
             # Its key would expire between two beats: routers would drop a live worker.
             raise SystemExit(f"--heartbeat-ttl-s ({self.heartbeat_ttl_s:g} s) must be longer than "
                              f"--heartbeat-s ({self.heartbeat_s:g} s)")
+        if self.sim_chunked_prefill and not self.max_batched_tokens:
+            raise SystemExit("--sim-chunked-prefill needs --max-batched-tokens > 0 (the token "
+                             "budget each step's chunks share)")
+        if self.sim_long_prefill_threshold and not self.sim_chunked_prefill:
+            raise SystemExit("--sim-long-prefill-threshold caps the chunks of a chunked "
+                             "prefill: it needs --sim-chunked-prefill")
 
 
 def _flag(name: str) -> str:

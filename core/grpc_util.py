@@ -1,5 +1,5 @@
-"""What both gRPC servers share: health checking, reflection, metrics endpoint, shutdown, and
-handlers that keep a GenerateRequest's wire bytes."""
+"""What both gRPC servers share: a server owning its port, health checking, reflection, metrics
+endpoint, shutdown, and handlers that keep a GenerateRequest's wire bytes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from kvroute.core.ports import address, describe, refuse_port, why_unbindable
 from kvroute.v1 import common_pb2
 
 log = logging.getLogger("kvroute")
@@ -42,28 +43,43 @@ async def set_serving(hs: Any, services: Iterable[str], serving: bool) -> None:
         await hs.set(name, status)
 
 
-def start_metrics(port: int, host: str, registry: CollectorRegistry) -> Any:
+def start_metrics(port: int, host: str, registry: CollectorRegistry,
+                  setting: str = "metrics_port") -> Any:
     """Serve ``registry`` on http://host:port/metrics; returns the HTTP server (or None).
-    A port it cannot take is a clear error, as for the gRPC port (:func:`bind`): call it
-    before starting anything that would have to be stopped."""
+    A port it cannot take ends the process naming config field ``setting``'s flag and
+    environment variable, as for the gRPC port (:func:`bind`): call it before starting
+    anything that would have to be stopped."""
     if port <= 0:
         return None
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        raise SystemExit(f"cannot serve metrics on {host}:{port} (in use or not permitted): "
-                         f"{exc.strerror or exc}") from None
+        raise refuse_port(setting, host, port, describe(exc)) from None
     return server
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind an insecure port; a clear error if it is taken."""
+# SO_REUSEPORT (gRPC's default) would let a second server bind a port one already serves,
+# and the kernel then spreads connections over both: a second agent given a running one's
+# port would start and take half its calls.
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def new_server() -> grpc.aio.Server:
+    """A gRPC server that owns the port it binds (:data:`SERVER_OPTIONS`): every server the
+    project starts is made here."""
+    return grpc.aio.server(options=SERVER_OPTIONS)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, setting: str = "port") -> int:
+    """Bind an insecure port and return it (the one picked, for port 0). A port it cannot
+    bind ends the process naming config field ``setting``'s flag and environment variable
+    and why: ``--port 50061 (KVROUTE_PORT): address 127.0.0.1:50061 is already in use``."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(address(host, port))
     except RuntimeError:  # grpcio >= 1.53 raises where older ones returned 0
         bound = 0
     if bound == 0:
-        raise SystemExit(f"cannot listen on {host}:{port} (in use or not permitted)")
+        raise refuse_port(setting, host, port, why_unbindable(host, port))
     return bound
 
 

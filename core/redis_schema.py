@@ -12,7 +12,8 @@ key                                type    content
                                            ``op`` (store | evict | clear | resync), ``k`` keys
 ``kvr:{M}:snap:<worker>``          set     the worker's cached block keys (8-byte big-endian)
 ``kvr:{M}:meta:<worker>``          hash    ``epoch``, ``seq`` of the last event in the snapshot
-``kvr:{M}:hb:<worker>``            string  heartbeat JSON (address, load, block size); has TTL
+``kvr:{M}:hb:<worker>``            string  heartbeat JSON (address, load, block size,
+                                           tokenizer and vocabulary size); has TTL
 ``kvr:{M}:workers``                set     worker ids that have published (pruned on expiry)
 =================================  ======  ====================================================
 
@@ -155,6 +156,11 @@ class Heartbeat:
     block_size: int = DEFAULT_BLOCK_SIZE
     ttl_s: float = 3.0
     key_scheme: str = KEY_SCHEME
+    # The ids the worker speaks: routers leave out a worker whose vocabulary is not theirs
+    # (kvroute.router.registry.vocab_mismatch). "" / 0: not reported (an older agent, or an
+    # agent whose --tokenizer is not its engine's vocabulary).
+    tokenizer: str = ""  # the tokenizer name (kvroute.core.tokenizer): "byte", "gpt2"
+    vocab_size: int = 0  # token ids the worker accepts are below this
     extra: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -176,9 +182,9 @@ class Heartbeat:
             raise ValueError(f"heartbeat lacks a field: {exc}") from exc
         for name in ("running", "queued", "free_blocks", "capacity_blocks",
                      "pending_prefill_tokens", "max_running", "max_batched_tokens",
-                     "max_prefill_chunk", "block_size"):
+                     "max_prefill_chunk", "block_size", "vocab_size"):
             v = getattr(hb, name)
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"heartbeat field {name} must be a non-negative int, got {v!r}")
         for name in ("arrival_rate", "prefill_rate"):
             rate = getattr(hb, name)
@@ -192,4 +198,7 @@ class Heartbeat:
         for name in ("worker_id", "address", "epoch", "key_scheme"):
             if not isinstance(getattr(hb, name), str) or not getattr(hb, name):
                 raise ValueError(f"heartbeat field {name} must be a non-empty string")
+        if not isinstance(hb.tokenizer, str) or len(hb.tokenizer) > 200:
+            raise ValueError(f"heartbeat field tokenizer must be a string of at most 200 "
+                             f"characters, got {hb.tokenizer!r:.80}")
         return hb

@@ -48,15 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated policies to compare")
     d.add_argument("--capacity-blocks", type=int, default=2048,
                    help="KV cache of each sim agent, in 16-token blocks")
-    d.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiplies the sim engine's modelled latencies")
+    d.add_argument("--time-scale", type=float, default=0.5,
+                   help="multiplies the sim engine's modelled latencies (0.5 keeps the repeats "
+                        "within about 40 s; the ratios barely move at 1.0)")
     d.add_argument("--quiet", action="store_true",
                    help="no per-request lines: only the summaries (progress still on stderr)")
     d.add_argument("--seed", type=int, default=7, help="workload seed")
+    d.add_argument("--repeats", type=int, default=3,
+                   help="runs of each policy, each on fresh processes: the spread across "
+                        "them tells a difference from run-to-run noise")
     d.add_argument("--serve", action="store_true",
                    help="afterwards keep tiny-engine agents and a kvroute router up for "
                         "controller programs (examples/), until Ctrl-C")
-    sub.add_parser("policies", help="list routing policies with their formulas")
+    pol = sub.add_parser("policies", help="list routing policies; one's formula and "
+                         "parameters with `kvroute policies NAME`")
+    pol.add_argument("name", nargs="?", metavar="NAME",
+                     help="a policy (or spec, NAME:PARAM=VALUE) to show in full: its formula, "
+                          "parameters and their defaults, the values `kvroute tune` searches")
     rp = sub.add_parser("replay", help="replay a trace through every policy on a simulated "
                         "cluster", formatter_class=fmt)
     from kvroute.simulations.cli import add_arguments as add_replay_arguments
@@ -77,22 +85,71 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def list_policies() -> str:
+    """``kvroute policies``: a line per registered policy, its name and its docstring's first
+    line (a variant registered with other parameter values says which), the default marked."""
+    from kvroute.core.policies import DEFAULT_POLICY, REGISTRY, parameters
+
+    def label(name: str) -> str:
+        return f"{name} (default)" if name == DEFAULT_POLICY else name
+
+    # A class registered under its own name with its defaults: what variants are told from.
+    plain = {factory: name for name, factory in REGISTRY.items() if isinstance(factory, type)}
+    width = max(len(label(name)) for name in REGISTRY)
+    lines = ["routing policies (`kvroute policies NAME` shows one's formula and parameters):"]
+    for name, factory in sorted(REGISTRY.items()):
+        policy = factory()
+        first = (type(policy).__doc__ or "").strip().splitlines()
+        summary = first[0].rstrip(",;:.") if first else ""
+        base = type(policy)
+        if plain.get(base, name) != name:
+            defaults = parameters(base())
+            changed = ", ".join(f"{k}={v}" for k, v in parameters(policy).items()
+                                if defaults.get(k) != v)
+            summary += f" ({plain[base]} with {changed or 'its defaults'})"
+        lines.append(f"  {label(name):<{width}}  {summary}")
+    return "\n".join(lines)
+
+
+def describe_policy(spec: str) -> str:
+    """``kvroute policies NAME``: the policy's docstring (its formula), then a line per
+    parameter: its value (the default, or the spec's override beside the default) and the
+    values ``kvroute tune`` searches. An unknown name ends the process naming the known
+    ones."""
+    import inspect
+    import textwrap
+
+    from kvroute.core.policies import REGISTRY, make_policy, parameters
+
+    try:
+        policy = make_policy(spec)
+    except ValueError as exc:
+        raise SystemExit(f"kvroute policies: {exc}") from None
+    head = spec.partition(":")[0].strip()
+    defaults = parameters(REGISTRY[head]())
+    grid = getattr(type(policy), "TUNING", {})
+    doc = "\n".join(line.rstrip() for line in inspect.cleandoc(type(policy).__doc__ or "")
+                    .splitlines())
+    lines = [policy.name, textwrap.indent(doc, "    "), ""]
+    params = parameters(policy)
+    if not params:
+        lines.append("    parameters: none")
+        return "\n".join(lines)
+    lines.append(f"    parameters (override as {head}:PARAM=VALUE; `kvroute tune --policy "
+                 f"{head}` searches the values listed):")
+    width = max(map(len, params))
+    for k, v in params.items():
+        value = f"{v}" if v == defaults.get(k) else f"{v} (default {defaults.get(k)})"
+        searched = ", ".join(f"{x:g}" for x in grid.get(k, ()))
+        line = f"      {k:<{width}}  {value:<8}" + (f"  searched: {searched}" if searched else "")
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "policies":
-        from kvroute.core.policies import REGISTRY, parameters
-
-        for name, factory in sorted(REGISTRY.items()):
-            policy = factory()
-            doc = (type(policy).__doc__ or "").strip()
-            params = ", ".join(f"{k}={v}" for k, v in parameters(policy).items())
-            grid = getattr(type(policy), "TUNING", {})
-            tuned = ("\n    searched by `kvroute tune --policy " + name + "`: " + "; ".join(
-                f"{k} in {', '.join(f'{v:g}' for v in vs)}" for k, vs in grid.items())
-                if grid else "")
-            print(f"{name}\n    " + doc.replace("\n", "\n    ")
-                  + f"\n\n    parameters (override as {name}:PARAM=VALUE): {params or 'none'}"
-                  + tuned + "\n")
+        print(describe_policy(args.name) if args.name else list_policies())
         return 0
     if args.command == "gen":
         from kvroute.simulations.generators import run as run_gen

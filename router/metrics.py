@@ -10,6 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute.core.load import PrefillMode
+from kvroute.router.registry import EXCLUSION_REASONS
 
 if TYPE_CHECKING:
     from kvroute.core.load import PrefillTail
@@ -167,8 +168,16 @@ class _MirrorCollector(Collector):
             "kvroute_router_worker_key_mismatch",
             "1 if the worker's block size or key scheme differs from the router's",
             labels=["worker"])
+        excluded = GaugeMetricFamily(
+            "kvroute_router_worker_excluded",
+            "1 if the router sends the worker no traffic for this reason: tokenizer = its "
+            "heartbeat reports another tokenizer or vocabulary size than the router's "
+            "(--tokenizer, --vocab-size)",
+            labels=["worker", "reason"])
         for info in m.registry.all():
             w = info.worker_id
+            for reason in EXCLUSION_REASONS:
+                excluded.add_metric([w, reason], int(info.excluded == reason))
             ld = m.registry.loads.get(w)
             inflight.add_metric([w], info.inflight)
             pending.add_metric([w], ld.pending_prefill_tokens if ld else 0)
@@ -183,4 +192,4 @@ class _MirrorCollector(Collector):
             up.add_metric([w], int(ld is not None))
             incompatible.add_metric([w], int(not info.compatible))
         yield from (inflight, pending, context, blocks, arrivals, prefills, modes, chunk_caps,
-                    up, incompatible)
+                    up, incompatible, excluded)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvroute.core.index import PrefixIndex
 from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient
 from kvroute.core.redis_schema import FeedError, FeedEvent, Heartbeat, Op, RedisKeys, unpack_keys
-from kvroute.router.registry import WorkerRegistry
+from kvroute.router.registry import Vocabulary, WorkerRegistry
 
 log = logging.getLogger("kvroute.router.mirror")
 
@@ -272,8 +272,10 @@ class IndexMirror:
         added, expired = self.registry.apply_heartbeats(
             beats, expire=time.monotonic() >= self._expire_from)
         for w in added:
-            log.info("worker joined", extra={"kv": {"worker": w,
-                                                    "address": beats[w].address}})
+            hb = beats[w]
+            log.info("worker joined", extra={"kv": {
+                "worker": w, "address": hb.address,
+                "vocabulary": str(Vocabulary(hb.tokenizer, hb.vocab_size))}})
         # A live worker we hold no cache state for: it registered after our bootstrap (as after
         # a Redis restart, when its heartbeat may come back after we bootstrapped) and may send
         # no event for a long while, so read its snapshot now rather than wait for one.

@@ -16,6 +16,15 @@ Invariants:
   not gated. The heartbeat still says how loaded it is.
 * ``_incompatible`` is exactly the known workers whose last heartbeat's block size or key
   scheme differs from ours (their index matches are dropped from decisions).
+* A worker whose last heartbeat reports another vocabulary than ours is *excluded*: never
+  in ``loads`` (no request goes to it), its reason in ``WorkerInfo.excluded``, logged once
+  each time it changes. The rule (:func:`vocab_mismatch`): a router with a tokenizer needs
+  the worker's tokenizer and vocabulary size to be its own; one without (token-id clients)
+  only the size (its ``--vocab-size``). What a worker does not report is not compared: an
+  older agent, the sim engine's tokenizer (it reports a size only), a static worker whose
+  agent publishes no heartbeat to our Redis under the same id.
+* A worker marked down keeps the error it failed with and when, so that a request finding
+  no routable worker is told why (:meth:`WorkerRegistry.unroutable`).
 """
 
 from __future__ import annotations
@@ -30,6 +39,35 @@ from kvroute.core.redis_schema import KEY_SCHEME, Heartbeat
 
 log = logging.getLogger("kvroute.router.registry")
 
+EXCLUSION_REASONS = ("tokenizer",)
+"""Why a known worker can be excluded from routing (``kvroute_router_worker_excluded``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """The token ids a router or worker speaks: a tokenizer name (``""``: none, or not
+    reported) and the vocabulary size (ids are below it; 0: not reported)."""
+
+    tokenizer: str = ""
+    size: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.tokenizer or 'token-ids'}/{self.size or '?'}"
+
+
+def vocab_mismatch(ours: Vocabulary, theirs: Vocabulary) -> str:
+    """Why a worker speaking ``theirs`` cannot serve a router speaking ``ours`` ("" if it can).
+
+    The rule: a router with a tokenizer encodes and decodes text, so a worker must have the
+    same tokenizer and vocabulary size, each compared when the worker reports it (a worker
+    reporting a size but no tokenizer, as the sim engine does, is held to the size). A
+    router without one (token-id clients) needs only the same vocabulary size. What either
+    side does not report (0 or "") is not compared: an older agent is routed to as before.
+    """
+    clash = (bool(ours.tokenizer and theirs.tokenizer and ours.tokenizer != theirs.tokenizer)
+             or bool(ours.size and theirs.size and ours.size != theirs.size))
+    return f"tokenizer {theirs}, router {ours}" if clash else ""
+
 
 @dataclass
 class WorkerInfo:
@@ -38,7 +76,11 @@ class WorkerInfo:
     static: bool = False
     heartbeat: Heartbeat | None = None
     down_until: float = 0.0
+    down_since: float = 0.0  # monotonic time of the failure that marked it down
+    down_error: str = ""  # what that failure said
     compatible: bool = True
+    excluded: str = ""  # why no request may go to it: one of EXCLUSION_REASONS, "" = none
+    excluded_why: str = ""  # ... in words, naming both sides (vocab_mismatch)
     inflight: int = 0
     pending_prefill: int = 0
     pending_context: int = 0  # prefill_context summed over our pending prefills
@@ -64,8 +106,13 @@ def parse_static(spec: str) -> dict[str, str]:
 
 
 class WorkerRegistry:
-    def __init__(self, static: Mapping[str, str], block_size: int) -> None:
+    """``vocabulary``: the ids this router speaks; the default (nothing reported) excludes
+    no worker."""
+
+    def __init__(self, static: Mapping[str, str], block_size: int,
+                 vocabulary: Vocabulary = Vocabulary()) -> None:
         self._block_size = block_size
+        self.vocabulary = vocabulary
         self._workers: dict[str, WorkerInfo] = {
             w: WorkerInfo(w, a, static=True) for w, a in static.items()
         }
@@ -131,6 +178,7 @@ class WorkerRegistry:
                 self._incompatible.discard(w)
             else:
                 self._incompatible.add(w)
+            self._judge_vocabulary(info, hb)
             self._refresh(w)
         for w, i in self._workers.items():
             if i.static and w not in beats and w not in self._down:
@@ -142,6 +190,45 @@ class WorkerRegistry:
             self._incompatible.discard(w)
             self.loads.pop(w, None)
         return added, expired
+
+    def _judge_vocabulary(self, info: WorkerInfo, hb: Heartbeat) -> None:
+        theirs = Vocabulary(hb.tokenizer, hb.vocab_size)
+        why = vocab_mismatch(self.vocabulary, theirs)
+        if why == info.excluded_why:
+            return
+        if why:
+            log.warning("worker speaks another vocabulary than this router; sending it no "
+                        "traffic (give agents and router the same --tokenizer and "
+                        "--vocab-size)",
+                        extra={"kv": {"worker": info.worker_id, "its_vocabulary": str(theirs),
+                                      "our_vocabulary": str(self.vocabulary)}})
+        else:
+            log.info("worker's vocabulary matches this router's now; routing to it",
+                     extra={"kv": {"worker": info.worker_id, "vocabulary": str(theirs)}})
+        info.excluded = "tokenizer" if why else ""
+        info.excluded_why = why
+
+    def unroutable(self) -> str:
+        """Why no request can be routed while ``loads`` is empty: each known worker and what
+        keeps it out (the message of the UNAVAILABLE a client then gets)."""
+        if not self._workers:
+            return ("no routable workers: none registered (no live heartbeat for this model "
+                    "in Redis, and no --workers)")
+        now = time.monotonic()
+        why: list[str] = []
+        for w, info in self._workers.items():
+            if w in self.loads:
+                continue
+            if info.excluded:
+                why.append(f"{w} excluded ({info.excluded_why})")
+            elif info.down_until > now:
+                why.append(f"{w} down since {now - info.down_since:.1f} s ago after: "
+                           f"{info.down_error or 'a failed call'}")
+            elif self._gate is not None and not info.static and w not in self._gate:
+                why.append(f"{w} has no Ready pod (discovery)")
+            else:
+                why.append(f"{w} not routable")
+        return "no routable workers: " + "; ".join(why)
 
     # -- gate (Kubernetes discovery) ------------------------------------------------------
 
@@ -232,10 +319,13 @@ class WorkerRegistry:
             info.cached_blocks = n
             self._refresh(worker)
 
-    def mark_down(self, worker: str, down_s: float) -> None:
+    def mark_down(self, worker: str, down_s: float, error: str = "") -> None:
+        """Skip ``worker`` for ``down_s`` seconds; ``error``: the failure that made it so."""
         info = self._workers.get(worker)
         if info is not None:
-            info.down_until = time.monotonic() + down_s
+            info.down_since = time.monotonic()
+            info.down_until = info.down_since + down_s
+            info.down_error = error
             self.loads.pop(worker, None)
             self._down.add(worker)
 
@@ -255,7 +345,7 @@ class WorkerRegistry:
 
     def _refresh(self, worker: str) -> None:
         info = self._workers[worker]
-        if self.gated_out(info):
+        if info.excluded or self.gated_out(info):
             self.loads.pop(worker, None)
             return
         now = time.monotonic()

@@ -18,6 +18,7 @@ from kvroute.core.grpc_util import (
     add_standard_services,
     bind,
     install_signal_handlers,
+    new_server,
     set_serving,
     start_metrics,
     wire_keeping_handler,
@@ -49,7 +50,7 @@ from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_conf
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
-from kvroute.router.registry import WorkerRegistry, parse_static
+from kvroute.router.registry import Vocabulary, WorkerRegistry, parse_static
 from kvroute.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("kvroute.router")
@@ -116,6 +117,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """``t0``: when the request's prompt began to be read (``_prompt``): the decision's
         latency includes reading its ids, which at 8k tokens once cost more than the rest."""
         self._registry.revive_due()
+        if not self._registry.loads:
+            raise NoWorkersError(self._registry.unroutable())  # each worker, and why not
         index = self._mirror.index if self._mirror.available else None
         d = self._decider.decide(tokens, index, self._registry, salt=req.cache_salt,
                                  session_id=req.session_id)
@@ -311,7 +314,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         extra={"kv": {"worker": w, "request": rid,
                                       "code": failure.code().name,
                                       "details": failure.details()}})
-            self._registry.mark_down(w, _DOWN_S)
+            self._registry.mark_down(w, _DOWN_S, f"{failure.code().name}: {failure.details()}")
         self._m.requests.labels("Generate", "unavailable").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             "no worker could serve the request: " + "; ".join(errors))
@@ -394,7 +397,10 @@ class RouterApp:
             self._tok = make_tokenizer(cfg.tokenizer)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-        self.registry = WorkerRegistry(static, cfg.block_size)
+        # The ids this router speaks: workers speaking others are left out (and named).
+        vocabulary = (Vocabulary(self._tok.name, self._tok.vocab_size) if self._tok is not None
+                      else Vocabulary("", cfg.vocab_size))
+        self.registry = WorkerRegistry(static, cfg.block_size, vocabulary)
         self.metrics = RouterMetrics()
         self.mirror = IndexMirror(connect(cfg.redis, block_timeout_s=cfg.poll_interval_s),
                                   RedisKeys(cfg.model), self.registry,
@@ -416,7 +422,7 @@ class RouterApp:
     async def start(self, *, wait_for_redis_s: float = 0.0) -> int:
         cfg = self.cfg
         # Ports first: a taken one ends the start before anything needs stopping.
-        server = grpc.aio.server()
+        server = new_server()
         self.port = bind(server, cfg.host, cfg.port)
         self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, self.metrics.registry)
         self.metrics.watch(self.mirror)

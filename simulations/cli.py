@@ -177,7 +177,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            f"{','.join(map(str, SWEEP_LOADS))}) and plot TTFT against load")
     p.add_argument("--out", type=Path, default=None,
                    help="write results.json, results.csv, requests.csv (a row per request "
-                   "and policy) and PNG plots here")
+                   "and policy) and PNG plots (with matplotlib: pip install 'kvroute[sim]') "
+                   "here")
     p.add_argument("--jitter", default=None, metavar="F,F,...",
                    help="replay each policy at these factors of the rate (e.g. 0.98,1,1.02), "
                         "report the averages, and say whether each lead holds at every "
@@ -360,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.simulations.report import (
         plot_replay,
         plot_sweep,
+        plots_skipped,
         sent_loads,
         table,
         write_requests,
@@ -458,9 +460,12 @@ def run(args: argparse.Namespace) -> int:
                               runs, args.focus, matched)
                 write_requests(at_load, results, floor)
         if args.out:
-            plot = plot_sweep(args.out, sweep, sweep_runs, measured_floor,
-                              capacity if spec.closed_loop else None)
-            print(f"wrote {plot}")
+            if skipped := plots_skipped():
+                print(skipped)
+            else:
+                plot = plot_sweep(args.out, sweep, sweep_runs, measured_floor,
+                                  capacity if spec.closed_loop else None)
+                print(f"wrote {plot}")
         return 0
     scale = setup.scale_for(args.load) if args.load is not None else args.rate_scale
     load_frac = base_rps * scale / capacity
@@ -473,8 +478,11 @@ def run(args: argparse.Namespace) -> int:
             **setup.meta(), "rate_scale": scale, "load": load_frac, "seed": args.seed,
             "jitters": list(jitters), "nudge": args.nudge, "focus": args.focus},
             runs, args.focus, matched)
-        for path in plot_replay(args.out, results, rows, bounds, measured_floor):
-            print(f"wrote {path}")
+        if skipped := plots_skipped():
+            print(skipped)
+        else:
+            for path in plot_replay(args.out, results, rows, bounds, measured_floor):
+                print(f"wrote {path}")
         requests = write_requests(args.out, results, floor)
         print(f"wrote {args.out / 'results.json'}, {args.out / 'results.csv'}, {requests} "
               "(a row per request and policy)")

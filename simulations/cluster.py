@@ -1,19 +1,21 @@
 """One simulated worker: the sim engine's paged prefix cache under continuous batching.
 
-The cache is :class:`kvroute.worker_agent.engines.block_pool.BlockPool` -- the very code the
-``sim`` engine runs -- so hits and LRU evictions are the engine's. Time is simulated, not
-slept: the worker runs its iterations lazily up to the time of the next routing decision.
+The cache is :class:`kvroute.core.block_pool.BlockPool` and the scheduler
+:class:`kvroute.core.scheduler.Scheduler` -- the very code the ``sim`` engine runs -- so
+admissions, hits and LRU evictions are the engine's. Time is simulated, not slept: the
+worker runs its iterations lazily up to the time of the next routing decision.
 
-Scheduling, per iteration (as vLLM's scheduler, without preemption):
+Scheduling, per iteration (the scheduler's rules, see its module doc: vLLM's, without
+preemption):
 
 1. Admit waiting requests FIFO while the batch is under ``max_batch``, the prefill budget of
    the iteration (``prefill_budget`` new tokens; at least one request) is not spent, and the
    pool can allocate the request's blocks: its cached prefix blocks are pinned (at most
    ``(prompt - 1) // B`` of them: one prompt token is always computed) and the rest of
-   ``ceil((prompt + output) / B)`` taken fresh, evicting LRU cached blocks.
+   ``ceil((prompt + output - 1) / B)`` taken fresh, evicting LRU cached blocks.
 2. The iteration lasts :meth:`CostModel.prefill_s` of every admitted request plus one decode
    step of the running batch. Admitted requests get their first token at its end and their
-   full prompt blocks are stored in the cache (a cache event); running ones one more token.
+   full prompt blocks are stored in the cache (one cache event); running ones one more token.
 3. Each block of the reply is stored (a cache event) at the decode step that fills it, as
    engines store generated tokens (``reply_keys``: a chat turn or agent call that carries
    the reply hits them): the step whose KV completes the block, the one producing token
@@ -59,10 +61,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvroute.core.block_pool import BlockPool
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.load import PrefillMode, SentTraffic, WorkerLoad, prefill_context
+from kvroute.core.scheduler import Scheduler, blocks_needed
 from kvroute.simulations.costmodel import CostModel
-from kvroute.worker_agent.engines.base import CacheEvent
-from kvroute.worker_agent.engines.block_pool import BlockPool
 
 EventSink = Callable[[float, str, CacheEvent], None]
 
@@ -90,8 +93,8 @@ class SimRequest:
     ready_s: float = 0.0  # no first token before (a KV transfer it waits for)
     received_tokens: int = 0  # of its prefix, fetched from another worker before admission
     moved_tokens: int = 0  # cached on another worker but not on its own, when it was routed
-    prefill_left: int = 0  # with chunked prefill: uncached tokens not computed yet
-    stored_blocks: int = 0  # with chunked prefill: leading blocks stored so far
+    prefill_left: int = 0  # uncached tokens not computed yet (the scheduler's)
+    stored_blocks: int = 0  # leading blocks stored so far (the scheduler's)
     watched: bool = False  # a continuation waits for it to end (closed-loop replay)
     waited_s: float = 0.0  # sent this long after its trace time: the reply it continues ended then
     copy_of: int = -1  # a router's background copy of a hot prefix: the request that made it
@@ -117,8 +120,12 @@ class SimWorker:
         self._sink = sink
         self._now = 0.0
         self.pool = BlockPool(capacity_blocks, listener=self._emit)
+        # Owns the queue and the prefills in progress; ``running`` below indexes its
+        # decoding set by finish step.
+        self.sched: Scheduler[SimRequest] = Scheduler(
+            self.pool, block_size, max_batch=max_batch, prefill_budget=prefill_budget,
+            chunked=chunked_prefill, long_prefill_threshold=long_prefill_threshold)
         self.t = 0.0  # when the engine is next free to start an iteration
-        self.waiting: deque[SimRequest] = deque()
         # Requests held (by the agent or router, not in the engine's queue) until the request
         # they follow (``after``) has its first token: they then join the queue's tail.
         self.held: list[SimRequest] = []
@@ -131,7 +138,6 @@ class SimWorker:
         self._fills: list[tuple[int, int, SimRequest]] = []
         self.steps = 0  # decode steps run (each gives every running sequence a token)
         self._joined = 0  # sequences that joined the batch: the heap's tie-break
-        self.prefilling: list[SimRequest] = []  # chunked prefills in progress, oldest first
         self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
         self.pending_context = 0  # ... and the context they attend to (prefill_context)
         self.prefill_tokens = 0  # uncached tokens actually prefilled
@@ -155,6 +161,19 @@ class SimWorker:
     def _emit(self, ev: CacheEvent) -> None:
         self._sink(self._now, self.name, ev)
 
+    @property
+    def waiting(self) -> deque[SimRequest]:
+        """The engine's queue, FIFO."""
+        return self.sched.waiting
+
+    @property
+    def prefilling(self) -> list[SimRequest]:
+        """Admitted requests whose (chunked) prefill is in progress, oldest first."""
+        return self.sched.prefilling
+
+    def _busy(self) -> bool:
+        return bool(self.sched.waiting or self.running or self.sched.num_prefilling)
+
     def load(self, cached_blocks: int, now: float) -> WorkerLoad:
         """The load view at ``now`` (rebuilt only when it changed).
 
@@ -173,16 +192,17 @@ class SimWorker:
 
     def _build_load(self, cached_blocks: int, prefilling: bool, arrival_rate: float,
                     prefill_rate: float) -> WorkerLoad:
-        pending = self.pending_prefill + sum(r.routed_uncached for r in self.prefilling)
-        context = self.pending_context + sum(r.routed_context for r in self.prefilling)
+        chunking = self.sched.prefilling
+        pending = self.pending_prefill + sum(r.routed_uncached for r in chunking)
+        context = self.pending_context + sum(r.routed_context for r in chunking)
         if prefilling:
             pending += sum(r.routed_uncached for r in self._admitted)
             context += sum(r.routed_context for r in self._admitted)
         return WorkerLoad(
-            inflight=len(self.running) + len(self.prefilling) + len(self.waiting)
+            inflight=len(self.running) + len(chunking) + len(self.sched.waiting)
             + len(self.held),
-            running=len(self.running) + len(self.prefilling),
-            queued=len(self.waiting), free_blocks=self.pool.free_blocks,
+            running=len(self.running) + len(chunking),
+            queued=len(self.sched.waiting), free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
             pending_prefill_tokens=pending, cached_blocks=cached_blocks,
             max_running=self.max_batch, max_batched_tokens=self.prefill_budget,
@@ -192,7 +212,8 @@ class SimWorker:
             max_prefill_chunk=self.long_prefill_threshold if self.chunked_prefill else 0)
 
     def submit(self, req: SimRequest, now: float) -> None:
-        if req.prompt_tokens + req.output_tokens > self.pool.capacity_blocks * self.block_size:
+        if blocks_needed(req.prompt_tokens, req.output_tokens, self.block_size) \
+                > self.pool.capacity_blocks:
             raise ValueError(f"request {req.idx} ({req.prompt_tokens}+{req.output_tokens} "
                              f"tokens) cannot fit a worker of {self.pool.capacity_blocks} "
                              f"blocks; raise --capacity-blocks")
@@ -202,9 +223,12 @@ class SimWorker:
         req.routed_context = prefill_context(req.routed_uncached,
                                              req.prompt_tokens - req.routed_uncached)
         self.pending_context += req.routed_context
-        if not self.waiting and not self.running and not self.prefilling:
+        if not self._busy():
             self.t = max(self.t, now)
-        (self.held if _held(req, now) else self.waiting).append(req)
+        if _held(req, now):
+            self.held.append(req)
+        else:
+            self.sched.add(req)
         if req.watched:
             self.watched[req.idx] = req
 
@@ -241,11 +265,10 @@ class SimWorker:
     def advance(self, until: float, stop_at_end: bool = False) -> None:
         """Run every iteration that starts before ``until``; with ``stop_at_end``, stop after
         one in which a watched request ends (it is then in ``ended``)."""
-        iterate = self._iterate_chunked if self.chunked_prefill else self._iterate_with_admission
-        while (self.waiting or self.running or self.prefilling or self.held) \
-                and self.t < until and not (stop_at_end and self.ended):
+        while (self.held or self._busy()) and self.t < until \
+                and not (stop_at_end and self.ended):
             self._version += 1
-            if not self.waiting and not self.running and not self.prefilling:
+            if not self._busy():
                 # Only held requests: idle until the first is released (its parent's first
                 # token may come after that parent finished here, when a KV transfer it
                 # waited for ends late); none known yet: stop.
@@ -254,102 +277,33 @@ class SimWorker:
                 if not nxt < until:
                     break
                 self.t = max(self.t, nxt)
-            if not iterate():
+            if not self._iterate():
                 self._decode_stretch(until)
 
-    def _iterate_with_admission(self) -> bool:
+    def _iterate(self) -> bool:
+        """One iteration with a prefill (the scheduler's admissions and chunks); False when
+        it has none to do (the caller then runs a decode stretch)."""
         start = self.t
         self._now = start
-        admitted: list[SimRequest] = []
-        prefill_s = 0.0
-        budget = self.prefill_budget
-        bs = self.block_size
-        pool = self.pool
         if self.held:
             self._release_held(start)
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-            r = self._admit_head(budget if admitted else None)
-            if r is None:
-                break
-            new = r.prompt_tokens - r.cached_tokens
-            budget -= new
-            prefill_s += self.cost.prefill_s(new, r.cached_tokens)
-            admitted.append(r)
-        if not admitted:
+        sched = self.sched
+        it = sched.schedule()
+        if not it.chunks:
             return False
-        end = start + prefill_s + self.cost.decode_step_s(len(self.running))
-        self._now = end
-        for r in admitted:
-            n_hit = r.cached_tokens // bs
-            pool.commit(r.blocks[n_hit:len(r.keys)], r.keys[n_hit:])
-        self._end_iteration(start, end, admitted)
-        return True
-
-    def _iterate_chunked(self) -> bool:
-        """One iteration with chunked prefill (see the module docstring). False when it
-        has no prefill to do (the caller then runs a decode stretch)."""
-        start = self.t
-        self._now = start
-        bs, pool = self.block_size, self.pool
-        budget = self.prefill_budget - len(self.running)  # each decode takes one token
-        cap = self.long_prefill_threshold or budget  # a prefill's most tokens per iteration
-        if self.held:
-            self._release_held(start)
-        chunks: list[tuple[SimRequest, int]] = []
-        for r in self.prefilling:
-            if budget <= 0:
-                break
-            take = min(r.prefill_left, budget, cap)
-            chunks.append((r, take))
-            budget -= take
-        while self.waiting and budget > 0 \
-                and len(self.running) + len(self.prefilling) < self.max_batch:
-            r = self._admit_head(None)
-            if r is None:
-                break
-            r.prefill_left = r.prompt_tokens - r.cached_tokens
-            self.prefilling.append(r)
-            take = min(r.prefill_left, budget, cap)
-            chunks.append((r, take))
-            budget -= take
-        if not chunks:
-            return False
+        for r in it.admitted:
+            self.pending_prefill -= r.routed_uncached
+            self.pending_context -= r.routed_context
+            self.prefill_tokens += r.prefill_left
         cost = self.cost
-        work = sum(cost.prefill_s(take, r.prompt_tokens - r.prefill_left) for r, take in chunks)
+        # Each chunk attends to the prompt tokens computed before it.
+        work = sum(cost.prefill_s(take, r.prompt_tokens - r.prefill_left) for r, take in it.chunks)
         end = start + work + cost.decode_step_s(len(self.running))
         self._now = end
-        for r, take in chunks:
-            r.prefill_left -= take
-            full = min((r.prompt_tokens - r.prefill_left) // bs, len(r.keys))
-            if full > r.stored_blocks:
-                pool.commit(r.blocks[r.stored_blocks:full], r.keys[r.stored_blocks:full])
-                r.stored_blocks = full
-        done = [r for r in self.prefilling if not r.prefill_left]
-        if done:
-            self.prefilling = [r for r in self.prefilling if r.prefill_left]
+        done = sched.complete(it)
+        sched.flush()
         self._end_iteration(start, end, done)
         return True
-
-    def _admit_head(self, max_new: int | None) -> SimRequest | None:
-        """Admit the queue's head, its cached prefix pinned and the rest of its blocks
-        allocated, unless it needs more than ``max_new`` uncached tokens or the pool cannot
-        allocate its blocks (then None, nothing changed)."""
-        bs, pool = self.block_size, self.pool
-        r = self.waiting[0]
-        hits = pool.lookup(r.keys[: (r.prompt_tokens - 1) // bs])
-        if max_new is not None and r.prompt_tokens - len(hits) * bs > max_new:
-            return None
-        need = -(-(r.prompt_tokens + r.output_tokens) // bs) - len(hits)
-        if not pool.can_allocate(need, hits):
-            return None
-        r.blocks = pool.allocate(need, hits)
-        self.waiting.popleft()
-        self.pending_prefill -= r.routed_uncached
-        self.pending_context -= r.routed_context
-        r.stored_blocks = len(hits)
-        r.cached_tokens = len(hits) * bs
-        self.prefill_tokens += r.prompt_tokens - r.cached_tokens
-        return r
 
     def _end_iteration(self, start: float, end: float, first: list[SimRequest]) -> None:
         """Close an iteration ending at ``end``: ``first`` (whose prefill it completed) get
@@ -385,7 +339,10 @@ class SimWorker:
         order they were held."""
         still = []
         for r in self.held:
-            (still if _held(r, now) else self.waiting).append(r)
+            if _held(r, now):
+                still.append(r)
+            else:
+                self.sched.add(r)
         self.held = still
 
     def _decode_stretch(self, until: float) -> None:
@@ -421,8 +378,9 @@ class SimWorker:
                     continue  # ended first: it had more reply keys than its output fills
                 j = len(r.reply_stored_s)
                 self._now = start + (s - first) * step_s
-                b = len(r.keys) + j
-                self.pool.commit(r.blocks[b:b + 1], r.reply_keys[j:j + 1])
+                n = len(r.keys)
+                self.sched.store(r, n + j + 1, r.reply_keys, offset=n)
+                self.sched.flush()
                 r.reply_stored_s.append(self._now)
                 if j + 1 < len(r.reply_keys):
                     heapq.heappush(fills, (s + bs, order, r))
@@ -438,8 +396,7 @@ class SimWorker:
 
     def _finish(self, r: SimRequest, end: float) -> None:
         r.finished_s = end
-        self.pool.free(r.blocks)
-        r.blocks = []
+        self.sched.finish(r)
         self.finished.append(r)
         if r.watched:
             del self.watched[r.idx]

@@ -63,6 +63,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.index import PrefixIndex
 from kvroute.core.load import PrefixDemand, SentTraffic
@@ -75,7 +76,6 @@ from kvroute.router.decide import prefill_tail, rank_request, rerank_confirmed
 from kvroute.simulations.cluster import SimRequest, SimWorker
 from kvroute.simulations.costmodel import CostModel
 from kvroute.simulations.trace import Trace
-from kvroute.worker_agent.engines.base import CacheEvent
 
 
 @dataclass(slots=True)

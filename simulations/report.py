@@ -1,5 +1,5 @@
 """Reporting a replay: the table on the terminal, results.json / results.csv,
-requests.csv, PNG plots."""
+requests.csv, PNG plots (with matplotlib, the ``sim`` extra: :func:`plots_skipped`)."""
 
 from __future__ import annotations
 
@@ -116,6 +116,19 @@ def write_requests(out: Path, results: Sequence[ReplayResult], floor: np.ndarray
         for res in results:
             w.writerows(request_rows(res, floor))
     return path
+
+
+PLOTS_SKIPPED = "plots skipped: they need matplotlib (pip install 'kvroute[sim]')"
+
+
+def plots_skipped() -> str | None:
+    """None if the plots can be drawn, else the one line to print in their place: they need
+    matplotlib (the ``sim`` extra), the tables, JSON and CSV files do not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return PLOTS_SKIPPED
+    return None
 
 
 def _plt():  # returns the matplotlib.pyplot module

@@ -7,11 +7,15 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.cli import build_parser
-from tests.support import RedisProc
+from kvroute.core.policies import DEFAULT_POLICY, REGISTRY, KvrouteCost, parameters
+from tests.support import RedisProc, free_port, stop_process
 
 
 def _help(cmd: str) -> str:
@@ -61,6 +65,104 @@ def test_a_taken_port_ends_the_server_with_a_clear_error(redis_server: RedisProc
              "127.0.0.1", *(x for kv in ports.items() for x in kv)],
             capture_output=True, text=True, timeout=60)
     assert ran.returncode != 0
-    what = "listen on" if which == "--port" else "serve metrics on"
-    assert f"cannot {what} 127.0.0.1:{port} (in use or not permitted)" in ran.stderr
+    env = "KVROUTE_" + which[2:].replace("-", "_").upper()
+    assert f"{which} {port} ({env}): address 127.0.0.1:{port} is already in use" \
+        in ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+def _serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("cmd", [["router"], ["agent", "--engine", "sim", "--time-scale", "0"]])
+def test_a_second_server_on_a_served_port_is_refused(redis_server: RedisProc,
+                                                     cmd: list[str]) -> None:
+    # gRPC's default SO_REUSEPORT let a second server bind a port one already served (the
+    # kernel then spread calls over both); a held plain socket, as above, never showed it.
+    port = free_port()
+    argv = [sys.executable, "-m", "kvroute", *cmd, "--redis", redis_server.url, "--host",
+            "127.0.0.1", "--port", str(port)]
+    first = subprocess.Popen([*argv, "--log-level", "warning"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not _serving(port):
+            assert first.poll() is None and time.monotonic() < deadline, "first never served"
+            time.sleep(0.1)
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0
+        assert (f"--port {port} (KVROUTE_PORT): address 127.0.0.1:{port} is already in use"
+                in second.stderr), second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None and _serving(port)
+    finally:
+        stop_process(first)
+
+
+def _policies(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvroute", "policies", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _parameter_rows(out: str) -> dict[str, str]:
+    """The lines after the docstring, under "parameters (...)", by parameter name."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("    parameters"))
+    return {line.split()[0]: line for line in lines[start + 1:]}
+
+
+def test_policies_lists_a_line_per_policy_the_default_marked() -> None:
+    ran = _policies()
+    assert ran.returncode == 0, ran.stderr
+    header, *lines = ran.stdout.splitlines()
+    assert "kvroute policies NAME" in header
+    names = [line.split()[0] for line in lines]
+    assert names == sorted(REGISTRY)
+    marked = [line.split()[0] for line in lines if "(default)" in line]
+    assert marked == [DEFAULT_POLICY]
+    for name, line in zip(names, lines, strict=True):
+        summary = line.split("  ", 2)[-1].strip()
+        first = (type(REGISTRY[name]()).__doc__ or "").strip().splitlines()[0]
+        assert summary.startswith(first.rstrip(",;:.")), line
+        assert "Formula" not in line
+    # A variant says what it changes of the policy it is a variant of.
+    fetch = lines[names.index("kvroute_fetch")]
+    cost = REGISTRY["kvroute_fetch"]().transfer_cost  # type: ignore[attr-defined]
+    assert cost != KvrouteCost().transfer_cost
+    assert fetch.endswith(f"(kvroute with transfer_cost={cost})"), fetch
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_policies_name_shows_its_formula_and_every_parameter(name: str) -> None:
+    ran = _policies(name)
+    assert ran.returncode == 0, ran.stderr
+    policy = REGISTRY[name]()
+    assert ran.stdout.splitlines()[0] == name and "Formula" in ran.stdout
+    rows = _parameter_rows(ran.stdout)
+    assert set(rows) == set(parameters(policy))
+    grid = getattr(type(policy), "TUNING", {})
+    for k, v in parameters(policy).items():
+        assert rows[k].split()[1] == str(v), rows[k]
+        if k in grid:
+            assert rows[k].endswith("searched: " + ", ".join(f"{x:g}" for x in grid[k]))
+        else:
+            assert "searched" not in rows[k]
+    assert ("parameters: none" in ran.stdout) == (not parameters(policy))
+
+
+def test_policies_spec_shows_its_overrides_and_an_unknown_name_is_refused() -> None:
+    ran = _policies("kvroute:hold=2")
+    assert ran.returncode == 0, ran.stderr
+    hold = _parameter_rows(ran.stdout)["hold"]
+    assert f"2.0 (default {KvrouteCost().hold})" in hold
+    bad = _policies("kvrout")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert f"unknown policy 'kvrout'; choose one of: {', '.join(sorted(REGISTRY))}" \
+        in bad.stderr

@@ -166,5 +166,5 @@ def test_no_module_imports_a_part_by_its_folder_name() -> None:
     folders = "|".join(re.escape(f) for f in PACKAGE_DIR.values() if "/" not in f
                        and f != "kvroute")
     bad = re.compile(rf"^\s*(from|import)\s+({folders})(\.|\s)", re.M)
-    offenders = [f for f in tracked if bad.search((ROOT / f).read_text())]
+    offenders = [f for f in tracked if (ROOT / f).exists() and bad.search((ROOT / f).read_text())]
     assert offenders == []

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvroute.worker_agent.controller.runtime import ProgramStats
+    from kvroute.worker_agent.controller.stats import ProgramStats
     from kvroute.worker_agent.engines.base import Engine
     from kvroute.worker_agent.publisher import CachePublisher
 

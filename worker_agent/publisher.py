@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient
 from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
-from kvroute.worker_agent.engines.base import CacheEvent
 
 log = logging.getLogger("kvroute.agent.publisher")
 

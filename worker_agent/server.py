@@ -19,6 +19,7 @@ from kvroute.core.grpc_util import (
     add_standard_services,
     bind,
     install_signal_handlers,
+    new_server,
     set_serving,
     start_metrics,
     wire_keeping_handler,
@@ -26,6 +27,7 @@ from kvroute.core.grpc_util import (
 from kvroute.core.load import ArrivalRate
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, check_name
+from kvroute.core.tokenizer import vocab_size
 from kvroute.core.validate import (
     InvalidRequestError,
     Limits,
@@ -54,6 +56,8 @@ def make_engine(cfg: AgentConfig) -> Engine:
         return SimEngine(SimConfig(
             capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size, model=cfg.model,
             vocab_size=cfg.vocab_size, max_batch=cfg.max_batch, time_scale=cfg.time_scale,
+            prefill_budget=cfg.max_batched_tokens, chunked_prefill=cfg.sim_chunked_prefill,
+            long_prefill_threshold=cfg.sim_long_prefill_threshold,
         ))
     if cfg.engine == "tiny":
         from kvroute.worker_agent.engines import tiny
@@ -64,6 +68,17 @@ def make_engine(cfg: AgentConfig) -> Engine:
 
         return vllm.from_agent_config(cfg)
     raise SystemExit(f"unknown engine {cfg.engine!r}; choose sim, tiny or vllm")
+
+
+def reported_tokenizer(name: str, vocab: int) -> str:
+    """The tokenizer an agent reports in its heartbeat: its ``--tokenizer`` if that has the
+    ``vocab`` ids the agent accepts (always so for the tiny engine, whose vocabulary is the
+    tokenizer's), else "" (not known: the sim engine's ids are ``--vocab-size`` wide
+    whatever its ``--tokenizer``, which its programs then do not use either)."""
+    try:
+        return name if vocab_size(name) == vocab else ""
+    except ValueError:
+        return ""
 
 
 class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
@@ -225,7 +240,7 @@ class AgentApp:
 
     async def start(self) -> int:
         cfg = self.cfg
-        server = grpc.aio.server()
+        server = new_server()
         self.port = bind(server, cfg.host, cfg.port)
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{self.port}"
         check_name("worker id", self.worker_id)
@@ -237,6 +252,7 @@ class AgentApp:
         # caller's mistake (INVALID_ARGUMENT), not an engine failure.
         vocab = min(cfg.vocab_size, getattr(self.engine, "vocab_size", cfg.vocab_size))
         limits = Limits(vocab, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        tokenizer = reported_tokenizer(cfg.tokenizer, vocab)
         programs = ProgramRuntime(self.engine, ProgramLimits(
             max_fanout=cfg.max_program_fanout, max_tokens=cfg.max_program_tokens,
             max_steps=cfg.max_program_steps, max_grammar_bytes=cfg.max_grammar_bytes,
@@ -262,6 +278,7 @@ class AgentApp:
                 max_prefill_chunk=ld.max_prefill_chunk,
                 arrival_rate=service.arrivals.at(now), prefill_rate=service.prefills.at(now),
                 block_size=cfg.block_size, ttl_s=cfg.heartbeat_ttl_s,
+                tokenizer=tokenizer, vocab_size=vocab,
             )
 
         pub = CachePublisher(

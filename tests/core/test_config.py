@@ -62,6 +62,11 @@ def test_route_candidates_must_not_be_negative() -> None:
                                           "an integer >= 1, got 0"),
     (AgentConfig, {"max_batched_tokens": -1}, "--max-batched-tokens"),
     (AgentConfig, {"vllm_long_prefill_threshold": -1}, "--vllm-long-prefill-threshold"),
+    (AgentConfig, {"sim_long_prefill_threshold": -1}, "--sim-long-prefill-threshold"),
+    (AgentConfig, {"sim_chunked_prefill": True}, "--sim-chunked-prefill needs "
+                                                 "--max-batched-tokens > 0"),
+    (AgentConfig, {"sim_long_prefill_threshold": 256, "max_batched_tokens": 2048},
+     "it needs --sim-chunked-prefill"),
     (AgentConfig, {"grammar_compile_timeout_s": float("inf")}, "--grammar-compile-timeout-s"),
     (RouterConfig, {"port": 99999}, "--port (KVROUTE_PORT) must be an integer in [0, 65535]"),
     (RouterConfig, {"block_size": 0}, "--block-size"),

@@ -1,4 +1,5 @@
-"""PortPool never hands out one port twice, and each port it hands out can be bound."""
+"""PortPool never hands out one port twice, and each port it hands out can be bound; a port
+that cannot be bound is refused saying which and why."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import socket
 
 import pytest
 
-from kvroute.core.ports import PortPool
+from kvroute.core.grpc_util import bind, new_server
+from kvroute.core.ports import PortPool, address, why_unbindable
 
 
 def test_ports_are_distinct_and_free() -> None:
@@ -41,3 +43,31 @@ def test_a_port_the_os_offers_again_is_skipped(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(socket, "socket", FakeSocket)
     pool = PortPool()
     assert [pool.take(), pool.take()] == [41000, 41001]
+
+
+def test_a_served_port_is_refused_naming_its_flag_and_a_free_one_is_picked() -> None:
+    # Two servers made by new_server: the second cannot share the first's port (gRPC's
+    # default SO_REUSEPORT would let it); port 0 still picks a free one for each.
+    first, second = new_server(), new_server()
+    port = bind(first, "127.0.0.1", 0)
+    other = bind(second, "127.0.0.1", 0)
+    assert port > 0 and other > 0 and other != port
+    with pytest.raises(SystemExit) as refused:
+        bind(new_server(), "127.0.0.1", port)
+    assert str(refused.value) == (f"--port {port} (KVROUTE_PORT): address "
+                                  f"127.0.0.1:{port} is already in use")
+    with pytest.raises(SystemExit) as refused:
+        bind(new_server(), "127.0.0.1", other, setting="metrics_port")
+    assert str(refused.value).startswith(f"--metrics-port {other} (KVROUTE_METRICS_PORT)")
+
+
+def test_why_a_port_cannot_be_bound_is_said() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert why_unbindable("127.0.0.1", port) == "is already in use"
+    # TEST-NET-1 (RFC 5737) is no address of this host.
+    assert why_unbindable("192.0.2.1", port) == "is not an address of this host"
+    assert why_unbindable("no-such-host.invalid", port).startswith("cannot be resolved")
+    assert address("::1", 5) == "[::1]:5" and address("127.0.0.1", 5) == "127.0.0.1:5"

@@ -100,3 +100,20 @@ def test_heartbeat_validation() -> None:
         with pytest.raises(ValueError, match="max_prefill_chunk"):
             Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
                                 f'"max_prefill_chunk":{bad}}}')
+
+
+def test_heartbeat_carries_the_workers_vocabulary() -> None:
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", tokenizer="gpt2", vocab_size=50257)
+    back = Heartbeat.from_json(hb.to_json())
+    assert (back.tokenizer, back.vocab_size) == ("gpt2", 50257)
+    # An older agent says nothing: not reported ("" and 0), not refused.
+    old = Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}')
+    assert (old.tokenizer, old.vocab_size) == ("", 0)
+    for bad in ("-1", '"258"', "2.5", "true", "null"):
+        with pytest.raises(ValueError, match="vocab_size"):
+            Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
+                                f'"vocab_size":{bad}}}')
+    for bad in ("1", "null", "[]", '"' + "t" * 201 + '"'):
+        with pytest.raises(ValueError, match="tokenizer"):
+            Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
+                                f'"tokenizer":{bad}}}')

@@ -147,7 +147,7 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
 
 
 async def test_text_prompts_with_a_tokenizer(cluster) -> None:
-    await cluster.agent("a")
+    await cluster.agent("a", vocab_size=258)  # the byte tokenizer's ids (else excluded)
     router = await cluster.router(tokenizer="byte")
     out = await generate(router.port, text="hello world " * 10, max_tokens=3)
     assert out[-1].usage.prompt_tokens == 120

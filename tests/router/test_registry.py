@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from kvroute.core.load import (
     prefill_context,
 )
 from kvroute.core.redis_schema import Heartbeat
-from kvroute.router.registry import WorkerRegistry, parse_static
+from kvroute.router.registry import Vocabulary, WorkerRegistry, parse_static, vocab_mismatch
 
 
 def test_parse_static() -> None:
@@ -166,3 +167,83 @@ def test_matches_of_workers_whose_keys_cannot_match_are_dropped() -> None:
     assert reg.match_filter is not None
     reg.apply_heartbeats({"a": good["a"]})  # b's heartbeat expires: forgotten
     assert reg.match_filter is None
+
+
+@pytest.mark.parametrize(("ours", "theirs", "clash"), [
+    # A router with a tokenizer: the same tokenizer and size, each when reported.
+    (("byte", 258), ("byte", 258), False),
+    (("byte", 258), ("gpt2", 50257), True),
+    (("gpt2", 50257), ("byte", 50257), True),  # same size, another tokenizer
+    (("byte", 258), ("", 50257), True),  # the sim engine: a size only
+    (("byte", 258), ("", 258), False),
+    (("byte", 258), ("", 0), False),  # an older agent: not judged
+    # A router without one (token-id clients): the same size.
+    (("", 50257), ("gpt2", 50257), False),
+    (("", 50257), ("byte", 258), True),
+    (("", 258), ("gpt2", 50257), True),
+    (("", 50257), ("", 0), False),
+    (("", 0), ("byte", 258), False),  # nothing to compare with
+])
+def test_the_vocabulary_rule(ours: tuple[str, int], theirs: tuple[str, int],
+                             clash: bool) -> None:
+    why = vocab_mismatch(Vocabulary(*ours), Vocabulary(*theirs))
+    assert bool(why) is clash
+    if clash:  # names both sides
+        assert why == f"tokenizer {Vocabulary(*theirs)}, router {Vocabulary(*ours)}"
+    assert str(Vocabulary("", 50257)) == "token-ids/50257"
+    assert str(Vocabulary("gpt2", 0)) == "gpt2/?"
+
+
+def test_a_worker_of_another_vocabulary_is_excluded_and_said_once(caplog) -> None:
+    reg = WorkerRegistry({}, 16, Vocabulary("byte", 258))
+    byte = Heartbeat("b", "h:1", "e", tokenizer="byte", vocab_size=258)
+    gpt2 = Heartbeat("g", "h:2", "e", tokenizer="gpt2", vocab_size=50257)
+    with caplog.at_level("INFO", "kvroute.router.registry"):
+        for _ in range(3):  # three heartbeat scans
+            reg.apply_heartbeats({"b": byte, "g": gpt2})
+    assert set(reg.loads) == {"b"}
+    info = reg.get("g")
+    assert info is not None and info.excluded == "tokenizer"
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1  # once per change, not per scan
+    assert warned[0].kv == {"worker": "g", "its_vocabulary": "gpt2/50257",
+                            "our_vocabulary": "byte/258"}
+    # Its load still changes nothing: no request may go there.
+    reg.begin("g", 10)
+    assert "g" not in reg.loads
+    reg.end("g")
+    # The agent restarts with the router's vocabulary: routed to, and said.
+    caplog.clear()
+    with caplog.at_level("INFO", "kvroute.router.registry"):
+        reg.apply_heartbeats({"b": byte, "g": Heartbeat("g", "h:2", "e", tokenizer="byte",
+                                                        vocab_size=258)})
+    assert set(reg.loads) == {"b", "g"} and info.excluded == ""
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+
+
+def test_unroutable_says_why_for_each_worker() -> None:
+    assert WorkerRegistry({}, 16).unroutable() == (
+        "no routable workers: none registered (no live heartbeat for this model in Redis, "
+        "and no --workers)")
+    reg = WorkerRegistry({"s": "h:9"}, 16, Vocabulary("byte", 258))
+    reg.apply_heartbeats({"g": Heartbeat("g", "h:2", "e", tokenizer="gpt2",
+                                         vocab_size=50257)})
+    reg.mark_down("s", 60.0, "UNAVAILABLE: engine: out of blocks")
+    msg = reg.unroutable()
+    assert msg.startswith("no routable workers: ")
+    assert "g excluded (tokenizer gpt2/50257, router byte/258)" in msg
+    assert re.search(r"s down since \d+\.\d s ago after: UNAVAILABLE: engine: out of blocks",
+                     msg), msg
+    reg.mark_down("s", 0.0)
+    reg.revive_due()
+    assert "s" in reg.loads
+
+
+def test_mark_down_keeps_the_failure() -> None:
+    reg = WorkerRegistry({"s": "h:9"}, 16)
+    t0 = time.monotonic()
+    reg.mark_down("s", 2.0, "UNAVAILABLE: boom")
+    info = reg.get("s")
+    assert info is not None and info.down_error == "UNAVAILABLE: boom"
+    assert t0 <= info.down_since <= time.monotonic()
+    assert info.down_until == pytest.approx(info.down_since + 2.0)

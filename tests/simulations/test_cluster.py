@@ -7,10 +7,11 @@ import math
 
 import pytest
 
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.load import prefill_context
+from kvroute.core.redis_schema import Op
 from kvroute.simulations.cluster import SimRequest, SimWorker
 from kvroute.simulations.costmodel import CostModel
-from kvroute.worker_agent.engines.base import CacheEvent, Op
 
 
 def worker() -> SimWorker:
@@ -188,3 +189,21 @@ def test_each_reply_block_is_stored_at_the_step_that_fills_it_and_the_next_turn_
         w.advance(math.inf)
         assert nxt.cached_tokens == hit
         assert w.pool.free_blocks == w.pool.capacity_blocks  # nothing leaked
+
+
+def test_a_worker_reserves_blocks_for_every_token_but_the_last_output() -> None:
+    """The scheduler's reservation rule, ceil((prompt + output - 1) / B): the KV of the last
+    output token is never computed, so a request filling the pool to that token fits and
+    two such requests run one after the other, the second evicting the first's blocks."""
+    events: list[CacheEvent] = []
+    w = SimWorker("w", 2, 16, CostModel(), lambda t, _, ev: events.append(ev))
+    a = SimRequest(0, 0.0, 31, 2, (1,))  # 31 + 2 - 1 = 32 tokens of KV: 2 blocks
+    b = SimRequest(1, 0.0, 31, 2, (2,))
+    w.submit(a, 0.0)
+    w.submit(b, 0.0)
+    with pytest.raises(ValueError, match="cannot fit a worker of 2 blocks"):
+        w.submit(SimRequest(2, 0.0, 31, 3, (3,)), 0.0)
+    w.advance(math.inf)
+    assert a.finished_s < b.first_token_s  # b waited for a's blocks
+    assert [ev.op for ev in events] == [Op.STORE, Op.EVICT, Op.STORE]
+    assert w.pool.free_blocks == 2

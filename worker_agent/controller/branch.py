@@ -46,7 +46,7 @@ class Branch:
     on_prefill: list[asyncio.Event] = field(default_factory=list)
     """Set once an engine request of its sequence has its first token out: a fork's leading
     child's siblings wait for it (and, when that child leads a fork of its own, so do its
-    parent's siblings; see ``_Run.led`` in ``runtime``)."""
+    parent's siblings; see ``fork_lead``)."""
 
     @property
     def logprob(self) -> float:

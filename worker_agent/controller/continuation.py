@@ -33,9 +33,8 @@ from re import _constants as sre  # type: ignore[attr-defined]
 from re import _parser as sre_parse  # type: ignore[attr-defined]
 from typing import Any
 
-
-class UnsupportedError(ValueError):
-    """The constraint's rest cannot be written as a regex here; the message says why."""
+from kvroute.worker_agent.controller.json_regex import schema_regex
+from kvroute.worker_agent.controller.unsupported import UnsupportedError
 
 
 class NotAPrefixError(ValueError):
@@ -300,8 +299,6 @@ def constraint_node(kind: str, source: str | tuple[str, ...], max_len: int,
         return choices(tuple(source))
     if kind == "json_schema":
         assert isinstance(source, str)
-        # Imported here: json_regex raises this module's UnsupportedError.
-        from kvroute.worker_agent.controller.json_regex import schema_regex
         return parse(schema_regex(json.loads(source), max_len, json_flexible))
     raise UnsupportedError(f"a {kind} constraint is context-free: its rest mid-region is "
                            f"not written here (regex, choices and json_schema ones are)")

@@ -21,7 +21,7 @@ checks a ``oneOf`` as an ``anyOf`` too), ``$ref`` into ``$defs`` / ``definitions
 the annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``).
 Anything else (a recursive ``$ref``, ``pattern``, ``format``, bounds on a ``number``,
 ``allOf``, an object without ``properties``, ``items`` as a list, ``true`` as a schema,
-...) raises ``continuation.UnsupportedError`` naming it, as does a regex longer than
+...) raises ``unsupported.UnsupportedError`` naming it, as does a regex longer than
 ``max_len``.
 """
 
@@ -33,7 +33,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kvroute.worker_agent.controller.continuation import UnsupportedError
+from kvroute.worker_agent.controller.unsupported import UnsupportedError
 
 # The JSON text pieces (RFC 8259), compact. A string's characters: anything but a quote, a
 # backslash, a control character or DEL, or an escape the matcher takes (not ``\\/``, and

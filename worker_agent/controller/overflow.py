@@ -11,19 +11,30 @@ segment run here exactly as for local children.
 A remote worker that fails before sending anything (unreachable, over its limits) costs
 nothing: its children run here instead. One that fails mid-stream has already streamed
 tokens of those branches, so the program fails with UNAVAILABLE naming it.
+
+:func:`run_remote` is that call for one overflow worker; the interpreter runs it as one unit
+of the split fork (``Split.groups``) beside the local children.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+import xxhash
 
+from kvroute.core.agent_client import AgentChannels
 from kvroute.core.placement import ForkSegment, fork_segment
 from kvroute.v1 import common_pb2, program_pb2
 from kvroute.worker_agent.controller.branch import Branch, CaptureValue
 from kvroute.worker_agent.controller.program import ProgramError
+from kvroute.worker_agent.controller.stats import ProgramStats
+
+log = logging.getLogger("kvroute.agent.programs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +54,14 @@ class Split:
     @property
     def moved(self) -> frozenset[int]:
         return frozenset(i for t in self.targets for i in t.children)
+
+    def groups(self, one_per_child: bool) -> list[tuple[Target, list[int]]]:
+        """The moved children as (worker, child indices) calls: one per worker, or one per
+        child (``one_per_child``: a first-finished fork, since a call ends when all its
+        children do)."""
+        if one_per_child:
+            return [(t, [i]) for t in self.targets for i in t.children]
+        return [(t, list(t.children)) for t in self.targets]
 
 
 def check_placement(program: program_pb2.ControllerProgram, placement: program_pb2.Placement,
@@ -128,3 +147,73 @@ def relay(resp: common_pb2.GenerateResponse, members: list[Branch],
             del e.branch_ids[:]
             e.branch_ids.extend(remote_id(x, members) or x for x in ev.branch_ids)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteOutcome:
+    """What one overflow call added to the program."""
+
+    live: list[Branch]
+    """The children's branches the remote's program kept (or the local fallback's)."""
+    dropped: list[Branch]
+    """Those it dropped (their results are reported as not selected)."""
+    decoded: int
+    """Tokens the remote generated (0 on fallback: the local runs count their own)."""
+
+
+async def run_remote(*, channels: AgentChannels, stats: ProgramStats,
+                     request: common_pb2.GenerateRequest, request_id: str, seg: ForkSegment,
+                     parent: Branch, target: Target, idx: list[int], members: list[Branch],
+                     send: Callable[[common_pb2.GenerateResponse], Awaitable[None]],
+                     fallback: Sequence[Callable[[], Awaitable[list[Branch]]]]
+                     ) -> RemoteOutcome:
+    """Run ``members`` (the split fork's children ``idx``) on ``target``, relaying its
+    stream to ``send`` under local branch ids. A failure before any of their output was sent
+    runs ``fallback`` (their local runs) here instead; one after fails the program
+    (UNAVAILABLE), as does a remote stream that ends without results."""
+    req = common_pb2.GenerateRequest(
+        token_ids=parent.tokens, model=request.model, cache_salt=request.cache_salt,
+        request_id=f"{request_id}/{members[0].id}@{target.worker_id}",
+        program=seg.remote_program(idx))
+    req.sampling.CopyFrom(request.sampling)
+    # Per child, like a local branch's seed: reproducible, and siblings differ.
+    req.sampling.seed = xxhash.xxh3_64_intdigest(
+        f"{request.sampling.seed}/{members[0].id}".encode()) & ((1 << 63) - 1) or 1
+    stats.overflow_sent += len(members)
+    call = channels.stub(target.address).Generate(req)
+    relayed = False  # once the client has seen the remote's output, it cannot move
+    final: common_pb2.GenerateResponse | None = None
+    try:
+        async for resp in call:
+            if resp.results:
+                final = resp
+                continue
+            out = relay(resp, members, request_id)
+            if out is not None:
+                relayed = True
+                await send(out)
+    except grpc.aio.AioRpcError as exc:
+        if relayed:
+            raise ProgramError(grpc.StatusCode.UNAVAILABLE,
+                               f"overflow worker {target.worker_id} failed mid-program: "
+                               f"{exc.code().name} {exc.details()}") from None
+        stats.overflow_fallback += len(members)
+        log.warning("overflow worker failed; running its fork children here",
+                    extra={"kv": {"request": request_id, "worker": target.worker_id,
+                                  "code": exc.code().name, "details": exc.details()}})
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(f()) for f in fallback]
+        return RemoteOutcome([b for t in tasks for b in t.result()], [], 0)
+    finally:
+        call.cancel()  # no-op once finished; frees the remote's branches otherwise
+    if final is None:
+        raise ProgramError(grpc.StatusCode.UNAVAILABLE,
+                           f"overflow worker {target.worker_id} ended without results")
+    live: list[Branch] = []
+    dropped: list[Branch] = []
+    for r in final.results:
+        bid = remote_id(r.branch_id, members)
+        if bid is not None:
+            b = branch_from_result(parent, r, bid)
+            (live if r.selected else dropped).append(b)
+    return RemoteOutcome(live, dropped, final.usage.completion_tokens)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from kvroute.core.cache_events import CacheListener
 from kvroute.core.load import PrefillMode
-from kvroute.core.redis_schema import Op
 
 if TYPE_CHECKING:
     import numpy as np
@@ -73,16 +73,6 @@ class EngineLoad:
     ``--long-prefill-token-threshold``; 0: none but the budget)."""
 
 
-@dataclass(frozen=True, slots=True)
-class CacheEvent:
-    """Blocks stored in or evicted from the engine's prefix cache, as kvroute block keys.
-    ``Op.CLEAR`` drops everything (keys empty)."""
-
-    op: Op
-    keys: tuple[int, ...] = field(default=())
-
-
-CacheListener = Callable[[CacheEvent], None]
 
 
 class EngineError(RuntimeError):

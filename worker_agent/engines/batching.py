@@ -1,29 +1,30 @@
-"""Continuous batching over a :class:`BlockPool`: the scheduler shared by the sim and tiny engines.
+"""Continuous batching over a :class:`BlockPool`: the engine loop of the sim and tiny engines.
 
 :class:`BatchingEngine` implements the :class:`~kvroute.worker_agent.engines.base.Engine`
 protocol except for how a step's tokens are produced; a subclass supplies
 :meth:`BatchingEngine._next_tokens` (the sim engine sleeps and hashes, the tiny engine runs a
 transformer over the paged KV cache).
 
-Scheduling, one engine-loop task; each *step*:
+Scheduling is :class:`kvroute.core.scheduler.Scheduler`'s -- the replay simulator's workers
+run the same -- driven in real time by one engine-loop task; each *step*:
 
-1. Admit waiting requests FIFO (head-of-line blocking, as vLLM) while
-   ``running < max_batch`` and the pool can allocate the request's blocks: its cache-hit
-   blocks are pinned and ``need_blocks - hit_blocks`` fresh blocks taken (evicting LRU cached
-   blocks). Blocks are reserved up front for the whole request, so a running sequence never
-   runs out of blocks and nothing is ever preempted::
+1. The scheduler admits waiting requests (FIFO, head-of-line blocking, under ``max_batch``,
+   the prefill budget and block availability; blocks reserved up front for the whole request,
+   so nothing is ever preempted) and sizes each prefill's chunk: the whole uncached prompt,
+   or with ``chunked_prefill`` vLLM V1's token budget (sim engine only)::
 
        out_limit   = min(max_tokens, capacity_blocks * B - prompt_len + 1)
        need_blocks = ceil((prompt_len + out_limit - 1) / B)
 
    (the last output token never has its KV computed). ``out_limit < max_tokens`` only when the
    request cannot fit the whole pool; it then ends early with finish_reason "length".
-2. ``_next_tokens`` gives every running sequence one token (a newly admitted one gets its first
-   token from the prefill of its uncached prompt tokens, ``[cached_tokens, prompt_len)``; the
-   others decode their last token). It may await; sequences cancelled meanwhile are skipped.
-3. Blocks fully covered by computed KV (``prompt_len + n_out - 1`` tokens) are committed under
-   the chained keys of ``prompt + output`` in one ``Op.STORE`` event per step, so a follow-up
-   chat turn whose prompt contains this reply hits the cache.
+2. ``_next_tokens`` gives one token to every running sequence and to each whose prefill
+   completes in this step (its first token, from the prefill of its uncached prompt tokens,
+   ``[cached_tokens, prompt_len)``; the others decode their last token). It may await;
+   sequences cancelled meanwhile are skipped.
+3. Blocks fully covered by computed KV (``prompt_len + n_out - 1`` tokens; a chunk's prompt
+   blocks) are committed under the chained keys of ``prompt + output`` in one ``Op.STORE``
+   event per step, so a follow-up chat turn whose prompt contains this reply hits the cache.
 4. Finished sequences free their blocks (they stay cached until evicted).
 
 Cache hit of a request, capped so that at least one prompt token is computed (as vLLM)::
@@ -37,23 +38,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
+from kvroute.core.block_pool import BlockPool
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.cache_events import CacheEvent, CacheListener
 from kvroute.core.load import PrefillMode
-from kvroute.worker_agent.engines.base import (
-    CacheEvent,
-    CacheListener,
-    EngineError,
-    EngineLoad,
-    EngineRequest,
-    TokenChunk,
-)
-from kvroute.worker_agent.engines.block_pool import BlockPool
+from kvroute.core.scheduler import Scheduler
+from kvroute.worker_agent.engines.base import EngineError, EngineLoad, EngineRequest, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +71,7 @@ class EngineStats:
 
 @dataclass(eq=False, slots=True)
 class Seq:
-    """One request's state. Identity-hashed: used as a key of the waiting/running dicts.
+    """One request's state (a :class:`~kvroute.core.scheduler.Schedulable`).
 
     Engines that need more per-request state subclass it (fields with defaults only).
     """
@@ -85,22 +79,25 @@ class Seq:
     request: EngineRequest
     hasher: BlockHasher
     tokens: list[int]  # prompt + output so far
-    prompt_len: int
-    out_limit: int
-    need_blocks: int
+    prompt_tokens: int
+    output_tokens: int  # most tokens it generates (out_limit)
     keys: list[int]  # chained keys of the full blocks of ``tokens`` computed so far
     out: asyncio.Queue[TokenChunk | BaseException] = field(default_factory=asyncio.Queue)
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    prefill_left: int = 0  # uncached prompt tokens not computed yet
     n_out: int = 0
-    n_committed: int = 0  # leading blocks whose keys are in the pool (or were hits)
+    stored_blocks: int = 0  # leading blocks whose keys are in the pool (or were hits)
     done: bool = False
 
     @property
     def kv_tokens(self) -> int:
-        """Leading tokens whose KV is in this sequence's blocks: the cache hit until the first
-        step, then ``prompt_len + n_out - 1`` (every token but the newest)."""
-        return self.cached_tokens if self.n_out == 0 else self.prompt_len + self.n_out - 1
+        """Leading tokens whose KV is in this sequence's blocks: the cache hit and the chunks
+        computed until its first token, then ``prompt_tokens + n_out - 1`` (every token but
+        the newest)."""
+        if self.n_out == 0:
+            return self.prompt_tokens - self.prefill_left if self.blocks else 0
+        return self.prompt_tokens + self.n_out - 1
 
 
 class BatchingEngine:
@@ -115,15 +112,22 @@ class BatchingEngine:
     """Engine name for logs and task names."""
 
     def __init__(self, *, capacity_blocks: int, block_size: int, model: str,
-                 max_batch: int) -> None:
+                 max_batch: int, prefill_budget: int = 0, chunked_prefill: bool = False,
+                 long_prefill_threshold: int = 0) -> None:
+        """``prefill_budget``: most prompt tokens computed per step (0: no limit; whole
+        prompts are admitted the first of a step however long); ``chunked_prefill`` and
+        ``long_prefill_threshold``: vLLM V1's chunked prefill and its chunk cap (the
+        :class:`~kvroute.core.scheduler.Scheduler`'s rules; only for an engine whose
+        ``_next_tokens`` can compute part of a prompt)."""
         self.block_size = block_size
         self.model = model
         self.max_batch = max_batch
         self.stats = EngineStats()
         self.pool = BlockPool(capacity_blocks, self._emit)
+        self.sched: Scheduler[Seq] = Scheduler(
+            self.pool, block_size, max_batch=max_batch, prefill_budget=prefill_budget,
+            chunked=chunked_prefill, long_prefill_threshold=long_prefill_threshold)
         self._listeners: list[CacheListener] = []
-        self._waiting: OrderedDict[Seq, None] = OrderedDict()
-        self._running: dict[Seq, None] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._dead: str | None = "engine not started"
@@ -132,8 +136,9 @@ class BatchingEngine:
 
     async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int
                            ) -> Sequence[int | BaseException]:
-        """One token per running sequence, in order (step 2), or an exception that fails just
-        that request. ``prefill_tokens`` counts the uncached prompt tokens admitted now."""
+        """One token per sequence of ``seqs``, in order (step 2), or an exception that fails
+        just that request. ``prefill_tokens`` counts the prompt tokens computed in this step
+        (of ``seqs`` and, chunked, of prefills not done yet)."""
         raise NotImplementedError
 
     def _validate(self, request: EngineRequest) -> None:
@@ -164,7 +169,7 @@ class BatchingEngine:
         seq = self._make_seq(request)
         if self._dead is not None:
             raise EngineError(self._dead)
-        self._waiting[seq] = None
+        self.sched.add(seq)
         self._wakeup.set()
         try:
             while True:
@@ -180,20 +185,17 @@ class BatchingEngine:
                 self._abort(seq)
 
     def load(self) -> EngineLoad:
-        bs = self.block_size
-        pending = 0
-        for seq in self._waiting:
-            cap = (seq.prompt_len - 1) // bs
-            hit = self.pool.longest_cached_prefix(islice(seq.keys, cap))
-            pending += seq.prompt_len - hit * bs
+        sched = self.sched
         return EngineLoad(
-            running=len(self._running),
-            queued=len(self._waiting),
+            running=sched.num_running + sched.num_prefilling,
+            queued=len(sched.waiting),
             free_blocks=self.pool.free_blocks,
             capacity_blocks=self.pool.capacity_blocks,
-            pending_prefill_tokens=pending,
+            pending_prefill_tokens=sched.pending_prefill_tokens(),
             max_running=self.max_batch,
-            prefill_mode=PrefillMode.WHOLE,  # step 1 admits whole prompts
+            max_batched_tokens=sched.prefill_budget,
+            prefill_mode=PrefillMode.of(sched.chunked),
+            max_prefill_chunk=sched.long_prefill_threshold if sched.chunked else 0,
         )
 
     def cached_keys(self) -> list[int]:
@@ -244,31 +246,26 @@ class BatchingEngine:
             request=request,
             hasher=hasher,
             tokens=prompt,
-            prompt_len=n,
-            out_limit=out_limit,
-            need_blocks=-(-(n + out_limit - 1) // bs),
+            prompt_tokens=n,
+            output_tokens=out_limit,
             keys=keys,
         )
 
     def _abort(self, seq: Seq) -> None:
         seq.done = True
-        if seq in self._waiting:
-            del self._waiting[seq]
-        elif seq in self._running:
-            del self._running[seq]
-            self.pool.free(seq.blocks)
-            seq.blocks = []
+        self.sched.abort(seq)
         self.stats.aborted += 1
 
     def _fail_all(self, exc: EngineError) -> None:
-        for seq in [*self._waiting, *self._running]:
+        sched = self.sched
+        for seq in [*sched.waiting, *sched.prefilling, *sched.running]:
             self._abort(seq)
             seq.out.put_nowait(exc)
 
     async def _loop(self) -> None:
         try:
             while True:
-                if not self._waiting and not self._running:
+                if self.sched.idle():
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -278,45 +275,26 @@ class BatchingEngine:
             self._dead = f"engine loop failed: {exc!r}"
             self._fail_all(EngineError(self._dead))
 
-    def _admit(self) -> int:
-        """Admit waiting requests (step 1); returns the uncached prompt tokens to prefill."""
-        bs, pool, waiting, running = self.block_size, self.pool, self._waiting, self._running
-        max_batch, stats = self.max_batch, self.stats
-        prefill = 0
-        while waiting and len(running) < max_batch:
-            seq = next(iter(waiting))
-            hits = pool.lookup(islice(seq.keys, (seq.prompt_len - 1) // bs))
-            n_new = seq.need_blocks - len(hits)
-            if not pool.can_allocate(n_new, hits):
-                break  # FIFO: later requests wait behind the head
-            del waiting[seq]
-            seq.blocks = pool.allocate(n_new, hits)
-            seq.cached_tokens = len(hits) * bs
-            seq.n_committed = len(hits)
-            running[seq] = None
-            uncached = seq.prompt_len - seq.cached_tokens
-            prefill += uncached
-            stats.admitted += 1
-            stats.prefill_tokens += uncached
-            stats.cached_tokens += seq.cached_tokens
-        return prefill
-
     async def _step(self) -> None:
-        bs, stats = self.block_size, self.stats
-        prefill = self._admit()
-        if not self._running:
+        bs, stats, sched = self.block_size, self.stats, self.sched
+        it = sched.schedule()
+        for seq in it.admitted:
+            stats.admitted += 1
+            stats.prefill_tokens += seq.prefill_left
+            stats.cached_tokens += seq.cached_tokens
+        # Token producers: the decoding batch, then the prefills this step completes.
+        seqs = [*sched.running, *(r for r, take in it.chunks if take == r.prefill_left)]
+        if not it.chunks and not seqs:
             # Cannot happen (an idle pool fits any admitted-size request); fail rather than spin.
-            seq = next(iter(self._waiting))
+            seq = sched.waiting[0]
             self._abort(seq)
             seq.out.put_nowait(EngineError("cannot allocate KV blocks for the request"))
             return
-        seqs = list(self._running)
         stats.steps += 1
-        stats.max_running = max(stats.max_running, len(seqs))
-        tokens = await self._next_tokens(seqs, prefill)
+        stats.max_running = max(stats.max_running, sched.num_running + sched.num_prefilling)
+        tokens = await self._next_tokens(seqs, it.prefill_tokens)
+        sched.complete(it)  # stages the prompt blocks the step's chunks filled
 
-        store_blocks: list[int] = []
-        store_keys: list[int] = []
         chunks: list[tuple[Seq, TokenChunk | BaseException]] = []
         for seq, tok in zip(seqs, tokens, strict=True):
             if seq.done:
@@ -326,33 +304,27 @@ class BatchingEngine:
                 continue
             seq.tokens.append(tok)
             seq.n_out += 1
-            full = (seq.prompt_len + seq.n_out - 1) // bs  # blocks fully covered by KV
-            if full > seq.n_committed:
+            full = (seq.prompt_tokens + seq.n_out - 1) // bs  # blocks fully covered by KV
+            if full > seq.stored_blocks:
                 if full > len(seq.keys):
                     parent = seq.keys[-1] if seq.keys else None
                     seq.keys.extend(seq.hasher.iter_keys(
                         seq.tokens[len(seq.keys) * bs : full * bs], parent))
-                store_blocks.extend(seq.blocks[seq.n_committed : full])
-                store_keys.extend(seq.keys[seq.n_committed : full])
-                seq.n_committed = full
+                sched.store(seq, full, seq.keys)
             if tok in seq.request.stop_token_ids:
                 reason: str | None = "stop"
-            elif seq.n_out >= seq.out_limit:
+            elif seq.n_out >= seq.output_tokens:
                 reason = "length"
             else:
                 reason = None
             chunks.append((seq, TokenChunk((tok,), seq.cached_tokens, reason)))
             stats.generated_tokens += 1
-        # Commit before freeing finished sequences: only in-use blocks can be committed.
-        if store_blocks:
-            self.pool.commit(store_blocks, store_keys)
+        sched.flush()  # before finished sequences free their blocks
         for seq, chunk in chunks:
             if isinstance(chunk, BaseException):
                 self._abort(seq)
             elif chunk.finish_reason is not None:
                 seq.done = True
-                del self._running[seq]
-                self.pool.free(seq.blocks)
-                seq.blocks = []
+                sched.finish(seq)
                 stats.finished += 1
             seq.out.put_nowait(chunk)

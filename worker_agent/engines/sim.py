@@ -4,12 +4,18 @@ It reproduces what matters to a cache-affinity router: a paged prefix cache with
 keys (:class:`BlockPool` + :class:`BlockHasher`), continuous batching, and a latency model in
 which cached prompt tokens are free and uncached ones cost prefill time.
 
-Scheduling (admission with blocks reserved up front, one token per running sequence per step,
-commits, the capped cache hit) is :class:`~kvroute.worker_agent.engines.batching.BatchingEngine`'s,
-shared with the tiny engine. The sim adds the latency model: each step sleeps, in seconds::
+Scheduling (admission with blocks reserved up front, the prefill budget, chunked prefill and
+its cap, one token per running sequence per step, commits, the capped cache hit) is
+:class:`~kvroute.core.scheduler.Scheduler`'s, driven by
+:class:`~kvroute.worker_agent.engines.batching.BatchingEngine` as for the tiny engine; the replay
+simulator's workers run the same scheduler. The defaults admit whole prompts with no budget
+(prefill_mode whole). The sim adds the latency model: each step sleeps, in seconds::
 
-    step_s = prefill_s_per_token * sum(uncached prompt tokens of requests admitted now)
-           + decode_step_base_s + decode_step_per_seq_s * running
+    step_s = prefill_s_per_token * (prompt tokens computed in the step)
+           + decode_step_base_s + decode_step_per_seq_s * (sequences given a token)
+
+The prompt tokens of a step are the uncached prompts admitted in it, or with
+``chunked_prefill`` the chunks the shared scheduler sizes under ``prefill_budget``.
 
 times ``time_scale`` (``time_scale = 0`` still yields to the event loop).
 
@@ -93,11 +99,28 @@ class SimConfig:
     """Extra decode-step cost per running sequence."""
     time_scale: float = 1.0
     """Multiplies every sleep; 0 = no sleeping (tests), still yields to the event loop."""
+    prefill_budget: int = 0
+    """Most prompt tokens computed per step (vLLM's --max-num-batched-tokens; 0: no limit)."""
+    chunked_prefill: bool = False
+    """Split prefills across steps under ``prefill_budget`` as vLLM V1 does (reported as
+    prefill_mode chunked); else whole prompts are admitted (prefill_mode whole)."""
+    long_prefill_threshold: int = 0
+    """With ``chunked_prefill``: most tokens of one prefill per step (vLLM's
+    --long-prefill-token-threshold, reported as max_prefill_chunk; 0: the budget)."""
 
     def __post_init__(self) -> None:
         for name in ("capacity_blocks", "block_size", "vocab_size", "max_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SimConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("prefill_budget", "long_prefill_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SimConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.chunked_prefill and self.prefill_budget <= 0:
+            raise ValueError("SimConfig.chunked_prefill needs a prefill_budget > 0 (the token "
+                             "budget each step's chunks share)")
+        if self.long_prefill_threshold and not self.chunked_prefill:
+            raise ValueError("SimConfig.long_prefill_threshold caps the chunks of a chunked "
+                             "prefill: it needs chunked_prefill")
         for name in ("prefill_s_per_token", "decode_step_base_s", "decode_step_per_seq_s",
                      "time_scale"):
             if getattr(self, name) < 0:
@@ -126,7 +149,9 @@ class SimEngine(BatchingEngine):
         self.config = config or SimConfig()
         cfg = self.config
         super().__init__(capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size,
-                         model=cfg.model, max_batch=cfg.max_batch)
+                         model=cfg.model, max_batch=cfg.max_batch,
+                         prefill_budget=cfg.prefill_budget, chunked_prefill=cfg.chunked_prefill,
+                         long_prefill_threshold=cfg.long_prefill_threshold)
 
     def _new_seq(self, **fields: Any) -> Seq:
         request = fields["request"]
@@ -149,7 +174,7 @@ class SimEngine(BatchingEngine):
             return t
         step = seq.n_out
         try:
-            allowed = req.mask_fn(step, seq.tokens[seq.prompt_len:])
+            allowed = req.mask_fn(step, seq.tokens[seq.prompt_tokens:])
         except Exception as exc:
             log.exception("mask_fn of request %s failed", req.request_id)
             return EngineError(f"request {req.request_id}: mask_fn failed: {exc!r}")

@@ -3,7 +3,8 @@
 The model is :class:`~kvroute.worker_agent.engines.tiny_model.TinyModel` (randomly initialised,
 seeded, numpy, float32); its K/V live in a :class:`PagedKV` indexed by the physical block ids
 of the engine's :class:`BlockPool`. Scheduling is the shared
-:class:`~kvroute.worker_agent.engines.batching.BatchingEngine` (the sim engine's): so the
+:class:`~kvroute.worker_agent.engines.batching.BatchingEngine` (the sim engine's; whole
+prompts, no budget, as its forward computes each admitted prompt at once): so the
 tiny engine keys, shares, evicts and reports blocks exactly as the sim does, and emits the
 same cache events for the same requests. What the blocks hold is real here: a request whose
 prefix is cached pins those blocks and prefills only ``[cached_tokens, prompt_len)``,
@@ -205,7 +206,7 @@ class TinyEngine(BatchingEngine):
             if req.mask_fn is None or seq.done:
                 continue
             try:
-                allowed = req.mask_fn(seq.n_out, seq.tokens[seq.prompt_len:])
+                allowed = req.mask_fn(seq.n_out, seq.tokens[seq.prompt_tokens:])
             except Exception as exc:
                 log.exception("mask_fn of request %s failed", req.request_id)
                 out[seq] = EngineError(f"request {req.request_id}: mask_fn failed: {exc!r}")

@@ -10,11 +10,11 @@ import pytest
 
 from kvroute.worker_agent.controller.continuation import (
     NotAPrefixError,
-    UnsupportedError,
     constraint_node,
     parse,
     rest_of,
 )
+from kvroute.worker_agent.controller.unsupported import UnsupportedError
 
 ALPHABET = "abc01 .+(\n"
 ATOMS = ["a", "b", "c", "0", r"\.", r"\+", r"\(", " ", "[a-c]", "[^ab]", r"\d", r"\w", r"\s",

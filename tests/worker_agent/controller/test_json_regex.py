@@ -15,11 +15,11 @@ import pytest
 
 from kvroute.worker_agent.controller.continuation import (
     NotAPrefixError,
-    UnsupportedError,
     parse,
     rest_of,
 )
 from kvroute.worker_agent.controller.json_regex import schema_regex
+from kvroute.worker_agent.controller.unsupported import UnsupportedError
 from kvroute.worker_agent.controller.vocab import make_vocab
 
 ALPHABET = 'ab é"\\/\n\t\x01{}[],:0-'

@@ -9,15 +9,14 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.cache_events import CacheEvent
+from kvroute.core.config import AgentConfig
+from kvroute.core.load import PrefillMode
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.base import (
-    CacheEvent,
-    EngineError,
-    EngineRequest,
-    TokenChunk,
-)
+from kvroute.worker_agent.engines.base import EngineError, EngineRequest, TokenChunk
 from kvroute.worker_agent.engines.sim import SimConfig, SimEngine, sim_tokens
-from tests.worker_agent.engines.test_block_pool import replay
+from kvroute.worker_agent.server import make_engine
+from tests.core.test_block_pool import replay
 
 B = 16
 
@@ -306,3 +305,62 @@ def test_config_validation() -> None:
         SimConfig(time_scale=-1)
     cfg = SimConfig()
     assert (cfg.capacity_blocks, cfg.block_size, cfg.max_batch) == (4096, 16, 64)
+
+
+@pytest.mark.asyncio
+async def test_default_sim_admits_whole_prompts_and_reports_it() -> None:
+    async with running_engine() as (engine, _):
+        load = engine.load()
+        assert (load.prefill_mode, load.max_batched_tokens, load.max_prefill_chunk) == \
+            (PrefillMode.WHOLE, 0, 0)
+        # No budget: a prompt far over any default budget prefills in its first step.
+        await collect(engine, req(prompt(2000), 1))
+        assert engine.stats.steps == 1
+
+
+@pytest.mark.asyncio
+async def test_chunked_prefill_stores_each_chunk_and_decodes_between_chunks() -> None:
+    # Budget 32, chunks capped at 16: a 64-token prompt takes 4 steps (its blocks stored one a
+    # step, before its first token), while a running request keeps decoding beside it.
+    async with running_engine(prefill_budget=32, chunked_prefill=True,
+                              long_prefill_threshold=16) as (engine, events):
+        load = engine.load()
+        assert (load.prefill_mode, load.max_batched_tokens, load.max_prefill_chunk) == \
+            (PrefillMode.CHUNKED, 32, 16)
+        short = engine.generate(req(prompt(8, start=5000), 20, rid="short"))
+        await anext(short)  # decoding from now on
+        long_p = prompt(64)
+        long = engine.generate(req(long_p, 2, rid="long"))
+        first = asyncio.ensure_future(anext(long))
+        keys = BlockHasher(B, "sim-model").keys(long_p)
+        await until(lambda: replay(events) >= set(keys[:2]))
+        # Two chunks stored, its first token not out yet; the short one decoded meanwhile.
+        assert not first.done() and not set(keys[2:]) & replay(events)
+        assert engine.load().pending_prefill_tokens == 32
+        got = [await anext(short) for _ in range(3)]
+        assert all(len(c.token_ids) == 1 for c in got)
+        assert (await first).cached_tokens == 0
+        assert set(keys) <= replay(events)
+        assert [c async for c in long][-1].finish_reason == "length"
+        assert [c async for c in short][-1].finish_reason == "length"
+    assert engine.stats.prefill_tokens == 72
+
+
+def test_chunk_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="chunked_prefill needs a prefill_budget"):
+        SimConfig(chunked_prefill=True)
+    with pytest.raises(ValueError, match=r"long_prefill_threshold .* needs chunked_prefill"):
+        SimConfig(prefill_budget=64, long_prefill_threshold=16)
+    with pytest.raises(ValueError, match="prefill_budget must be >= 0"):
+        SimConfig(prefill_budget=-1)
+
+
+def test_agent_flags_set_the_sim_engines_scheduler() -> None:
+    default = make_engine(AgentConfig(engine="sim")).load()
+    assert (default.prefill_mode, default.max_batched_tokens, default.max_prefill_chunk) == \
+        (PrefillMode.WHOLE, 0, 0)
+    chunked = make_engine(AgentConfig(engine="sim", max_batched_tokens=512,
+                                      sim_chunked_prefill=True,
+                                      sim_long_prefill_threshold=128)).load()
+    assert (chunked.prefill_mode, chunked.max_batched_tokens, chunked.max_prefill_chunk) == \
+        (PrefillMode.CHUNKED, 512, 128)

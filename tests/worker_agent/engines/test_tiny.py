@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.config import AgentConfig
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.base import CacheEvent, EngineError, EngineRequest, TokenChunk
+from kvroute.worker_agent.engines.base import EngineError, EngineRequest, TokenChunk
 from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
 from kvroute.worker_agent.engines.tiny import TinyConfig, TinyEngine, from_agent_config
-from tests.worker_agent.engines.test_block_pool import replay
+from tests.core.test_block_pool import replay
 
 B = 16
 Logits = dict[str, list[np.ndarray]]

@@ -17,6 +17,8 @@ Modules, one job each:
 * :mod:`.openai` -- streaming ``/v1/completions`` with token ids
 * :mod:`.prom` -- load from vLLM's ``/metrics``, polled in the background
 * :mod:`.engine` -- :class:`VllmEngine`, the Engine protocol on top of these
+* :mod:`.versions` -- :data:`SUPPORTED`, the vLLM releases supported (oldest, newest; both
+  tested), and what differs between them in the requests
 
 What the router can believe, and for how long (the recovery contract):
 
@@ -39,11 +41,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvroute.worker_agent.engines.vllm.engine import VllmConfig, VllmEngine
+from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
 
 if TYPE_CHECKING:
     from kvroute.core.config import AgentConfig
 
-__all__ = ["VllmConfig", "VllmEngine", "from_agent_config"]
+__all__ = ["SUPPORTED", "VllmConfig", "VllmEngine", "from_agent_config"]
 
 
 def from_agent_config(cfg: AgentConfig) -> VllmEngine:

@@ -22,8 +22,9 @@ Cache salt (what seeds the chain at a root block, ``parent_block_hash is None``)
   so removals and children resolve, but never published, because no kvroute request (token ids
   only, served model only) can hit it. Releases before ``lora_name`` existed mark any
   ``lora_id`` opaque.
-* releases before ``extra_keys`` existed carry no cache salt: salted blocks get the unsalted
-  key (the router may over-predict a hit for an unsalted prompt; the engine still isolates).
+* releases before ``extra_keys`` existed (0.10.2, the oldest supported, among them) carry no
+  cache salt: salted blocks get the unsalted key (the router may over-predict a hit for an
+  unsalted prompt; the engine still isolates).
 
 A block whose parent hash is unknown (learned after a gap that replay could not heal) gets the
 marker UNKNOWN: tracked, not published, upgraded when vLLM stores it again from a known parent.
@@ -36,8 +37,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.base import CacheEvent
 from kvroute.worker_agent.engines.vllm.wire import Cleared, EngineHash, Event, Removed, Stored
 
 log = logging.getLogger("kvroute.agent.vllm")

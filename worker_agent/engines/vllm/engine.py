@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -9,15 +11,9 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvroute.core.cache_events import CacheEvent, CacheListener
 from kvroute.core.load import PrefillMode
-from kvroute.worker_agent.engines.base import (
-    CacheEvent,
-    CacheListener,
-    EngineError,
-    EngineLoad,
-    EngineRequest,
-    TokenChunk,
-)
+from kvroute.worker_agent.engines.base import EngineError, EngineLoad, EngineRequest, TokenChunk
 from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
 from kvroute.worker_agent.engines.vllm.openai import CompletionsClient, structured_outputs
 from kvroute.worker_agent.engines.vllm.prom import MetricsPoller
@@ -25,6 +21,12 @@ from kvroute.worker_agent.engines.vllm.subscriber import (
     BatchSink,
     EventSubscriber,
     SubscriberConfig,
+)
+from kvroute.worker_agent.engines.vllm.versions import (
+    SUPPORTED,
+    is_supported,
+    parse_version,
+    structured_dialect,
 )
 from kvroute.worker_agent.engines.vllm.wire import Batch
 
@@ -62,6 +64,9 @@ class VllmConfig:
     metrics_interval_s: float = 0.5
     replay_timeout_s: float = 1.0
     probe_s: float = 1.0
+    version_retry_s: float = 2.0
+    """How often ``GET /version`` is retried while vLLM does not answer (it may start after
+    the agent)."""
     report_reused: str = "auto"
     """Ask vLLM to re-report reused prefix blocks (``kv_cache_report_mode=full``): ``auto``
     while the cache view is incomplete (started late or reset), ``always`` or ``never``."""
@@ -104,6 +109,10 @@ class VllmEngine(BatchSink):
         self._inflight: dict[int, _Inflight] = {}
         self._next_id = 0
         self._started = False
+        self.vllm_version: str | None = None
+        """The server's release from ``GET /version``; None until it answers."""
+        self._version_settled = False  # known, or the server cannot tell (no retries)
+        self._version_task: asyncio.Task[None] | None = None
 
     # -- Engine protocol ---------------------------------------------------------------------
 
@@ -120,12 +129,18 @@ class VllmEngine(BatchSink):
         log.info("following vLLM", extra={"kv": {
             "url": self.config.url, "events": self.config.events,
             "replay": self.config.replay or "off", "served_model": self.served_model,
-            "block_size": self.block_size}})
+            "block_size": self.block_size, "supported_vllm": "..".join(SUPPORTED)}})
+        self._version_task = asyncio.create_task(self._watch_version(), name="vllm-version")
 
     async def stop(self) -> None:
         if not self._started:
             return
         self._started = False
+        if self._version_task is not None:
+            self._version_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._version_task
+            self._version_task = None
         await self.events.stop()
         await self.metrics.stop()
         await self.client.aclose()
@@ -145,7 +160,11 @@ class VllmEngine(BatchSink):
             # Masks are computed per step in-process; vLLM only takes whole grammars
             # (structured outputs), which the controller runtime must send instead.
             raise EngineError("the vllm engine cannot apply per-step token masks")
-        structured = structured_outputs(*constraint) if constraint is not None else None
+        structured = None
+        if constraint is not None:
+            structured = structured_outputs(*constraint)
+            if not self._version_settled:
+                await self._detect_version()  # its fields depend on the release
         # What vLLM will most likely hit: the cached prefix, short of the last token (vLLM
         # always computes at least one). Exact figure: vLLM's usage, on the last chunk.
         hit_cap = (n - 1) // self.block_size * self.block_size
@@ -243,6 +262,38 @@ class VllmEngine(BatchSink):
             self._emit(ce)
 
     # -- internals ---------------------------------------------------------------------------
+
+    async def _watch_version(self) -> None:
+        while not await self._detect_version():
+            await asyncio.sleep(self.config.version_retry_s)
+
+    async def _detect_version(self) -> bool:
+        """Ask ``GET /version`` once; pick the request dialect; warn outside
+        :data:`SUPPORTED`. True once settled (no more asking)."""
+        if self._version_settled:
+            return True
+        lo, hi = SUPPORTED
+        try:
+            text = await self.client.server_version()
+        except EngineError as exc:
+            self._version_settled = True
+            log.warning("cannot tell vLLM's version; assuming the newest supported",
+                        extra={"kv": {"error": str(exc), "supported_vllm": f"{lo}..{hi}"}})
+            return True
+        if text is None or self._version_settled:
+            return self._version_settled
+        self._version_settled = True
+        self.vllm_version = text
+        version = parse_version(text)
+        self.client.dialect = structured_dialect(version)
+        info = {"version": text, "supported_vllm": f"{lo}..{hi}",
+                "constraint_fields": self.client.dialect.value}
+        if version is not None and is_supported(version):
+            log.info("vLLM version", extra={"kv": info})
+        else:
+            log.warning(f"vLLM {text} is outside the supported range {lo}..{hi}: carrying on, "
+                        "but its KV events and request fields are untested", extra={"kv": info})
+        return True
 
     def _report_reused(self) -> bool:
         mode = self.config.report_reused

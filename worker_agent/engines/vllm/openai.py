@@ -1,22 +1,24 @@
 """Streaming ``/v1/completions`` against vLLM's OpenAI-compatible server, token ids in and out.
 
-Request (checked against vLLM 0.33.0's ``CompletionRequest``)::
+Request (checked against ``CompletionRequest`` of both ends of :data:`.versions.SUPPORTED`)::
 
     {"model": M, "prompt": [token ids], "max_tokens": n, "temperature": t, "stream": true,
      "stream_options": {"include_usage": true}, "return_token_ids": true,
      "seed": s (if set), "stop_token_ids": [...] (if any), "cache_salt": salt (if any),
      "vllm_xargs": {"kv_cache_report_mode": "full"} (when asked to re-report reused blocks),
-     "structured_outputs": {"json"|"regex"|"grammar"|"choice": ...} (a constrained gen)}
+     "structured_outputs": {"json"|"regex"|"grammar"|"choice": ...} (a constrained gen; vLLM
+     < 0.11: "guided_json"|"guided_regex"|"guided_grammar"|"guided_choice": ...)}
 
-* Structured outputs (a controller program's constrained gen, see :func:`structured_outputs`)
-  are sent in the current form only, ``structured_outputs`` (vLLM >= 0.10.2; the older
-  ``guided_json`` / ``guided_regex`` / ``guided_grammar`` / ``guided_choice`` fields were
-  removed in vLLM 0.12). There is no wire fallback: vLLM ignores unknown fields, so an older
-  server would generate unconstrained; the program runtime checks every constrained output
-  against the same constraint (llguidance, locally) and fails the program instead of
-  returning output outside it. Start vLLM with the llguidance backend
-  (``--structured-outputs-config.backend guidance``) so that both sides agree on Lark
-  grammars and JSON-schema semantics.
+* Structured outputs (a controller program's constraint, see :func:`structured_outputs`) go
+  in the fields the server's release reads (:mod:`.versions`): ``structured_outputs`` (vLLM
+  >= 0.11) or, for older servers, ``guided_json`` / ``guided_regex`` / ``guided_grammar`` /
+  ``guided_choice``. :attr:`CompletionsClient.dialect` is set from the server's ``GET
+  /version`` (:meth:`CompletionsClient.server_version`); vLLM ignores fields it does not know,
+  so the wrong dialect would generate unconstrained. Either way the program runtime checks
+  every constrained output against the same constraint (llguidance, locally) and fails the
+  program instead of returning output outside it. Start vLLM with the llguidance backend
+  (``--structured-outputs-config.backend guidance``; before 0.11 ``--guided-decoding-backend
+  guidance``) so that both sides agree on Lark grammars and JSON-schema semantics.
 
 * Token ids back: ``return_token_ids`` (vLLM >= 0.10.2) puts the delta ids in
   ``choices[0].token_ids`` of every chunk. A server that ignores it (older vLLM) is detected
@@ -42,6 +44,7 @@ from typing import Any
 import httpx
 
 from kvroute.worker_agent.engines.base import EngineError
+from kvroute.worker_agent.engines.vllm.versions import StructuredDialect, guided_fields
 
 _TOKEN_ID_PREFIX = "token_id:"
 
@@ -82,6 +85,7 @@ class CompletionsClient:
                  read_timeout_s: float = 600.0) -> None:
         self.model = model
         self.token_mode = "token_ids"  # or "logprobs" (older vLLM)
+        self.dialect = StructuredDialect.STRUCTURED_OUTPUTS  # set from /version by the engine
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
@@ -116,8 +120,27 @@ class CompletionsClient:
         if report_reused:
             b["vllm_xargs"] = {"kv_cache_report_mode": "full"}
         if structured:
-            b["structured_outputs"] = structured
+            if self.dialect is StructuredDialect.GUIDED:
+                b.update(guided_fields(structured))
+            else:
+                b["structured_outputs"] = structured
         return b
+
+    async def server_version(self) -> str | None:
+        """``version`` from vLLM's ``GET /version``; None when the server does not answer
+        (not up yet); EngineError when it answers something else (not a vLLM server?)."""
+        try:
+            resp = await self._http.get("/version", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        try:
+            version = resp.json().get("version") if resp.status_code == 200 else None
+        except (json.JSONDecodeError, AttributeError):
+            version = None
+        if not isinstance(version, str):
+            raise EngineError(f"vllm GET /version answered HTTP {resp.status_code}: "
+                              f"{resp.text[:200]!r}, not {{\"version\": ...}}")
+        return version
 
     async def stream(self, request_id: str, **kw: Any) -> AsyncIterator[Chunk]:
         """Chunks of one completion; see the module doc."""

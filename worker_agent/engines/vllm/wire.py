@@ -1,22 +1,23 @@
 """vLLM's KV-event wire format, decoded for every released layout.
 
-Reference: ``vllm/distributed/kv_events.py`` of vLLM 0.33.0 (the wheel on PyPI), checked
-against the layouts of earlier releases. What goes over the wire:
+Reference: ``vllm/distributed/kv_events.py`` of both ends of
+:data:`~kvroute.worker_agent.engines.vllm.versions.SUPPORTED` (0.10.2 and 0.34.0, from their
+wheels on PyPI; the tests run each release's own publisher). What goes over the wire:
 
 * **Live (PUB/SUB):** multipart ``[topic, seq, payload]``; ``seq`` is an 8-byte big-endian
   counter from 0 per publisher process (one per data-parallel rank); ``payload`` is a msgpack
   ``EventBatch``.
 * **Replay (ROUTER):** a DEALER sends ``[b"", start_seq as 8 bytes big-endian]``; the
   publisher answers every buffered batch with ``seq >= start_seq`` as
-  ``[b"", topic, seq, payload]`` (releases up to ~0.11: ``[b"", seq, payload]``), then an end
+  ``[b"", topic, seq, payload]`` (0.10.2 and 0.11: ``[b"", seq, payload]``), then an end
   marker whose seq is -1 (signed): ``[b"", b"", -1, b""]`` (older: ``[b"", -1, b""]``).
 * **EventBatch** ``(ts, events, data_parallel_rank=None)``: a msgpack array (``array_like``;
-  the rank is omitted when None, and absent before 0.10) or, in some releases, a map with
-  those field names.
-* **Events** are msgspec tagged structs: an array ``[tag, field, ...]`` (``array_like``
-  releases) or a map ``{"type": tag, field: ...}`` (current). Fields were only ever appended,
-  so one declaration order serves every array layout; with ``omit_defaults`` trailing
-  defaulted fields may be missing::
+  the rank is omitted when None) in 0.10.2 and 0.34.0; a map with those field names is
+  accepted too.
+* **Events** are msgspec tagged structs with ``omit_defaults``: an array
+  ``[tag, field, ...]`` (``array_like``: 0.10.2 .. at least 0.12) or a map
+  ``{"type": tag, field: ...}`` (0.34.0, where defaulted fields still None are left out).
+  Fields were only ever appended, so one declaration order serves every array layout::
 
       BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
                   lora_name, extra_keys=None, group_idx=None, kv_cache_spec_kind=None,
@@ -25,8 +26,10 @@ against the layouts of earlier releases. What goes over the wire:
       BlockRemoved(block_hashes, medium, group_idx=None, locality=None, ownership=None)
       AllBlocksCleared()
 
-  Block hashes are 64-bit ints (before 0.10.2, or with
-  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or bytes (SHA-256 digests, the default since).
+  0.10.2 has the first six ``BlockStored`` fields and the first two ``BlockRemoved`` ones;
+  0.34.0 all of them.  Block hashes are 64-bit ints (the default of both ends,
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the low 64 bits of vLLM's hash) or bytes (``=0``:
+  the whole digest).
 
 An unknown event tag is skipped and counted (a newer vLLM may add events); anything else that
 does not fit raises :class:`FrameError` with a short ``reason`` (a metric label) and detail.

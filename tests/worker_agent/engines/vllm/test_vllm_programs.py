@@ -1,8 +1,10 @@
 """Controller programs on ``--engine vllm``: a real router -> a real agent -> the fake vLLM
-(tests/worker_agent/vllm/fake_vllm.py). Constrained gens go as ``structured_outputs``; the
-fake does not enforce grammars (real vLLM does): it answers a ``choice`` with the first
-option, which is all these tests need. What the fake received is the oracle for the
-requests the runtime made."""
+(tests/worker_agent/engines/vllm/fake_vllm.py), once per end of the supported range. Constrained
+gens go in the fields the release reads (``structured_outputs``; 0.10.2: ``guided_*``),
+which the agent picks from vLLM's ``/version``; the fake reads only those, and does not
+enforce grammars (real vLLM does): it answers a ``choice`` with the first option, which is
+all these tests need. What the fake received is the oracle for the requests the runtime
+made."""
 
 from __future__ import annotations
 
@@ -38,6 +40,17 @@ def received(fake) -> list[dict[str, Any]]:
     return httpx.get(fake.url + "/control/requests").json()
 
 
+def constraint(fake, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The constraint a request carried, as ``structured_outputs``; it must be in the fields
+    the fake's release reads (the others it would ignore, generating unconstrained)."""
+    sent = {k for k in body if k == "structured_outputs" or k.startswith("guided_")}
+    assert sent <= fake.release.constraint_fields, \
+        f"vLLM {fake.release.version} ignores {sorted(sent - fake.release.constraint_fields)}"
+    if "structured_outputs" in body:
+        return body["structured_outputs"]
+    return {k.removeprefix("guided_"): v for k, v in body.items() if k.startswith("guided_")}
+
+
 async def test_fork_choice_select_through_a_router_with_cached_tokens_from_usage(
         cluster, fake_vllm) -> None:
     fake = fake_vllm("--vocab", "258")
@@ -68,7 +81,7 @@ async def test_fork_choice_select_through_a_router_with_cached_tokens_from_usage
     assert len(children) == 3  # no warm-up request
     for body in children:
         assert body["prompt"] == PROMPT  # the branch's whole sequence: vLLM's prefix cache
-        assert body["structured_outputs"] == {"choice": CHOICES}
+        assert constraint(fake, body) == {"choice": CHOICES}
         assert body["max_tokens"] == 10 and body["temperature"] == 1.0
         assert 256 in body["stop_token_ids"]  # the vocabulary's eos
     assert len({body["seed"] for body in children}) == 3  # siblings sample differently
@@ -76,7 +89,7 @@ async def test_fork_choice_select_through_a_router_with_cached_tokens_from_usage
 
 
 async def test_best_logprob_uses_vllms_log_probabilities(cluster, fake_vllm) -> None:
-    from tests.worker_agent.vllm.fake_vllm import fake_logprob
+    from tests.worker_agent.engines.vllm.fake_vllm import fake_logprob
 
     fake = fake_vllm("--vocab", "258")
     _, router = await start(cluster, fake)
@@ -111,7 +124,7 @@ async def test_backtrack_and_fast_forward_resubmit_the_edited_prompt(cluster, fa
     res = results(await run(router.port, [ff, gen(8, constraint=lit, capture="w")],
                             prompt=PROMPT, router=True))
     assert res["0"].variables["w"].text == "sky" and res["0"].variables["w"].complete
-    assert received(fake)[-1]["structured_outputs"] == {"regex": "sky|cloud"}
+    assert constraint(fake, received(fake)[-1]) == {"regex": "sky|cloud"}
     assert res["0"].cached_tokens == 80
 
 
@@ -130,7 +143,7 @@ async def test_vllm_refuses_what_it_cannot_do_and_checks_what_it_returns(cluster
         assert "continue_constraint" in err.value.details()
         assert why in err.value.details()
     assert received(fake) == []
-    # The fake ignores JSON schemas (as a vLLM too old for structured_outputs would): the
+    # The fake ignores JSON schemas without examples (as a vLLM ignoring the fields would): the
     # runtime's own check of the output fails the program instead of returning it (asked of
     # the agent directly: a router reports any mid-stream failure as UNAVAILABLE).
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -138,8 +151,8 @@ async def test_vllm_refuses_what_it_cannot_do_and_checks_what_it_returns(cluster
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await run(agent.port, [json_gen], prompt=PROMPT)
     assert err.value.code() == grpc.StatusCode.INTERNAL
-    assert "structured_outputs" in err.value.details()
-    assert received(fake)[0]["structured_outputs"] == {"json": schema}
+    assert "outside the json_schema constraint" in err.value.details()
+    assert constraint(fake, received(fake)[0]) == {"json": schema}
 
 
 async def test_a_regular_constraint_continues_as_the_regex_of_its_rest(cluster, fake_vllm
@@ -155,9 +168,9 @@ async def test_a_regular_constraint_continues_as_the_regex_of_its_rest(cluster, 
              fork([gen(8, continue_constraint=True, capture="b")], n=2)]
     res = results(await run(router.port, steps, prompt=PROMPT, router=True))
     first, *rest = received(fake)
-    assert first["structured_outputs"] == {"regex": "skyline|sky blue|cloudy"}
+    assert constraint(fake, first) == {"regex": "skyline|sky blue|cloudy"}
     assert first["max_tokens"] == 3  # "sky": the region is still open
-    assert [r["structured_outputs"] for r in rest] == [{"regex": "line| blue"}] * 2
+    assert [constraint(fake, r) for r in rest] == [{"regex": "line| blue"}] * 2
     for b in ("0.0", "0.1"):
         assert bytes(res[b].token_ids) == b"skyline"
         v = res[b].variables["b"]  # a capture in a constrained region holds all of it
@@ -168,7 +181,7 @@ async def test_a_regular_constraint_continues_as_the_regex_of_its_rest(cluster, 
     opts = P.Constraint(choices=P.Choices(options=["a+b (sum)", "a*b (product)"]))
     steps = [gen(2, constraint=opts), gen(20, continue_constraint=True, capture="c")]
     res = results(await run(router.port, steps, prompt=PROMPT, router=True))
-    assert received(fake)[-1]["structured_outputs"] == {"regex": "b \\(sum\\)"}
+    assert constraint(fake, received(fake)[-1]) == {"regex": "b \\(sum\\)"}
     assert res["0"].variables["c"].text == "a+b (sum)" and res["0"].variables["c"].complete
     # A region complete with nothing more allowed is not asked for again.
     n = len(received(fake))
@@ -191,9 +204,9 @@ async def test_a_json_schema_continues_as_the_regex_of_its_rest(cluster, fake_vl
              gen(20, continue_constraint=True, capture="b")]
     res = results(await run(router.port, steps, prompt=PROMPT, router=True))
     first, second = received(fake)[-2:]
-    assert first["structured_outputs"] == {"json": schema} and first["max_tokens"] == 12
+    assert constraint(fake, first) == {"json": schema} and first["max_tokens"] == 12
     # Whitespace may follow, as vLLM's guidance backend and the agent's check allow it.
-    assert second["structured_outputs"] == {"regex": 'lue"[ \\t\\n\\r]*\\}'}
+    assert constraint(fake, second) == {"regex": 'lue"[ \\t\\n\\r]*\\}'}
     v = res["0"].variables
     assert v["a"].text == '{"colour":"b' and not v["a"].complete
     assert v["b"].text == '{"colour":"blue"}' and v["b"].complete

@@ -1,18 +1,27 @@
-"""vLLM's own KV-event code, for tests: fetched from the vLLM wheel and loaded without vLLM.
+"""vLLM's own code, for tests: fetched from each supported release's wheel, run without vLLM.
 
 ``vllm/distributed/kv_events.py`` (the structs *and* ``ZmqEventPublisher``) is executed
-unmodified from the wheel. Importing it needs four small parts of vLLM that pull in torch and
-CUDA; only those are stubbed, with what the file uses of them:
+unmodified from the wheel of each end of
+:data:`kvroute.worker_agent.engines.vllm.versions.SUPPORTED`. Importing it needs four small
+parts of vLLM that pull in torch and CUDA; only those are stubbed, with what the file uses of
+them:
 
 * ``vllm.config.utils.config`` -> ``dataclasses.dataclass`` (``vllm/config/kv_events.py``
   itself is loaded from the wheel too)
 * ``vllm.logger.init_logger`` -> ``logging.getLogger``
 * ``vllm.utils.network_utils`` -> the four helpers ``ZmqEventPublisher._bind`` calls for
-  ``tcp://*:0`` (never used here: tests bind explicit loopback ports)
+  ``tcp://*:0`` (never used here: tests bind explicit loopback ports; 0.10.2 has no such
+  import)
 * ``vllm.v1.core.kv_cache_utils.ExternalBlockHash`` -> ``bytes | int``, its definition
 
-The wheel (~330 MB) is downloaded once with ``pip download --no-deps vllm==VERSION``; only
-those two files are kept, under ``.cache/vllm-VERSION/`` (gitignored).
+Besides those, the OpenAI server's request/response models (every
+``vllm/entrypoints/**/protocol.py``), ``vllm/sampling_params.py`` and ``vllm/v1/request.py``
+are kept, to be read (never executed) by :mod:`vllm_release`.
+
+A wheel (~250-450 MB) is downloaded once per release with ``pip download --no-deps
+vllm==VERSION``; only those files are kept, under ``.cache/vllm-VERSION/`` (gitignored).
+``KVROUTE_VLLM_SOURCES`` may name another directory holding such ``vllm-VERSION/`` trees
+(e.g. unpacked wheels), to run offline.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import ipaddress
 import logging
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,40 +44,55 @@ from pathlib import Path
 
 import zmq
 
-VLLM_VERSION = os.environ.get("KVROUTE_VLLM_VERSION", "0.33.0")
-REPO = Path(__file__).resolve().parents[3]
-FILES = ("vllm/distributed/kv_events.py", "vllm/config/kv_events.py")
+REPO = Path(__file__).resolve().parents[4]
+KV_FILES = ("vllm/distributed/kv_events.py", "vllm/config/kv_events.py")
+_KEEP = re.compile(r"vllm/(distributed/kv_events|config/kv_events|sampling_params|v1/request"
+                   r"|entrypoints/.*protocol)\.py")
+_COMPLETE = ".kvroute-complete"  # written last: a tree without it is fetched again
 
 
-def vllm_sources(cache_dir: Path | None = None) -> Path:
-    """A directory holding vLLM's KV-event sources; downloads the wheel the first time.
-
-    ``KVROUTE_VLLM_SRC`` may point at an existing tree (e.g. an unpacked wheel)."""
-    env = os.environ.get("KVROUTE_VLLM_SRC")
+def vllm_sources(version: str, cache_dir: Path | None = None) -> Path:
+    """A directory holding vLLM ``version``'s files (see the module doc); downloads the
+    wheel the first time."""
+    env = os.environ.get("KVROUTE_VLLM_SOURCES")
     if env:
-        root = Path(env)
-        if not all((root / f).is_file() for f in FILES):
-            raise RuntimeError(f"KVROUTE_VLLM_SRC={env} lacks {', '.join(FILES)}")
+        root = Path(env) / f"vllm-{version}"
+        if not all((root / f).is_file() for f in KV_FILES):
+            raise RuntimeError(f"KVROUTE_VLLM_SOURCES={env} lacks vllm-{version}/"
+                               f"{{{', '.join(KV_FILES)}}}")
         return root
-    root = (cache_dir or REPO / ".cache") / f"vllm-{VLLM_VERSION}"
-    if all((root / f).is_file() for f in FILES):
+    root = (cache_dir or REPO / ".cache") / f"vllm-{version}"
+    if (root / _COMPLETE).is_file():
         return root
     with tempfile.TemporaryDirectory(prefix="vllm-wheel-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", f"vllm=={VLLM_VERSION}", "-d", tmp]
+               "-q", f"vllm=={version}", "-d", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         wheels = list(Path(tmp).glob("vllm-*.whl"))
         if res.returncode != 0 or not wheels:
             raise RuntimeError(
-                f"cannot download the vLLM {VLLM_VERSION} wheel for its kv_events.py "
-                f"({' '.join(cmd)}): {res.stderr.strip()[-500:]}; set KVROUTE_VLLM_SRC to an "
-                "unpacked vLLM tree to run these tests offline")
+                f"cannot download the vLLM {version} wheel for its kv_events.py "
+                f"({' '.join(cmd)}): {res.stderr.strip()[-500:]}; set KVROUTE_VLLM_SOURCES to "
+                "a directory of unpacked vllm-VERSION trees to run these tests offline")
         with zipfile.ZipFile(wheels[0]) as zf:
-            for f in FILES:
-                dest = root / f
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(zf.read(f))
+            for name in zf.namelist():
+                if _KEEP.fullmatch(name):
+                    dest = root / name
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(zf.read(name))
+    missing = [f for f in KV_FILES if not (root / f).is_file()]
+    if missing:
+        raise RuntimeError(f"the vLLM {version} wheel lacks {', '.join(missing)}")
+    (root / _COMPLETE).write_text(version)
     return root
+
+
+def struct(cls: type, **fields: object) -> object:
+    """An instance of one of a release's msgspec structs, given only the fields it has: e.g.
+    0.10.2's ``BlockStored`` lacks ``lora_name``, ``extra_keys`` and ``group_idx``, whose
+    values are then dropped (a release that cannot carry them loses them on the wire too)."""
+    have = cls.__struct_fields__  # type: ignore[attr-defined]
+    return cls(**{k: v for k, v in fields.items() if k in have})
 
 
 def _stub(name: str, **attrs: object) -> types.ModuleType:

@@ -1,22 +1,33 @@
 """A stand-in vLLM server speaking vLLM's real wire protocols, run as a subprocess by tests.
 
-* **KV events:** vLLM's own ``ZmqEventPublisher`` (executed from the vLLM wheel, see
-  :mod:`vllm_wire`) publishes ``KVEventBatch`` es of vLLM's own ``BlockStored`` /
-  ``BlockRemoved`` / ``AllBlocksCleared`` structs, and serves its ROUTER replay socket. Its
-  PUB socket connects to a :class:`~vllm_wire.FrameForwarder` in this process, which the
-  agent subscribes to and tests use to drop or inject frames.
+It plays one release (``--vllm-version``, with that release's files from its wheel in
+``--vllm-src``), and behaves as that release's code says (:mod:`vllm_release`):
+
+* **KV events:** the release's own ``ZmqEventPublisher`` (executed from its wheel, see
+  :mod:`vllm_wire`) publishes ``KVEventBatch`` es of its own ``BlockStored`` /
+  ``BlockRemoved`` / ``AllBlocksCleared`` structs (with the fields that release has: 0.10.2
+  has no ``lora_name`` / ``extra_keys`` / ``group_idx``, so no cache salt either), and serves
+  its ROUTER replay socket (0.10.2's replies have no topic frame). Its PUB socket connects to
+  a :class:`~vllm_wire.FrameForwarder` in this process, which the agent subscribes to and
+  tests use to drop or inject frames.
 * **Prefix cache:** paged, modelled on vLLM v1's ``BlockPool``: block hashes chained over the
   parent's hash (SHA-256 of a pickle, bytes; or the low 64 bits as int, like
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), cache salt in the first block's extra keys,
   reference counts, an LRU of free cached blocks, eviction events, cache hits capped to keep
-  one prompt token computed, reused blocks re-reported with ``kv_cache_report_mode=full``.
-* **HTTP:** ``POST /v1/completions`` with ``stream: true`` (SSE chunks shaped like vLLM
-  0.33's ``CompletionStreamResponse``, final usage chunk with
-  ``prompt_tokens_details.cached_tokens``), ``GET /metrics`` (vLLM's metric names),
-  ``POST /reset_prefix_cache``; and, for tests only, ``/control/*``: ``state`` (the cached
-  blocks as kvroute keys, computed independently of the agent), ``drop``, ``inject``,
-  ``evict``, ``requests`` (every completion request body received, in order).
-* **Structured outputs:** ``structured_outputs`` is accepted and recorded, but this fake does
+  one prompt token computed, reused blocks re-reported with ``kv_cache_report_mode=full``
+  (only by releases whose ``vllm/v1/request.py`` reads it: not 0.10.2).
+* **HTTP:** ``POST /v1/completions`` with ``stream: true`` (SSE chunks shaped like
+  ``CompletionStreamResponse``, final usage chunk with
+  ``prompt_tokens_details.cached_tokens``); request fields the release's
+  ``CompletionRequest`` does not declare are ignored, as vLLM does, and listed in
+  ``/control/state``'s ``ignored_fields``. ``GET /version`` (``{"version": ...}``),
+  ``GET /metrics`` (vLLM's metric names), ``POST /reset_prefix_cache``; and, for tests only,
+  ``/control/*``: ``state`` (the cached blocks as kvroute keys, computed independently of the
+  agent), ``drop``, ``inject``, ``evict``, ``requests`` (every completion request body
+  received, in order).
+* **Structured outputs:** the constraint is read from the fields the release declares
+  (``structured_outputs``, or before 0.11 ``guided_json|regex|choice|grammar``; the others
+  are ignored, as vLLM does) and recorded, but this fake does
   NOT enforce grammars (real vLLM does, with its guidance backend). Only so that programs
   can be tested, it answers a ``choice`` with the first option, and a ``regex`` that is a
   plain literal or an alternation of literals (``a|b\\.c``, JSON's optional whitespace
@@ -25,7 +36,7 @@
   is complete), and a ``json`` schema that has ``examples`` with its first example (compact);
   other ``json`` and ``grammar`` are ignored (the usual made-up tokens).
 
-Run: ``python -m tests.worker_agent.vllm.fake_vllm --http-port P --events-port E ...``; it
+Run: ``python -m tests.worker_agent.engines.vllm.fake_vllm --http-port P --events-port E ...``; it
 prints one line ``READY {json}`` when serving and stops on SIGTERM.
 """
 
@@ -49,7 +60,8 @@ from typing import Any
 
 from kvroute.core import tokenizer as tokenizers
 from kvroute.core.blocks import BlockHasher
-from tests.worker_agent.vllm.vllm_wire import FrameForwarder, load_kv_events, vllm_sources
+from tests.worker_agent.engines.vllm.vllm_release import Release, read_release
+from tests.worker_agent.engines.vllm.vllm_wire import FrameForwarder, load_kv_events, struct
 
 NONE_HASH = hashlib.sha256(b"vllm-none-hash").digest()
 MASK64 = (1 << 64) - 1
@@ -85,9 +97,13 @@ class _Req:
 
 
 class FakeVllm:
-    def __init__(self, args: argparse.Namespace, kv: Any, fwd: FrameForwarder) -> None:
+    def __init__(self, args: argparse.Namespace, kv: Any, fwd: FrameForwarder,
+                 release: Release) -> None:
         self.a = args
         self.kv = kv
+        self.vllm = release
+        self.request_fields = release.fields("CompletionRequest")
+        self.ignored: set[str] = set()  # request fields this release would ignore
         self.fwd = fwd
         self.bs = args.block_size
         self.publisher = kv.ZmqEventPublisher(
@@ -132,8 +148,8 @@ class FakeVllm:
             return False
         h, _ = self.free_lru.popitem(last=False)
         del self.cached[h]
-        self.pending.append(self.kv.BlockRemoved(block_hashes=[self.ext(h)], medium="GPU",
-                                                 group_idx=0))
+        self.pending.append(struct(self.kv.BlockRemoved, block_hashes=[self.ext(h)],
+                                       medium="GPU", group_idx=0))
         return True
 
     def admit(self, r: _Req) -> bool:
@@ -173,7 +189,8 @@ class FakeVllm:
     def _stored(self, r: _Req, lo: int, hi: int, parent: bytes | None) -> Any:
         bs = self.bs
         extra = [([r.salt] if (i == 0 and r.salt) else None) for i in range(lo, hi)]
-        return self.kv.BlockStored(
+        return struct(
+            self.kv.BlockStored,
             block_hashes=[self.ext(h) for h in r.hashes[lo:hi]],
             parent_block_hash=self.ext(parent) if parent is not None else None,
             token_ids=r.prompt[lo * bs:hi * bs],
@@ -212,8 +229,8 @@ class FakeVllm:
         if new_lo is not None:
             parent = r.hashes[new_lo - 1] if new_lo else None
             bsz = self.bs
-            self.pending.append(self.kv.BlockStored(
-                block_hashes=[self.ext(h) for h in r.hashes[new_lo:full]],
+            self.pending.append(struct(
+                self.kv.BlockStored, block_hashes=[self.ext(h) for h in r.hashes[new_lo:full]],
                 parent_block_hash=self.ext(parent) if parent is not None else None,
                 token_ids=tokens[new_lo * bsz: full * bsz], block_size=bsz, lora_id=None,
                 medium="GPU", lora_name=None,
@@ -245,6 +262,16 @@ class FakeVllm:
 
     # -- generation --------------------------------------------------------------------------
 
+    def constraint(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The constraint, from the fields this release reads, as ``structured_outputs``."""
+        fields = self.vllm.constraint_fields
+        if "structured_outputs" in fields and body.get("structured_outputs") is not None:
+            return body["structured_outputs"]
+        for kind in ("json", "regex", "choice", "grammar"):
+            if f"guided_{kind}" in fields and body.get(f"guided_{kind}") is not None:
+                return {kind: body[f"guided_{kind}"]}
+        return None
+
     def forced(self, so: Any) -> list[int] | None:
         """Tokens answering a ``choice``, a literal-alternation ``regex`` or a ``json`` schema
         with ``examples`` (NOT grammar enforcement: see the module doc); None for anything
@@ -269,16 +296,19 @@ class FakeVllm:
         prompt = body.get("prompt")
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
             raise ValueError("prompt must be a non-empty list of token ids")
+        self.ignored |= body.keys() - self.request_fields
         xargs = body.get("vllm_xargs") or {}
         r = _Req(rid=f"cmpl-{self.next_rid}", prompt=list(prompt),
                  max_tokens=int(body.get("max_tokens") or 16), salt=body.get("cache_salt") or "",
-                 report_full=xargs.get("kv_cache_report_mode") == "full",
+                 report_full=xargs.get("kv_cache_report_mode") == "full"
+                 and self.vllm.reports_reused,
                  seed=int(body.get("seed") or 0),
                  stop=frozenset(body.get("stop_token_ids") or ()))
         self.next_rid += 1
         self.received.append(body)
-        forced = self.forced(body.get("structured_outputs"))
-        token_ids = bool(body.get("return_token_ids")) and not self.a.no_return_token_ids
+        forced = self.forced(self.constraint(body))
+        token_ids = bool(body.get("return_token_ids")) and not self.a.no_return_token_ids \
+            and "return_token_ids" in self.request_fields
         as_ids = body.get("logprobs") is not None and body.get("return_tokens_as_token_ids")
         want_lp = body.get("logprobs") is not None
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -376,7 +406,13 @@ async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWrite
             headers[k.strip().lower()] = v.strip()
         raw = await r.readexactly(int(headers.get("content-length", "0")))
         body = json.loads(raw) if raw else {}
-        if method == "GET" and path == "/metrics":
+        if method == "GET" and path == "/version":
+            if fake.a.report_version == "none":
+                await _respond(w, 404, b'{"detail": "Not Found"}')
+            else:
+                await _respond(w, 200, json.dumps(
+                    {"version": fake.a.report_version or fake.vllm.version}).encode())
+        elif method == "GET" and path == "/metrics":
             await _respond(w, 200, fake.metrics().encode(), "text/plain; version=0.0.4")
         elif method == "POST" and path == "/v1/completions":
             await _completions(fake, body, w)
@@ -386,7 +422,8 @@ async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWrite
         elif method == "GET" and path == "/control/state":
             await _respond(w, 200, json.dumps({
                 "keys": fake.truth(), "published": fake.published,
-                "forwarded": fake.fwd.forwarded, "dropped": fake.fwd.dropped}).encode())
+                "forwarded": fake.fwd.forwarded, "dropped": fake.fwd.dropped,
+                "ignored_fields": sorted(fake.ignored)}).encode())
         elif method == "GET" and path == "/control/requests":
             await _respond(w, 200, json.dumps(fake.received).encode())
         elif method == "POST" and path == "/control/drop":
@@ -436,10 +473,12 @@ async def _completions(fake: FakeVllm, body: dict[str, Any], w: asyncio.StreamWr
 
 
 async def main(args: argparse.Namespace) -> None:
-    kv = load_kv_events(Path(args.vllm_src) if args.vllm_src else vllm_sources())
+    src = Path(args.vllm_src)
+    kv = load_kv_events(src)
+    release = read_release(args.vllm_version, src)
     fwd = FrameForwarder(f"tcp://127.0.0.1:{args.upstream_port}",
                          f"tcp://127.0.0.1:{args.events_port}")
-    fake = FakeVllm(args, kv, fwd)
+    fake = FakeVllm(args, kv, fwd, release)
     server = await asyncio.start_server(lambda r, w: handle(fake, r, w), "127.0.0.1",
                                         args.http_port)
     await asyncio.sleep(0.2)  # let vLLM's PUB finish connecting to the forwarder
@@ -475,7 +514,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--old-metrics", action="store_true", help="vllm:gpu_cache_usage_perc")
     ap.add_argument("--no-prompt-tokens-details", dest="prompt_tokens_details",
                     action="store_false")
-    ap.add_argument("--vllm-src", default="")
+    ap.add_argument("--vllm-src", required=True, help="vllm_wire.vllm_sources(version)")
+    ap.add_argument("--vllm-version", required=True, help="the release it plays")
+    ap.add_argument("--report-version", default="",
+                    help="what GET /version answers instead (none: 404)")
     return ap.parse_args(argv)
 
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from kvroute.core.block_pool import BlockPool, PoolExhaustedError
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.base import CacheEvent
-from kvroute.worker_agent.engines.block_pool import BlockPool, PoolExhaustedError
 
 
 def make_pool(capacity: int) -> tuple[BlockPool, list[CacheEvent]]:

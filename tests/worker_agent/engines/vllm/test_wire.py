@@ -1,5 +1,6 @@
-"""Decoding vLLM's KV-event frames: the current release (vLLM's own structs from the wheel)
-and the layouts of earlier releases (their struct definitions copied below, verbatim in
+"""Decoding vLLM's KV-event frames: both ends of the supported range, from each release's
+own structs (executed from its wheel) and from their transcriptions below (checked equal to
+the release's own), and the layouts of other releases (struct definitions copied below, in
 substance: field names, order, types and msgspec options)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
 from kvroute.worker_agent.engines.vllm.wire import (
     Batch,
     Cleared,
@@ -20,6 +22,87 @@ from kvroute.worker_agent.engines.vllm.wire import (
     parse_live,
     parse_replay,
 )
+from tests.worker_agent.engines.vllm.vllm_wire import struct
+
+# -- vLLM 0.10.2, vllm/distributed/kv_events.py: batch and events array_like ---------------
+
+
+class V0102EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class V0102Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class V0102BlockStored(V0102Event, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class V0102BlockRemoved(V0102Event, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class V0102AllBlocksCleared(V0102Event, tag="AllBlocksCleared"):
+    pass
+
+
+# -- vLLM 0.34.0, vllm/distributed/kv_events.py: batch array_like, events maps -------------
+
+
+class V0340EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class V0340Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class V0340BlockStored(V0340Event, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class V0340BlockRemoved(V0340Event, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class V0340AllBlocksCleared(V0340Event, tag="AllBlocksCleared"):
+    pass
+
+
+# (EventBatch, BlockStored, BlockRemoved, AllBlocksCleared) of each end of SUPPORTED.
+TRANSCRIBED: dict[str, tuple[type, type, type, type]] = {
+    "0.10.2": (V0102EventBatch, V0102BlockStored, V0102BlockRemoved, V0102AllBlocksCleared),
+    "0.34.0": (V0340EventBatch, V0340BlockStored, V0340BlockRemoved, V0340AllBlocksCleared),
+}
 
 # -- vLLM 0.9.x (vllm/distributed/kv_events.py): everything array_like, int hashes ----------
 
@@ -130,20 +213,77 @@ def _check(batch: Batch, *, medium: str | None, hashes: list[Any], parent: Any) 
     assert batch.unknown_events == 0
 
 
-def test_current_release_layout_from_vllms_own_structs(kv_events) -> None:
+def test_the_transcriptions_cover_the_supported_range() -> None:
+    assert set(TRANSCRIBED) == set(SUPPORTED), "transcribe each end's structs from its wheel"
+
+
+def _full_batch(kinds: tuple[type, type, type, type], hashes: list[Any], parent: Any) -> Any:
+    """A batch with every field of the release's events set (struct() keeps those it has)."""
+    batch, stored, removed, cleared = kinds
+    return batch(ts=1.5, data_parallel_rank=3, events=[
+        struct(stored, block_hashes=hashes, parent_block_hash=parent, token_ids=TOKENS,
+               block_size=16, lora_id=7, medium="CPU", lora_name="adapter",
+               extra_keys=[("adapter", "salt"), ("adapter",)], group_idx=2,
+               kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=4096,
+               locality="LOCAL", ownership="tier-1", session_id="s-1",
+               lookahead_token_ids=[[1, 2], [3, 4]]),
+        struct(removed, block_hashes=hashes[:1], medium="CPU", group_idx=2, locality="REMOTE",
+               ownership="tier-1"),
+        cleared()])
+
+
+def _check_full(batch: Batch, kinds: tuple[type, type, type, type], hashes: list[Any],
+                parent: Any) -> None:
+    _check(batch, medium="CPU", hashes=hashes, parent=parent)
+    st, rm, _ = batch.events
+    assert (batch.ts, batch.dp_rank, st.lora_id) == (1.5, 3, 7)
+    newer = "lora_name" in kinds[1].__struct_fields__
+    assert st.lora_name == ("adapter" if newer else None)
+    assert st.extra_keys == ([["adapter", "salt"], ["adapter"]] if newer else None)
+    assert st.group_idx == rm.group_idx == (2 if newer else None)
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+@pytest.mark.parametrize(("hashes", "parent"), [([H1, H2], P), ([11, 12], None)],
+                         ids=["bytes", "int"])
+def test_every_field_of_each_supported_release(version: str, hashes: list[Any], parent: Any
+                                               ) -> None:
+    kinds = TRANSCRIBED[version]
+    raw = msgspec.msgpack.encode(_full_batch(kinds, hashes, parent))
+    assert raw[0] == 0x93  # EventBatch: [ts, events, data_parallel_rank] in both
+    _check_full(decode_batch(raw), kinds, hashes, parent)
+    # Defaulted fields left at None are omitted (omit_defaults): still a valid event.
+    bare = kinds[0](ts=2.0, events=[struct(
+        kinds[1], block_hashes=hashes, parent_block_hash=parent, token_ids=TOKENS,
+        block_size=16, lora_id=None, medium=None, lora_name=None)])
+    raw = msgspec.msgpack.encode(bare)
+    (st,) = decode_batch(raw).events
+    assert isinstance(st, Stored) and st.block_hashes == hashes and st.extra_keys is None
+    event = msgspec.msgpack.decode(raw)[1][0]
+    if version == "0.10.2":
+        assert event == ["BlockStored", hashes, parent, TOKENS, 16, None, None]  # an array
+    else:
+        assert event == {"type": "BlockStored", "block_hashes": hashes,  # a map, no defaults
+                         "parent_block_hash": parent, "token_ids": TOKENS, "block_size": 16,
+                         "lora_id": None, "medium": None, "lora_name": None}
+
+
+def test_transcriptions_are_the_releases_own_structs(kv_events, vllm_version: str) -> None:
+    """Field names, order, defaults and msgspec options as the release's own code has them;
+    the same batch encodes byte for byte alike, and decodes (every field)."""
     kv = kv_events
-    ev = kv.KVEventBatch(ts=1.5, events=[
-        kv.BlockStored(block_hashes=[H1, H2], parent_block_hash=P, token_ids=TOKENS,
-                       block_size=16, lora_id=None, medium="GPU", lora_name=None,
-                       extra_keys=[("salt",), None], group_idx=0),
-        kv.BlockRemoved(block_hashes=[H1], medium="GPU", group_idx=0),
-        kv.AllBlocksCleared()], data_parallel_rank=0)
-    raw = msgspec.msgpack.Encoder().encode(ev)  # exactly what ZmqEventPublisher sends
-    assert raw[0] == 0x93  # EventBatch: a 3-item array; events: maps tagged "type"
-    batch = decode_batch(raw)
-    _check(batch, medium="GPU", hashes=[H1, H2], parent=P)
-    assert batch.ts == 1.5 and batch.dp_rank == 0
-    assert batch.events[0].extra_keys == [["salt"], None] and batch.events[0].group_idx == 0
+    theirs = (kv.KVEventBatch, kv.BlockStored, kv.BlockRemoved, kv.AllBlocksCleared)
+    ours = TRANSCRIBED[vllm_version]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.__struct_fields__ == b.__struct_fields__, b.__name__
+        assert a.__struct_defaults__ == b.__struct_defaults__, b.__name__
+        ca, cb = a.__struct_config__, b.__struct_config__
+        assert (ca.array_like, ca.omit_defaults, ca.tag, ca.tag_field) == \
+            (cb.array_like, cb.omit_defaults, cb.tag, cb.tag_field), b.__name__
+    for hashes, parent in (([H1, H2], P), ([11, 12], 10)):
+        raw = msgspec.msgpack.Encoder().encode(_full_batch(theirs, hashes, parent))
+        assert raw == msgspec.msgpack.encode(_full_batch(ours, hashes, parent))
+        _check_full(decode_batch(raw), theirs, hashes, parent)
 
 
 def test_v09_all_array_layout_with_int_hashes() -> None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.base import CacheEvent
 
 
 class PoolExhaustedError(RuntimeError):

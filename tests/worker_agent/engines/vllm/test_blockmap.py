@@ -5,8 +5,8 @@ from __future__ import annotations
 import array
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.base import CacheEvent
 from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
 from kvroute.worker_agent.engines.vllm.wire import Cleared, Removed, Stored
 

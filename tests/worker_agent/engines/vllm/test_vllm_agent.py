@@ -66,6 +66,12 @@ async def converged(fake, agent, router, redis_server, what: str = "converged") 
     return router.mirror.index.keys_of(W)
 
 
+async def converged_quiet(fake, agent) -> None:
+    """Every batch the fake published has been applied by the agent."""
+    await wait_for(lambda: agent.engine.events.stats.last_seq == fake.state()["published"] - 1,
+                   what="all batches applied")
+
+
 async def test_generate_stored_removed_cleared_end_to_end(cluster, fake_vllm) -> None:
     fake = fake_vllm("--capacity", "40")
     agent, router = await start(cluster, fake, vllm_long_prefill_threshold=1024)
@@ -135,12 +141,17 @@ async def test_gap_past_the_replay_buffer_resets_and_never_over_reports(cluster,
     ops = feed_ops(cluster.redis)
     assert ops.count(Op.CLEAR) == 2  # the epoch declaration and the reset
     # While the view is incomplete the agent asks vLLM to re-report reused blocks: touching
-    # the lost prefixes again re-learns them.
+    # the lost prefixes again re-learns them, from releases that honour it. 0.10.2 ignores
+    # the request: the lost prefixes stay under-reported until stored again.
     assert not agent.engine.events.stats.complete
     for p in prompts[1:4]:
         await generate(router.port, [*p, 1], max_tokens=1)
-    await wait_for(lambda: all(set(hasher.keys(p)) <= router.mirror.index.keys_of(W)
-                               for p in prompts[1:4]), what="lost prefixes re-learned")
+    if fake.release.reports_reused:
+        await wait_for(lambda: all(set(hasher.keys(p)) <= router.mirror.index.keys_of(W)
+                                   for p in prompts[1:4]), what="lost prefixes re-learned")
+    else:
+        await converged_quiet(fake, agent)
+        assert set(hasher.keys(prompts[1])) & router.mirror.index.keys_of(W) == set()
     assert router.mirror.index.keys_of(W) <= fake.truth()
 
 

@@ -1,5 +1,6 @@
-"""The event subscriber over real ZMQ sockets: vLLM's own publisher restarting, and an
-older release's publisher (array events, replay replies without the topic frame)."""
+"""The event subscriber over real ZMQ sockets: each supported release's own publisher
+restarting, and an older release's publisher (array events, replay replies without the topic
+frame) losing a batch."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import msgspec
 import zmq
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.base import CacheEvent
 from kvroute.worker_agent.engines.vllm import VllmConfig, VllmEngine
 from kvroute.worker_agent.engines.vllm.wire import encode_seq
 from tests.support import free_port, wait_for
-from tests.worker_agent.vllm.test_wire import V09BlockStored, V09EventBatch
+from tests.worker_agent.engines.vllm.test_wire import V09BlockStored, V09EventBatch
+from tests.worker_agent.engines.vllm.vllm_wire import struct
 
 B = 4
 
@@ -46,9 +48,9 @@ async def test_vllm_publisher_restart_resets_the_view(kv_events, tmp_path: Path)
                                     replay_endpoint=f"ipc://{tmp_path}/replay", topic="kv")
 
     def batch(h: int, toks: list[int]):
-        return kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(
-            block_hashes=[h], parent_block_hash=None, token_ids=toks, block_size=B,
-            lora_id=None, medium="GPU", lora_name=None)])
+        return kv.KVEventBatch(ts=time.time(), events=[struct(
+            kv.BlockStored, block_hashes=[h], parent_block_hash=None, token_ids=toks,
+            block_size=B, lora_id=None, medium="GPU", lora_name=None)])
 
     pub = publisher()
     await eng.start()

@@ -1,4 +1,8 @@
-"""Fixtures: vLLM's KV-event sources (from the wheel, cached) and the fake vLLM server."""
+"""Fixtures: vLLM's sources (from the wheels, cached) and the fake vLLM server.
+
+Every test that takes ``vllm_release``, ``kv_events`` or ``fake_vllm`` runs once per end of
+the supported range (:data:`kvroute.worker_agent.engines.vllm.versions.SUPPORTED`), against
+that release's own code."""
 
 from __future__ import annotations
 
@@ -19,16 +23,29 @@ from typing import Any
 import httpx
 import pytest
 
+from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
 from tests.support import free_port, stop_process
-from tests.worker_agent.vllm.vllm_wire import REPO, load_kv_events, vllm_sources
+from tests.worker_agent.engines.vllm.vllm_release import Release, read_release
+from tests.worker_agent.engines.vllm.vllm_wire import REPO, load_kv_events, vllm_sources
+
+
+@pytest.fixture(scope="session", params=SUPPORTED, ids=lambda v: f"vllm-{v}")
+def vllm_version(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="session")
-def vllm_src() -> Path:
+def vllm_src(vllm_version: str) -> Path:
     try:
-        return vllm_sources()
+        return vllm_sources(vllm_version)
     except RuntimeError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def vllm_release(vllm_version: str, vllm_src: Path) -> Release:
+    """What that release's code declares (request/response fields, features)."""
+    return read_release(vllm_version, vllm_src)
 
 
 @pytest.fixture(scope="session")
@@ -39,9 +56,10 @@ def kv_events(vllm_src: Path) -> ModuleType:
 
 @dataclass
 class FakeVllmProc:
-    """The fake vLLM server subprocess (tests/worker_agent/vllm/fake_vllm.py), by PID."""
+    """The fake vLLM server subprocess (tests/worker_agent/engines/vllm/fake_vllm.py), by PID."""
 
     vllm_src: Path
+    release: Release
     args: list[str] = field(default_factory=list)
     http_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
@@ -66,10 +84,11 @@ class FakeVllmProc:
         fd, path = tempfile.mkstemp(prefix="fake-vllm-", suffix=".log")
         self.log = Path(path)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.worker_agent.vllm.fake_vllm",
+            [sys.executable, "-m", "tests.worker_agent.engines.vllm.fake_vllm",
              "--http-port", str(self.http_port), "--events-port", str(self.events_port),
              "--upstream-port", str(self.upstream_port), "--replay-port", str(self.replay_port),
-             "--vllm-src", str(self.vllm_src), *self.args],
+             "--vllm-src", str(self.vllm_src), "--vllm-version", self.release.version,
+             *self.args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=fd,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         os.close(fd)
@@ -105,6 +124,10 @@ class FakeVllmProc:
     def truth(self) -> set[int]:
         return set(self.state()["keys"])
 
+    def requests(self) -> list[dict[str, Any]]:
+        """Every completion request body received, in order."""
+        return httpx.get(self.url + "/control/requests").json()
+
     def drop(self, seqs: list[int] | None = None, next_n: int = 0) -> None:
         httpx.post(self.url + "/control/drop", json={"seqs": seqs or [], "next": next_n})
 
@@ -119,12 +142,14 @@ class FakeVllmProc:
 
 
 @pytest.fixture
-def fake_vllm(vllm_src: Path) -> Iterator[Callable[..., FakeVllmProc]]:
-    """``start(*args)`` launches a fake vLLM; every one is stopped at the end of the test."""
+def fake_vllm(vllm_src: Path, vllm_release: Release
+              ) -> Iterator[Callable[..., FakeVllmProc]]:
+    """``start(*args)`` launches a fake vLLM of the release under test; every one is stopped
+    at the end of the test."""
     procs: list[FakeVllmProc] = []
 
     def start(*args: str) -> FakeVllmProc:
-        p = FakeVllmProc(vllm_src, list(args))
+        p = FakeVllmProc(vllm_src, vllm_release, list(args))
         p.start()
         procs.append(p)
         return p
