@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_type_hints
 
 from kvroute.core.blocks import DEFAULT_BLOCK_SIZE
+from kvroute.core.redis_schema import MAX_TTL_S  # routers refuse a heartbeat's longer TTL
 
 ENV_PREFIX = "KVROUTE_"
 # How long a predicted entry stands unless the engine's store event confirms it first, and
@@ -96,7 +97,20 @@ def check_ranges(config: Any) -> None:
 @dataclass(frozen=True)
 class CommonConfig:
     redis: str = opt("redis://127.0.0.1:6379/0", "Redis URL holding the cache index and "
-                     "heartbeats; redis+cluster://HOST:PORT for a Redis Cluster")
+                     "heartbeats; redis+cluster://HOST:PORT for a Redis Cluster; rediss:// "
+                     "and rediss+cluster:// for TLS (see docs/security.md)")
+    redis_username: str = opt("", "Redis ACL user (default: the URL's, else 'default')")
+    # Secret: left out of repr and --help (add_arguments); prefer the environment variable
+    # or --redis-password-file to the flag, which other processes can read.
+    redis_password: str = field(default="", repr=False, metadata={
+        "help": "Redis password; prefer the environment variable or --redis-password-file",
+        "range": None, "secret": True})
+    redis_password_file: str = opt("", "file holding the Redis password (a mounted Secret); "
+                                   "its trailing newline is ignored")
+    redis_ca_file: str = opt("", "rediss: CA bundle (PEM) the Redis server's certificate must "
+                             "chain to (default: the system's CAs)")
+    redis_cert_file: str = opt("", "rediss: client certificate (PEM) for mutual TLS")
+    redis_key_file: str = opt("", "rediss: the client certificate's private key (PEM)")
     model: str = opt("default", "model name: part of every block key and Redis key")
     block_size: int = opt(DEFAULT_BLOCK_SIZE, "tokens per KV block; must equal the engine's",
                           AT_LEAST_ONE)
@@ -150,6 +164,18 @@ class RouterConfig(CommonConfig):
                             "kubernetes discovery: label selector of worker pods")
     k8s_port: int = opt(50061, "kubernetes discovery: agent gRPC port on worker pods",
                         Range(1, 65535))
+    # The router's own help for the shared field: it may name the model's tokenizer too.
+    model: str = opt("default", "model name (part of every block key and Redis key), or "
+                     "NAME=SOURCE: the model and its tokenizer and chat template, SOURCE a HF "
+                     "model directory, a tokenizer.json or hf:ORG/REPO[@REV] (needs "
+                     "kvroute[models]; the HTTP front's chat endpoint needs one)")
+    http_port: int = opt(0, "OpenAI-compatible HTTP port: /v1/chat/completions, "
+                         "/v1/completions, /v1/models, /health (0: off; see docs/http.md)",
+                         PORT)
+    http_max_body_bytes: int = opt(16 << 20, "HTTP front: largest request body accepted, in "
+                                   "bytes (413 beyond)", AT_LEAST_ONE)
+    http_max_tokens: int = opt(256, "HTTP front: max_tokens of a request that gives none (at "
+                               "most --max-new-tokens)", AT_LEAST_ONE)
 
 
 
@@ -178,7 +204,7 @@ class AgentConfig(CommonConfig):
     time_scale: float = opt(1.0, "multiplies the sim engine's modelled latencies", NON_NEGATIVE)
     heartbeat_s: float = opt(1.0, "seconds between heartbeats", POSITIVE)
     heartbeat_ttl_s: float = opt(3.0, "heartbeat TTL: a worker silent this long is dead; longer "
-                                   "than --heartbeat-s", POSITIVE)
+                                   "than --heartbeat-s", Range(0, MAX_TTL_S, exclusive=True))
     publish_buffer: int = opt(100000, "cache events buffered while Redis is down before resync",
                               NON_NEGATIVE)
     feed_maxlen: int = opt(1000000, "approximate cap on change-feed length (XADD MAXLEN ~)",
@@ -257,6 +283,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
         env_name = ENV_PREFIX + f.name.upper()
         default = _parse(typ, env[env_name], env_name) if env_name in env else f.default
         help_text = f"{f.metadata.get('help', '')} (env {env_name}; default: %(default)s)"
+        if f.metadata.get("secret"):  # --help must not print a secret set in the environment
+            help_text = (f"{f.metadata.get('help', '')} (env {env_name}; default: none; a "
+                         "value given is never shown)")
         if typ is bool:
             parser.add_argument(_flag(f.name), dest=f.name, default=default,
                                 action=argparse.BooleanOptionalAction, help=help_text)

@@ -98,8 +98,49 @@ def unpack_keys(blob: bytes) -> list[int]:
     return list(struct.unpack(f">{len(blob) // 8}Q", blob))
 
 
-class FeedError(ValueError):
+# What the router's mirror reads (a member is one of the workers set's), and why it may
+# refuse a record: the labels of kvroute_router_records_rejected_total.
+RECORD_KINDS = ("heartbeat", "feed", "snapshot", "member")
+REJECT_REASONS = ("not_json", "too_large", "missing_field", "bad_type", "out_of_range",
+                  "bad_name", "wrong_type", "mismatch")
+
+
+class RecordError(ValueError):
+    """A Redis record (feed entry, snapshot, heartbeat) that does not follow the schema.
+
+    ``reason`` is one of :data:`REJECT_REASONS`, a fixed word for metrics
+    (``kvroute_router_records_rejected_total``); the message says the rest."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _number(v: float) -> str:
+    """A number for a message, short even when it is a 4,000-digit int (no float overflow)."""
+    if isinstance(v, int) and abs(v) > 1 << 53:
+        return f"{'-' if v < 0 else ''}about 2^{abs(v).bit_length() - 1}"
+    return f"{v:.6g}"
+
+
+class FeedError(RecordError):
     """A feed entry that does not follow the schema."""
+
+
+INT64_MAX = (1 << 63) - 1
+MAX_EPOCH_CHARS = 200
+MAX_HEARTBEAT_BYTES = 64 * 1024
+MAX_TTL_S = 3600.0
+# The most each numeric heartbeat field may claim: far above any real engine, and small
+# enough that the policy's products of them (tokens times context, squared) stay finite
+# floats. A record outside them is refused whole, never clamped: its other numbers are suspect.
+HEARTBEAT_INT_MAX = {
+    "running": 1 << 24, "queued": 1 << 24, "max_running": 1 << 24,
+    "free_blocks": 1 << 40, "capacity_blocks": 1 << 40,
+    "pending_prefill_tokens": 1 << 48, "max_batched_tokens": 1 << 32,
+    "max_prefill_chunk": 1 << 32, "block_size": 1 << 16, "vocab_size": 1 << 32,
+}
+HEARTBEAT_RATE_MAX = 1e12  # arrival_rate (requests/s) and prefill_rate (tokens/s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +169,18 @@ class FeedEvent:
             seq = int(fields[b"s"])
             op = Op(fields[b"op"].decode())
             keys = tuple(unpack_keys(fields.get(b"k", b"")))
-        except (KeyError, ValueError, UnicodeDecodeError) as exc:
-            raise FeedError(f"malformed feed entry {dict(fields)!r:.200}: {exc}") from exc
-        if seq < 1:
-            raise FeedError(f"feed entry from {worker!r} has seq {seq} < 1")
+        except KeyError as exc:
+            raise FeedError(f"malformed feed entry {dict(fields)!r:.200}: lacks {exc}",
+                            "missing_field") from exc
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise FeedError(f"malformed feed entry {dict(fields)!r:.200}: {exc}",
+                            "bad_type") from exc
+        if not 1 <= seq <= INT64_MAX:
+            raise FeedError(f"feed entry from {worker!r:.80} has seq {_number(seq)} outside "
+                            f"[1, 2^63)", "out_of_range")
+        if not _NAME.match(worker) or not 0 < len(epoch) <= MAX_EPOCH_CHARS:
+            raise FeedError(f"feed entry has a bad worker {worker!r:.80} or epoch "
+                            f"{epoch!r:.80}", "bad_name")
         return cls(worker, epoch, seq, op, keys)
 
 
@@ -168,37 +217,129 @@ class Heartbeat:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Heartbeat:
-        """Parse and validate; ValueError says what is wrong."""
+        """Parse and validate; :class:`RecordError` (a ValueError) says what is wrong.
+
+        Every number must be finite and within its bound (:data:`HEARTBEAT_INT_MAX`,
+        :data:`HEARTBEAT_RATE_MAX`, ``0 < ttl_s <=`` :data:`MAX_TTL_S`): one absurd record
+        must not overflow the routing arithmetic for the whole cluster."""
+        if len(raw) > MAX_HEARTBEAT_BYTES:
+            raise RecordError(f"heartbeat of {len(raw)} bytes exceeds "
+                              f"{MAX_HEARTBEAT_BYTES}", "too_large")
         try:
             data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"heartbeat is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
+            raise RecordError(f"heartbeat is not JSON: {exc}", "not_json") from exc
         if not isinstance(data, dict):
-            raise ValueError("heartbeat is not a JSON object")
+            raise RecordError("heartbeat is not a JSON object", "not_json")
         known = {f: data[f] for f in cls.__dataclass_fields__ if f in data}
         try:
             hb = cls(**known)
         except TypeError as exc:
-            raise ValueError(f"heartbeat lacks a field: {exc}") from exc
-        for name in ("running", "queued", "free_blocks", "capacity_blocks",
-                     "pending_prefill_tokens", "max_running", "max_batched_tokens",
-                     "max_prefill_chunk", "block_size", "vocab_size"):
+            raise RecordError(f"heartbeat lacks a field: {exc}", "missing_field") from exc
+        for name, high in HEARTBEAT_INT_MAX.items():
             v = getattr(hb, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"heartbeat field {name} must be a non-negative int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise RecordError(f"heartbeat field {name} must be a non-negative int, "
+                                  f"got {v!r:.80}", "bad_type")
+            if not 0 <= v <= high:
+                raise RecordError(f"heartbeat field {name} must be a non-negative int at "
+                                  f"most {high}, got {_number(v)}", "out_of_range")
         for name in ("arrival_rate", "prefill_rate"):
             rate = getattr(hb, name)
-            if isinstance(rate, bool) or not isinstance(rate, int | float) \
-                    or not math.isfinite(rate) or rate < 0:
-                raise ValueError(f"heartbeat field {name} must be a non-negative finite "
-                                 f"number, got {rate!r}")
-        PrefillMode.parse(hb.prefill_mode, "heartbeat field prefill_mode")
-        if not isinstance(hb.ttl_s, int | float) or hb.ttl_s <= 0:
-            raise ValueError(f"heartbeat field ttl_s must be a positive number, got {hb.ttl_s!r}")
+            if isinstance(rate, bool) or not isinstance(rate, int | float):
+                raise RecordError(f"heartbeat field {name} must be a non-negative finite "
+                                  f"number, got {rate!r:.80}", "bad_type")
+            if not (math.isfinite(rate) and 0 <= rate <= HEARTBEAT_RATE_MAX):
+                raise RecordError(f"heartbeat field {name} must be a non-negative finite "
+                                  f"number at most {HEARTBEAT_RATE_MAX:g}, got {_number(rate)}",
+                                  "out_of_range")
+        try:
+            PrefillMode.parse(hb.prefill_mode, "heartbeat field prefill_mode")
+        except ValueError as exc:
+            raise RecordError(str(exc), "bad_type") from exc
+        if isinstance(hb.ttl_s, bool) or not isinstance(hb.ttl_s, int | float):
+            raise RecordError(f"heartbeat field ttl_s must be a number, got {hb.ttl_s!r:.80}",
+                              "bad_type")
+        if not (math.isfinite(hb.ttl_s) and 0 < hb.ttl_s <= MAX_TTL_S):
+            raise RecordError(f"heartbeat field ttl_s must be in (0, {MAX_TTL_S:g}] seconds, "
+                              f"got {_number(hb.ttl_s)}", "out_of_range")
         for name in ("worker_id", "address", "epoch", "key_scheme"):
-            if not isinstance(getattr(hb, name), str) or not getattr(hb, name):
-                raise ValueError(f"heartbeat field {name} must be a non-empty string")
+            v = getattr(hb, name)
+            if not isinstance(v, str) or not 0 < len(v) <= MAX_EPOCH_CHARS:
+                raise RecordError(f"heartbeat field {name} must be a non-empty string of at "
+                                  f"most {MAX_EPOCH_CHARS} characters", "bad_type")
+        if not _NAME.match(hb.worker_id):
+            raise RecordError(f"heartbeat field worker_id {hb.worker_id!r} is not a valid "
+                              "worker name", "bad_name")
         if not isinstance(hb.tokenizer, str) or len(hb.tokenizer) > 200:
-            raise ValueError(f"heartbeat field tokenizer must be a string of at most 200 "
-                             f"characters, got {hb.tokenizer!r:.80}")
+            raise RecordError(f"heartbeat field tokenizer must be a string of at most 200 "
+                              f"characters, got {hb.tokenizer!r:.80}", "bad_type")
+        if not isinstance(hb.extra, dict) or len(hb.extra) > 64 or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in hb.extra.items()):
+            raise RecordError("heartbeat field extra must be an object of at most 64 string "
+                              "values", "bad_type")
         return hb
+
+
+def parse_snapshot(meta: Mapping[bytes, bytes], members: Sequence[bytes]
+                   ) -> tuple[str, int, list[int]]:
+    """(epoch, seq, block keys) of a worker's snapshot read with its meta; RecordError says
+    what is wrong (every member must be exactly one 8-byte key)."""
+    try:
+        epoch = meta[b"epoch"].decode()
+        seq = int(meta[b"seq"])
+    except KeyError as exc:
+        raise RecordError(f"snapshot meta lacks {exc}", "missing_field") from exc
+    except ValueError as exc:  # also bad UTF-8
+        raise RecordError(f"snapshot meta is malformed: {exc}", "bad_type") from exc
+    if not 0 <= seq <= INT64_MAX or not 0 < len(epoch) <= MAX_EPOCH_CHARS:
+        raise RecordError(f"snapshot meta has seq {_number(seq)} or an epoch of {len(epoch)} "
+                          "characters out of range", "out_of_range")
+    bad = next((m for m in members if len(m) != 8), None)
+    if bad is not None:
+        raise RecordError(f"snapshot member of {len(bad)} bytes is not one 8-byte key",
+                          "bad_type")
+    return epoch, seq, [k for (k,) in struct.iter_unpack(">Q", b"".join(members))]
+
+
+# -- access control ---------------------------------------------------------------------------
+
+# Commands every client sends: a transaction's MULTI/EXEC/DISCARD; SELECT for a URL's /db;
+# what redis-py's cluster client needs to map slots (CLUSTER SLOTS/SHARDS, COMMAND, ASKING).
+# (AUTH is always allowed; kvroute.core.redis_conn turns redis-py's CLIENT SETINFO off.)
+_ACL_COMMON = ("+multi", "+exec", "+discard", "+select", "+cluster|slots", "+cluster|shards",
+               "+command", "+asking")
+# What kvroute.worker_agent.publisher sends: the heartbeat (SET PX, SADD, HGET of its meta),
+# feed batches (XADD MAXLEN ~, SADD/SREM/DEL of its snapshot, HSET of its meta), the resync,
+# and DEL of its heartbeat on a clean stop.
+_ACL_AGENT = ("+set", "+sadd", "+srem", "+del", "+hget", "+hset", "+xadd")
+# What kvroute.router.mirror sends: feed reads (XREVRANGE, XREAD BLOCK), the heartbeat scan
+# (SMEMBERS, MGET), the snapshot script (EVAL running HGETALL and SMEMBERS) and the pruning of
+# dead members (SREM of the workers set, DEL of their snapshot and meta).
+_ACL_ROUTER = ("+xrevrange", "+xread", "+smembers", "+mget", "+eval", "+hgetall", "+srem",
+               "+del")
+
+
+def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> list[str]:
+    """The least Redis ACL (``ACL SETUSER`` / aclfile rules, after the user's name and
+    password) a ``role`` ("agent" or "router") needs for ``model``: no command or key beyond
+    what kvroute sends, no pub/sub channel.
+
+    An agent given its ``worker`` id may write only its own snapshot, meta and heartbeat;
+    the feed stream and the workers set are one key per model that every agent appends to,
+    so an ACL cannot stop one agent from writing an entry in another's name (see
+    docs/security.md). A router reads the model's keys and writes only what pruning
+    deletes: never the feed or a heartbeat. Needs Redis >= 7.0 (``%R~`` read-only keys)."""
+    k = RedisKeys(model, prefix)
+    base = f"{prefix}:{{{model}}}"
+    head = ["resetkeys", "resetchannels", "-@all", *_ACL_COMMON]
+    if role == "agent":
+        own = ([k.snapshot(check_name("worker", worker)), k.meta(worker), k.heartbeat(worker)]
+               if worker else [f"{base}:snap:*", f"{base}:meta:*", f"{base}:hb:*"])
+        return [*head, *_ACL_AGENT, *(f"~{key}" for key in (k.feed, k.workers, *own))]
+    if role == "router":
+        # Read-write (~), not write-only (%W~): SREM reads the set it changes, and Redis
+        # checks an EVAL's declared keys (the snapshot script's meta and set) as read-write.
+        written = (k.workers, f"{base}:snap:*", f"{base}:meta:*")
+        return [*head, *_ACL_ROUTER, f"%R~{base}:*", *(f"~{key}" for key in written)]
+    raise ValueError(f"ACL role {role!r} is not one of: agent, router")

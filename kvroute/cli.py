@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     fmt = DefaultsFormatter
-    r = sub.add_parser("router", help="run the router gRPC service", formatter_class=fmt,
+    r = sub.add_parser("router", help="run the router: gRPC, and OpenAI-compatible HTTP with "
+                       "--http-port", formatter_class=fmt,
                        description="Route each request to the worker holding the longest "
                                    "cached prefix of its prompt, balanced against load.")
     add_arguments(r, RouterConfig, os.environ)
@@ -147,7 +148,15 @@ def describe_policy(spec: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "router":
+        given = [a for a in (sys.argv[1:] if argv is None else argv)
+                 if a == "--model" or a.startswith("--model=")]
+        if len(given) > 1:
+            # The model is part of every block key and Redis key: one router, one model's pool.
+            parser.error("--model given more than once: a router serves one model (run a "
+                         "router per model)")
     if args.command == "policies":
         print(describe_policy(args.name) if args.name else list_policies())
         return 0

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute.core.load import PrefillMode
+from kvroute.core.redis_schema import RECORD_KINDS, REJECT_REASONS
 from kvroute.router.registry import EXCLUSION_REASONS
 
 if TYPE_CHECKING:
@@ -25,8 +26,9 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvroute_router_requests", "Requests by RPC and outcome",
-                                ["rpc", "outcome"], registry=r)
+        self.requests = Counter("kvroute_router_requests",
+                                "Requests by API (grpc, or http: the OpenAI-compatible front), "
+                                "RPC and outcome", ["api", "rpc", "outcome"], registry=r)
         self.decision_seconds = Histogram(
             "kvroute_router_decision_seconds",
             "Routing decision latency (the prompt's ids read and checked, or tokenized; key "
@@ -127,6 +129,15 @@ class _MirrorCollector(Collector):
             ("kvroute_router_bootstraps", "Full bootstraps from Redis", st.bootstraps),
         ):
             yield GaugeMetricFamily(name, doc, value=v)
+        rejected = CounterMetricFamily(
+            "kvroute_router_records_rejected",
+            "Redis records the mirror refused, by kind (heartbeat, feed, snapshot, member of "
+            "the workers set) and reason; the worker a record is about is left out of routing "
+            "until it publishes a valid one", labels=["kind", "reason"])
+        for kind in RECORD_KINDS:
+            for reason in REJECT_REASONS:
+                rejected.add_metric([kind, reason], st.rejected[kind, reason])
+        yield rejected
         inflight = GaugeMetricFamily("kvroute_router_worker_inflight",
                                      "Requests this router has outstanding per worker",
                                      labels=["worker"])

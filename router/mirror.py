@@ -8,6 +8,12 @@ on the same loop: new workers join the registry, expired ones leave it and the i
 Routing never waits on any of this: it reads :attr:`index` and :attr:`available`, both
 updated only by this loop. When Redis fails, ``available`` turns False (routing falls back to
 load alone) and the loop reconnects and bootstraps from scratch.
+
+Whatever anyone wrote into Redis, one record never takes the loop down: a heartbeat, feed
+entry, snapshot or workers-set member that breaks the schema (:class:`RecordError`, a key of
+the wrong type) is rejected, counted in :attr:`MirrorStats.rejected` by kind and reason, and
+logged at most once per :data:`_REJECT_LOG_S` per kind and worker. Only what the record is
+about is left out: a heartbeat's worker, a snapshot's cache, one feed entry, one member.
 """
 
 from __future__ import annotations
@@ -16,12 +22,24 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
 from kvroute.core.index import PrefixIndex
-from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient
-from kvroute.core.redis_schema import FeedError, FeedEvent, Heartbeat, Op, RedisKeys, unpack_keys
+from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient, explain
+from kvroute.core.redis_schema import (
+    FeedError,
+    FeedEvent,
+    Heartbeat,
+    Op,
+    RecordError,
+    RedisKeys,
+    check_name,
+    parse_snapshot,
+)
 from kvroute.router.registry import Vocabulary, WorkerRegistry
 
 log = logging.getLogger("kvroute.router.mirror")
@@ -32,6 +50,8 @@ _XREAD_COUNT = 1000
 # counted twice a second.
 _SNAPSHOT_RETRY_S = 5.0
 _SNAPSHOT_SCRIPT = "return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2])}"
+# Least seconds between two log lines about rejected records of one kind and worker.
+_REJECT_LOG_S = 30.0
 
 
 @dataclass
@@ -41,6 +61,8 @@ class MirrorStats:
     gaps: int = 0
     malformed: int = 0
     bootstraps: int = 0
+    # Records refused, by (kind, reason): redis_schema's RECORD_KINDS and REJECT_REASONS.
+    rejected: Counter[tuple[str, str]] = field(default_factory=Counter)
     lag_s: float = 0.0
     last_event_at: float = field(default=0.0)
 
@@ -82,6 +104,11 @@ class IndexMirror:
         self._stopping = asyncio.Event()
         self._expire_from = 0.0
         self.ready = asyncio.Event()  # set after the first successful bootstrap
+        self._reported: bool | None = None  # the Redis state last logged (None: not yet)
+        self.last_error = ""  # why Redis last failed, in words (redis_conn.explain)
+        self._reject_logged: dict[tuple[str, str], float] = {}  # (kind, worker) -> when
+        self._bad_beats: dict[str, bytes] = {}  # worker -> its rejected heartbeat, counted once
+        self._bad_members: set[bytes] = set()  # invalid workers-set members, to remove
 
     async def run(self) -> None:
         """Follow Redis until :meth:`stop`; on failure degrade, reconnect, bootstrap again."""
@@ -116,17 +143,50 @@ class IndexMirror:
             await self._r.aclose()
 
     def _set_available(self, up: bool, exc: BaseException | None = None) -> None:
-        if up != self.available:
+        # Logged on each change, and the first time either way: a Redis never reached (a
+        # wrong address, CA or password) is said at start, in words that name the cause.
+        if up:
+            self.last_error = ""
+        elif exc is not None:
+            self.last_error = explain(self._r, exc)
+        if up != self._reported:
+            self._reported = up
             if up:
                 log.info("redis reachable; routing by cache", extra={"kv": {
                     "workers": len(self.registry.loads), "blocks": self.index.entries()}})
+            elif isinstance(exc, AuthenticationError | NoPermissionError):
+                log.error(f"{self.last_error}; routing by load alone until it is fixed")
             else:
-                log.warning("redis unreachable; routing by load alone until it is back",
-                            extra={"kv": {"error": exc}})
+                log.warning(f"{self.last_error}; routing by load alone until it is back")
         self.available = up
         if up:
             self.ready.set()
         self._on_change()
+
+    def _reject(self, kind: str, reason: str, worker: str, error: object) -> None:
+        """Count a refused record; log it unless this kind and worker were logged lately."""
+        self.stats.rejected[kind, reason] += 1
+        self.stats.malformed += 1
+        now = time.monotonic()
+        if now - self._reject_logged.get((kind, worker), -_REJECT_LOG_S) >= _REJECT_LOG_S:
+            if len(self._reject_logged) > 10_000:  # garbage under many names: stay bounded
+                self._reject_logged.clear()
+            self._reject_logged[kind, worker] = now
+            log.warning(f"rejected a malformed {kind} record",
+                        extra={"kv": {"worker": worker, "reason": reason,
+                                      "error": f"{error}"[:300]}})
+
+    def _members(self, raw: set[bytes] | list[bytes]) -> list[str]:
+        """The workers set's members that are valid worker names; others are rejected and
+        removed by the pruning (:meth:`_poll_heartbeats`)."""
+        out = []
+        for m in raw:
+            try:
+                out.append(check_name("worker", m.decode()))
+            except ValueError as exc:  # also bad UTF-8
+                self._bad_members.add(m)
+                self._reject("member", "bad_name", repr(m)[:80], exc)
+        return out
 
     # -- bootstrap -------------------------------------------------------------------------
 
@@ -142,8 +202,8 @@ class IndexMirror:
         self._expire_from = time.monotonic() + self.registry.max_ttl_s() + self._poll_s
         self._snapshot_due.clear()  # Redis may have restarted: read every worker afresh
         await self._poll_heartbeats()
-        members = await self._r.smembers(self._keys.workers)
-        for w in {raw.decode() for raw in members} - self._feeds.keys():  # live ones: loaded
+        members = self._members(await self._r.smembers(self._keys.workers))
+        for w in set(members) - self._feeds.keys():  # live ones: loaded
             await self._load_snapshot(w)
         for w in self.index.workers():
             self.registry.set_cached_blocks(w, self.index.count(w))
@@ -156,8 +216,14 @@ class IndexMirror:
         k = self._keys
         # One script reads meta and members atomically (a MULTI would too, but redis-py's
         # cluster transactions cannot run SMEMBERS); both keys share the model's slot.
-        flat, members = await self._r.eval(_SNAPSHOT_SCRIPT, 2, k.meta(worker),
-                                           k.snapshot(worker))
+        try:
+            flat, members = await self._r.eval(_SNAPSHOT_SCRIPT, 2, k.meta(worker),
+                                               k.snapshot(worker))
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            flat, members = [], []  # a snapshot or meta key that is not a set / hash
+            self._reject("snapshot", "wrong_type", worker, exc)
         meta = dict(zip(flat[::2], flat[1::2], strict=True))
         self.stats.snapshot_loads += 1
         if not meta:
@@ -165,13 +231,9 @@ class IndexMirror:
             self._feeds.pop(worker, None)
             return
         try:
-            epoch = meta[b"epoch"].decode()
-            seq = int(meta[b"seq"])
-            keys = [unpack_keys(m)[0] for m in members]
-        except (KeyError, ValueError, IndexError) as exc:
-            self.stats.malformed += 1
-            log.error("malformed snapshot; ignoring worker's cache",
-                      extra={"kv": {"worker": worker, "error": exc}})
+            epoch, seq, keys = parse_snapshot(meta, members)
+        except RecordError as exc:
+            self._reject("snapshot", exc.reason, worker, exc)
             self.index.remove_worker(worker)
             self._feeds.pop(worker, None)
             return
@@ -206,9 +268,8 @@ class IndexMirror:
         try:
             ev = FeedEvent.from_fields(fields)
         except FeedError as exc:
-            self.stats.malformed += 1
-            log.warning("skipping malformed feed entry",
-                        extra={"kv": {"id": entry_id.decode(), "error": exc}})
+            worker = fields.get(b"w", b"?").decode(errors="replace")[:80]
+            self._reject("feed", exc.reason, worker, f"entry {entry_id.decode()}: {exc}")
             return None
         ms = int(entry_id.split(b"-")[0])
         self.stats.lag_s = max(0.0, time.time() - ms / 1000)
@@ -251,7 +312,7 @@ class IndexMirror:
 
     async def _poll_heartbeats(self) -> None:
         k = self._keys
-        members = [m.decode() for m in await self._r.smembers(k.workers)]
+        members = self._members(await self._r.smembers(k.workers))
         raws = await self._r.mget([k.heartbeat(w) for w in members]) if members else []
         beats: dict[str, Heartbeat] = {}
         for w, raw in zip(members, raws, strict=True):
@@ -259,15 +320,19 @@ class IndexMirror:
                 continue
             try:
                 hb = Heartbeat.from_json(raw)
-            except ValueError as exc:
-                self.stats.malformed += 1
-                log.warning("ignoring malformed heartbeat",
-                            extra={"kv": {"worker": w, "error": exc}})
+                if hb.worker_id != w:
+                    raise RecordError(f"heartbeat of {w!r} names worker {hb.worker_id!r}",
+                                      "mismatch")
+            except RecordError as exc:
+                # A record read again unchanged at the next scan is not counted again.
+                if self._bad_beats.get(w) != raw:
+                    self._bad_beats[w] = raw
+                    self._reject("heartbeat", exc.reason, w, exc)
                 continue
-            if hb.worker_id != w:
-                self.stats.malformed += 1
-                continue
+            self._bad_beats.pop(w, None)
             beats[w] = hb
+        for w in self._bad_beats.keys() - set(members):
+            del self._bad_beats[w]
         self.registry.revive_due()
         added, expired = self.registry.apply_heartbeats(
             beats, expire=time.monotonic() >= self._expire_from)
@@ -306,6 +371,10 @@ class IndexMirror:
             due.pop(w, None)
             log.warning("worker heartbeat expired; forgetting it",
                         extra={"kv": {"worker": w, "blocks_dropped": dropped}})
+        if self._bad_members:
+            # Not a worker name: no worker can own it, and it would be rejected at every scan.
+            await self._r.srem(k.workers, *self._bad_members)
+            self._bad_members.clear()
         if gone:
             # Prune dead members so the scan stays small. A worker restarting under the same
             # id re-adds itself on its next heartbeat and resyncs if its snapshot went away.

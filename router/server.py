@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -12,6 +14,7 @@ from typing import Any
 import grpc
 
 from kvroute.core.agent_client import AgentChannels
+from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.core.config import RouterConfig
 from kvroute.core.grpc_util import (
     add_handlers,
@@ -23,6 +26,7 @@ from kvroute.core.grpc_util import (
     start_metrics,
     wire_keeping_handler,
 )
+from kvroute.core.model_source import parse_model_option
 from kvroute.core.native import native_builds
 from kvroute.core.placement import (
     ForkSegment,
@@ -33,7 +37,7 @@ from kvroute.core.placement import (
     program_prefill_tokens,
 )
 from kvroute.core.policies import make_policy
-from kvroute.core.redis_conn import connect
+from kvroute.core.redis_conn import connect_config, redact_url
 from kvroute.core.redis_schema import RedisKeys
 from kvroute.core.tokenizer import Tokenizer, make_tokenizer
 from kvroute.core.validate import (
@@ -50,6 +54,8 @@ from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_conf
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
+from kvroute.router.openai_api import OpenAIFront
+from kvroute.router.refusal import RefusedError
 from kvroute.router.registry import Vocabulary, WorkerRegistry, parse_static
 from kvroute.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -91,9 +97,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                    channels, mirror, self._inflight, self._release, metrics,
                                    decider.block_size, cfg.predict_ttl_s, cfg.max_copies)
 
-    def invalid(self, method: str) -> None:
+    def invalid(self, method: str, api: str = "grpc") -> None:
         """Count a request refused as INVALID_ARGUMENT before it reached ``method``."""
-        self._m.requests.labels(method, "invalid").inc()
+        self._m.requests.labels(api, method, "invalid").inc()
 
     # -- shared front half -------------------------------------------------------------------
 
@@ -140,9 +146,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self.invalid("Route")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoWorkersError as exc:
-            self._m.requests.labels("Route", "unavailable").inc()
+            self._m.requests.labels("grpc", "Route", "unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self._m.requests.labels("Route", "ok").inc()
+        self._m.requests.labels("grpc", "Route", "ok").inc()
         resp = router_pb2.RouteResponse(
             request_id=request.request_id or uuid.uuid4().hex, worker_id=d.best,
             cached_tokens=d.cached_tokens(d.best), prompt_tokens=len(tokens),
@@ -175,17 +181,35 @@ class RouterService(router_pb2_grpc.RouterServicer):
         wire: bytes | None = None,
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """``wire``: the bytes ``request`` was parsed from (:func:`add_router_service`)."""
+        try:
+            # aclosing: a cancelled call ends generate() here and now (its finally blocks
+            # cancel the agent call and release the worker's load), not when collected.
+            async with contextlib.aclosing(self.generate(request, wire)) as responses:
+                async for resp in responses:
+                    yield resp
+        except RefusedError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def generate(
+        self, request: common_pb2.GenerateRequest, wire: bytes | None = None,
+        api: str = "grpc",
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """The one generation path every API takes: validate, decide (coalescing, copies),
+        send to the best worker, retry the next-best once if it fails before its first
+        token, stream its responses. Raises :class:`RefusedError` for what it does not serve;
+        closing the iterator early (a client gone) cancels the agent call. ``api`` labels
+        the request metrics (grpc, http)."""
         t0 = time.perf_counter()
         try:
             tokens = self._prompt(request, wire)
             check_sampling(request, self._limits)
             d = self._decide(tokens, request, t0)
         except InvalidRequestError as exc:
-            self.invalid("Generate")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.invalid("Generate", api)
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
         except NoWorkersError as exc:
-            self._m.requests.labels("Generate", "unavailable").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            self._m.requests.labels(api, "Generate", "unavailable").inc()
+            raise RefusedError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
         rid = request.request_id or uuid.uuid4().hex
         # A plain request goes on as the bytes it came in, with the router's request id
@@ -217,7 +241,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         predicting = self._cfg.predict_ttl_s > 0 and self._mirror.available and bool(d.keys)
         waited = False
         if predicting:
-            d, waited = await self._coalesce(d, rid)
+            d, waited = await self._coalesce(d, rid, api)
         if program is None:
             self.copier.maybe_copy(d, tokens, request, rid)
         sent = 0
@@ -290,9 +314,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     self._registry.end(o.worker, o.weight)
                 if not done and failure is None:
                     call.cancel()
-                    self._m.requests.labels("Generate", "cancelled").inc()
+                    self._m.requests.labels(api, "Generate", "cancelled").inc()
             if done:
-                self._m.requests.labels("Generate", "ok").inc()
+                self._m.requests.labels(api, "Generate", "ok").inc()
                 return
             assert failure is not None
             if predicted is not None and not started:
@@ -300,26 +324,27 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._m.withdrawn.inc(predicted.withdraw(self._mirror.index))
             if started:
                 # Tokens already reached the client: a retry would repeat them.
-                self._m.requests.labels("Generate", "failed_midstream").inc()
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"worker {w} failed mid-stream: {failure.details()}")
+                self._m.requests.labels(api, "Generate", "failed_midstream").inc()
+                raise RefusedError(grpc.StatusCode.UNAVAILABLE,
+                                   f"worker {w} failed mid-stream: {failure.details()}",
+                                   midstream=True)
             if failure.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                   grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   grpc.StatusCode.FAILED_PRECONDITION,  # e.g. a program
                                   grpc.StatusCode.UNIMPLEMENTED):       # the engine can't run
-                self._m.requests.labels("Generate", "rejected").inc()
-                await context.abort(failure.code(), f"worker {w}: {failure.details()}")
+                self._m.requests.labels(api, "Generate", "rejected").inc()
+                raise RefusedError(failure.code(), f"worker {w}: {failure.details()}")
             errors.append(f"{w}: {failure.code().name} {failure.details()}")
             log.warning("agent failed before first token; trying next-best",
                         extra={"kv": {"worker": w, "request": rid,
                                       "code": failure.code().name,
                                       "details": failure.details()}})
             self._registry.mark_down(w, _DOWN_S, f"{failure.code().name}: {failure.details()}")
-        self._m.requests.labels("Generate", "unavailable").inc()
-        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                            "no worker could serve the request: " + "; ".join(errors))
+        self._m.requests.labels(api, "Generate", "unavailable").inc()
+        raise RefusedError(grpc.StatusCode.UNAVAILABLE,
+                           "no worker could serve the request: " + "; ".join(errors))
 
-    async def _coalesce(self, d: Decision, rid: str) -> tuple[Decision, bool]:
+    async def _coalesce(self, d: Decision, rid: str, api: str) -> tuple[Decision, bool]:
         """Coalescing: when the chosen worker matched the prompt's prefix only by a
         prediction, hold the request until the request that prediction stands for has its
         first token (its prefix is then stored), so it is prefilled once: an engine admits
@@ -350,7 +375,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         extra={"kv": {"request": rid, "worker": w,
                                       "waited_s": self._cfg.coalesce_wait_s}})
         except asyncio.CancelledError:
-            self._m.requests.labels("Generate", "cancelled").inc()
+            self._m.requests.labels(api, "Generate", "cancelled").inc()
             raise
         finally:
             self._registry.first_token(w, uncached, attended)
@@ -390,19 +415,25 @@ class RouterApp:
     """The router: mirror + registry + gRPC server + metrics. Start, then stop."""
 
     def __init__(self, cfg: RouterConfig) -> None:
-        self.cfg = cfg
         try:
             static = parse_static(cfg.workers)
             policy = make_policy(cfg.policy)
-            self._tok = make_tokenizer(cfg.tokenizer)
-        except ValueError as exc:
+            # --model NAME=SOURCE: the model's own tokenizer (and chat template) at the router.
+            cfg, chat = load_model(cfg)
+            self._tok: Tokenizer | None = chat if chat is not None else \
+                make_tokenizer(cfg.tokenizer)
+        except ValueError as exc:  # ModelSourceError, ChatTemplateError included
             raise SystemExit(str(exc)) from None
+        self.cfg = cfg
+        self.chat = chat
         # The ids this router speaks: workers speaking others are left out (and named).
-        vocabulary = (Vocabulary(self._tok.name, self._tok.vocab_size) if self._tok is not None
-                      else Vocabulary("", cfg.vocab_size))
+        # A model's own tokenizer has no name agents report: its vocabulary size is compared.
+        vocabulary = (Vocabulary("", chat.vocab_size) if chat is not None
+                      else Vocabulary(self._tok.name, self._tok.vocab_size)
+                      if self._tok is not None else Vocabulary("", cfg.vocab_size))
         self.registry = WorkerRegistry(static, cfg.block_size, vocabulary)
         self.metrics = RouterMetrics()
-        self.mirror = IndexMirror(connect(cfg.redis, block_timeout_s=cfg.poll_interval_s),
+        self.mirror = IndexMirror(connect_config(cfg, block_timeout_s=cfg.poll_interval_s),
                                   RedisKeys(cfg.model), self.registry,
                                   poll_interval_s=cfg.poll_interval_s,
                                   retry_s=cfg.redis_retry_s)
@@ -413,6 +444,8 @@ class RouterApp:
             self.metrics.registry.register(DiscoveryCollector(self.discovery))
         self.channels = AgentChannels()
         self.port = 0
+        self.http_port = 0
+        self.http: OpenAIFront | None = None  # set at start, with --http-port
         self.service: RouterService | None = None  # set at start
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
@@ -424,7 +457,16 @@ class RouterApp:
         # Ports first: a taken one ends the start before anything needs stopping.
         server = new_server()
         self.port = bind(server, cfg.host, cfg.port)
-        self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, self.metrics.registry)
+        if cfg.http_port:
+            self.http = OpenAIFront(cfg, self._tok)
+            self.http_port = await self.http.bind(cfg.host, cfg.http_port)
+        try:
+            self._metrics_http = start_metrics(cfg.metrics_port, cfg.host,
+                                               self.metrics.registry)
+        except BaseException:  # a taken metrics port: the HTTP one is not left listening
+            if self.http is not None:
+                await self.http.stop()
+            raise
         self.metrics.watch(self.mirror)
         if self.decider.tail is not None:
             self.metrics.watch_tail(self.decider.tail)
@@ -444,6 +486,8 @@ class RouterApp:
         self.service = RouterService(cfg, self.decider, self.mirror, self.registry,
                                      self.channels, self.metrics, self._tok)
         add_router_service(self.service, server)
+        if self.http is not None:
+            self.http.serve(self.service, self.registry)
         self._health = add_standard_services(server, [SERVICE])
         await server.start()
         self._server = server
@@ -451,8 +495,9 @@ class RouterApp:
         native = native_builds()
         log.info("router serving", extra={"kv": {
             "port": self.port, "policy": cfg.policy, "model": cfg.model,
-            "block_size": cfg.block_size, "redis": cfg.redis,
-            "metrics_port": cfg.metrics_port or "off", "native": native}})
+            "block_size": cfg.block_size, "redis": redact_url(cfg.redis),
+            "metrics_port": cfg.metrics_port or "off", "http_port": self.http_port or "off",
+            "native": native}})
         missing = sorted(name for name, built in native.items() if not built)
         if missing:
             log.warning("C builds missing, their pure-Python paths run (same results, several "
@@ -463,6 +508,8 @@ class RouterApp:
     async def stop(self, grace_s: float = 5.0) -> None:
         if self._health is not None:
             await set_serving(self._health, [SERVICE], False)
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
         if self.service is not None:
@@ -475,6 +522,20 @@ class RouterApp:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         log.info("router stopped")
+
+
+def load_model(cfg: RouterConfig) -> tuple[RouterConfig, ChatTokenizer | None]:
+    """``cfg`` with its ``model`` the bare NAME, and the tokenizer of ``--model NAME=SOURCE``
+    (None for a bare name). With a model tokenizer, token ids are checked against its
+    vocabulary: ``vocab_size`` becomes the tokenizer's. ValueError names what is wrong."""
+    if "=" not in cfg.model:
+        return cfg, None
+    name, source = parse_model_option(cfg.model)
+    if cfg.tokenizer:
+        raise ValueError(f"--model {cfg.model!r} names the model's tokenizer: drop "
+                         f"--tokenizer {cfg.tokenizer!r}")
+    chat = ChatTokenizer.load(source, name=name)
+    return dataclasses.replace(cfg, model=name, vocab_size=chat.vocab_size), chat
 
 
 async def run_router(cfg: RouterConfig) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute.core.cache_events import CacheEvent
-from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient
+from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient, refusal
 from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
 
 log = logging.getLogger("kvroute.agent.publisher")
@@ -170,7 +170,10 @@ class CachePublisher:
             if up:
                 log.info("redis reachable", extra={"kv": {"worker": self._worker}})
             else:
-                log.warning("redis unreachable; buffering cache events",
+                # Refused credentials, a denied command or a failed TLS handshake are named
+                # as such (never with the password), not as unreachability.
+                why = refusal(self._r, exc) if exc is not None else None
+                log.warning(f"{why or 'redis unreachable'}; buffering cache events",
                             extra={"kv": {"worker": self._worker, "error": exc}})
         self.stats.redis_up = up
 

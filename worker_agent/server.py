@@ -25,7 +25,7 @@ from kvroute.core.grpc_util import (
     wire_keeping_handler,
 )
 from kvroute.core.load import ArrivalRate
-from kvroute.core.redis_conn import connect
+from kvroute.core.redis_conn import connect_config
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, check_name
 from kvroute.core.tokenizer import vocab_size
 from kvroute.core.validate import (
@@ -282,7 +282,7 @@ class AgentApp:
             )
 
         pub = CachePublisher(
-            connect(cfg.redis), RedisKeys(cfg.model), self.worker_id, engine.cached_keys,
+            connect_config(cfg), RedisKeys(cfg.model), self.worker_id, engine.cached_keys,
             heartbeat, heartbeat_s=cfg.heartbeat_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
             max_pending=cfg.publish_buffer, feed_maxlen=cfg.feed_maxlen,
         )

@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 
 from kvroute.core.config import NON_NEGATIVE
 from kvroute.core.policies import REGISTRY, make_policy
+from kvroute.demo.openai_model import openai_lines, write_byte_model
 from kvroute.demo.procs import (
     Child,
     ChildError,
@@ -164,11 +165,14 @@ async def flush_redis(url: str) -> None:
 
 
 async def start_cluster(children: Children, policy: str, redis_url: str,
-                        opts: DemoOptions, engine: str = "sim", label: str = "") -> Cluster:
-    """``label`` names the run in progress lines (default: the policy)."""
+                        opts: DemoOptions, engine: str = "sim", label: str = "",
+                        router_args: Sequence[str] | None = None) -> Cluster:
+    """``label`` names the run in progress lines (default: the policy); ``router_args``
+    replace the engine's router arguments (ENGINE_ARGS)."""
     label = label or policy
     progress(f"[{label}] starting {opts.workers} {engine} agents and a router")
-    agent_args, router_args = ENGINE_ARGS[engine]
+    agent_args, engine_router_args = ENGINE_ARGS[engine]
+    router_args = engine_router_args if router_args is None else router_args
     kvroute = [sys.executable, "-m", "kvroute"]
     agents: list[Child] = []
     worker_ids: list[str] = []
@@ -290,16 +294,24 @@ async def demo(opts: DemoOptions, children: Children) -> tuple[list[PolicyReport
 
 
 async def serve(opts: DemoOptions, children: Children, redis_url: str) -> None:
-    """Keep a tiny-engine cluster up for controller programs until interrupted."""
+    """Keep a tiny-engine cluster up for controller programs and the OpenAI-compatible HTTP
+    front (its model: the byte vocabulary's, with a chat template) until interrupted."""
     await flush_redis(redis_url)
-    cluster = await start_cluster(children, "kvroute", redis_url, opts, engine="tiny")
-    addr = cluster.router_address
-    print(f"\nserving controller programs: a kvroute router at {addr}, {opts.workers} tiny "
-          "agents (byte vocabulary, 258 ids)\n"
-          f"  python examples/run_all.py --router {addr}\n"
-          f"  python examples/best_of_n_json.py --router {addr}\n"
-          "Ctrl-C stops everything.", flush=True)
-    await asyncio.Event().wait()
+    with tempfile.TemporaryDirectory(prefix="kvroute-demo-model-") as model_dir:
+        write_byte_model(Path(model_dir))
+        http = f"127.0.0.1:{children.free_port()}"
+        cluster = await start_cluster(children, "kvroute", redis_url, opts, engine="tiny",
+                                      router_args=("--model", f"default={model_dir}",
+                                                   "--http-port", http.rsplit(":", 1)[1]))
+        addr = cluster.router_address
+        print(f"\nserving controller programs: a kvroute router at {addr}, {opts.workers} "
+              "tiny agents (byte vocabulary, 258 ids)\n"
+              f"  python examples/run_all.py --router {addr}\n"
+              f"  python examples/best_of_n_json.py --router {addr}\n"
+              f"and the OpenAI API at http://{http}/v1 (model 'default'; docs/http.md):\n"
+              f"{openai_lines(http, 'default')}\n"
+              "Ctrl-C stops everything.", flush=True)
+        await asyncio.Event().wait()
 
 
 # -- reporting ---------------------------------------------------------------------------------

@@ -67,6 +67,10 @@ CASES = {
                      *TINY_REPLAY], ["[1/1] chat_s1", "as replayed: 1 cells"]),
     "replay_speed.py": (["--trace", "{chat}", "--tile", "2", "--policies", "kvroute"],
                         ["400 requests, 16 workers", "kvroute ", "x round_robin"]),
+    "http_front.py": (["--iters", "4", "--requests", "16", "--concurrency", "8",
+                       "--conversations", "1", "--agents", "2", "--tokens", "8"],
+                      ["1. chat template + tokenization", "HTTP chat vs gRPC Generate",
+                       "HTTP/gRPC "]),
 }
 
 

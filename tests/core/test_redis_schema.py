@@ -117,3 +117,72 @@ def test_heartbeat_carries_the_workers_vocabulary() -> None:
         with pytest.raises(ValueError, match="tokenizer"):
             Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
                                 f'"tokenizer":{bad}}}')
+
+
+def test_heartbeat_numbers_are_bounded() -> None:
+    from kvroute.core.redis_schema import HEARTBEAT_INT_MAX, MAX_TTL_S, RecordError
+
+    base = '{"worker_id":"w","address":"a:1","epoch":"e",'
+    for name, high in HEARTBEAT_INT_MAX.items():
+        assert getattr(Heartbeat.from_json(base + f'"{name}":{high}}}'), name) == high
+        for bad in (high + 1, 2 * 10 ** 70, 10 ** 4000):
+            with pytest.raises(RecordError, match=f"{name} must be .* at most") as err:
+                Heartbeat.from_json(base + f'"{name}":{bad}}}')
+            assert err.value.reason == "out_of_range"
+    assert Heartbeat.from_json(base + f'"ttl_s":{MAX_TTL_S}}}').ttl_s == MAX_TTL_S
+    for bad in ("NaN", "Infinity", "1e300", "3600.5", "0", "-1"):
+        with pytest.raises(RecordError, match=r"ttl_s must be in \(0, 3600\]"):
+            Heartbeat.from_json(base + f'"ttl_s":{bad}}}')
+    for bad, reason in (("[" * 50_000, "not_json"), (b"\xff", "not_json"),
+                        ("x" * 70_000, "too_large"), ('"s"', "not_json"),
+                        (base + '"worker_id":"a b"}', "bad_name"),
+                        (base + '"extra":{"k":1}}', "bad_type")):
+        with pytest.raises(RecordError) as err:
+            Heartbeat.from_json(bad)
+        assert err.value.reason == reason
+
+
+def test_feed_and_snapshot_numbers_are_bounded() -> None:
+    from kvroute.core.redis_schema import FeedError, RecordError, parse_snapshot
+
+    ok = {b"w": b"w", b"e": b"e", b"op": b"store", b"k": pack_keys([1])}
+    assert FeedEvent.from_fields({**ok, b"s": str((1 << 63) - 1).encode()}).seq == (1 << 63) - 1
+    for s, reason in ((str(1 << 63).encode(), "out_of_range"), (b"2e70", "bad_type"),
+                      (b"9" * 5000, "bad_type")):
+        with pytest.raises(FeedError) as err:
+            FeedEvent.from_fields({**ok, b"s": s})
+        assert err.value.reason == reason
+    with pytest.raises(FeedError, match="bad worker") as err:
+        FeedEvent.from_fields({**ok, b"s": b"1", b"w": b"two words"})
+    assert parse_snapshot({b"epoch": b"e", b"seq": b"3"}, [pack_keys([5]), pack_keys([6])]
+                          ) == ("e", 3, [5, 6])
+    for meta, members, reason in (({b"seq": b"1"}, [], "missing_field"),
+                                  ({b"epoch": b"\xff", b"seq": b"1"}, [], "bad_type"),
+                                  ({b"epoch": b"e", b"seq": str(1 << 64).encode()}, [],
+                                   "out_of_range"),
+                                  ({b"epoch": b"e", b"seq": b"1"}, [b"\x00" * 16], "bad_type"),
+                                  ({b"epoch": b"e", b"seq": b"1"}, [b"\x00" * 3], "bad_type")):
+        with pytest.raises(RecordError) as err:
+            parse_snapshot(meta, members)
+        assert err.value.reason == reason
+
+
+def test_the_security_doc_shows_the_acl_the_code_grants() -> None:
+    """docs/security.md's ACL lines are acl_rules' output (the TLS test runs with them)."""
+    from pathlib import Path
+
+    from kvroute.core.redis_schema import acl_rules
+
+    doc = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
+    block = doc.split("<!-- acl:begin -->")[1].split("<!-- acl:end -->")[0]
+    lines = [ln for ln in block.splitlines() if ln.startswith("user ")]
+    assert lines == [
+        "user kvr-router on >ROUTER_PASSWORD " + " ".join(acl_rules("router", "MODEL")),
+        "user kvr-agent-WORKER on >AGENT_PASSWORD "
+        + " ".join(acl_rules("agent", "MODEL", "WORKER")),
+        "user kvr-agent on >AGENT_PASSWORD " + " ".join(acl_rules("agent", "MODEL")),
+    ]
+    with pytest.raises(ValueError, match="role 'admin'"):
+        acl_rules("admin", "m")
+    with pytest.raises(ValueError, match="worker 'a\\*'"):
+        acl_rules("agent", "m", "a*")  # a glob would grant other agents' keys

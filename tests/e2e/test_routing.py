@@ -139,7 +139,7 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "malformed GenerateRequest (3 bytes)" in err.value.details()
     invalid = router.metrics.registry.get_sample_value(
-        "kvroute_router_requests_total", {"rpc": "Route", "outcome": "invalid"})
+        "kvroute_router_requests_total", {"api": "grpc", "rpc": "Route", "outcome": "invalid"})
     assert invalid == 4  # three bad ids (one per encoding), one malformed message
     # The decider's tail is scraped too, for a policy that reads it: none yet, far fewer
     # than 200 requests were routed.

@@ -57,7 +57,8 @@ async def test_a_byte_router_excludes_a_gpt2_worker_and_says_why(cluster, caplog
     assert router.metrics.registry.get_sample_value(
         "kvroute_router_worker_routable", {"worker": "g"}) == 0
     assert router.metrics.registry.get_sample_value(
-        "kvroute_router_requests_total", {"rpc": "Generate", "outcome": "unavailable"}) == 1
+        "kvroute_router_requests_total",
+        {"api": "grpc", "rpc": "Generate", "outcome": "unavailable"}) == 1
 
 
 async def test_a_mixed_cluster_routes_only_to_the_matching_worker(cluster) -> None:

@@ -86,10 +86,12 @@ def test_router_deployment(rendered: dict[str, str]) -> None:
     dep = m.one("Deployment", "-router")
     assert dep["spec"]["replicas"] == 2
     c = container(dep, "router")
-    assert c["livenessProbe"]["grpc"]["port"] == 50051
+    # Alive while the HTTP front answers; ready while the gRPC Router service is serving.
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": "kvroute.v1.Router"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051,
-                                                                   "metrics": 9100}
+                                                                   "metrics": 9100,
+                                                                   "http": 8000}
     aff = pod_spec(dep)["affinity"]["podAntiAffinity"]
     assert "preferredDuringSchedulingIgnoredDuringExecution" in aff
     pdb = m.one("PodDisruptionBudget", "-router")
@@ -98,7 +100,8 @@ def test_router_deployment(rendered: dict[str, str]) -> None:
         dep["spec"]["template"]["metadata"]["labels"].items()
     assert "HorizontalPodAutoscaler" not in m.kinds()
     svc = m.one("Service", "-router")
-    assert svc["spec"]["ports"][0]["targetPort"] == "grpc"
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
+        (50051, "grpc"), (8000, "http")]
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert m.one("Service", "-router-metrics")["spec"]["ports"][0]["targetPort"] == "metrics"
 
@@ -272,6 +275,29 @@ def test_agent_only_mode(rendered: dict[str, str]) -> None:
         assert env["KVROUTE_REDIS"] == "redis+cluster://redis-cluster.data.svc:6379"
 
 
+def test_the_http_front_takes_the_models_tokenizer_from_a_volume_or_the_hub(
+        helm: Path) -> None:
+    m = Manifests.parse(template(helm, sets=(
+        "router.modelSource=/models/qwen", "router.modelVolume.persistentVolumeClaim.claimName=m")))
+    dep = m.one("Deployment", "-router")
+    c = container(dep, "router")
+    ns = build_parser().parse_args(c["args"])
+    assert ns.model == "Qwen/Qwen2.5-7B-Instruct=/models/qwen"  # the name, then its source
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "m"}} in \
+        pod_spec(dep)["volumes"]
+    m = Manifests.parse(template(helm, sets=(
+        "router.modelSource=hf:Qwen/Qwen2.5-7B-Instruct", "router.hfTokenSecret.name=hf")))
+    c = container(m.one("Deployment", "-router"), "router")
+    env = env_of(c)
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert {"name": "hf-cache", "mountPath": env["HF_HOME"]} in c["volumeMounts"]
+    off = Manifests.parse(template(helm, sets=("router.httpPort=0",)))
+    c = container(off.one("Deployment", "-router"), "router")
+    assert c["livenessProbe"]["grpc"]["port"] == 50051 and env_of(c)["KVROUTE_HTTP_PORT"] == "0"
+    assert [p["name"] for p in off.one("Service", "-router")["spec"]["ports"]] == ["grpc"]
+
+
 def test_router_policy_takes_a_spec_with_parameter_overrides(helm: Path) -> None:
     m = Manifests.parse(template(helm, sets=("router.policy=kvroute:hold=2:batch_weight=1",)))
     env = env_of(container(m.one("Deployment", "-router"), "router"))
@@ -365,6 +391,8 @@ def test_network_policies(rendered: dict[str, str]) -> None:
     router = pols["kvr-router"]
     assert router["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "gateway"}
+    # The HTTP front is open to the same peers as the gRPC port.
+    assert [p["port"] for p in router["spec"]["ingress"][0]["ports"]] == [50051, 8000]
 
 
 def test_service_monitors_select_the_metrics_services(rendered: dict[str, str]) -> None:
@@ -458,12 +486,16 @@ def test_notes_tell_how_to_send_a_first_request(helm: Path, tmp_path: Path) -> N
     notes = render_notes(helm, tmp_path)
     assert "kubectl -n kvr port-forward svc/rel-kvroute-router 50051:50051" in notes
     assert "grpcurl -plaintext -d" in notes and "kvroute.v1.Router/Generate" in notes
-    bodies = re.findall(r"-d '(\{.*?\})'", notes)
+    bodies = re.findall(r"-d '(\{.*?\})' \\\n +localhost:50051", notes)
     assert len(bodies) == 2
     from google.protobuf import json_format
 
+    from kvroute.router.openai_schema import parse_completion
     from kvroute.v1 import common_pb2
 
+    (http,) = re.findall(r"curl -N localhost:8000/v1/completions .*\\\n +-d '(\{.*?\})'", notes)
+    assert parse_completion(json.loads(http)).model == "Qwen/Qwen2.5-7B-Instruct"
+    assert "port-forward svc/rel-kvroute-router 8000:8000" in notes
     for body in bodies:  # each request body is a valid GenerateRequest in JSON
         req = json_format.ParseDict(json.loads(body), common_pb2.GenerateRequest())
         assert req.model == "Qwen/Qwen2.5-7B-Instruct"

@@ -174,3 +174,105 @@ async def test_the_bootstrapped_index_adds_nothing_per_block_to_a_full_collectio
         assert collector_visits(m.index) == collector_visits(one_block_each)
     finally:
         await m.stop(task)
+
+
+def raw_beat(client, worker: str, **fields: object) -> str:
+    """A heartbeat JSON as anyone with write access could put it, ``fields`` overriding a
+    valid one's; registered in the workers set like an agent's."""
+    import json
+    data = json.loads(Heartbeat(worker, "127.0.0.1:1", "e", ttl_s=1.0).to_json())
+    data.update(fields)
+    raw = json.dumps(data)
+    client.set(KEYS.heartbeat(worker), raw, px=5000)
+    client.sadd(KEYS.workers, worker)
+    return raw
+
+
+@pytest.mark.parametrize(("field", "value", "reason"), [
+    ("running", 2 * 10 ** 70, "out_of_range"),
+    ("pending_prefill_tokens", 10 ** 30, "out_of_range"),
+    ("capacity_blocks", 1 << 63, "out_of_range"),
+    ("max_running", 1 << 64, "out_of_range"),
+    ("ttl_s", 1e300, "out_of_range"),
+    ("ttl_s", float("nan"), "out_of_range"),
+    ("ttl_s", 0, "out_of_range"),
+    ("arrival_rate", 1e300, "out_of_range"),
+    ("worker_id", "other", "mismatch"),
+    ("queued", "7", "bad_type"),
+])
+async def test_a_hostile_heartbeat_is_rejected_counted_once_and_others_stay(
+        redis_server, mirror, field: str, value: object, reason: str) -> None:
+    c = redis_server.client()
+    raw_beat(c, "good")
+    raw_beat(c, "evil", **{field: value})
+    await wait_for(lambda: "good" in mirror.registry.loads, what="the good worker joined")
+    await wait_for(lambda: mirror.stats.rejected["heartbeat", reason] == 1,
+                   what=f"the {field}={value!r} heartbeat counted as {reason}")
+    await asyncio.sleep(0.3)  # several scans: the same record is not counted again
+    assert mirror.stats.rejected["heartbeat", reason] == 1
+    assert "evil" not in mirror.registry.loads
+    assert mirror.available
+
+
+async def test_garbage_heartbeats_feed_entries_snapshots_and_members_are_rejected(
+        redis_server, mirror) -> None:
+    c = redis_server.client()
+    raw_beat(c, "good")
+    for name, raw in (("deep", "[" * 50_000), ("huge", "x" * 100_000), ("bytes", b"\xff\xfe")):
+        c.set(KEYS.heartbeat(name), raw, px=5000)
+        c.sadd(KEYS.workers, name)
+    c.sadd(KEYS.workers, b"\xff\xfe", "bad name*")  # not worker names at all
+    # Snapshots: a member that is not one 8-byte key, a meta that is not a hash, a huge seq.
+    raw_beat(c, "snap16")
+    c.hset(KEYS.meta("snap16"), mapping={"epoch": "e", "seq": 1})
+    c.sadd(KEYS.snapshot("snap16"), b"\x00" * 16)
+    raw_beat(c, "snaptype")
+    c.set(KEYS.meta("snaptype"), "a string, not a hash")
+    raw_beat(c, "snapseq")
+    c.hset(KEYS.meta("snapseq"), mapping={"epoch": "e", "seq": str(1 << 70)})
+    # Feed entries: a 2e70 seq, a seq too long to be a number, bad UTF-8, a bad worker name.
+    for fields in ({"w": "good", "e": "e", "s": str(2 * 10 ** 70), "op": "store", "k": b""},
+                   {"w": "good", "e": "e", "s": "9" * 5000, "op": "store"},
+                   {"w": b"\xff", "e": "e", "s": 1, "op": "clear"},
+                   {"w": "no spaces", "e": "e", "s": 1, "op": "clear"}):
+        c.xadd(KEYS.feed, fields)
+    publish(c, FeedEvent("good", "e1", 1, Op.CLEAR))
+    publish(c, FeedEvent("good", "e1", 2, Op.STORE, (7,)))
+    await wait_for(lambda: mirror.index.keys_of("good") == {7}, what="good events applied")
+    rej = mirror.stats.rejected
+    await wait_for(lambda: rej["snapshot", "wrong_type"] >= 1 and rej["member", "bad_name"] >= 2,
+                   what="every garbage record rejected")
+    assert rej["heartbeat", "not_json"] == 2  # deep nesting and bad UTF-8
+    assert rej["heartbeat", "too_large"] == 1
+    assert rej["snapshot", "bad_type"] >= 1 and rej["snapshot", "out_of_range"] >= 1
+    assert rej["feed", "out_of_range"] == 1 and rej["feed", "bad_type"] == 2
+    assert rej["feed", "bad_name"] == 1
+    # Invalid members are removed, so they are counted once, not at every scan.
+    await asyncio.sleep(0.3)
+    assert rej["member", "bad_name"] == 2
+    assert c.smismember(KEYS.workers, [b"\xff\xfe", "bad name*"]) == [0, 0]
+    assert mirror.available and "good" in mirror.registry.loads
+    for w in ("snap16", "snaptype", "snapseq"):  # live, but with no cache believed
+        assert w in mirror.registry.loads and mirror.index.count(w) == 0
+
+
+async def test_rejections_are_exported_and_logged_at_most_once_a_while(
+        redis_server, mirror, caplog) -> None:
+    from prometheus_client import generate_latest
+
+    from kvroute.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    metrics.watch(mirror)
+    c = redis_server.client()
+    with caplog.at_level("WARNING", logger="kvroute.router.mirror"):
+        for i in range(5):  # five different bad records of one worker
+            raw_beat(c, "evil", running=10 ** 40 + i)
+            await wait_for(lambda i=i: mirror.stats.rejected["heartbeat", "out_of_range"] == i + 1,
+                           what=f"bad heartbeat {i} counted")
+    text = generate_latest(metrics.registry).decode()
+    assert ('kvroute_router_records_rejected_total{kind="heartbeat",reason="out_of_range"} 5.0'
+            in text)
+    assert 'kvroute_router_records_rejected_total{kind="feed",reason="bad_type"} 0.0' in text
+    logged = [r for r in caplog.records if "rejected a malformed heartbeat" in r.getMessage()]
+    assert len(logged) == 1

@@ -1,0 +1,266 @@
+"""Benchmark: what the OpenAI-compatible HTTP front adds over gRPC ``Generate``.
+
+One real redis-server, ``--agents`` in-process sim agents (no modelled latency) and one router
+with ``--http-port`` and ``--model bench=DIR``, DIR the tiny engine's byte-vocabulary model
+(kvroute/demo/openai_model.py) unless ``--model-dir`` names another (its vocabulary size is
+given to the agents).
+
+1. **Template + tokenization** at the router (``ChatTokenizer.apply``): p50/p99 for
+   conversations of about 1k, 8k and 32k tokens (8 turns).
+2. **HTTP chat vs gRPC Generate**, streaming ``--tokens`` tokens, interleaved call by call on
+   the same router and agents: the gRPC client sends the ids the template gives (what a
+   client that tokenizes itself sends), the HTTP client the messages; whole-request latency
+   p50/p99 and the ratio. Then requests/s with ``--concurrency`` streams at once.
+3. **Multi-turn hit ratio**: the same conversations, turn by turn, through each API (each its
+   own ``cache_salt``, so neither reuses the other's cache): cached / prompt tokens.
+
+    python bench/http_front.py [--agents 4] [--iters 100] [--tokens 64] [--concurrency 64]
+                               [--requests 512] [--model-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import string
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+
+from kvroute.core.chat_tokenizer import ChatTokenizer
+from kvroute.core.config import AgentConfig, RouterConfig
+from kvroute.demo.openai_model import write_byte_model
+from kvroute.demo.procs import scratch_redis
+from kvroute.router.server import RouterApp
+from kvroute.v1 import common_pb2, router_pb2_grpc
+from kvroute.worker_agent.server import AgentApp
+
+MODEL = "bench"
+LENGTHS = (1024, 8192, 32768)
+TURNS = 8
+
+
+def pct(xs: list[float], q: int) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+
+
+def words(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+def conversation(rng: random.Random, tok: ChatTokenizer, tokens: int) -> list[dict[str, str]]:
+    """``TURNS`` user/assistant turns and a last user message, about ``tokens`` long."""
+    per = max(8, tokens // (2 * TURNS + 1))
+    chars_per_token = max(1.0, len(words(rng, 2000)) / len(tok.encode(words(rng, 2000),
+                                                                      add_special_tokens=False)))
+    msgs = [{"role": "system", "content": words(rng, int(per * chars_per_token))}]
+    for i in range(2 * TURNS):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant",
+                     "content": words(rng, int(per * chars_per_token))})
+    return msgs
+
+
+def bench_template(tok: ChatTokenizer, rng: random.Random, iters: int) -> None:
+    print("\n1. chat template + tokenization at the router (ChatTokenizer.apply)")
+    print(f"{'tokens':>7} | {'p50':>8} {'p99':>8}")
+    for n in LENGTHS:
+        convs = [conversation(rng, tok, n) for _ in range(4)]
+        times = []
+        for i in range(iters):
+            t0 = time.perf_counter_ns()
+            ids = tok.apply(convs[i % len(convs)])
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+        print(f"{len(ids):>7} | {pct(times, 50):>6.2f}ms {pct(times, 99):>6.2f}ms", flush=True)
+
+
+async def http_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """Stream one chat completion to [DONE]; the last chunk's usage."""
+    usage: dict[str, Any] = {}
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+    return usage
+
+
+async def timed(call: Callable[[], Awaitable[object]]) -> float:
+    t0 = time.perf_counter_ns()
+    await call()
+    return (time.perf_counter_ns() - t0) / 1e6
+
+
+async def bench_fronts(args: argparse.Namespace, router: RouterApp, tok: ChatTokenizer,
+                       rng: random.Random) -> None:
+    url = f"http://127.0.0.1:{router.http_port}/v1/chat/completions"
+    print(f"\n2. HTTP chat vs gRPC Generate, streaming {args.tokens} tokens, {args.agents} sim "
+          "agents")
+    print(f"{'prompt':>7} | {'gRPC p50':>9} {'p99':>8} | {'HTTP p50':>9} {'p99':>8} | "
+          f"{'ratio p50':>9} {'p99':>6} | {'gRPC req/s':>10} {'HTTP req/s':>10} {'ratio':>6}")
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        for n in LENGTHS[:2]:
+            convs = [conversation(rng, tok, n) for _ in range(8)]
+            ids = [tok.apply(c) for c in convs]
+            bodies = [{"model": MODEL, "messages": c, "max_tokens": args.tokens, "stream": True,
+                       "stream_options": {"include_usage": True}} for c in convs]
+            # The same request as the HTTP front builds: EOS stops it (the sim draws the
+            # same tokens for the same prompt, so both stop at the same place).
+            reqs = [common_pb2.GenerateRequest(
+                token_ids=t, model=MODEL, sampling=common_pb2.SamplingParams(
+                    max_tokens=args.tokens, temperature=1.0, top_p=1.0,
+                    stop_token_ids=tok.stop_token_ids)) for t in ids]
+            made = {"grpc": 0, "http": 0}
+
+            async def grpc_call(i: int, reqs: list[Any] = reqs,
+                                made: dict[str, int] = made) -> None:
+                out = [x async for x in stub.Generate(reqs[i % len(reqs)])]
+                made["grpc"] += sum(len(x.token_ids) for x in out)
+
+            async def http_call(i: int, bodies: list[Any] = bodies,
+                                made: dict[str, int] = made) -> None:
+                usage = await http_chat(session, url, bodies[i % len(bodies)])
+                made["http"] += usage["completion_tokens"]
+
+            for i in range(len(convs)):  # warm: each prompt cached where it lands
+                await grpc_call(i)
+                await http_call(i)
+            g: list[float] = []
+            h: list[float] = []
+            for i in range(args.iters):
+                pair = [(g, grpc_call), (h, http_call)]
+                for into, call in pair if i % 2 else pair[::-1]:
+                    into.append(await timed(lambda c=call, i=i: c(i)))
+            rates = []
+            for call in (grpc_call, http_call):
+                sem = asyncio.Semaphore(args.concurrency)
+
+                async def one(i: int, c: Callable[[int], Awaitable[None]] = call,
+                              sem: asyncio.Semaphore = sem) -> None:
+                    async with sem:
+                        await c(i)
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(i) for i in range(args.requests)))
+                rates.append(args.requests / (time.perf_counter() - t0))
+            print(f"{len(ids[0]):>7} | {pct(g, 50):>7.2f}ms {pct(g, 99):>6.2f}ms | "
+                  f"{pct(h, 50):>7.2f}ms {pct(h, 99):>6.2f}ms | "
+                  f"{pct(h, 50) / pct(g, 50):>8.2f}x {pct(h, 99) / pct(g, 99):>5.2f}x | "
+                  f"{rates[0]:>10.0f} {rates[1]:>10.0f} {rates[1] / rates[0]:>5.2f}x",
+                  flush=True)
+            if made["grpc"] != made["http"]:
+                print(f"        (tokens generated differ: gRPC {made['grpc']}, HTTP "
+                      f"{made['http']})")
+
+
+async def bench_hits(args: argparse.Namespace, router: RouterApp, tok: ChatTokenizer,
+                     rng: random.Random) -> None:
+    url = f"http://127.0.0.1:{router.http_port}/v1/chat/completions"
+    print(f"\n3. multi-turn chat, {args.conversations} conversations x {TURNS} turns: "
+          "hit ratio (cached / prompt tokens)")
+    totals = {"grpc": [0, 0], "http": [0, 0]}
+    async with aiohttp.ClientSession() as session, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        for _ in range(args.conversations):
+            system = {"role": "system", "content": words(rng, 600)}
+            turns = [words(rng, 200) for _ in range(TURNS)]
+            for api in ("grpc", "http"):
+                msgs = [system]
+                for t in turns:
+                    msgs.append({"role": "user", "content": t})
+                    if api == "http":
+                        body = {"model": MODEL, "messages": msgs, "max_tokens": 16,
+                                "cache_salt": "http"}
+                        async with session.post(url, json=body) as resp:
+                            out = await resp.json()
+                        answer = out["choices"][0]["message"]["content"]
+                        u = out["usage"]
+                        prompt, cached = u["prompt_tokens"], \
+                            u["prompt_tokens_details"]["cached_tokens"]
+                    else:
+                        ids = tok.apply(msgs)
+                        res = [x async for x in stub.Generate(common_pb2.GenerateRequest(
+                            token_ids=ids, model=MODEL, cache_salt="grpc",
+                            sampling=common_pb2.SamplingParams(max_tokens=16)))]
+                        answer = tok.decode([i for x in res for i in x.token_ids],
+                                            skip_special_tokens=True)
+                        prompt, cached = res[-1].usage.prompt_tokens, res[-1].usage.cached_tokens
+                    totals[api][0] += cached
+                    totals[api][1] += prompt
+                    msgs.append({"role": "assistant", "content": answer})
+                await asyncio.sleep(0.3)  # the last turns' store events reach the index
+    g, h = (totals[a][0] / max(1, totals[a][1]) for a in ("grpc", "http"))
+    print(f"gRPC {g:.1%}  HTTP {h:.1%}  (HTTP/gRPC {h / g if g else float('nan'):.3f})")
+
+
+async def main(args: argparse.Namespace) -> None:
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model_dir) if args.model_dir else write_byte_model(Path(tmp))
+        tok = ChatTokenizer.load(str(model_dir), name=MODEL)
+        bench_template(tok, rng, args.iters)
+        async with scratch_redis() as redis_url:
+            common = dict(redis=redis_url, model=MODEL, log_level="warning",
+                          max_prompt_tokens=65536)
+            agents = [AgentApp(AgentConfig(**common, port=0, worker_id=f"a{i}",
+                                           time_scale=0.0, heartbeat_s=0.2,
+                                           capacity_blocks=65536, vocab_size=tok.vocab_size,
+                                           max_batch=256))
+                      for i in range(args.agents)]
+            for a in agents:
+                await a.start()
+            router = RouterApp(RouterConfig(**{**common, "model": f"{MODEL}={model_dir}"},
+                                            port=0, http_port=args.http_port))
+            await router.start(wait_for_redis_s=30)
+            try:
+                while len(router.registry.loads) < args.agents:
+                    await asyncio.sleep(0.05)
+                await bench_fronts(args, router, tok, rng)
+                await bench_hits(args, router, tok, rng)
+            finally:
+                await router.stop()
+                for a in agents:
+                    await a.stop()
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--agents", type=int, default=4)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--tokens", type=int, default=64, help="tokens streamed per request")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=512, help="requests of each throughput run")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--model-dir", default="", help="a HF model directory (default: the byte "
+                   "model)")
+    p.add_argument("--http-port", type=int, default=0, help="0: a free one")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    args = parse()
+    if not args.http_port:
+        from kvroute.core.ports import PortPool
+
+        args.http_port = PortPool().take()
+    asyncio.run(main(args))

@@ -1,0 +1,582 @@
+"""The router's OpenAI-compatible HTTP front (aiohttp), served beside its gRPC port.
+
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``.
+A request is parsed (:mod:`kvroute.router.openai_schema`), its prompt rendered with the model's
+chat template and tokenized here, and the kvroute.v1 GenerateRequest it becomes goes through
+the router's one generation path (``RouterService.generate``: the decider, coalescing,
+retries, metrics with ``api="http"``, programs): no routing is decided here. The engine gets
+token ids, so the router's block keys and the engine's cache hash the same ids.
+
+Streaming is Server-Sent Events as OpenAI sends them (``data: {chunk}`` lines, ``data:
+[DONE]``). A client that goes away cancels its handler (aiohttp's handler cancellation), which
+closes the generation and so cancels the agent call: the engine frees the sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+from aiohttp import web
+
+from kvroute.core.chat_template import ChatTemplateError
+from kvroute.core.config import RouterConfig
+from kvroute.core.ports import describe, refuse_port
+from kvroute.core.tokenizer import Tokenizer
+from kvroute.router.openai_schema import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Generation,
+    generate_request,
+    parse_chat,
+    parse_completion,
+)
+from kvroute.router.refusal import RefusedError
+from kvroute.v1 import common_pb2, program_pb2
+
+log = logging.getLogger("kvroute.router.http")
+
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503: workers come back within a heartbeat or two."""
+SHUTDOWN_S = 2.0
+"""How long a stopping router lets open HTTP streams finish before it cancels them."""
+
+# GenerateRequest fields (core/validate.py names them) as the request's fields.
+_PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
+           "sampling.top_p": "top_p", "sampling.stop_token_ids": "stop", "model": "model",
+           "cache_salt": "cache_salt", "request_id": None}
+
+
+class Generator(Protocol):
+    """The router's generation path (``RouterService``)."""
+
+    def generate(self, request: common_pb2.GenerateRequest, wire: bytes | None = None,
+                 api: str = "grpc") -> AsyncIterator[common_pb2.GenerateResponse]: ...
+
+    def invalid(self, method: str, api: str = "grpc") -> None: ...
+
+
+class Workers(Protocol):
+    """What /health reports of the registry (``WorkerRegistry``)."""
+
+    @property
+    def loads(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class Choice:
+    """One choice's output so far."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    sent: str = ""
+    """The text streamed so far (a UTF-8 character split across tokens waits for its end)."""
+
+
+@dataclass
+class Served:
+    """Where a request ran and what it cost, from its responses."""
+
+    request_id: str
+    prompt_tokens: int
+    worker: str = ""
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Job:
+    """One prompt's generation: its request and the choices it fills.
+
+    ``program``: it runs as a controller program, whose last response holds each choice's
+    final tokens. ``incremental``: its tokens stream as they come (a program's too, unless
+    stop strings may cut text already generated: then each choice comes at its end)."""
+
+    request: common_pb2.GenerateRequest
+    served: Served
+    choices: list[Choice]
+    program: bool
+    incremental: bool
+
+    def choice_of(self, branch_id: str) -> Choice | None:
+        """The choice a program's branch is: "0" for one, fork child "0.k" for choice k."""
+        if len(self.choices) == 1:
+            return self.choices[0] if branch_id == "0" else None
+        head, _, k = branch_id.partition(".")
+        if head == "0" and k.isdigit() and int(k) < len(self.choices):
+            return self.choices[int(k)]
+        return None
+
+
+def _finish(reason: int | str) -> str:
+    return "length" if reason in (common_pb2.FINISH_REASON_LENGTH, "length") else "stop"
+
+
+def refusal_error(exc: RefusedError, prompt_param: str) -> ApiError:
+    """The HTTP error a refusal of the generation path is."""
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        param = _PARAMS.get(exc.field, prompt_param) if exc.field else None
+        status = 413 if param == prompt_param and "exceeds the limit" in exc.message else 400
+        return ApiError(status, exc.message, param=param)
+    if exc.code == grpc.StatusCode.UNAVAILABLE:
+        return ApiError(503, exc.message, code="no_worker_available",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.UNIMPLEMENTED):
+        # The worker refused what the request asks of it (a program limit, a constraint
+        # its engine cannot apply): the request's to change.
+        low = exc.message.lower()
+        param = ("n" if "fanout" in low else
+                 "response_format" if any(w in low for w in ("constraint", "grammar", "schema"))
+                 else None)
+        return ApiError(400, exc.message, param=param, code=exc.code.name.lower())
+    return ApiError(502, exc.message, code=exc.code.name.lower())
+
+
+class OpenAIFront:
+    """The HTTP server: :meth:`bind` (before the router serves), :meth:`serve` (once its
+    generation path exists; until then requests get 503), :meth:`stop`."""
+
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None) -> None:
+        self._cfg = cfg
+        self._tok = tokenizer
+        self._chat = tokenizer if hasattr(tokenizer, "apply") else None
+        self._service: Generator | None = None
+        self._workers: Workers | None = None
+        self._runner: web.AppRunner | None = None
+        self._created = int(time.time())
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self._cfg.http_max_body_bytes,
+                              middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def bind(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free one) and return the port; a port it cannot
+        listen on ends the start as the gRPC one does (``--http-port``)."""
+        # handler_cancellation: a client that disconnects cancels its handler, and so the
+        # generation and the engine's work, at once (not at the next write).
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=SHUTDOWN_S)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise refuse_port("http_port", host, port, describe(exc)) from None
+        self._runner = runner
+        return int(runner.addresses[0][1])  # the port picked, for 0
+
+    def serve(self, service: Generator, workers: Workers) -> None:
+        self._service = service
+        self._workers = workers
+
+    async def stop(self) -> None:
+        """Stop listening; open streams get SHUTDOWN_S to end before they are cancelled."""
+        if self._runner is not None:
+            await self._runner.shutdown()
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- errors ------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> web.StreamResponse:
+        """Every error in OpenAI's shape: ours, aiohttp's (404 path, 405, 413 body), and an
+        unexpected one (500, logged)."""
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return self._error(exc)
+        except web.HTTPRequestEntityTooLarge:
+            return self._error(ApiError(
+                413, f"the request body exceeds the limit of {self._cfg.http_max_body_bytes} "
+                "bytes (--http-max-body-bytes)", code="request_too_large"))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return self._error(ApiError(exc.status, f"{request.method} {request.path}: "
+                                        f"{exc.reason}", code=exc.reason.lower().replace(" ", "_")))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("HTTP front: unexpected error", extra={"kv": {"path": request.path}})
+            return self._error(ApiError(500, "internal error (logged by the router)",
+                                        code="internal_error"))
+
+    @staticmethod
+    def _error(exc: ApiError) -> web.Response:
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+
+    # -- small endpoints ---------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self._cfg.model, "object": "model", "created": self._created,
+            "owned_by": "kvroute", "root": self._cfg.model}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the router runs (workers may come later: ``workers`` says how many
+        are routable now)."""
+        workers = len(self._workers.loads) if self._workers is not None else 0
+        return web.json_response({"status": "ok" if self._service is not None else "starting",
+                                  "model": self._cfg.model, "workers": workers})
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> Any:
+        raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}",
+                           code="invalid_json") from None
+
+    def _ready(self) -> Generator:
+        if self._service is None:
+            raise ApiError(503, "the router is starting", headers={"Retry-After": "1"})
+        return self._service
+
+    def _check_model(self, g: Generation) -> None:
+        if g.model != self._cfg.model:
+            raise ApiError(404, f"The model `{g.model}` does not exist (this router serves "
+                           f"{self._cfg.model!r}; see /v1/models)", param="model",
+                           code="model_not_found")
+
+    def _max_tokens(self, g: Generation) -> int:
+        cfg = self._cfg
+        if g.max_tokens is not None and g.max_tokens > cfg.max_new_tokens:
+            raise ApiError(400, f"max_tokens: {g.max_tokens} exceeds the limit of "
+                           f"{cfg.max_new_tokens} (--max-new-tokens)", param="max_tokens")
+        return g.max_tokens if g.max_tokens is not None else min(cfg.http_max_tokens,
+                                                                  cfg.max_new_tokens)
+
+    def _check_length(self, tokens: Sequence[int], param: str) -> None:
+        limit = self._cfg.max_prompt_tokens
+        if len(tokens) > limit:
+            raise ApiError(413, f"{param}: the prompt is {len(tokens)} tokens, over the limit "
+                           f"of {limit} tokens (--max-prompt-tokens)", param=param,
+                           code="context_length_exceeded")
+
+    def _jobs(self, g: Generation, prompts: Sequence[Sequence[int]]) -> list[Job]:
+        rid = uuid.uuid4().hex
+        max_tokens = self._max_tokens(g)
+        stops = getattr(self._tok, "stop_token_ids", ())
+        jobs = []
+        for i, tokens in enumerate(prompts):
+            req = generate_request(g, tokens, model=self._cfg.model, max_tokens=max_tokens,
+                                   request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                                   stop_token_ids=stops)
+            jobs.append(Job(req, Served(rid, len(tokens)),
+                            [Choice(i * g.n + k) for k in range(g.n)], g.needs_program,
+                            incremental=not g.stop))
+        return jobs
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        service = self._ready()
+        try:
+            req = parse_chat(await self._body(request))
+            self._check_model(req)
+            tokens = self._chat_tokens(req)
+            self._check_length(tokens, "messages")
+            jobs = self._jobs(req, [tokens])
+        except ApiError as exc:
+            if 400 <= exc.status < 500:
+                service.invalid("Generate", "http")
+            raise
+        return await self._respond(request, req, jobs, chat=True)
+
+    def _chat_tokens(self, req: ChatRequest) -> list[int]:
+        if self._chat is None:
+            raise ApiError(400, "messages: this router has no chat template (start it with "
+                           "--model NAME=SOURCE); send a prompt to /v1/completions",
+                           param="messages")
+        names = self._chat.template_names  # type: ignore[attr-defined]
+        if req.chat_template is not None and req.chat_template not in names:
+            # A template's text would be code the router runs (sandboxed, but unbounded in
+            # time) and compiles once per distinct text: only the model's own, by name.
+            raise ApiError(400, f"chat_template: name one of the model's templates "
+                           f"({', '.join(names) or 'none'}); template text is not accepted",
+                           param="chat_template")
+        try:
+            return list(self._chat.apply(  # type: ignore[attr-defined]
+                req.messages, tools=req.tools, documents=req.documents,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs))
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages") from None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        service = self._ready()
+        try:
+            req = parse_completion(await self._body(request))
+            self._check_model(req)
+            prompts: list[Sequence[int]] = []
+            for p in req.prompts:
+                if isinstance(p, str):
+                    if self._tok is None:
+                        raise ApiError(400, "prompt: this router has no tokenizer (--model "
+                                       "NAME=SOURCE or --tokenizer); send token ids",
+                                       param="prompt")
+                    p = self._tok.encode(p)
+                if not p:
+                    raise ApiError(400, "prompt: the prompt is empty", param="prompt")
+                self._check_length(p, "prompt")
+                prompts.append(p)
+            jobs = self._jobs(req, prompts)
+        except ApiError as exc:
+            if 400 <= exc.status < 500:
+                service.invalid("Generate", "http")
+            raise
+        return await self._respond(request, req, jobs, chat=False)
+
+    # -- running jobs ------------------------------------------------------------------------
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if self._tok is None:
+            return ""
+        if self._chat is not None:
+            return self._chat.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        return self._tok.decode(ids)
+
+    def _new_text(self, c: Choice) -> str:
+        """The text of ``c``'s tokens not streamed yet, short of a trailing partial
+        character."""
+        text = self._decode(c.token_ids)
+        if text.endswith("\ufffd") and c.finish_reason is None:
+            return ""
+        if not text.startswith(c.sent):  # a decoder that rewrites earlier text: resend all
+            return ""
+        new = text[len(c.sent):]
+        c.sent = text
+        return new
+
+    async def _run(self, job: Job) -> AsyncIterator[tuple[str, Choice | None]]:
+        """Run ``job`` through the generation path, yielding ("start", None) at its first
+        response, ("delta", choice) as a plain request's tokens arrive and ("done", choice)
+        for each finished choice. Raises RefusedError."""
+        service = self._ready()
+        s = job.served
+        finish: dict[str, str] = {}
+        started = False
+        async with contextlib.aclosing(service.generate(job.request, None, "http")) as stream:
+            async for resp in stream:
+                if not started:
+                    started = True
+                    s.worker, s.cached_tokens = resp.worker_id, resp.cached_tokens
+                    yield "start", None
+                if not job.program:
+                    c = job.choices[0]
+                    c.token_ids.extend(resp.token_ids)
+                    if resp.HasField("usage"):
+                        s.cached_tokens = resp.usage.cached_tokens or s.cached_tokens
+                        s.completion_tokens = resp.usage.completion_tokens
+                    if resp.finish_reason:
+                        c.finish_reason = _finish(resp.finish_reason)
+                    if resp.token_ids or c.finish_reason:
+                        yield "delta", c
+                    continue
+                for ev in resp.events:
+                    if ev.kind == program_pb2.ProgramEvent.KIND_GEN_END:
+                        finish[resp.branch_id] = ev.reason
+                if job.incremental and resp.token_ids and not resp.results:
+                    c = job.choice_of(resp.branch_id)
+                    if c is not None:
+                        c.token_ids.extend(resp.token_ids)
+                        yield "delta", c
+                if resp.results:
+                    for r in resp.results:
+                        c = job.choice_of(r.branch_id)
+                        if c is None or not r.selected:
+                            continue
+                        c.token_ids = list(r.token_ids)
+                        c.logprobs = list(r.token_logprobs)
+                        c.finish_reason = _finish(finish.get(r.branch_id, "stop"))
+                        s.completion_tokens += len(r.token_ids)  # forced ones too
+                        s.cached_tokens = max(s.cached_tokens, r.cached_tokens)
+        if not job.program:
+            c = job.choices[0]
+            if c.finish_reason is None:
+                c.finish_reason = "stop"
+                yield "delta", c
+            if not s.completion_tokens:
+                s.completion_tokens = len(c.token_ids)
+        for c in job.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "stop"
+            yield "done", c
+
+    async def _collect(self, job: Job) -> None:
+        async for _ in self._run(job):
+            pass
+
+    async def _respond(self, request: web.Request, g: ChatRequest | CompletionRequest,
+                       jobs: list[Job], *, chat: bool) -> web.StreamResponse:
+        param = "messages" if chat else "prompt"
+        if g.stream:
+            return await self._stream(request, g, jobs, chat=chat, param=param)
+        try:
+            if len(jobs) == 1:
+                await self._collect(jobs[0])
+            else:
+                async with asyncio.TaskGroup() as tg:
+                    for job in jobs:
+                        tg.create_task(self._collect(job))
+        except RefusedError as exc:
+            raise refusal_error(exc, param) from None
+        except ExceptionGroup as group:  # several prompts: the first refusal speaks for all
+            refused = [e for e in group.exceptions if isinstance(e, RefusedError)]
+            if not refused:
+                raise
+            raise refusal_error(refused[0], param) from None
+        body = self._completion_body(g, jobs, chat=chat)
+        return web.json_response(body, headers=self._headers(jobs))
+
+    def _headers(self, jobs: Sequence[Job]) -> dict[str, str]:
+        return {"x-kvroute-worker": ",".join(j.served.worker for j in jobs),
+                "x-kvroute-cached-tokens": ",".join(str(j.served.cached_tokens) for j in jobs),
+                "x-request-id": jobs[0].served.request_id}
+
+    def _usage(self, jobs: Sequence[Job]) -> dict[str, Any]:
+        prompt = sum(j.served.prompt_tokens for j in jobs)
+        completion = sum(j.served.completion_tokens for j in jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(j.served.cached_tokens for j in jobs)}}
+
+    def _logprobs(self, c: Choice, chat: bool) -> dict[str, Any] | None:
+        if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
+            return None
+        pieces = [self._decode([t]) for t in c.token_ids]
+        if chat:
+            # A token that is part of a character decodes to U+FFFD: its bytes are unknown.
+            return {"content": [{"token": p, "logprob": lp,
+                                 "bytes": None if "\ufffd" in p else list(p.encode()),
+                                 "top_logprobs": []}
+                                for p, lp in zip(pieces, c.logprobs, strict=True)]}
+        offsets, at = [], 0
+        for p in pieces:
+            offsets.append(at)
+            at += len(p)
+        return {"tokens": pieces, "token_logprobs": c.logprobs,
+                "top_logprobs": [{p: lp} for p, lp in zip(pieces, c.logprobs, strict=True)],
+                "text_offset": offsets}
+
+    def _completion_body(self, g: Generation, jobs: Sequence[Job], *,
+                         chat: bool) -> dict[str, Any]:
+        rid = jobs[0].served.request_id
+        choices = []
+        for job in jobs:
+            for c in job.choices:
+                text = self._decode(c.token_ids)
+                lp = self._logprobs(c, chat) if g.logprobs else None
+                if chat:
+                    choice: dict[str, Any] = {
+                        "index": c.index, "message": {"role": "assistant", "content": text},
+                        "logprobs": lp, "finish_reason": c.finish_reason}
+                else:
+                    choice = {"index": c.index, "text": text, "logprobs": lp,
+                              "finish_reason": c.finish_reason}
+                if self._tok is None:
+                    choice["token_ids"] = c.token_ids  # a token-id router cannot detokenize
+                choices.append(choice)
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self._cfg.model, "choices": choices,
+                "usage": self._usage(jobs)}
+
+    async def _stream(self, request: web.Request, g: Generation, jobs: list[Job], *,
+                      chat: bool, param: str) -> web.StreamResponse:
+        """SSE as OpenAI streams: with chat, each choice's first chunk carries its role;
+        a choice's last chunk its finish_reason; with include_usage every chunk has
+        ``usage: null`` and a last chunk has the usage and no choices. The prompts of a
+        batched completion run one after another."""
+        rid = jobs[0].served.request_id
+        base = {"id": ("chatcmpl-" if chat else "cmpl-") + rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self._cfg.model}
+        resp: web.StreamResponse | None = None
+
+        async def send(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None,
+                       raw: dict[str, Any] | None = None) -> None:
+            assert resp is not None
+            if raw is None:
+                raw = {**base, "choices": [choice] if choice is not None else []}
+                if g.include_usage:
+                    raw["usage"] = usage
+            await resp.write(b"data: " + json.dumps(raw).encode() + b"\n\n")
+
+        def chunk(c: Choice, text: str, finish: str | None, first: bool = False,
+                  lp: dict[str, Any] | None = None) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": text} if first \
+                    else ({"content": text} if text else {})
+                return {"index": c.index, "delta": delta, "logprobs": lp,
+                        "finish_reason": finish}
+            return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        for n, job in enumerate(jobs):
+            try:
+                # aclosing: a failed write (the client gone) ends the generation now.
+                async with contextlib.aclosing(self._run(job)) as events:
+                    async for kind, c in events:
+                        if kind == "start":
+                            if resp is None:
+                                resp = web.StreamResponse(headers={
+                                    "content-type": "text/event-stream",
+                                    "cache-control": "no-cache", **self._headers([job])})
+                                await resp.prepare(request)
+                            if chat:
+                                for ch in job.choices:
+                                    await send(chunk(ch, "", None, first=True))
+                            continue
+                        assert c is not None
+                        if kind == "delta":
+                            text = self._new_text(c)
+                            if text:
+                                await send(chunk(c, text, None))
+                        elif kind == "done":
+                            text = self._new_text(c)  # what the last tokens complete
+                            lp = self._logprobs(c, chat) if g.logprobs else None
+                            if text or lp:
+                                await send(chunk(c, text, None, lp=lp))
+                            await send(chunk(c, "", c.finish_reason))
+            except RefusedError as exc:
+                err = refusal_error(exc, param)
+                if resp is None:
+                    if n == 0:
+                        raise err from None
+                    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                    await resp.prepare(request)
+                # Tokens were sent: the error is the stream's last event (vLLM's way).
+                await send(None, raw=err.body())
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+        assert resp is not None
+        if g.include_usage:
+            await send(None, usage=self._usage(jobs))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
