@@ -27,6 +27,7 @@ lint: setup
 proto: setup
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
 		--grpc_python_out=proto $(PROTOS)
+	$(BIN)/python scripts/envoy_stubs.py  # Envoy's ext_proc (kvroute epp), under kvroute.envoy_api
 
 bench: setup
 	$(BIN)/python bench/routing_decision.py

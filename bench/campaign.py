@@ -16,6 +16,17 @@ trace cut short leaves ``NAME.json.partial``), and the options are kept in
 scores every cell (a trace at one load) and counts them, as ``score_cells.py OUT/*.json``
 does again later.
 
+``--unseen N`` adds N generated workloads drawn from seeds no campaign tuned on (from
+``--unseen-seed``, 1000; the tuned seeds are 1-3): each seed takes a kind (in turn), scales
+its prompt lengths (0.35-2.8x), its sharing (0.35-5.7x the system prompts, agent types,
+templates or documents, and the documents' Zipf exponent), its session lengths (turns,
+calls, fan-out) and its other means (0.5-2x), and makes its arrivals bursty (the rate
+multiplied, 10 s at a time, by a gamma variate of mean 1 and coefficient of variation 0, 0.5,
+1 or 1.5): traffic the policies were never tuned on, each cell scored against the best peer
+as any other. What each drew is printed and kept beside its trace (``.params.json``).
+
+    python bench/campaign.py OUT-unseen --unseen 12 --kinds none --mooncake none
+
 ``--variant POLICY --peers-from DIR`` replays only POLICY (a registry name with parameters,
 as ``kvroute replay --policies`` takes them) and scores it against the peers' runs of an
 earlier campaign with the same options: DIR's replays, its focus's taken out. This is how a
@@ -31,6 +42,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import subprocess
 import sys
 import time
@@ -38,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from kvroute.simulations.cli import AT_LEAST_ONE, POSITIVE, Warmup, make_policies
-from kvroute.simulations.generators import KINDS, generate, write_jsonl
+from kvroute.simulations.generators import KINDS, PARAMS, generate, write_jsonl
 
 BENCH = Path(__file__).resolve().parent
 SHARED = BENCH.parents[1] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -60,6 +73,8 @@ def csv_ints(text: str) -> list[int]:
 
 
 def csv_kinds(text: str) -> list[str]:
+    if text == "none":
+        return []
     kinds = text.split(",")
     bad = [k for k in kinds if k not in KINDS]
     if bad:
@@ -87,6 +102,89 @@ def traces(args: argparse.Namespace) -> list[Path]:
                 write_jsonl(generate(kind, args.requests, args.rate, seed=seed), tmp)
                 tmp.replace(path)
             out.append(path)
+    return out + unseen_traces(args, folder)
+
+
+# What an unseen workload varies, by what it stands for: its prompts' lengths, how much they
+# share, how long its sessions run; every other mean is scaled 0.5-2x on its own.
+LENGTHS = {"system_tokens", "user_tokens", "task_tokens", "tool_result_tokens",
+           "template_tokens", "document_tokens", "question_tokens", "context_tokens",
+           "branch_tokens"}
+SHARING = {"system_prompts", "agent_types", "templates", "documents"}
+SESSIONS = {"mean_turns", "mean_calls", "fanout"}
+KEPT = {"max_context_tokens", "depth", "docs_per_request"}  # limits and structure
+BURST_CVS = (0.0, 0.5, 1.0, 1.5)
+BURST_WINDOW_S = 10.0
+
+
+def unseen_workload(seed: int) -> tuple[str, dict[str, float], float]:
+    """The kind, parameters and burstiness (the rate's coefficient of variation) seed
+    ``seed`` draws (see the module docstring)."""
+    rng = random.Random(seed)
+    kind = KINDS[seed % len(KINDS)]  # consecutive seeds cover the kinds evenly
+    length = 2.0 ** rng.uniform(-1.5, 1.5)
+    sharing = 2.0 ** rng.uniform(-1.5, 2.5)  # distinct shared prefixes: fewer is more sharing
+    session = 2.0 ** rng.uniform(-1.0, 1.0)
+    params: dict[str, float] = {}
+    for f in PARAMS[kind].__dataclass_fields__.values():
+        if f.name in KEPT:
+            continue
+        if f.name == "zipf_s":
+            params[f.name] = round(rng.uniform(0.6, 1.5), 3)
+            continue
+        scale = (length if f.name in LENGTHS else sharing if f.name in SHARING
+                 else session if f.name in SESSIONS else 2.0 ** rng.uniform(-1.0, 1.0))
+        value = f.default * scale
+        if isinstance(f.default, int):
+            params[f.name] = max(1, round(value))
+        else:
+            params[f.name] = round(max(1.0, value) if f.name in SESSIONS else value, 3)
+    return kind, params, rng.choice(BURST_CVS)
+
+
+def bursty(records: list[dict], cv: float, seed: int) -> list[dict]:
+    """``records`` with their arrivals warped so the rate is multiplied, one
+    ``BURST_WINDOW_S`` window of the trace at a time, by a gamma variate of mean 1 and
+    coefficient of variation ``cv`` (0: unchanged); the span is kept, so the mean rate is
+    too. Order is kept (the warp is monotone), and so are sessions' orders of turns."""
+    if cv <= 0 or not records:
+        return records
+    rng = random.Random(seed ^ 0xB0B5)
+    window = BURST_WINDOW_S * 1000
+    span = records[-1]["timestamp"]
+    shape = 1.0 / (cv * cv)
+    n = int(span // window) + 1
+    # A window whose rate is m times the mean lasts 1/m as long (capped: no window vanishes).
+    lasts = [window / max(0.05, rng.gammavariate(shape, 1.0 / shape)) for _ in range(n)]
+    starts = [0.0]
+    for d in lasts:
+        starts.append(starts[-1] + d)
+
+    def warp(t: float) -> float:
+        j = int(t // window)
+        return starts[j] + (t - j * window) * lasts[j] / window
+
+    scale = span / warp(span) if span else 1.0
+    return [dict(r, timestamp=math.floor(warp(r["timestamp"]) * scale)) for r in records]
+
+
+def unseen_traces(args: argparse.Namespace, folder: Path) -> list[Path]:
+    """The ``--unseen`` workloads, generated into ``folder`` when not there yet."""
+    out = []
+    for seed in range(args.unseen_seed, args.unseen_seed + args.unseen):
+        kind, params, cv = unseen_workload(seed)
+        path = folder / f"unseen_{kind}_s{seed}.jsonl"
+        if not path.is_file():
+            records = bursty(generate(kind, args.requests, args.rate, seed=seed, **params),
+                             cv, seed)
+            tmp = path.with_name(path.name + ".tmp")
+            write_jsonl(records, tmp)
+            path.with_suffix(".params.json").write_text(json.dumps(
+                {"kind": kind, "seed": seed, "burst_cv": cv, "params": params}) + "\n")
+            tmp.replace(path)
+        print(f"unseen {path.stem}: burst cv {cv}, " + ", ".join(
+            f"{k}={v}" for k, v in params.items()), flush=True)
+        out.append(path)
     return out
 
 
@@ -164,8 +262,12 @@ def main() -> None:
                                         "(e.g. -- --chunked-prefill --prefill-budget 8192).")
     ap.add_argument("out", type=Path, help="directory for the traces, replays and logs")
     ap.add_argument("--kinds", type=csv_kinds, default=list(KINDS),
-                    help="generated workloads (default: %(default)s)")
+                    help="generated workloads, or none (default: %(default)s)")
     ap.add_argument("--seeds", type=csv_ints, default=[1, 2, 3])
+    ap.add_argument("--unseen", type=int, default=0, metavar="N",
+                    help="also N workloads drawn from unseen seeds (see above; default 0)")
+    ap.add_argument("--unseen-seed", type=int, default=1000, metavar="S",
+                    help="the first unseen seed (default: %(default)s)")
     ap.add_argument("--requests", type=AT_LEAST_ONE, default=3000)
     ap.add_argument("--rate", type=POSITIVE, default=20.0,
                     help="the generated traces' request rate (loads are set per cell)")
@@ -184,6 +286,11 @@ def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.unseen < 0:
+        ap.error(f"--unseen takes a count >= 0, got {args.unseen}")
+    tuned = set(range(args.unseen_seed, args.unseen_seed + args.unseen)) & set(args.seeds)
+    if tuned:
+        ap.error(f"--unseen-seed: seeds {sorted(tuned)} are among --seeds: not unseen")
     if (args.variant is None) != (args.peers_from is None):
         ap.error("--variant and --peers-from go together")
     if args.variant is not None:
@@ -210,6 +317,7 @@ def main() -> None:
     check_options(args.out / "campaign.options", {
         "kinds": args.kinds, "seeds": args.seeds, "requests": args.requests,
         "rate": args.rate, "mooncake": str(args.mooncake),
+        **({"unseen": args.unseen, "unseen_seed": args.unseen_seed} if args.unseen else {}),
         "policies": args.variant or args.policies, "replay": extra})
     todo = traces(args)
     print(f"campaign: {len(todo)} traces into {args.out}, {args.jobs} at a time", flush=True)

@@ -13,6 +13,8 @@ given to the agents).
    p50/p99 and the ratio. Then requests/s with ``--concurrency`` streams at once.
 3. **Multi-turn hit ratio**: the same conversations, turn by turn, through each API (each its
    own ``cache_salt``, so neither reuses the other's cache): cached / prompt tokens.
+4. **Event-loop stall**: the longest gap of a 1 ms ticker on the router's loop while 32k-token
+   chats arrive at once, tokenized on the loop vs on the tokenizing threads.
 
     python bench/http_front.py [--agents 4] [--iters 100] [--tokens 64] [--concurrency 64]
                                [--requests 512] [--model-dir DIR]
@@ -39,6 +41,7 @@ from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.demo.openai_model import write_byte_model
 from kvroute.demo.procs import scratch_redis
+from kvroute.router import openai_api
 from kvroute.router.server import RouterApp
 from kvroute.v1 import common_pb2, router_pb2_grpc
 from kvroute.worker_agent.server import AgentApp
@@ -75,16 +78,29 @@ def conversation(rng: random.Random, tok: ChatTokenizer, tokens: int) -> list[di
 
 
 def bench_template(tok: ChatTokenizer, rng: random.Random, iters: int) -> None:
-    print("\n1. chat template + tokenization at the router (ChatTokenizer.apply)")
-    print(f"{'tokens':>7} | {'p50':>8} {'p99':>8}")
+    print("\n1. chat template + tokenization at the router (ChatTokenizer.apply), its two parts "
+          "(p50), and tokenizers' plain encode (with offsets, holding the GIL) as the baseline")
+    print(f"{'tokens':>7} | {'p50':>8} {'p99':>8} | {'render':>8} {'encode':>8} | "
+          f"{'plain':>8} {'ratio':>6}")
     for n in LENGTHS:
         convs = [conversation(rng, tok, n) for _ in range(4)]
-        times = []
+        times, render, encode, plain = [], [], [], []
         for i in range(iters):
             t0 = time.perf_counter_ns()
             ids = tok.apply(convs[i % len(convs)])
             times.append((time.perf_counter_ns() - t0) / 1e6)
-        print(f"{len(ids):>7} | {pct(times, 50):>6.2f}ms {pct(times, 99):>6.2f}ms", flush=True)
+            t0 = time.perf_counter_ns()
+            text = tok.render(convs[i % len(convs)])
+            t1 = time.perf_counter_ns()
+            tok.encode(text, add_special_tokens=False)
+            t2 = time.perf_counter_ns()
+            tok.hf.encode(text, add_special_tokens=False)
+            render.append((t1 - t0) / 1e6)
+            encode.append((t2 - t1) / 1e6)
+            plain.append((time.perf_counter_ns() - t2) / 1e6)
+        print(f"{len(ids):>7} | {pct(times, 50):>6.2f}ms {pct(times, 99):>6.2f}ms | "
+              f"{pct(render, 50):>6.2f}ms {pct(encode, 50):>6.2f}ms | "
+              f"{pct(plain, 50):>6.2f}ms {pct(encode, 50) / pct(plain, 50):>5.2f}x", flush=True)
 
 
 async def http_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
@@ -212,6 +228,50 @@ async def bench_hits(args: argparse.Namespace, router: RouterApp, tok: ChatToken
     print(f"gRPC {g:.1%}  HTTP {h:.1%}  (HTTP/gRPC {h / g if g else float('nan'):.3f})")
 
 
+async def ticker(done: asyncio.Event) -> float:
+    """The longest a 1 ms sleep overslept until ``done``, in seconds."""
+    worst = 0.0
+    last = time.perf_counter()
+    while not done.is_set():
+        await asyncio.sleep(0.001)
+        now = time.perf_counter()
+        worst = max(worst, now - last - 0.001)
+        last = now
+    return worst
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
+async def bench_stall(args: argparse.Namespace, router: RouterApp, tok: ChatTokenizer,
+                      rng: random.Random) -> None:
+    """The longest the event loop (the router's, and here the agents') goes without running
+    a 1 ms ticker while ``--concurrency`` 32k-token chats arrive at once: tokenized on the
+    loop (every body inline) vs on the tokenizing threads (the default)."""
+    url = f"http://127.0.0.1:{router.http_port}/v1/chat/completions"
+    print(f"\n4. event-loop stall: longest gap of a 1 ms ticker while {args.concurrency} chats "
+          f"of {LENGTHS[-1]} tokens arrive at once")
+    convs = [conversation(rng, tok, LENGTHS[-1]) for _ in range(args.concurrency)]
+    bodies = [{"model": MODEL, "messages": c, "max_tokens": 1} for c in convs]
+    gaps: dict[str, float] = {}
+    inline = openai_api.INLINE_BODY_BYTES
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for label, bound in (("on the loop", 1 << 62), ("on threads", inline)):
+            openai_api.INLINE_BODY_BYTES = bound  # read at each request (_off_loop)
+            done = asyncio.Event()
+            tick = asyncio.create_task(ticker(done))
+            for _ in range(3):
+                await asyncio.gather(*(post(session, url, b) for b in bodies))
+            done.set()
+            gaps[label] = await tick * 1000
+    openai_api.INLINE_BODY_BYTES = inline
+    print(f"on the loop {gaps['on the loop']:.2f}ms  on threads {gaps['on threads']:.2f}ms  "
+          f"(threads/loop {gaps['on threads'] / max(gaps['on the loop'], 1e-9):.2f})")
+
+
 async def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -236,6 +296,7 @@ async def main(args: argparse.Namespace) -> None:
                     await asyncio.sleep(0.05)
                 await bench_fronts(args, router, tok, rng)
                 await bench_hits(args, router, tok, rng)
+                await bench_stall(args, router, tok, rng)
             finally:
                 await router.stop()
                 for a in agents:

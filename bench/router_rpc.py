@@ -179,7 +179,7 @@ async def measure(args: argparse.Namespace, redis_url: str) -> None:
         return b""
 
     generated = new_server()
-    router_pb2_grpc.add_RouterServicer_to_server(router.service, generated)
+    router_pb2_grpc.add_RouterServicer_to_server(router.front, generated)
     generated.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Null", {
         "Take": grpc.unary_unary_rpc_method_handler(
             take, request_deserializer=common_pb2.GenerateRequest.FromString,

@@ -16,7 +16,8 @@ p50 of each stage of kvroute's decision, with the index walk also timed on the p
 holder map (``PrefixIndex(native=False)``) and the policy on its Python path
 (``KvrouteCost.rank_python``), each interleaved with its C build in the same loop; and what
 the router adds for a request whose prefix is in demand (``replica``: where the policy would
-copy it, a second ranking).
+copy it, a second ranking). Last, the same decision with the derived policy
+(``kvroute_v2``, all Python; ``v2 p50``/``p99``), timed in the same loop as the default's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import replace
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.grpc_util import Received
 from kvroute.core.index import PrefixIndex
-from kvroute.core.policies import KvrouteCost, RouteQuery
+from kvroute.core.policies import KvrouteCost, KvrouteV2, RouteQuery
 from kvroute.core.redis_schema import Heartbeat
 from kvroute.core.validate import Limits, check_tokens
 from kvroute.core.wire import request_token_ids
@@ -179,7 +180,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'prompt':>7} {'workers':>7} {'queued':>6} | {'kvroute p50':>11} {'p99':>8} |"
           f" {'baseline p50':>12} {'p99':>8} | {'p99 ratio':>9} | p50 of: ids  hash  walk"
-          f" (dict map)  policy (python)  replica")
+          f" (dict map)  policy (python)  replica | v2 p50   p99")
     for workers in (16, 128):
         rng = random.Random(args.seed)
         lengths = (1024, 8192, 32768)
@@ -193,6 +194,7 @@ def main() -> None:
         for w, held in naive.items():
             dict_index.add(w, held)
         decider = Decider(MODEL, BLOCK, KvrouteCost())
+        derived = Decider(MODEL, BLOCK, KvrouteV2())
         hasher = BlockHasher(BLOCK, MODEL, native=False)  # the baseline is all Python
         policy = KvrouteCost()
         for n, queued in itertools.product(lengths, (0, 2)):
@@ -207,12 +209,15 @@ def main() -> None:
             base = timeit(functools.partial(naive_decide, naive=naive, reg=reg, hasher=hasher,
                                             policy=policy), reqs, max(30, args.iters // 5))
             st = stages(reqs, decider, index, dict_index, reg, args.iters)
+            v2 = timeit(functools.partial(kvroute_decide, decider=derived, index=index,
+                                          reg=reg), reqs, args.iters)
             print(f"{n:>7} {workers:>7} {'0' if not queued else f'0-{2 * queued}':>6} |"
                   f" {pct(ours, 50):>9.0f}us"
                   f" {pct(ours, 99):>6.0f}us | {pct(base, 50):>10.0f}us {pct(base, 99):>6.0f}us"
                   f" | {pct(base, 99) / pct(ours, 99):>8.1f}x | {st['ids']:>11.0f} "
                   f"{st['hash']:>5.0f} {st['walk']:>5.0f} ({st['walk_dict']:>6.0f})"
-                  f" {st['policy']:>7.0f} ({st['policy_py']:>6.0f}) {st['replica']:>8.0f}",
+                  f" {st['policy']:>7.0f} ({st['policy_py']:>6.0f}) {st['replica']:>8.0f}"
+                  f" | {pct(v2, 50):>4.0f}us {pct(v2, 99):>4.0f}us",
                   flush=True)
         print(f"        (index of {index.entries():,} entries built in {build_s:.1f}s)")
 

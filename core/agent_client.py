@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import grpc
 
+from kvroute.core.tls import ClientCredentials, TlsConfig
 from kvroute.v1 import common_pb2, worker_agent_pb2, worker_agent_pb2_grpc
 
 _GENERATE = "/{}/Generate".format(
@@ -23,13 +24,27 @@ class _Agent(NamedTuple):
 class AgentChannels:
     """One gRPC channel per agent address, opened lazily, closed on shutdown."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
         self._agents: dict[str, _Agent] = {}
+        # --tls-ca: every channel is mTLS (core/tls.py); a rotated client certificate gives
+        # new channels, the old ones kept open for the calls on them until close().
+        self._creds = ClientCredentials(tls) if tls is not None and tls.calling else None
+        self._generation = 0
+        self._retired: list[grpc.aio.Channel] = []
+
+    def _open(self, address: str) -> grpc.aio.Channel:
+        if self._creds is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, self._creds.current()[1], self._creds.options())
 
     def _agent(self, address: str) -> _Agent:
+        if self._creds is not None and self._creds.current()[0] != self._generation:
+            self._generation = self._creds.generation
+            self._retired.extend(a.channel for a in self._agents.values())
+            self._agents.clear()
         agent = self._agents.get(address)
         if agent is None:
-            ch = grpc.aio.insecure_channel(address)
+            ch = self._open(address)
             agent = self._agents[address] = _Agent(
                 ch, worker_agent_pb2_grpc.WorkerAgentStub(ch),
                 ch.unary_stream(_GENERATE, request_serializer=None,
@@ -46,5 +61,6 @@ class AgentChannels:
 
     async def close(self) -> None:
         await asyncio.gather(*(a.channel.close() for a in self._agents.values()),
-                             return_exceptions=True)
+                             *(ch.close() for ch in self._retired), return_exceptions=True)
         self._agents.clear()
+        self._retired.clear()

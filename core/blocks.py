@@ -3,11 +3,14 @@
 Contract (version 1), shared by every agent and router:
 
 * Only full blocks are keyed. ``block_size`` (default 16) must equal the engine's block size.
-* The chain is seeded from the model name and the cache salt (LoRA adapter name or any
-  caller-chosen salt)::
+* The chain is seeded from the model name and the cache salt (any caller-chosen salt)::
 
       seed = xxh3_64(b"kvroute/v1\\x00" + utf8(model) + b"\\x00" + utf8(salt))
 
+  A LoRA adapter's requests are keyed under the base model with the salt
+  :func:`adapter_salt` gives (``"\\x00lora\\x00" + adapter + "\\x00" + salt``): callers' salts
+  hold no NUL (routers refuse them), so an adapter's blocks never match the base model's,
+  another adapter's or any caller's salt.
 * Block ``i`` covers tokens ``[i*B, (i+1)*B)``; each token is a little-endian uint32::
 
       key_i = xxh3_64(le64(key_{i-1}) + le32(t_0) + ... + le32(t_{B-1})),  key_{-1} = seed
@@ -37,6 +40,23 @@ NATIVE_AVAILABLE = _native_chain is not None
 DEFAULT_BLOCK_SIZE = 16
 _SEED_DOMAIN = b"kvroute/v1\x00"
 _h64 = xxhash.xxh3_64_intdigest
+
+
+ADAPTER_SALT_PREFIX = "\x00lora\x00"
+
+
+def adapter_salt(adapter: str, salt: str = "") -> str:
+    """The cache salt of LoRA adapter ``adapter``'s requests with caller salt ``salt``."""
+    return ADAPTER_SALT_PREFIX + adapter + "\x00" + salt
+
+
+def split_adapter_salt(salt: str) -> tuple[str, str]:
+    """``(adapter, caller salt)`` of a salt :func:`adapter_salt` made; ``("", salt)`` for any
+    other."""
+    if not salt.startswith(ADAPTER_SALT_PREFIX):
+        return "", salt
+    adapter, _, rest = salt[len(ADAPTER_SALT_PREFIX):].partition("\x00")
+    return adapter, rest
 
 
 def chain_seed(model: str, salt: str = "") -> int:

@@ -215,7 +215,15 @@ class ChatTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s ids; special tokens written in it are those tokens (as transformers and
         vLLM do). ``add_special_tokens`` runs the post-processor (e.g. prepends BOS), as for a
-        completion prompt; chat uses :meth:`apply`, which does not."""
+        completion prompt; chat uses :meth:`apply`, which does not.
+
+        ``encode_batch_fast`` of one text where tokenizers has it (0.21+): the same ids as
+        ``encode`` without character offsets (the router needs none), ~40% less time at 8k
+        tokens, and it releases the GIL while it runs (``encode`` holds it), so a tokenizing
+        thread does not stall the event loop (docs/tokenizers.md)."""
+        fast = getattr(self.hf, "encode_batch_fast", None)
+        if fast is not None:
+            return list(fast([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:

@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_type_hints
 
 from kvroute.core.blocks import DEFAULT_BLOCK_SIZE
-from kvroute.core.redis_schema import MAX_TTL_S  # routers refuse a heartbeat's longer TTL
+from kvroute.core.redis_schema import (  # routers refuse a heartbeat's longer TTL
+    MAX_TTL_S,
+    check_endpoint,
+)
 
 ENV_PREFIX = "KVROUTE_"
 # How long a predicted entry stands unless the engine's store event confirms it first, and
@@ -87,6 +90,23 @@ def opt(default: Any, help: str, range: Range | None = None) -> Any:
     return field(default=default, metadata={"help": help, "range": range})
 
 
+def repeated(default: str, help: str) -> Any:
+    """A flag that may be given several times: its values joined with commas (as its
+    environment variable writes them)."""
+    return field(default=default, metadata={"help": help, "range": None, "repeat": True})
+
+
+class _Join(argparse.Action):
+    """Each use of a repeated flag adds its value; the first replaces the default."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        seen = f"_{self.dest}_given"
+        prior = getattr(namespace, self.dest) if getattr(namespace, seen, False) else ""
+        setattr(namespace, seen, True)
+        setattr(namespace, self.dest, f"{prior},{values}" if prior else values)
+
+
 def check_ranges(config: Any) -> None:
     """Refuse a config whose numeric fields are outside their declared :class:`Range`."""
     for f in dataclasses.fields(config):
@@ -111,12 +131,31 @@ class CommonConfig:
                              "chain to (default: the system's CAs)")
     redis_cert_file: str = opt("", "rediss: client certificate (PEM) for mutual TLS")
     redis_key_file: str = opt("", "rediss: the client certificate's private key (PEM)")
+    # TLS of the gRPC and HTTP listeners and of calls to agents (core/tls.py,
+    # docs/security.md); the files are re-read when they change.
+    tls_cert: str = opt("", "TLS certificate (PEM) the gRPC and HTTP listeners serve (default: "
+                        "plaintext)")
+    tls_key: str = opt("", "the --tls-cert's private key (PEM)")
+    tls_client_ca: str = opt("", "require client certificates signed by this CA (PEM): mTLS")
+    tls_allowed_sans: str = opt("", "with --tls-client-ca: accept only client certificates "
+                                "naming one of these comma-separated SANs")
+    tls_ca: str = opt("", "call agents over TLS, verifying them against this CA (PEM)")
+    tls_client_cert: str = opt("", "with --tls-ca: the client certificate presented to agents "
+                               "(default: --tls-cert)")
+    tls_client_key: str = opt("", "the --tls-client-cert's private key (default: --tls-key)")
+    tls_server_name: str = opt("", "with --tls-ca: the name agents' certificates must hold "
+                               "(default: the host of each agent's address)")
     model: str = opt("default", "model name: part of every block key and Redis key")
     block_size: int = opt(DEFAULT_BLOCK_SIZE, "tokens per KV block; must equal the engine's",
                           AT_LEAST_ONE)
     host: str = opt("127.0.0.1", "address to bind the gRPC server to")
     port: int = opt(50051, "gRPC port (0 picks a free one)", PORT)
     metrics_port: int = opt(0, "Prometheus /metrics port (0 disables)", PORT)
+    metrics_host: str = opt("", "address to bind the metrics and health ports to (default: "
+                            "--host); they are plaintext without API keys, for Prometheus "
+                            "and probes")
+    health_port: int = opt(0, "plaintext gRPC port serving only grpc.health.v1, for probes "
+                           "that cannot do TLS (the kubelet's); 0: off", PORT)
     log_level: str = opt("info", "log level: debug, info, warning, error")
     log_json: bool = opt(False, "log one JSON object per line")
     vocab_size: int = opt(50257, "token ids must be below this", AT_LEAST_ONE)
@@ -135,8 +174,10 @@ class RouterConfig(CommonConfig):
     workers: str = opt("", "static workers, comma-separated id=host:port (heartbeats add more)")
     tokenizer: str = opt("", "tokenizer for text prompts: '' (token ids only), byte or gpt2")
     poll_interval_s: float = opt(0.5, "seconds between heartbeat scans", POSITIVE)
-    connect_timeout_s: float = opt(2.0, "seconds to wait for an agent before trying the next",
-                                   POSITIVE)
+    connect_timeout_s: float = opt(2.0, "about the longest a request waits on a hung agent "
+                                   "before trying the next: one not answering yet is probed "
+                                   "every half of this, and left when a probe is not answered "
+                                   "within the other half (docs/failure.md)", POSITIVE)
     redis_retry_s: float = opt(1.0, "seconds between Redis reconnect attempts", POSITIVE)
     predict_ttl_s: float = opt(PREDICT_TTL_S, "predict a routed prompt's blocks on its worker "
                                "until its engine reports them stored, for at most this many "
@@ -151,6 +192,11 @@ class RouterConfig(CommonConfig):
                                 FRACTION)
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
+    max_program_fanout: int = opt(1024, "programs: most branches a program may have at "
+                                  "once, refused before the router weighs it (each agent "
+                                  "checks its own --max-program-fanout)", AT_LEAST_ONE)
+    max_program_steps: int = opt(1024, "programs: most steps, counting sub-programs, refused "
+                                 "before the router weighs it", AT_LEAST_ONE)
     max_copies: int = opt(4, "most background copies of hot prefixes in flight at once: the "
                           "kvroute policy copies a prefix in demand to a second worker instead "
                           "of moving a request off its holder (its replicate; 0: no copies)",
@@ -164,11 +210,19 @@ class RouterConfig(CommonConfig):
                             "kubernetes discovery: label selector of worker pods")
     k8s_port: int = opt(50061, "kubernetes discovery: agent gRPC port on worker pods",
                         Range(1, 65535))
-    # The router's own help for the shared field: it may name the model's tokenizer too.
-    model: str = opt("default", "model name (part of every block key and Redis key), or "
-                     "NAME=SOURCE: the model and its tokenizer and chat template, SOURCE a HF "
-                     "model directory, a tokenizer.json or hf:ORG/REPO[@REV] (needs "
-                     "kvroute[models]; the HTTP front's chat endpoint needs one)")
+    # The router's own help for the shared field: it may name the model's tokenizer too,
+    # and be given once per model (router/pools.py: each a pool of the workers serving it).
+    model: str = repeated("default", "model name (part of every block key and Redis key), or "
+                          "NAME=SOURCE: the model and its tokenizer and chat template, SOURCE a "
+                          "HF model directory, a tokenizer.json or hf:ORG/REPO[@REV] (needs "
+                          "kvroute[models]; the HTTP front's chat endpoint needs one). Repeat "
+                          "it for several models, each a pool of its own workers (the first "
+                          "serves requests that name none; env: comma-separated)")
+    lora: str = repeated("", "NAME=BASE: LoRA adapter NAME of --model BASE, served by BASE's "
+                         "workers (vLLM --lora-modules) and keyed with its own salt; listed "
+                         "in /v1/models (repeat it per adapter; env: comma-separated)")
+    max_inflight: int = opt(0, "most requests in flight at once; past it HTTP answers 429 and "
+                            "gRPC RESOURCE_EXHAUSTED (0: unlimited)", NON_NEGATIVE)
     http_port: int = opt(0, "OpenAI-compatible HTTP port: /v1/chat/completions, "
                          "/v1/completions, /v1/models, /health (0: off; see docs/http.md)",
                          PORT)
@@ -176,7 +230,24 @@ class RouterConfig(CommonConfig):
                                    "bytes (413 beyond)", AT_LEAST_ONE)
     http_max_tokens: int = opt(256, "HTTP front: max_tokens of a request that gives none (at "
                                "most --max-new-tokens)", AT_LEAST_ONE)
+    api_keys_file: str = opt("", "require an API key (Authorization: Bearer KEY) on the gRPC "
+                             "and HTTP APIs; this file holds the keys' SHA-256 hashes, model "
+                             "allowlists and rate limits, re-read on change (docs/security.md; "
+                             "default: no keys needed)")
 
+
+
+@dataclass(frozen=True)
+class EppConfig(RouterConfig):
+    """`kvroute epp`: the router's settings and the ext_proc port (router/epp.py)."""
+    epp_port: int = opt(9002, "ext_proc gRPC port the gateway calls (the InferencePool's "
+                        "endpointPickerRef port); health checks are served on it too", PORT)
+    epp_target_port: int = opt(8000, "the InferencePool's targetPort: the engines' HTTP port "
+                               "on the worker pods, for a worker whose heartbeat carries no "
+                               "engine endpoint (the agent's --engine-endpoint)",
+                               Range(1, 65535))
+    epp_fallbacks: int = opt(2, "most next-best endpoints listed in "
+                             "x-gateway-destination-endpoint-fallback (0: none)", NON_NEGATIVE)
 
 
 @dataclass(frozen=True)
@@ -185,6 +256,9 @@ class AgentConfig(CommonConfig):
     engine: str = opt("sim", "engine adapter: sim, tiny or vllm")
     worker_id: str = opt("", "this worker's id (default: hostname:port)")
     advertise: str = opt("", "address routers use to reach this agent (default host:port)")
+    engine_endpoint: str = opt("", "host:port a gateway sends this worker's HTTP requests to "
+                               "(its engine's OpenAI server: pod IP and vLLM port), published "
+                               "in heartbeats for `kvroute epp` (default: not published)")
     capacity_blocks: int = opt(4096, "KV cache capacity in blocks (sim engine)", AT_LEAST_ONE)
     max_batch: int = opt(64, "most sequences in the running batch (sim and tiny engines; "
                          "for vllm, give its --max-num-seqs); routers split a program's fork "
@@ -242,9 +316,20 @@ class AgentConfig(CommonConfig):
                                            "then counts only the chunks a request would "
                                            "join, not the whole queued prefill",
                                            NON_NEGATIVE)
+    model_source: str = opt("", "vllm engine: the router's SOURCE of this model (--model "
+                            "NAME=SOURCE: a HF model directory, a tokenizer.json or "
+                            "hf:ORG/REPO[@REV]); the agent then checks that vLLM renders a "
+                            "probe chat to the same ids (docs/http.md)")
+    vllm_render_check_s: float = opt(300.0, "vllm engine: seconds between those checks",
+                                     POSITIVE)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.engine_endpoint:
+            try:
+                check_endpoint(self.engine_endpoint, "--engine-endpoint")
+            except ValueError as exc:
+                raise SystemExit(str(exc)) from None
         if not self.heartbeat_ttl_s > self.heartbeat_s:
             # Its key would expire between two beats: routers would drop a live worker.
             raise SystemExit(f"--heartbeat-ttl-s ({self.heartbeat_ttl_s:g} s) must be longer than "
@@ -289,6 +374,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
         if typ is bool:
             parser.add_argument(_flag(f.name), dest=f.name, default=default,
                                 action=argparse.BooleanOptionalAction, help=help_text)
+        elif f.metadata.get("repeat"):
+            parser.add_argument(_flag(f.name), dest=f.name, default=default, action=_Join,
+                                help=help_text)
         else:
             parser.add_argument(_flag(f.name), dest=f.name, type=typ, default=default,
                                 help=help_text)

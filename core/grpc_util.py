@@ -4,20 +4,26 @@ endpoint, shutdown, and handlers that keep a GenerateRequest's wire bytes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvroute.core.ports import address, describe, refuse_port, why_unbindable
+from kvroute.core.tls import TlsConfig, TlsError, san_guard, server_credentials
 from kvroute.v1 import common_pb2
 
 log = logging.getLogger("kvroute")
@@ -43,19 +49,51 @@ async def set_serving(hs: Any, services: Iterable[str], serving: bool) -> None:
         await hs.set(name, status)
 
 
+# A route beside /metrics: the query string's parameters -> a JSON-serialisable answer.
+DebugRoute = Callable[[dict[str, list[str]]], object]
+
+
 def start_metrics(port: int, host: str, registry: CollectorRegistry,
-                  setting: str = "metrics_port") -> Any:
+                  setting: str = "metrics_port",
+                  routes: Mapping[str, DebugRoute] | None = None) -> Any:
     """Serve ``registry`` on http://host:port/metrics; returns the HTTP server (or None).
+    ``routes`` adds JSON paths beside it (e.g. the router's ``/debug/mirror``).
     A port it cannot take ends the process naming config field ``setting``'s flag and
     environment variable, as for the gRPC port (:func:`bind`): call it before starting
     anything that would have to be stopped."""
     if port <= 0:
         return None
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        if not routes:
+            server, _thread = start_http_server(port, addr=host, registry=registry)
+            return server
+        server = make_server(host, port, _with_routes(make_wsgi_app(registry), routes),
+                             ThreadingWSGIServer, handler_class=_QuietHandler)
     except OSError as exc:
         raise refuse_port(setting, host, port, describe(exc)) from None
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics-http").start()
     return server
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape per second is not worth a log line
+
+
+def _with_routes(metrics_app: Any, routes: Mapping[str, DebugRoute]) -> Any:
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        route = routes.get(environ.get("PATH_INFO", ""))
+        if route is None:
+            return metrics_app(environ, start_response)
+        try:
+            body, status = json.dumps(route(parse_qs(environ.get("QUERY_STRING", "")))), "200 OK"
+        except Exception as exc:  # a debug answer must not take the server down
+            body, status = json.dumps({"error": f"{exc}"}), "500 Internal Server Error"
+        data = body.encode()
+        start_response(status, [("Content-Type", "application/json"),
+                                ("Content-Length", str(len(data)))])
+        return [data]
+    return app
 
 
 # SO_REUSEPORT (gRPC's default) would let a second server bind a port one already serves,
@@ -64,23 +102,60 @@ def start_metrics(port: int, host: str, registry: CollectorRegistry,
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
-def new_server() -> grpc.aio.Server:
+def new_server(tls: TlsConfig | None = None,
+               interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     """A gRPC server that owns the port it binds (:data:`SERVER_OPTIONS`): every server the
-    project starts is made here."""
-    return grpc.aio.server(options=SERVER_OPTIONS)
+    project starts is made here. ``tls.allowed_sans`` puts :func:`san_guard` before
+    ``interceptors`` (a call from a certificate not allowed goes no further)."""
+    guards = [san_guard(tls.allowed_sans)] if tls is not None and tls.allowed_sans else []
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, *interceptors])
 
 
-def bind(server: grpc.aio.Server, host: str, port: int, setting: str = "port") -> int:
-    """Bind an insecure port and return it (the one picked, for port 0). A port it cannot
+def bind(server: grpc.aio.Server, host: str, port: int, setting: str = "port",
+         tls: TlsConfig | None = None) -> int:
+    """Bind a port and return it (the one picked, for port 0): TLS when ``tls.serving``
+    (:func:`kvroute.core.tls.server_credentials`), else plaintext. A port it cannot
     bind ends the process naming config field ``setting``'s flag and environment variable
-    and why: ``--port 50061 (KVROUTE_PORT): address 127.0.0.1:50061 is already in use``."""
+    and why: ``--port 50061 (KVROUTE_PORT): address 127.0.0.1:50061 is already in use``; so
+    does a certificate that does not load."""
     try:
-        bound = server.add_insecure_port(address(host, port))
+        if tls is not None and tls.serving:
+            try:
+                creds = server_credentials(tls)
+            except TlsError as exc:
+                raise SystemExit(str(exc)) from None
+            bound = server.add_secure_port(address(host, port), creds)
+        else:
+            bound = server.add_insecure_port(address(host, port))
     except RuntimeError:  # grpcio >= 1.53 raises where older ones returned 0
         bound = 0
     if bound == 0:
         raise refuse_port(setting, host, port, why_unbindable(host, port))
     return bound
+
+
+class HealthPort:
+    """``--health-port``: a plaintext gRPC port serving only grpc.health.v1, with the main
+    server's health servicer, for probes that cannot do TLS or present a client certificate
+    (the kubelet's gRPC probes). Bound at once (a taken port ends the start before anything
+    runs), served by :meth:`start`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        if port:
+            self.server = new_server()
+            self.port = bind(self.server, host, port, "health_port")
+
+    async def start(self, hs: Any) -> None:
+        if self.server is not None:
+            health_pb2_grpc.add_HealthServicer_to_server(hs, self.server)
+            await self.server.start()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+            self.server = None
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:

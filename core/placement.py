@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from kvroute.core.load import WorkerLoad
 from kvroute.core.policies.base import RouteQuery, Scored
+from kvroute.core.program_bounds import program_bounds
 from kvroute.v1 import program_pb2
 
 MAX_FANOUT_WEIGHT = 1024
@@ -52,35 +53,22 @@ MAX_FANOUT_WEIGHT = 1024
 
 def program_fanout(program: program_pb2.ControllerProgram) -> int:
     """Most branches a program can run at once: each fork multiplies the sequences alive,
-    a joining select brings them back to one. (The agent checks the exact bound against its
-    limits; placement only needs the weight.)"""
-    return _walk(program)[0]
+    a joining select brings them back down (:mod:`~kvroute.core.program_bounds`, the walk the
+    agent bounds programs with; placement only needs the weight, capped)."""
+    return min(program_bounds(program).fanout, MAX_FANOUT_WEIGHT)
 
 
 def program_prefill_tokens(program: program_pb2.ControllerProgram) -> int:
     """Tokens a program prefills beyond its prompt: its fast-forwards, in every branch that
     runs them (text counted by its UTF-8 bytes, an upper bound for byte-level vocabularies,
     as the agent's token limit counts it)."""
-    return _walk(program)[1]
+    return min(program_bounds(program).prefill_tokens, 1 << 30)
 
 
-def _walk(program: program_pb2.ControllerProgram) -> tuple[int, int]:
-    live = peak = 1
-    ff = 0
-    for step in program.steps:
-        if step.HasField("fork"):
-            subs = [_walk(c) for c in fork_children(step.fork)]
-            width = sum(w for w, _ in subs) or 1
-            ff += live * sum(t for _, t in subs)
-            peak = max(peak, live * width)
-            if step.fork.select == program_pb2.SELECT_MODE_ALL:
-                live *= width
-        elif step.HasField("select") and step.select.mode != program_pb2.SELECT_MODE_ALL:
-            live = 1
-        elif step.HasField("fast_forward"):
-            f = step.fast_forward
-            ff += live * (len(f.tokens.ids) if f.HasField("tokens") else len(f.text.encode()))
-    return min(peak, MAX_FANOUT_WEIGHT), min(ff, 1 << 30)
+def program_load(program: program_pb2.ControllerProgram) -> tuple[int, int]:
+    """:func:`program_fanout` and :func:`program_prefill_tokens` of one walk."""
+    b = program_bounds(program)
+    return min(b.fanout, MAX_FANOUT_WEIGHT), min(b.prefill_tokens, 1 << 30)
 
 
 def fork_children(fork: program_pb2.Fork) -> list[program_pb2.ControllerProgram]:
@@ -109,8 +97,17 @@ class ForkSegment:
         return self.step + 1 + len(self.rest)
 
     def weights(self) -> list[int]:
-        return [program_fanout(program_pb2.ControllerProgram(steps=list(c.steps) + self.rest))
-                for c in self.children]
+        # A fork's n copies are one sub-program: weighed once (n of 1000 copies of a
+        # 4000-step branch once took the router's loop 7 s).
+        memo: dict[int, int] = {}
+        out = []
+        for c in self.children:
+            w = memo.get(id(c))
+            if w is None:
+                w = memo[id(c)] = program_fanout(
+                    program_pb2.ControllerProgram(steps=list(c.steps) + self.rest))
+            out.append(w)
+        return out
 
     def remote_program(self, children: Sequence[int]) -> program_pb2.ControllerProgram:
         """What an overflow worker runs for ``children``: a fork of just those, keeping them

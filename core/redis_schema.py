@@ -38,6 +38,19 @@ from kvroute.core.load import PrefillMode
 
 KEY_SCHEME = "kvroute/v1"
 _NAME = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,200}$")
+# An engine endpoint a gateway connects to: host:port, the host a DNS name or IPv4 address or
+# an IPv6 address in brackets, the port 1-65535 (check_endpoint).
+_ENDPOINT = re.compile(r"^(?=.{1,200}$)([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):"
+                       r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}"
+                       r"|655[0-2][0-9]|6553[0-5])$")
+
+
+def check_endpoint(value: str, what: str = "engine endpoint") -> str:
+    """``value`` if it is host:port (see _ENDPOINT); ValueError naming ``what`` if not."""
+    if not _ENDPOINT.match(value):
+        raise ValueError(f"{what} must be host:port (an IPv6 host in brackets), got "
+                         f"{value!r:.80}")
+    return value
 
 
 def check_name(kind: str, value: str) -> str:
@@ -210,6 +223,10 @@ class Heartbeat:
     # agent whose --tokenizer is not its engine's vocabulary).
     tokenizer: str = ""  # the tokenizer name (kvroute.core.tokenizer): "byte", "gpt2"
     vocab_size: int = 0  # token ids the worker accepts are below this
+    # Where a gateway sends this worker's HTTP traffic (its engine's OpenAI server, the pod's
+    # IP and vLLM port), host:port; "": not reported (kvroute epp then uses the agent's host
+    # and --epp-target-port). See check_endpoint.
+    engine_endpoint: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -274,6 +291,10 @@ class Heartbeat:
         if not isinstance(hb.tokenizer, str) or len(hb.tokenizer) > 200:
             raise RecordError(f"heartbeat field tokenizer must be a string of at most 200 "
                               f"characters, got {hb.tokenizer!r:.80}", "bad_type")
+        if not isinstance(hb.engine_endpoint, str) or (
+                hb.engine_endpoint and not _ENDPOINT.match(hb.engine_endpoint)):
+            raise RecordError(f"heartbeat field engine_endpoint must be host:port or empty, "
+                              f"got {hb.engine_endpoint!r:.80}", "bad_type")
         if not isinstance(hb.extra, dict) or len(hb.extra) > 64 or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in hb.extra.items()):
             raise RecordError("heartbeat field extra must be an object of at most 64 string "
@@ -295,11 +316,12 @@ def parse_snapshot(meta: Mapping[bytes, bytes], members: Sequence[bytes]
     if not 0 <= seq <= INT64_MAX or not 0 < len(epoch) <= MAX_EPOCH_CHARS:
         raise RecordError(f"snapshot meta has seq {_number(seq)} or an epoch of {len(epoch)} "
                           "characters out of range", "out_of_range")
-    bad = next((m for m in members if len(m) != 8), None)
-    if bad is not None:
+    # C-level checks and one unpack: a bootstrap reads millions of members.
+    if members and set(map(len, members)) != {8}:
+        bad = next(m for m in members if len(m) != 8)
         raise RecordError(f"snapshot member of {len(bad)} bytes is not one 8-byte key",
                           "bad_type")
-    return epoch, seq, [k for (k,) in struct.iter_unpack(">Q", b"".join(members))]
+    return epoch, seq, list(struct.unpack(f">{len(members)}Q", b"".join(members)))
 
 
 # -- access control ---------------------------------------------------------------------------
@@ -311,8 +333,9 @@ _ACL_COMMON = ("+multi", "+exec", "+discard", "+select", "+cluster|slots", "+clu
                "+command", "+asking")
 # What kvroute.worker_agent.publisher sends: the heartbeat (SET PX, SADD, HGET of its meta),
 # feed batches (XADD MAXLEN ~, SADD/SREM/DEL of its snapshot, HSET of its meta), the resync,
-# and DEL of its heartbeat on a clean stop.
-_ACL_AGENT = ("+set", "+sadd", "+srem", "+del", "+hget", "+hset", "+xadd")
+# DEL of its heartbeat on a clean stop, and GET of another worker's heartbeat (a program's
+# placement may send fork children only to a live worker, at its heartbeat's address).
+_ACL_AGENT = ("+set", "+sadd", "+srem", "+del", "+hget", "+hset", "+xadd", "+get")
 # What kvroute.router.mirror sends: feed reads (XREVRANGE, XREAD BLOCK), the heartbeat scan
 # (SMEMBERS, MGET), the snapshot script (EVAL running HGETALL and SMEMBERS) and the pruning of
 # dead members (SREM of the workers set, DEL of their snapshot and meta).
@@ -336,7 +359,9 @@ def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> l
     if role == "agent":
         own = ([k.snapshot(check_name("worker", worker)), k.meta(worker), k.heartbeat(worker)]
                if worker else [f"{base}:snap:*", f"{base}:meta:*", f"{base}:hb:*"])
-        return [*head, *_ACL_AGENT, *(f"~{key}" for key in (k.feed, k.workers, *own))]
+        peers = [f"%R~{base}:hb:*"] if worker else []  # others' heartbeats, read-only
+        return [*head, *_ACL_AGENT, *(f"~{key}" for key in (k.feed, k.workers, *own)),
+                *peers]
     if role == "router":
         # Read-write (~), not write-only (%W~): SREM reads the set it changes, and Redis
         # checks an EVAL's declared keys (the snapshot script's meta and set) as read-write.

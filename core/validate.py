@@ -63,10 +63,14 @@ def check_names(req: common_pb2.GenerateRequest, default_model: str) -> str:
     """The model this request is for; it must be the one this service serves."""
     model = req.model or default_model
     if model != default_model:
+        # Truncated: the message goes back in a trailer, which gRPC caps at 16 KiB.
         raise InvalidRequestError(
-            "model", f"{model!r} is not served here (serving {default_model!r})")
+            "model", f"{model[:80]!r}{'...' if len(model) > 80 else ''} is not served here "
+                     f"(serving {default_model!r})")
     if len(req.cache_salt) > 256:
         raise InvalidRequestError("cache_salt", "longer than 256 characters")
+    if len(req.session_id) > 256:
+        raise InvalidRequestError("session_id", "longer than 256 characters")
     if len(req.request_id) > 200:
         raise InvalidRequestError("request_id", "longer than 200 characters")
     return model

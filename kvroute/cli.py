@@ -1,10 +1,11 @@
-"""The ``kvroute`` command: ``router``, ``agent``, ``demo``, ``policies``, ``replay``, ``tune``,
-``gen``."""
+"""The ``kvroute`` command: ``router``, ``epp``, ``agent``, ``demo``, ``policies``,
+``replay``, ``tune``, ``gen``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from kvroute import __version__
 from kvroute.core.config import (
     AgentConfig,
     DefaultsFormatter,
+    EppConfig,
+    Range,
     RawDefaultsFormatter,
     RouterConfig,
     add_arguments,
@@ -34,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Route each request to the worker holding the longest "
                                    "cached prefix of its prompt, balanced against load.")
     add_arguments(r, RouterConfig, os.environ)
+    e = sub.add_parser("epp", help="run the router as a Gateway API Inference Extension "
+                       "endpoint picker (Envoy ext_proc; see docs/gateway.md)",
+                       formatter_class=fmt,
+                       description="Choose the pod of an InferencePool for each request a "
+                                   "gateway forwards, by the router's policy; the gateway "
+                                   "carries the bytes.")
+    add_arguments(e, EppConfig, os.environ)
     a = sub.add_parser("agent", help="run a worker agent beside an engine", formatter_class=fmt,
                        description="Run an engine, publish its cache state to Redis, serve "
                                    "requests routed to it.")
@@ -78,6 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "that beats the peers", formatter_class=RawDefaultsFormatter,
                         description=kvroute.simulations.tune.__doc__)
     add_tune_arguments(tp)
+    kp = sub.add_parser("keys", help="API keys for --api-keys-file: `kvroute keys hash` makes "
+                        "a key and prints its record (docs/security.md)", formatter_class=fmt)
+    ksub = kp.add_subparsers(dest="keys_command", required=True)
+    kh = ksub.add_parser("hash", help="print the keys-file line (its SHA-256, never the key) "
+                         "on stdout; a new key, shown once, on stderr", formatter_class=fmt)
+    kh.add_argument("--name", required=True, help="the key's name (logs and metrics show it)")
+    kh.add_argument("--models", default="", help="comma-separated models it may use (default: "
+                    "any)")
+    kh.add_argument("--rate", type=Range(0, 1e6).parser(float), default=0.0,
+                    help="requests per second (0: unlimited)")
+    kh.add_argument("--burst", type=Range(0, 1e6).parser(float), default=0.0,
+                    help="requests at once (default: the rate, at least 1)")
+    kh.add_argument("--stdin", action="store_true",
+                    help="hash a key read from stdin instead of making one")
     gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
                         "fork)", formatter_class=RawDefaultsFormatter)
     from kvroute.simulations.generators import add_arguments as add_gen_arguments
@@ -147,10 +171,32 @@ def describe_policy(spec: str) -> str:
     return "\n".join(lines)
 
 
+def keys_hash(args: argparse.Namespace) -> int:
+    """``kvroute keys hash``: the record on stdout (``>> keys.jsonl``), the key on stderr."""
+    import secrets
+
+    from kvroute.router.auth import KeysFileError, key_record
+
+    key = sys.stdin.readline().strip() if args.stdin else "kvr-" + secrets.token_urlsafe(32)
+    if not key:
+        print("no key on stdin", file=sys.stderr)
+        return 2
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    try:
+        line = key_record(args.name, key, models, args.rate, args.burst)
+    except KeysFileError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if not args.stdin:
+        print(f"API key (shown once; only its hash is kept): {key}", file=sys.stderr)
+    print(line)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "router":
+    if args.command in ("router", "epp"):
         given = [a for a in (sys.argv[1:] if argv is None else argv)
                  if a == "--model" or a.startswith("--model=")]
         if len(given) > 1:
@@ -160,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "policies":
         print(describe_policy(args.name) if args.name else list_policies())
         return 0
+    if args.command == "keys":
+        return keys_hash(args)
     if args.command == "gen":
         from kvroute.simulations.generators import run as run_gen
 
@@ -176,6 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvroute.demo.run import run_demo
 
         return run_demo(args)
+    if args.command == "epp":
+        from kvroute.router.epp import run_epp
+
+        epp = from_namespace(EppConfig, args)
+        setup_logging(epp.log_level, epp.log_json)
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(run_epp(epp))
+        return 0
     cfg = from_namespace(RouterConfig if args.command == "router" else AgentConfig, args)
     setup_logging(cfg.log_level, cfg.log_json)
     try:

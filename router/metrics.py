@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvroute.core.load import PrefillMode
 from kvroute.core.redis_schema import RECORD_KINDS, REJECT_REASONS
+from kvroute.router.mirror import PROPAGATION_BOUNDS_S
 from kvroute.router.registry import EXCLUSION_REASONS
 
 if TYPE_CHECKING:
@@ -27,8 +34,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvroute_router_requests",
-                                "Requests by API (grpc, or http: the OpenAI-compatible front), "
-                                "RPC and outcome", ["api", "rpc", "outcome"], registry=r)
+                                "Requests by API (grpc; http: the OpenAI-compatible front; "
+                                "epp: kvroute epp's ext_proc, rpc Process), RPC and outcome",
+                                ["api", "rpc", "outcome"], registry=r)
         self.decision_seconds = Histogram(
             "kvroute_router_decision_seconds",
             "Routing decision latency (the prompt's ids read and checked, or tokenized; key "
@@ -49,6 +57,15 @@ class RouterMetrics:
             "because the program's worker could not run them all", registry=r)
         self.retries = Counter("kvroute_router_retries",
                                "Requests retried on the next-best worker", registry=r)
+        self.demotions = Counter(
+            "kvroute_router_worker_demotions",
+            "Times a worker's published blocks were disbelieved for a while: its engine kept "
+            "reporting far fewer cached tokens than they promised (router/trust.py)",
+            ["worker"], registry=r)
+        self.claim_shortfall = Counter(
+            "kvroute_router_claimed_uncached_tokens",
+            "Prompt tokens the index promised cached on the serving worker that its engine "
+            "did not report cached", ["worker"], registry=r)
         self.coalesced = Counter(
             "kvroute_router_coalesced",
             "Requests held until an in-flight sibling's prefill stored the prefix they were "
@@ -80,6 +97,12 @@ class RouterMetrics:
     def watch(self, mirror: IndexMirror) -> None:
         self.registry.register(_MirrorCollector(mirror))
 
+    def watch_pools(self, mirrors: Mapping[str, IndexMirror]) -> None:
+        """Several models' mirrors (router/pools.py): the same metrics, each sample labelled
+        with its ``model``."""
+        self.registry.register(_ModelsCollector(
+            {name: _MirrorCollector(m) for name, m in mirrors.items()}))
+
     def watch_tail(self, tail: PrefillTail) -> None:
         """Report the decider's tail (read at scrape time: nothing is added per request)."""
         self.registry.register(_TailCollector(tail))
@@ -101,6 +124,26 @@ class _TailCollector(Collector):
             value=t if t < float("inf") else 0.0)
 
 
+class _ModelsCollector(Collector):
+    """The samples of several collectors of the same metrics, one family each, labelled
+    with the model each came from."""
+
+    def __init__(self, collectors: Mapping[str, Collector]) -> None:
+        self._c = dict(collectors)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for model, collector in self._c.items():
+            for fam in collector.collect():
+                into = families.get(fam.name)
+                if into is None:
+                    into = families[fam.name] = Metric(fam.name, fam.documentation, fam.type,
+                                                       fam.unit)
+                into.samples.extend(s._replace(labels={"model": model, **s.labels})
+                                    for s in fam.samples)
+        yield from families.values()
+
+
 class _MirrorCollector(Collector):
     def __init__(self, mirror: IndexMirror) -> None:
         self._m = mirror
@@ -118,6 +161,15 @@ class _MirrorCollector(Collector):
         yield GaugeMetricFamily("kvroute_router_feed_lag_seconds",
                                 "Age of the last change-feed entry when it was applied",
                                 value=st.lag_s)
+        counts = list(itertools.accumulate(st.propagation))
+        yield HistogramMetricFamily(
+            "kvroute_router_feed_propagation_seconds",
+            "Age of each change-feed entry when this mirror applied it (Redis's write time, "
+            "from the entry id, to now): written by an agent -> visible to routing",
+            buckets=[*((f"{b:g}", c) for b, c in zip(PROPAGATION_BOUNDS_S, counts,
+                                                      strict=False)),
+                     ("+Inf", counts[-1])],
+            sum_value=st.propagation_sum_s)
         for name, doc, v in (
             ("kvroute_router_feed_events_applied", "Change-feed events applied",
              st.events_applied),

@@ -19,6 +19,8 @@ about is left out: a heartbeat's worker, a snapshot's cache, one feed entry, one
 from __future__ import annotations
 
 import asyncio
+import base64
+import bisect
 import contextlib
 import logging
 import time
@@ -38,6 +40,7 @@ from kvroute.core.redis_schema import (
     RecordError,
     RedisKeys,
     check_name,
+    pack_keys,
     parse_snapshot,
 )
 from kvroute.router.registry import Vocabulary, WorkerRegistry
@@ -45,6 +48,13 @@ from kvroute.router.registry import Vocabulary, WorkerRegistry
 log = logging.getLogger("kvroute.router.mirror")
 
 _XREAD_COUNT = 1000
+# Snapshots read at once when many are due (a bootstrap, many workers joining): each is one
+# round trip, so 1,000 workers read one by one took 1,000 round trips end to end.
+_LOAD_CONCURRENCY = 32
+# Least seconds between two updates of the registry's per-worker block counts while the feed
+# has a backlog: each update rebuilds the worker's load, which cost more than applying the
+# entries themselves when a batch of 1,000 entries touched 1,000 workers.
+_COUNTS_EVERY_S = 0.05
 # How long before a live worker whose snapshot held no readable state (none written yet, or
 # malformed) is read again: at every heartbeat scan, a malformed one would be logged and
 # counted twice a second.
@@ -52,6 +62,10 @@ _SNAPSHOT_RETRY_S = 5.0
 _SNAPSHOT_SCRIPT = "return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2])}"
 # Least seconds between two log lines about rejected records of one kind and worker.
 _REJECT_LOG_S = 30.0
+
+
+# Bounds of the propagation histogram (seconds); entry ids carry milliseconds.
+PROPAGATION_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass
@@ -65,6 +79,10 @@ class MirrorStats:
     rejected: Counter[tuple[str, str]] = field(default_factory=Counter)
     lag_s: float = 0.0
     last_event_at: float = field(default=0.0)
+    # Feed propagation: each applied entry's age (Redis's XADD time, in its id, to now),
+    # counted per bound of PROPAGATION_BOUNDS_S (the last count: beyond every bound).
+    propagation: list[int] = field(default_factory=lambda: [0] * (len(PROPAGATION_BOUNDS_S) + 1))
+    propagation_sum_s: float = 0.0
 
 
 @dataclass
@@ -109,6 +127,11 @@ class IndexMirror:
         self._reject_logged: dict[tuple[str, str], float] = {}  # (kind, worker) -> when
         self._bad_beats: dict[str, bytes] = {}  # worker -> its rejected heartbeat, counted once
         self._bad_members: set[bytes] = set()  # invalid workers-set members, to remove
+        self._touched: set[str] = set()  # workers whose block count the registry lacks
+        self._counts_due = 0.0
+        # worker -> (its heartbeat as last read, parsed): an unchanged record is not parsed
+        # again at the next scan (agents beat every second, routers scan twice as often).
+        self._beat_cache: dict[str, tuple[bytes, Heartbeat]] = {}
 
     async def run(self) -> None:
         """Follow Redis until :meth:`stop`; on failure degrade, reconnect, bootstrap again."""
@@ -141,6 +164,24 @@ class IndexMirror:
         # whose node it already dropped (RuntimeError: event loop is closed).
         with contextlib.suppress(*REDIS_ERRORS, RuntimeError):
             await self._r.aclose()
+
+    def view(self, keys: bool = False) -> dict[str, dict[str, object]]:
+        """What this mirror holds per worker, for comparing routers (``/debug/mirror``):
+        the feed position applied (``epoch``, ``seq``), the real blocks held (``blocks``)
+        and ``sum``, their keys' sum mod 2^64 (a digest: equal views give equal sums); with
+        ``keys``, the keys themselves (``keys_b64``: sorted, 8-byte big-endian, base64).
+        Call it on the mirror's event loop: it is then one consistent moment."""
+        out: dict[str, dict[str, object]] = {}
+        for w in self.index.workers():
+            held = self.index.keys_of(w)
+            feed = self._feeds.get(w)
+            row: dict[str, object] = {"epoch": feed.epoch if feed else "",
+                                      "seq": feed.seq if feed else 0, "blocks": len(held),
+                                      "sum": sum(held) % (1 << 64)}
+            if keys:
+                row["keys_b64"] = base64.b64encode(pack_keys(sorted(held))).decode()
+            out[w] = row
+        return out
 
     def _set_available(self, up: bool, exc: BaseException | None = None) -> None:
         # Logged on each change, and the first time either way: a Redis never reached (a
@@ -196,6 +237,7 @@ class IndexMirror:
         last = await self._r.xrevrange(self._keys.feed, "+", "-", count=1)
         self._last_id = last[0][0] if last else b"0-0"
         self._feeds.clear()
+        self._touched.clear()
         self.index = PrefixIndex()
         # A Redis that restarted empty shows no heartbeats until agents beat again: give
         # them one TTL before treating silence as death.
@@ -203,14 +245,26 @@ class IndexMirror:
         self._snapshot_due.clear()  # Redis may have restarted: read every worker afresh
         await self._poll_heartbeats()
         members = self._members(await self._r.smembers(self._keys.workers))
-        for w in set(members) - self._feeds.keys():  # live ones: loaded
-            await self._load_snapshot(w)
+        await self._load_snapshots(sorted(set(members) - self._feeds.keys()))  # live: loaded
         for w in self.index.workers():
             self.registry.set_cached_blocks(w, self.index.count(w))
         self.stats.bootstraps += 1
         log.info("mirror bootstrapped", extra={"kv": {
             "workers": len(self._feeds), "blocks": self.index.entries(),
             "feed_from": self._last_id.decode()}})
+
+    async def _load_snapshots(self, workers: list[str]) -> None:
+        """Read several workers' snapshots, :data:`_LOAD_CONCURRENCY` round trips at once
+        (each worker's own keys only: the order among them does not matter)."""
+        for i in range(0, len(workers), _LOAD_CONCURRENCY):
+            # Every read ends before a failure is raised: none may still be writing into
+            # the index when the loop reconnects and bootstraps a new one.
+            done = await asyncio.gather(*(self._load_snapshot(w)
+                                          for w in workers[i:i + _LOAD_CONCURRENCY]),
+                                        return_exceptions=True)
+            failed = next((x for x in done if isinstance(x, BaseException)), None)
+            if failed is not None:
+                raise failed
 
     async def _load_snapshot(self, worker: str) -> None:
         k = self._keys
@@ -251,15 +305,22 @@ class IndexMirror:
         block_ms = max(1, int((self._next_poll - time.monotonic()) * 1000))
         resp = await self._r.xread({self._keys.feed: self._last_id}, count=_XREAD_COUNT,
                                    block=block_ms)
-        touched: set[str] = set()
+        touched = self._touched
+        read = 0
         for _stream, entries in resp or ():
+            read += len(entries)
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 worker = await self._apply_raw(entry_id, fields)
                 if worker:
                     touched.add(worker)
-        for w in touched:
-            self.registry.set_cached_blocks(w, self.index.count(w))
+        # Caught up (a short read): counts now. Behind: at most every _COUNTS_EVERY_S.
+        now = time.monotonic()
+        if touched and (read < _XREAD_COUNT or now >= self._counts_due):
+            for w in touched:
+                self.registry.set_cached_blocks(w, self.index.count(w))
+            touched.clear()
+            self._counts_due = now + _COUNTS_EVERY_S
         if resp:
             self._on_change()
 
@@ -272,7 +333,10 @@ class IndexMirror:
             self._reject("feed", exc.reason, worker, f"entry {entry_id.decode()}: {exc}")
             return None
         ms = int(entry_id.split(b"-")[0])
-        self.stats.lag_s = max(0.0, time.time() - ms / 1000)
+        st = self.stats
+        st.lag_s = lag = max(0.0, time.time() - ms / 1000)
+        st.propagation[bisect.bisect_left(PROPAGATION_BOUNDS_S, lag)] += 1
+        st.propagation_sum_s += lag
         self.stats.last_event_at = time.time()
         await self.apply(ev)
         return ev.worker
@@ -315,8 +379,13 @@ class IndexMirror:
         members = self._members(await self._r.smembers(k.workers))
         raws = await self._r.mget([k.heartbeat(w) for w in members]) if members else []
         beats: dict[str, Heartbeat] = {}
+        cache = self._beat_cache
         for w, raw in zip(members, raws, strict=True):
             if raw is None:
+                continue
+            seen = cache.get(w)
+            if seen is not None and seen[0] == raw:
+                beats[w] = seen[1]  # the very record already checked (Heartbeat is frozen)
                 continue
             try:
                 hb = Heartbeat.from_json(raw)
@@ -324,15 +393,19 @@ class IndexMirror:
                     raise RecordError(f"heartbeat of {w!r} names worker {hb.worker_id!r}",
                                       "mismatch")
             except RecordError as exc:
+                cache.pop(w, None)
                 # A record read again unchanged at the next scan is not counted again.
                 if self._bad_beats.get(w) != raw:
                     self._bad_beats[w] = raw
                     self._reject("heartbeat", exc.reason, w, exc)
                 continue
             self._bad_beats.pop(w, None)
+            cache[w] = (raw, hb)
             beats[w] = hb
         for w in self._bad_beats.keys() - set(members):
             del self._bad_beats[w]
+        for w in cache.keys() - beats.keys():
+            del cache[w]
         self.registry.revive_due()
         added, expired = self.registry.apply_heartbeats(
             beats, expire=time.monotonic() >= self._expire_from)
@@ -349,8 +422,8 @@ class IndexMirror:
         due = self._snapshot_due
         loaded = [w for w in beats
                   if w not in self._feeds and w not in expired and due.get(w, 0.0) <= now]
+        await self._load_snapshots(loaded)
         for w in loaded:
-            await self._load_snapshot(w)
             self.registry.set_cached_blocks(w, self.index.count(w))
             if w in self._feeds:
                 due.pop(w, None)

@@ -20,7 +20,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ from aiohttp import web
 from kvroute.core.chat_template import ChatTemplateError
 from kvroute.core.config import RouterConfig
 from kvroute.core.ports import describe, refuse_port
+from kvroute.core.tls import ServerContext, TlsConfig, TlsError
 from kvroute.core.tokenizer import Tokenizer
 from kvroute.router.openai_schema import (
     ApiError,
@@ -49,6 +51,12 @@ RETRY_AFTER_S = 1
 """``Retry-After`` of a 503: workers come back within a heartbeat or two."""
 SHUTDOWN_S = 2.0
 """How long a stopping router lets open HTTP streams finish before it cancels them."""
+TOKENIZE_THREADS = 2
+"""Threads that render and tokenize long prompts off the event loop (tokenizers releases the
+GIL while it encodes, so they run beside the loop rather than stalling every other stream)."""
+INLINE_BODY_BYTES = 4096
+"""A request body up to this size is tokenized on the loop: its render + encode (~0.2 ms at
+1k tokens) costs about what the hop to a thread and back does (~0.08 ms p50, more at p99)."""
 
 # GenerateRequest fields (core/validate.py names them) as the request's fields.
 _PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
@@ -64,12 +72,30 @@ class Generator(Protocol):
 
     def invalid(self, method: str, api: str = "grpc") -> None: ...
 
+    def admit(self, api: str) -> None:
+        """RefusedError (``shed``) when the router is at ``--max-inflight`` now."""
+
 
 class Workers(Protocol):
-    """What /health reports of the registry (``WorkerRegistry``)."""
+    """What /health reports of the router's pools (``PooledService``)."""
+
+    def routable(self) -> Mapping[str, int]: ...
+
+
+@dataclass(frozen=True)
+class FrontModel:
+    """A model the front serves (``--model``): its name and tokenizer (a ChatTokenizer when
+    the model has a SOURCE)."""
+
+    name: str
+    tok: Tokenizer | None
+    parent: str = ""
+    """A LoRA adapter's base model (``--lora NAME=BASE``); empty for a model."""
 
     @property
-    def loads(self) -> dict[str, Any]: ...
+    def chat(self) -> Any:
+        """The chat tokenizer (``apply``, ``template_names``), or None."""
+        return self.tok if hasattr(self.tok, "apply") else None
 
 
 @dataclass
@@ -108,6 +134,8 @@ class Job:
     choices: list[Choice]
     program: bool
     incremental: bool
+    model: FrontModel | None = None
+    """The model it is for (None: the front's default)."""
 
     def choice_of(self, branch_id: str) -> Choice | None:
         """The choice a program's branch is: "0" for one, fork child "0.k" for choice k."""
@@ -123,8 +151,20 @@ def _finish(reason: int | str) -> str:
     return "length" if reason in (common_pb2.FINISH_REASON_LENGTH, "length") else "stop"
 
 
+def decode_body(raw: bytes) -> Any:
+    """A request body's JSON; ApiError 400 (invalid_json) when it is not JSON."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}",
+                       code="invalid_json") from None
+
+
 def refusal_error(exc: RefusedError, prompt_param: str) -> ApiError:
     """The HTTP error a refusal of the generation path is."""
+    if exc.shed:
+        return ApiError(429, exc.message, code="rate_limit_exceeded",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
         param = _PARAMS.get(exc.field, prompt_param) if exc.field else None
         status = 413 if param == prompt_param and "exceeds the limit" in exc.message else 400
@@ -148,42 +188,68 @@ class OpenAIFront:
     """The HTTP server: :meth:`bind` (before the router serves), :meth:`serve` (once its
     generation path exists; until then requests get 503), :meth:`stop`."""
 
-    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None,
+                 middlewares: Sequence[Any] = (),
+                 models: Mapping[str, Tokenizer | None] | None = None,
+                 adapters: Mapping[str, str] | None = None) -> None:
+        """``models``: every model served and its tokenizer (default: ``cfg.model`` and
+        ``tokenizer``); the first is the default. ``adapters``: LoRA adapter -> base model,
+        served as models of their own with the base model's tokenizer."""
         self._cfg = cfg
-        self._tok = tokenizer
-        self._chat = tokenizer if hasattr(tokenizer, "apply") else None
+        self._models = {name: FrontModel(name, tok) for name, tok in
+                        (models or {cfg.model: tokenizer}).items()}
+        self._default = next(iter(self._models.values()))
+        for name, base in (adapters or {}).items():
+            self._models[name] = FrontModel(name, self._models[base].tok, parent=base)
+        # Run inside _errors (which words what they raise): API keys (router/auth.py).
+        self._middlewares = list(middlewares)
+        self._tls_watch: asyncio.Task[None] | None = None
         self._service: Generator | None = None
         self._workers: Workers | None = None
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
+        self._pool: ThreadPoolExecutor | None = None  # made at bind, shut at stop
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._cfg.http_max_body_bytes,
-                              middlewares=[self._errors])
+                              middlewares=[self._errors, *self._middlewares])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         return app
 
-    async def bind(self, host: str, port: int) -> int:
+    async def bind(self, host: str, port: int, tls: TlsConfig | None = None) -> int:
         """Listen on ``host:port`` (0: a free one) and return the port; a port it cannot
-        listen on ends the start as the gRPC one does (``--http-port``)."""
+        listen on ends the start as the gRPC one does (``--http-port``). ``tls.serving``:
+        HTTPS, its certificate reloaded when its files change (core/tls.py)."""
+        ssl_ctx = None
+        if tls is not None and tls.serving:
+            try:
+                served = ServerContext(tls)
+            except TlsError as exc:
+                raise SystemExit(str(exc)) from None
+            ssl_ctx = served.context
         # handler_cancellation: a client that disconnects cancels its handler, and so the
         # generation and the engine's work, at once (not at the next write).
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_S)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_ctx)
         try:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
             raise refuse_port("http_port", host, port, describe(exc)) from None
         self._runner = runner
-        return int(runner.addresses[0][1])  # the port picked, for 0
+        if ssl_ctx is not None:
+            self._tls_watch = asyncio.create_task(served.watch(), name="http-tls-watch")
+        port = int(runner.addresses[0][1])  # the port picked, for 0
+        self._pool = ThreadPoolExecutor(TOKENIZE_THREADS,
+                                        thread_name_prefix=f"kvroute-tokenize-{port}")
+        return port
 
     def serve(self, service: Generator, workers: Workers) -> None:
         self._service = service
@@ -191,10 +257,16 @@ class OpenAIFront:
 
     async def stop(self) -> None:
         """Stop listening; open streams get SHUTDOWN_S to end before they are cancelled."""
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
+            self._tls_watch = None
         if self._runner is not None:
             await self._runner.shutdown()
             await self._runner.cleanup()
             self._runner = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     # -- errors ------------------------------------------------------------------------------
 
@@ -232,36 +304,55 @@ class OpenAIFront:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self._cfg.model, "object": "model", "created": self._created,
-            "owned_by": "kvroute", "root": self._cfg.model}]})
+            "id": m.name, "object": "model", "created": self._created,
+            "owned_by": "kvroute", "root": m.parent or m.name, "parent": m.parent or None}
+            for m in self._models.values()]})
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while the router runs (workers may come later: ``workers`` says how many
-        are routable now)."""
-        workers = len(self._workers.loads) if self._workers is not None else 0
+        are routable now, ``models`` how many of each model's)."""
+        per = dict(self._workers.routable()) if self._workers is not None else {}
         return web.json_response({"status": "ok" if self._service is not None else "starting",
-                                  "model": self._cfg.model, "workers": workers})
+                                  "model": self._default.name, "workers": sum(per.values()),
+                                  "models": per})
 
     # -- generation --------------------------------------------------------------------------
 
-    async def _body(self, request: web.Request) -> Any:
+    async def _body(self, request: web.Request) -> tuple[Any, int]:
+        """The parsed body and its size in bytes."""
         raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}",
-                           code="invalid_json") from None
+        return decode_body(raw), len(raw)
 
     def _ready(self) -> Generator:
         if self._service is None:
             raise ApiError(503, "the router is starting", headers={"Retry-After": "1"})
         return self._service
 
-    def _check_model(self, g: Generation) -> None:
-        if g.model != self._cfg.model:
+    def _admit(self) -> Generator:
+        """The generation path, unless the router sheds this request now (429, before its
+        body is read and tokenized; the generation path counts and enforces the limit)."""
+        service = self._ready()
+        try:
+            service.admit("http")
+        except RefusedError as exc:
+            raise refusal_error(exc, "") from None
+        return service
+
+    def _check_model(self, g: Generation) -> FrontModel:
+        """The model ``g`` names; 404 ``model_not_found`` if it is not served here."""
+        m = self._models.get(g.model)
+        if m is None:
             raise ApiError(404, f"The model `{g.model}` does not exist (this router serves "
-                           f"{self._cfg.model!r}; see /v1/models)", param="model",
-                           code="model_not_found")
+                           f"{', '.join(map(repr, self._models))}; see /v1/models)",
+                           param="model", code="model_not_found")
+        return m
+
+    async def _off_loop(self, size: int, work: Callable[[], list[int]]) -> list[int]:
+        """``work()`` (render and/or tokenize a prompt from a body of ``size`` bytes): on the
+        loop when small, else on the tokenizing threads."""
+        if size <= INLINE_BODY_BYTES or self._pool is None:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     def _max_tokens(self, g: Generation) -> int:
         cfg = self._cfg
@@ -281,37 +372,45 @@ class OpenAIFront:
     def _jobs(self, g: Generation, prompts: Sequence[Sequence[int]]) -> list[Job]:
         rid = uuid.uuid4().hex
         max_tokens = self._max_tokens(g)
-        stops = getattr(self._tok, "stop_token_ids", ())
+        m = self._check_model(g)
+        stops = getattr(m.tok, "stop_token_ids", ())
         jobs = []
         for i, tokens in enumerate(prompts):
-            req = generate_request(g, tokens, model=self._cfg.model, max_tokens=max_tokens,
+            req = generate_request(g, tokens, model=m.name, max_tokens=max_tokens,
                                    request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                                    stop_token_ids=stops)
             jobs.append(Job(req, Served(rid, len(tokens)),
                             [Choice(i * g.n + k) for k in range(g.n)], g.needs_program,
-                            incremental=not g.stop))
+                            incremental=not g.stop, model=m))
         return jobs
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        service = self._ready()
+        service = self._admit()
         try:
-            req = parse_chat(await self._body(request))
-            self._check_model(req)
-            tokens = self._chat_tokens(req)
-            self._check_length(tokens, "messages")
-            jobs = self._jobs(req, [tokens])
+            req, jobs = await self.chat_jobs(*await self._body(request))
         except ApiError as exc:
             if 400 <= exc.status < 500:
                 service.invalid("Generate", "http")
             raise
         return await self._respond(request, req, jobs, chat=True)
 
+    async def chat_jobs(self, body: Any, size: int) -> tuple[ChatRequest, list[Job]]:
+        """A decoded chat body (``size`` bytes) as its one job: parsed, its model checked,
+        rendered and tokenized, its length checked; ApiError as the endpoint answers. kvroute
+        epp reads the bodies a gateway forwards with it too (router/epp.py)."""
+        req = parse_chat(body)
+        self._check_model(req)
+        tokens = await self._off_loop(size, lambda: self._chat_tokens(req))
+        self._check_length(tokens, "messages")
+        return req, self._jobs(req, [tokens])
+
     def _chat_tokens(self, req: ChatRequest) -> list[int]:
-        if self._chat is None:
+        chat = self._check_model(req).chat
+        if chat is None:
             raise ApiError(400, "messages: this router has no chat template (start it with "
                            "--model NAME=SOURCE); send a prompt to /v1/completions",
                            param="messages")
-        names = self._chat.template_names  # type: ignore[attr-defined]
+        names = chat.template_names
         if req.chat_template is not None and req.chat_template not in names:
             # A template's text would be code the router runs (sandboxed, but unbounded in
             # time) and compiles once per distinct text: only the model's own, by name.
@@ -319,7 +418,7 @@ class OpenAIFront:
                            f"({', '.join(names) or 'none'}); template text is not accepted",
                            param="chat_template")
         try:
-            return list(self._chat.apply(  # type: ignore[attr-defined]
+            return list(chat.apply(
                 req.messages, tools=req.tools, documents=req.documents,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
@@ -328,42 +427,50 @@ class OpenAIFront:
             raise ApiError(400, f"messages: {exc}", param="messages") from None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        service = self._ready()
+        service = self._admit()
         try:
-            req = parse_completion(await self._body(request))
-            self._check_model(req)
-            prompts: list[Sequence[int]] = []
-            for p in req.prompts:
-                if isinstance(p, str):
-                    if self._tok is None:
-                        raise ApiError(400, "prompt: this router has no tokenizer (--model "
-                                       "NAME=SOURCE or --tokenizer); send token ids",
-                                       param="prompt")
-                    p = self._tok.encode(p)
-                if not p:
-                    raise ApiError(400, "prompt: the prompt is empty", param="prompt")
-                self._check_length(p, "prompt")
-                prompts.append(p)
-            jobs = self._jobs(req, prompts)
+            body, _ = await self._body(request)
+            req, jobs = await self.completion_jobs(body)
         except ApiError as exc:
             if 400 <= exc.status < 500:
                 service.invalid("Generate", "http")
             raise
         return await self._respond(request, req, jobs, chat=False)
 
+    async def completion_jobs(self, body: Any) -> tuple[CompletionRequest, list[Job]]:
+        """A decoded completions body as its jobs (one per prompt), checked and tokenized as
+        :meth:`chat_jobs` does."""
+        req = parse_completion(body)
+        tok = self._check_model(req).tok
+        prompts: list[Sequence[int]] = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                if tok is None:
+                    raise ApiError(400, "prompt: this router has no tokenizer (--model "
+                                   "NAME=SOURCE or --tokenizer); send token ids",
+                                   param="prompt")
+                p = await self._off_loop(len(p), lambda tok=tok, p=p: list(tok.encode(p)))
+            if not p:
+                raise ApiError(400, "prompt: the prompt is empty", param="prompt")
+            self._check_length(p, "prompt")
+            prompts.append(p)
+        return req, self._jobs(req, prompts)
+
     # -- running jobs ------------------------------------------------------------------------
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        if self._tok is None:
+    def _decode(self, ids: Sequence[int], m: FrontModel | None) -> str:
+        """``ids``' text in model ``m``'s tokenizer (None: the default model)."""
+        tok = (m or self._default).tok
+        if tok is None:
             return ""
-        if self._chat is not None:
-            return self._chat.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-        return self._tok.decode(ids)
+        if hasattr(tok, "apply"):  # a model's own tokenizer: its special tokens left out
+            return tok.decode(ids, skip_special_tokens=True)  # type: ignore[call-arg]
+        return tok.decode(ids)
 
-    def _new_text(self, c: Choice) -> str:
+    def _new_text(self, c: Choice, m: FrontModel | None) -> str:
         """The text of ``c``'s tokens not streamed yet, short of a trailing partial
         character."""
-        text = self._decode(c.token_ids)
+        text = self._decode(c.token_ids, m)
         if text.endswith("\ufffd") and c.finish_reason is None:
             return ""
         if not text.startswith(c.sent):  # a decoder that rewrites earlier text: resend all
@@ -466,10 +573,11 @@ class OpenAIFront:
                 "prompt_tokens_details": {
                     "cached_tokens": sum(j.served.cached_tokens for j in jobs)}}
 
-    def _logprobs(self, c: Choice, chat: bool) -> dict[str, Any] | None:
+    def _logprobs(self, c: Choice, chat: bool, m: FrontModel | None
+                  ) -> dict[str, Any] | None:
         if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
             return None
-        pieces = [self._decode([t]) for t in c.token_ids]
+        pieces = [self._decode([t], m) for t in c.token_ids]
         if chat:
             # A token that is part of a character decodes to U+FFFD: its bytes are unknown.
             return {"content": [{"token": p, "logprob": lp,
@@ -490,8 +598,8 @@ class OpenAIFront:
         choices = []
         for job in jobs:
             for c in job.choices:
-                text = self._decode(c.token_ids)
-                lp = self._logprobs(c, chat) if g.logprobs else None
+                text = self._decode(c.token_ids, job.model)
+                lp = self._logprobs(c, chat, job.model) if g.logprobs else None
                 if chat:
                     choice: dict[str, Any] = {
                         "index": c.index, "message": {"role": "assistant", "content": text},
@@ -499,12 +607,12 @@ class OpenAIFront:
                 else:
                     choice = {"index": c.index, "text": text, "logprobs": lp,
                               "finish_reason": c.finish_reason}
-                if self._tok is None:
+                if (job.model or self._default).tok is None:
                     choice["token_ids"] = c.token_ids  # a token-id router cannot detokenize
                 choices.append(choice)
         return {"id": ("chatcmpl-" if chat else "cmpl-") + rid,
                 "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self._cfg.model, "choices": choices,
+                "created": int(time.time()), "model": g.model, "choices": choices,
                 "usage": self._usage(jobs)}
 
     async def _stream(self, request: web.Request, g: Generation, jobs: list[Job], *,
@@ -516,7 +624,7 @@ class OpenAIFront:
         rid = jobs[0].served.request_id
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + rid,
                 "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self._cfg.model}
+                "created": int(time.time()), "model": g.model}
         resp: web.StreamResponse | None = None
 
         async def send(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None,
@@ -554,12 +662,12 @@ class OpenAIFront:
                             continue
                         assert c is not None
                         if kind == "delta":
-                            text = self._new_text(c)
+                            text = self._new_text(c, job.model)
                             if text:
                                 await send(chunk(c, text, None))
                         elif kind == "done":
-                            text = self._new_text(c)  # what the last tokens complete
-                            lp = self._logprobs(c, chat) if g.logprobs else None
+                            text = self._new_text(c, job.model)  # the last tokens' text
+                            lp = self._logprobs(c, chat, job.model) if g.logprobs else None
                             if text or lp:
                                 await send(chunk(c, text, None, lp=lp))
                             await send(chunk(c, "", c.finish_reason))

@@ -185,6 +185,10 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],), "prediction": (), "audio": (), "web_search_options": (),
     "reasoning_effort": (), "functions": (), "function_call": ("auto", "none"),
 }
+_WHY_DEFAULT_ONLY = {
+    "top_logprobs": "engines report only each sampled token's log-probability (logprobs: "
+                    "true), not the alternatives'",
+}
 # Fields accepted and not used: they change nothing kvroute does.
 _IGNORED = frozenset({"store", "metadata", "service_tier", "stream_options", "user",
                       "prompt_cache_key", "safety_identifier"})
@@ -197,9 +201,10 @@ def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
         if name in _DEFAULT_ONLY:
             if value is None or value in _DEFAULT_ONLY[name]:
                 continue
+            why = _WHY_DEFAULT_ONLY.get(name, "")
             raise invalid(name, f"{json.dumps(value)[:60]} is not supported by kvroute (only "
-                          f"{' or '.join(json.dumps(v) for v in _DEFAULT_ONLY[name]) or 'unset'})",
-                          code="unsupported_parameter")
+                          f"{' or '.join(json.dumps(v) for v in _DEFAULT_ONLY[name]) or 'unset'})"
+                          f"{': ' + why if why else ''}", code="unsupported_parameter")
         raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
                        code="unknown_parameter")
 

@@ -25,6 +25,9 @@ Invariants:
   agent publishes no heartbeat to our Redis under the same id.
 * A worker marked down keeps the error it failed with and when, so that a request finding
   no routable worker is told why (:meth:`WorkerRegistry.unroutable`).
+* A *demoted* worker (its engine kept reporting far fewer cached tokens than its published
+  blocks promised: ``router/trust.py``) stays routable, but until its ``demoted_until`` its
+  index matches are dropped from decisions, as an incompatible worker's are.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from kvroute.core.load import SentTraffic, WorkerLoad
 from kvroute.core.redis_schema import KEY_SCHEME, Heartbeat
 
 log = logging.getLogger("kvroute.router.registry")
+
+REPRIEVE_CAP_S = 30.0
+"""Longest a router keeps workers with no heartbeat after a Redis reconnect (max_ttl_s)."""
 
 EXCLUSION_REASONS = ("tokenizer",)
 """Why a known worker can be excluded from routing (``kvroute_router_worker_excluded``)."""
@@ -94,6 +100,31 @@ class WorkerInfo:
         self.sent = SentTraffic(start=self.first_seen)
 
 
+def seen_load(own: WorkerLoad, hb: Heartbeat | WorkerLoad) -> WorkerLoad:
+    """A worker's load as one of several routers sees it: ``own``, its exact counts of the
+    traffic it sent itself (inflight, pending prefill and its context, rates; and the blocks
+    its mirror holds), and ``hb``, the agent's last heartbeat, which counts every router's
+    traffic but is up to a heartbeat interval old. The engine's state (running, queued, free
+    blocks, limits) is the heartbeat's; of what both count, the larger. The replay simulator's
+    multi-router mode (``--routers``) sees loads through this too."""
+    return WorkerLoad(
+        inflight=own.inflight,
+        running=hb.running,
+        queued=hb.queued,
+        free_blocks=hb.free_blocks,
+        capacity_blocks=hb.capacity_blocks,
+        pending_prefill_tokens=max(hb.pending_prefill_tokens, own.pending_prefill_tokens),
+        cached_blocks=own.cached_blocks,
+        max_running=hb.max_running,
+        max_batched_tokens=hb.max_batched_tokens,
+        prefill_mode=hb.prefill_mode,
+        max_prefill_chunk=hb.max_prefill_chunk,
+        arrival_rate=max(hb.arrival_rate, own.arrival_rate),
+        pending_prefill_context=own.pending_prefill_context,  # engines report tokens only
+        prefill_rate=max(hb.prefill_rate, own.prefill_rate),  # as the arrival rate
+    )
+
+
 def parse_static(spec: str) -> dict[str, str]:
     """``id=host:port,id2=host:port`` -> {id: address}; ValueError on a malformed item."""
     out: dict[str, str] = {}
@@ -124,6 +155,7 @@ class WorkerRegistry:
         self._gate_listed = False
         self._gate_seen: set[str] = set()  # ids the gate ever knew: a deleted pod is no news
         self._incompatible: set[str] = set()  # known workers whose keys cannot match ours
+        self._demoted: dict[str, float] = {}  # worker -> until when its claims are ignored
         for w in self._workers:
             self._refresh(w)
 
@@ -140,17 +172,40 @@ class WorkerRegistry:
         info = self._workers.get(worker)
         return info is not None and info.compatible
 
+    def believed(self, worker: str) -> bool:
+        """Whether ``worker``'s index matches count: compatible and not demoted."""
+        until = self._demoted.get(worker)
+        if until is not None:
+            if time.monotonic() < until:
+                return False
+            del self._demoted[worker]
+        return self.compatible(worker)
+
+    def demote(self, worker: str, for_s: float) -> None:
+        """Ignore ``worker``'s index matches for ``for_s`` seconds (``router/trust.py``)."""
+        if worker in self._workers:
+            self._demoted[worker] = time.monotonic() + for_s
+
+    def demoted(self) -> list[str]:
+        now = time.monotonic()
+        return [w for w, until in self._demoted.items() if until > now]
+
     @property
     def match_filter(self) -> Callable[[str], bool] | None:
-        """What a decision filters index matches by: :meth:`compatible`, or None while every
-        known worker is (the common case: no call per matched worker)."""
-        return self.compatible if self._incompatible else None
+        """What a decision filters index matches by: :meth:`believed`, or None while every
+        known worker's matches count (the common case: no call per matched worker)."""
+        return self.believed if self._incompatible or self._demoted else None
 
     # -- heartbeats ------------------------------------------------------------------------
 
     def max_ttl_s(self, default: float = 3.0) -> float:
+        """The longest heartbeat TTL of the known workers, at most :data:`REPRIEVE_CAP_S`:
+        how long workers whose heartbeats vanished (a Redis that lost its data) are kept
+        after a reconnect. Capped, so that one record claiming an hour (a bug, or anyone
+        who can write to Redis) cannot keep dead or fake workers routable that long; a live
+        worker with a longer TTL is simply learned again at its next heartbeat."""
         ttls = [i.heartbeat.ttl_s for i in self._workers.values() if i.heartbeat is not None]
-        return max(ttls, default=default)
+        return min(max(ttls, default=default), REPRIEVE_CAP_S)
 
     def apply_heartbeats(self, beats: Mapping[str, Heartbeat], *, expire: bool = True
                          ) -> tuple[list[str], list[str]]:
@@ -188,6 +243,7 @@ class WorkerRegistry:
         for w in expired:
             del self._workers[w]
             self._incompatible.discard(w)
+            self._demoted.pop(w, None)
             self.loads.pop(w, None)
         return added, expired
 
@@ -362,21 +418,9 @@ class WorkerRegistry:
                                             pending_prefill_context=info.pending_context,
                                             prefill_rate=prefill_rate)
             return
-        # The heartbeat counts every router's traffic but is up to one interval old; our own
-        # counters are exact for our traffic. Take the larger of each.
-        self.loads[worker] = WorkerLoad(
-            inflight=info.inflight,
-            running=hb.running,
-            queued=hb.queued,
-            free_blocks=hb.free_blocks,
-            capacity_blocks=hb.capacity_blocks,
-            pending_prefill_tokens=max(hb.pending_prefill_tokens, info.pending_prefill),
-            cached_blocks=info.cached_blocks,
-            max_running=hb.max_running,
-            max_batched_tokens=hb.max_batched_tokens,
-            prefill_mode=hb.prefill_mode,
-            max_prefill_chunk=hb.max_prefill_chunk,
-            arrival_rate=max(hb.arrival_rate, rate),
-            pending_prefill_context=info.pending_context,  # engines report tokens only
-            prefill_rate=max(hb.prefill_rate, prefill_rate),  # as the arrival rate
-        )
+        self.loads[worker] = seen_load(
+            WorkerLoad(inflight=info.inflight, pending_prefill_tokens=info.pending_prefill,
+                       cached_blocks=info.cached_blocks, arrival_rate=rate,
+                       pending_prefill_context=info.pending_context,
+                       prefill_rate=prefill_rate),
+            hb)

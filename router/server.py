@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from kvroute.core.agent_client import AgentChannels
-from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.core.config import RouterConfig
 from kvroute.core.grpc_util import (
+    HealthPort,
     add_handlers,
     add_standard_services,
     bind,
@@ -26,20 +24,21 @@ from kvroute.core.grpc_util import (
     start_metrics,
     wire_keeping_handler,
 )
-from kvroute.core.model_source import parse_model_option
+from kvroute.core.liveness import HungWorkerError, LivenessProbe, watched
 from kvroute.core.native import native_builds
 from kvroute.core.placement import (
     ForkSegment,
     Overflow,
     fork_segment,
     place_fork,
-    program_fanout,
-    program_prefill_tokens,
+    program_load,
 )
 from kvroute.core.policies import make_policy
+from kvroute.core.program_bounds import BoundLimits, ProgramBoundsError, program_bounds
 from kvroute.core.redis_conn import connect_config, redact_url
 from kvroute.core.redis_schema import RedisKeys
-from kvroute.core.tokenizer import Tokenizer, make_tokenizer
+from kvroute.core.tls import TlsConfig
+from kvroute.core.tokenizer import Tokenizer
 from kvroute.core.validate import (
     InvalidRequestError,
     Limits,
@@ -48,6 +47,7 @@ from kvroute.core.validate import (
     check_tokens,
 )
 from kvroute.core.wire import request_token_ids, with_string_field
+from kvroute.router.auth import api_interceptors, api_middlewares, load_key_ring
 from kvroute.router.coalesce import InflightPrefixes, predict_sent
 from kvroute.router.copies import PrefixCopier
 from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_confirmed
@@ -55,8 +55,16 @@ from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.openai_api import OpenAIFront
+from kvroute.router.pools import (
+    ModelPool,
+    PooledService,
+    PoolModel,
+    load_models,
+    parse_adapters,
+)
 from kvroute.router.refusal import RefusedError
 from kvroute.router.registry import Vocabulary, WorkerRegistry, parse_static
+from kvroute.router.trust import ClaimAudit, promised_tokens
 from kvroute.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("kvroute.router")
@@ -64,6 +72,14 @@ log = logging.getLogger("kvroute.router")
 SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 _DOWN_S = 2.0  # how long a worker that refused a request is skipped
 _MAX_ATTEMPTS = 2  # the chosen worker, then the next-best once
+# What a worker answers for the request's own content: passed back to the client as it is,
+# the worker not marked down and no other tried (it would refuse the request too).
+_REQUEST_CAUSED = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,  # e.g. a program the agent is not set up for
+    grpc.StatusCode.UNIMPLEMENTED,        # ... or its engine cannot run
+    grpc.StatusCode.OUT_OF_RANGE})
+DEMOTE_S = 60.0  # how long a worker whose claims fell short is routed as if cold
 
 
 def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
@@ -90,6 +106,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._m = metrics
         self._tok = tokenizer
         self._limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        # Half the connect timeout to wait, half for the probe: a hung worker is left
+        # within about --connect-timeout-s (core/liveness.py).
+        self._probe = LivenessProbe(channels, cfg.connect_timeout_s / 2)
+        self._claims = ClaimAudit()  # promised vs reported cached tokens, per worker
+        self._program_limits = BoundLimits(max_fanout=cfg.max_program_fanout,
+                                           max_steps=cfg.max_program_steps)
         # Requests sent on with predicted entries whose first token has not come back.
         self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(cfg.coalesce_share)
         # The policy's background copies of hot prefixes (kvroute's replicate), if it makes any.
@@ -118,6 +140,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         check_tokens(tokens, self._limits, top=top)
         return tokens
 
+    def _check_program(self, req: common_pb2.GenerateRequest) -> None:
+        """A program's claimed size against this router's limits, before anything walks it
+        child by child (placement weights, fork segments): ProgramBoundsError."""
+        if req.HasField("program"):
+            program_bounds(req.program, self._program_limits)
+
     def _decide(self, tokens: Sequence[int], req: common_pb2.GenerateRequest,
                 t0: float) -> Decision:
         """``t0``: when the request's prompt began to be read (``_prompt``): the decision's
@@ -140,11 +168,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """``wire``: the bytes ``request`` was parsed from (:func:`add_router_service`)."""
         try:
             t0 = time.perf_counter()
+            self._check_program(request)
             tokens = self._prompt(request, wire)
             d = self._decide(tokens, request, t0)
         except InvalidRequestError as exc:
             self.invalid("Route")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ProgramBoundsError as exc:
+            self.invalid("Route")
+            await context.abort(exc.code, str(exc))
         except NoWorkersError as exc:
             self._m.requests.labels("grpc", "Route", "unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -176,40 +208,43 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 resp.placement.CopyFrom(fwd.placement)
         return resp
 
-    async def Generate(  # noqa: N802 - gRPC method name
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-        wire: bytes | None = None,
-    ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """``wire``: the bytes ``request`` was parsed from (:func:`add_router_service`)."""
+    def decide_request(
+        self, request: common_pb2.GenerateRequest, wire: bytes | None = None, *,
+        api: str = "grpc", rpc: str = "Generate", t0: float | None = None,
+    ) -> tuple[Sequence[int], Decision]:
+        """The front half of :meth:`generate`: validate, read or tokenize the prompt, decide.
+        Nothing is sent: a front whose gateway carries the request itself (``kvroute epp``)
+        stops here. Raises :class:`RefusedError` (counted under ``api`` and ``rpc``) for what
+        is not served; ``t0``: when the request began to be read (default: now)."""
+        t0 = time.perf_counter() if t0 is None else t0
         try:
-            # aclosing: a cancelled call ends generate() here and now (its finally blocks
-            # cancel the agent call and release the worker's load), not when collected.
-            async with contextlib.aclosing(self.generate(request, wire)) as responses:
-                async for resp in responses:
-                    yield resp
-        except RefusedError as exc:
-            await context.abort(exc.code, exc.message)
+            self._check_program(request)
+            tokens = self._prompt(request, wire)
+            check_sampling(request, self._limits)
+            return tokens, self._decide(tokens, request, t0)
+        except InvalidRequestError as exc:
+            self.invalid(rpc, api)
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
+        except ProgramBoundsError as exc:
+            self.invalid(rpc, api)
+            raise RefusedError(exc.code, str(exc), "program") from None
+        except NoWorkersError as exc:
+            self._m.requests.labels(api, rpc, "unavailable").inc()
+            raise RefusedError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
     async def generate(
         self, request: common_pb2.GenerateRequest, wire: bytes | None = None,
-        api: str = "grpc",
+        api: str = "grpc", deadline: float | None = None,
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """The one generation path every API takes: validate, decide (coalescing, copies),
         send to the best worker, retry the next-best once if it fails before its first
         token, stream its responses. Raises :class:`RefusedError` for what it does not serve;
         closing the iterator early (a client gone) cancels the agent call. ``api`` labels
-        the request metrics (grpc, http)."""
+        the request metrics (grpc, http). ``deadline`` (``time.monotonic()``): the client's,
+        the agent calls' too; a worker that does not answer before the first token is
+        probed and left for the next-best when hung (core/liveness.py)."""
         t0 = time.perf_counter()
-        try:
-            tokens = self._prompt(request, wire)
-            check_sampling(request, self._limits)
-            d = self._decide(tokens, request, t0)
-        except InvalidRequestError as exc:
-            self.invalid("Generate", api)
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
-        except NoWorkersError as exc:
-            self._m.requests.labels(api, "Generate", "unavailable").inc()
-            raise RefusedError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        tokens, d = self.decide_request(request, wire, api=api, t0=t0)
 
         rid = request.request_id or uuid.uuid4().hex
         # A plain request goes on as the bytes it came in, with the router's request id
@@ -232,9 +267,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # A program's branches run on the chosen worker (they weigh on its load as that many
         # sequences until it finishes), except fork children it has no room for.
         program = request.program if request.HasField("program") else None
-        fanout = program_fanout(program) if program is not None else 1
         # Its fast-forwards are prefill work too, pending until the program ends.
-        extra = program_prefill_tokens(program) if program is not None else 0
+        fanout, extra = program_load(program) if program is not None else (1, 0)
         seg = fork_segment(program) if program is not None and self._cfg.program_overflow \
             else None
         weights = seg.weights() if seg is not None else []
@@ -245,6 +279,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if program is None:
             self.copier.maybe_copy(d, tokens, request, rid)
         sent = 0
+        tokens_out = 0
         for cand in d.ranked[:_MAX_ATTEMPTS]:
             w = cand.worker
             info = self._registry.get(w)
@@ -253,6 +288,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if sent:
                 self._m.retries.inc()  # a worker skipped above is not a retry
             sent += 1
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                self._m.requests.labels(api, "Generate", "deadline").inc()
+                raise RefusedError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   "the request's deadline passed before a worker answered")
             overflow = () if relay else self._place(fwd, seg, weights, w, d)
             self._m.overflow.inc(sum(len(o.children) for o in overflow))
             if overflow:
@@ -260,6 +300,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     "request": rid, "worker": w,
                     "overflow": {o.worker: list(o.children) for o in overflow}}})
             uncached, attended = d.prefill(w)
+            promised = self._promised(d, w, len(tokens)) if program is None else 0
             local = max(1, fanout - sum(o.weight for o in overflow))
             self._registry.begin(w, uncached + extra, local, context=attended)
             # Overflow workers' prefill is pending until their first chunk comes back.
@@ -269,9 +310,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._registry.begin(o.worker, n, o.weight, context=attends)
             started = False
             done = False
-            failure: grpc.aio.AioRpcError | None = None
-            call = (self._channels.generate_wire(info.address)(payload) if payload is not None
-                    else self._channels.stub(info.address).Generate(fwd))
+            failure: grpc.aio.AioRpcError | HungWorkerError | None = None
+            call = (self._channels.generate_wire(info.address)(payload, timeout=timeout)
+                    if payload is not None
+                    else self._channels.stub(info.address).Generate(fwd, timeout=timeout))
             stored = asyncio.Event()  # set at this attempt's first token, or when it ends
             predicted = None
             if predicting:
@@ -282,7 +324,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 predicted = predict_sent(self._mirror.index, self._inflight, stored, w,
                                          d.keys, uncached, self._cfg.predict_ttl_s)
             try:
-                async for resp in call:
+                async for resp in watched(call, self._probe, info.address,
+                                          self._cfg.connect_timeout_s / 2):
                     if not started:
                         started = True
                         self._release(stored)
@@ -297,9 +340,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     if resp.HasField("usage"):
                         self._m.prompt_tokens.inc(resp.usage.prompt_tokens)
                         self._m.cached_tokens.inc(resp.usage.cached_tokens)
+                        if promised:
+                            self._audit(w, promised, resp.usage.cached_tokens)
+                    tokens_out += len(resp.token_ids)
                     yield resp
                 done = True
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, HungWorkerError) as exc:
                 failure = exc
             finally:
                 # Every begin() gets its end(), however the attempt ended (the client may
@@ -326,14 +372,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # Tokens already reached the client: a retry would repeat them.
                 self._m.requests.labels(api, "Generate", "failed_midstream").inc()
                 raise RefusedError(grpc.StatusCode.UNAVAILABLE,
-                                   f"worker {w} failed mid-stream: {failure.details()}",
-                                   midstream=True)
-            if failure.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                  grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  grpc.StatusCode.FAILED_PRECONDITION,  # e.g. a program
-                                  grpc.StatusCode.UNIMPLEMENTED):       # the engine can't run
+                                   f"worker {w} failed mid-stream after {tokens_out} tokens "
+                                   f"were sent (retrying repeats them): {failure.details()}",
+                                   midstream=True, sent=tokens_out)
+            if failure.code() in _REQUEST_CAUSED:
                 self._m.requests.labels(api, "Generate", "rejected").inc()
                 raise RefusedError(failure.code(), f"worker {w}: {failure.details()}")
+            if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None \
+                    and time.monotonic() >= deadline - 0.05:
+                # The client's own deadline (the call's), not the worker's fault.
+                self._m.requests.labels(api, "Generate", "deadline").inc()
+                raise RefusedError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"worker {w}: the request's deadline passed")
             errors.append(f"{w}: {failure.code().name} {failure.details()}")
             log.warning("agent failed before first token; trying next-best",
                         extra={"kv": {"worker": w, "request": rid,
@@ -383,11 +433,53 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._m.coalesce_wait.observe(time.perf_counter() - t0)
         return d, True
 
+    def _promised(self, d: Decision, worker: str, prompt_tokens: int) -> int:
+        """The cached tokens the index promises on ``worker`` now: its confirmed leading
+        blocks (the router's own predictions are no worker's claim)."""
+        m = d.query.matched_blocks.get(worker, 0)
+        if not m or not self._mirror.available:
+            return 0
+        index = self._mirror.index
+        if index.predicted(worker):
+            m = index.confirmed(worker, d.keys, m)
+        return promised_tokens(m, self._decider.block_size, prompt_tokens)
+
+    def _audit(self, worker: str, promised: int, reported: int) -> None:
+        """Compare what the index promised with what the engine reported (router/trust.py):
+        a worker that keeps falling short has its claims ignored for DEMOTE_S."""
+        if reported < promised:
+            self._m.claim_shortfall.labels(worker).inc(promised - reported)
+        shortfall = self._claims.observe(worker, promised, reported)
+        if shortfall is not None:
+            self._registry.demote(worker, DEMOTE_S)
+            self._m.demotions.labels(worker).inc()
+            log.warning("worker's published blocks keep missing in its engine; ignoring them "
+                        "for a while", extra={"kv": {
+                            "worker": worker, "shortfall": round(shortfall, 2),
+                            "demoted_s": DEMOTE_S}})
+
     def _release(self, stored: asyncio.Event) -> None:
         """This request's prefix is stored (first token) or it ended: wake its siblings."""
         if not stored.is_set():
             stored.set()
             self._inflight.drop(stored)
+
+    # -- for fronts whose gateway carries the request (kvroute epp, router/epp.py): the same
+    # coalescing and predictions as generate(), each step called where the front sees it.
+
+    @property
+    def inflight(self) -> InflightPrefixes[asyncio.Event]:
+        """Requests sent on with predicted entries whose first token has not come back."""
+        return self._inflight
+
+    async def coalesce(self, d: Decision, rid: str, api: str) -> tuple[Decision, bool]:
+        """:meth:`_coalesce` for another front: the decision to send by, and whether it
+        waited for an in-flight sibling's prefill."""
+        return await self._coalesce(d, rid, api)
+
+    def release(self, stored: asyncio.Event) -> None:
+        """:meth:`_release`: the request ``stored`` stands for has its first token, or ended."""
+        self._release(stored)
 
     def _place(self, fwd: common_pb2.GenerateRequest, seg: ForkSegment | None,
                weights: list[int], worker: str, d: Decision) -> tuple[Overflow, ...]:
@@ -417,32 +509,35 @@ class RouterApp:
     def __init__(self, cfg: RouterConfig) -> None:
         try:
             static = parse_static(cfg.workers)
-            policy = make_policy(cfg.policy)
-            # --model NAME=SOURCE: the model's own tokenizer (and chat template) at the router.
-            cfg, chat = load_model(cfg)
-            self._tok: Tokenizer | None = chat if chat is not None else \
-                make_tokenizer(cfg.tokenizer)
-        except ValueError as exc:  # ModelSourceError, ChatTemplateError included
+            make_policy(cfg.policy)  # an unknown policy ends the start before any model loads
+            # Each --model a pool; NAME=SOURCE: the model's own tokenizer (and chat template).
+            models = load_models(cfg)
+            # --lora NAME=BASE: adapters routed in their base model's pool.
+            self.adapters = parse_adapters(cfg.lora, [m.name for m in models])
+            self.tls = TlsConfig.from_config(cfg)
+        except ValueError as exc:  # ModelSourceError, ChatTemplateError, TlsError included
             raise SystemExit(str(exc)) from None
-        self.cfg = cfg
-        self.chat = chat
-        # The ids this router speaks: workers speaking others are left out (and named).
-        # A model's own tokenizer has no name agents report: its vocabulary size is compared.
-        vocabulary = (Vocabulary("", chat.vocab_size) if chat is not None
-                      else Vocabulary(self._tok.name, self._tok.vocab_size)
-                      if self._tok is not None else Vocabulary("", cfg.vocab_size))
-        self.registry = WorkerRegistry(static, cfg.block_size, vocabulary)
+        # The default (first) model's config, tokenizer, registry, mirror and decider are
+        # the router's own attributes; every model's are its pool's (router/pools.py).
+        self.pools = [_pool(m, static if i == 0 else {}) for i, m in enumerate(models)]
+        default = self.pools[0]
+        cfg = self.cfg = default.model.cfg
+        self.chat = default.model.chat
+        self._tok: Tokenizer | None = default.model.tokenizer
+        self.registry = default.registry
+        self.mirror = default.mirror
+        self.decider = default.decider
         self.metrics = RouterMetrics()
-        self.mirror = IndexMirror(connect_config(cfg, block_timeout_s=cfg.poll_interval_s),
-                                  RedisKeys(cfg.model), self.registry,
-                                  poll_interval_s=cfg.poll_interval_s,
-                                  retry_s=cfg.redis_retry_s)
-        self.decider = Decider(cfg.model, cfg.block_size, policy)
+        self.front: PooledService | None = None  # set at start: the pools' one entry
         # --discovery kubernetes: only pods that exist and are Ready get traffic.
         self.discovery = make_discovery(cfg, self.registry)
         if self.discovery is not None:
             self.metrics.registry.register(DiscoveryCollector(self.discovery))
-        self.channels = AgentChannels()
+        try:
+            self.channels = AgentChannels(self.tls)  # --tls-ca: mTLS to agents
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        self.keys = load_key_ring(cfg.api_keys_file, self.metrics.registry)
         self.port = 0
         self.http_port = 0
         self.http: OpenAIFront | None = None  # set at start, with --http-port
@@ -450,47 +545,68 @@ class RouterApp:
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
         self._mirror_task: asyncio.Task[None] | None = None
+        self._mirror_tasks: list[asyncio.Task[None]] = []
         self._metrics_http: Any = None
+        self.health_server = HealthPort("", 0)  # --health-port: bound at start
 
     async def start(self, *, wait_for_redis_s: float = 0.0) -> int:
         cfg = self.cfg
+        self._loop = asyncio.get_running_loop()  # where /debug/mirror reads the mirror
         # Ports first: a taken one ends the start before anything needs stopping.
-        server = new_server()
-        self.port = bind(server, cfg.host, cfg.port)
+        server = new_server(self.tls, api_interceptors(self.keys, [SERVICE], cfg.model))
+        self.port = bind(server, cfg.host, cfg.port, tls=self.tls)
+        self.health_server = HealthPort(cfg.metrics_host or cfg.host, cfg.health_port)
         if cfg.http_port:
-            self.http = OpenAIFront(cfg, self._tok)
-            self.http_port = await self.http.bind(cfg.host, cfg.http_port)
+            self.http = OpenAIFront(cfg, self._tok,
+                                    middlewares=api_middlewares(self.keys, cfg.model),
+                                    models={p.name: p.model.tokenizer for p in self.pools},
+                                    adapters=self.adapters)
+            self.http_port = await self.http.bind(cfg.host, cfg.http_port, tls=self.tls)
         try:
-            self._metrics_http = start_metrics(cfg.metrics_port, cfg.host,
-                                               self.metrics.registry)
+            self._metrics_http = start_metrics(cfg.metrics_port, cfg.metrics_host or cfg.host,
+                                               self.metrics.registry,
+                                               routes={"/debug/mirror": self._debug_mirror})
         except BaseException:  # a taken metrics port: the HTTP one is not left listening
             if self.http is not None:
                 await self.http.stop()
             raise
-        self.metrics.watch(self.mirror)
+        if len(self.pools) == 1:
+            self.metrics.watch(self.mirror)
+        else:  # each pool's index and workers, labelled with its model
+            self.metrics.watch_pools({p.name: p.mirror for p in self.pools})
         if self.decider.tail is not None:
             self.metrics.watch_tail(self.decider.tail)
         if self.discovery is not None:
             await self.discovery.start()  # closes the gate before the first heartbeat scan
-        self._mirror_task = asyncio.create_task(self.mirror.run(), name="index-mirror")
+        self._mirror_tasks = [asyncio.create_task(p.mirror.run(), name=f"index-mirror-{p.name}")
+                              for p in self.pools]
+        self._mirror_task = self._mirror_tasks[0]
         if wait_for_redis_s > 0:
             try:
-                await asyncio.wait_for(self.mirror.ready.wait(), wait_for_redis_s)
+                await asyncio.wait_for(asyncio.gather(*(p.mirror.ready.wait()
+                                                        for p in self.pools)), wait_for_redis_s)
             except TimeoutError:
-                log.warning("redis not reachable at start; routing by load alone for now")
+                # Why, as the mirror classified it (refused credentials, an ACL, TLS).
+                log.warning(f"redis not ready at start ({self.mirror.last_error or 'no answer'})"
+                            "; routing by load alone for now")
             if self.discovery is not None:
                 try:
                     await asyncio.wait_for(self.discovery.ready.wait(), wait_for_redis_s)
                 except TimeoutError:
                     log.warning("worker pods not listed yet; no traffic until they are")
-        self.service = RouterService(cfg, self.decider, self.mirror, self.registry,
-                                     self.channels, self.metrics, self._tok)
-        add_router_service(self.service, server)
+        for p in self.pools:
+            p.service = RouterService(p.model.cfg, p.decider, p.mirror, p.registry,
+                                      self.channels, self.metrics, p.model.tokenizer)
+        self.service = self.pools[0].service
+        self.front = PooledService(self.pools, cfg.max_inflight, self.metrics.requests,
+                                   self.adapters)
+        add_router_service(self.front, server)  # type: ignore[arg-type]
         if self.http is not None:
-            self.http.serve(self.service, self.registry)
+            self.http.serve(self.front, self.front)
         self._health = add_standard_services(server, [SERVICE])
         await server.start()
         self._server = server
+        await self.health_server.start(self._health)
         await set_serving(self._health, [SERVICE], True)
         native = native_builds()
         log.info("router serving", extra={"kv": {
@@ -505,6 +621,24 @@ class RouterApp:
                         extra={"kv": {"missing": missing}})
         return self.port
 
+    def _debug_mirror(self, query: dict[str, list[str]]) -> object:
+        """``/debug/mirror[?keys=1][?workers=0]`` on the metrics port: the mirror's counters
+        and per-worker view (:meth:`IndexMirror.view`; ``workers=0``: counters only), read on
+        the event loop so it is one moment's. Served by the metrics thread; bench/scale.py
+        compares routers with it (docs/scaling.md)."""
+        keys = query.get("keys", ["0"])[0] not in ("", "0")
+        per_worker = query.get("workers", ["1"])[0] not in ("", "0")  # ?workers=0: totals
+
+        async def read() -> object:
+            st = self.mirror.stats
+            return {"available": self.mirror.available, "events_applied": st.events_applied,
+                    "gaps": st.gaps, "snapshot_loads": st.snapshot_loads,
+                    "bootstraps": st.bootstraps, "lag_s": st.lag_s,
+                    "entries": self.mirror.index.entries(),
+                    "workers": self.mirror.view(keys) if per_worker else {}}
+
+        return asyncio.run_coroutine_threadsafe(read(), self._loop).result(30)
+
     async def stop(self, grace_s: float = 5.0) -> None:
         if self._health is not None:
             await set_serving(self._health, [SERVICE], False)
@@ -512,30 +646,35 @@ class RouterApp:
             await self.http.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
-        if self.service is not None:
-            await self.service.copier.close()
+        await self.health_server.stop()
+        for p in self.pools:
+            if p.service is not None:
+                await p.service.copier.close()  # type: ignore[attr-defined]
         if self.discovery is not None:
             await self.discovery.stop()
-        if self._mirror_task is not None:
-            await self.mirror.stop(self._mirror_task)
+        for p, task in zip(self.pools, self._mirror_tasks, strict=False):
+            await p.mirror.stop(task)
         await self.channels.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         log.info("router stopped")
 
 
-def load_model(cfg: RouterConfig) -> tuple[RouterConfig, ChatTokenizer | None]:
-    """``cfg`` with its ``model`` the bare NAME, and the tokenizer of ``--model NAME=SOURCE``
-    (None for a bare name). With a model tokenizer, token ids are checked against its
-    vocabulary: ``vocab_size`` becomes the tokenizer's. ValueError names what is wrong."""
-    if "=" not in cfg.model:
-        return cfg, None
-    name, source = parse_model_option(cfg.model)
-    if cfg.tokenizer:
-        raise ValueError(f"--model {cfg.model!r} names the model's tokenizer: drop "
-                         f"--tokenizer {cfg.tokenizer!r}")
-    chat = ChatTokenizer.load(source, name=name)
-    return dataclasses.replace(cfg, model=name, vocab_size=chat.vocab_size), chat
+def _pool(model: PoolModel, static: Mapping[str, str]) -> ModelPool:
+    """One model's registry, mirror of its Redis keys and decider (its own policy object:
+    policies keep per-model state, such as hot-prefix replicas)."""
+    cfg, chat, tok = model.cfg, model.chat, model.tokenizer
+    # The ids this pool speaks: workers speaking others are left out (and named).
+    # A model's own tokenizer has no name agents report: its vocabulary size is compared.
+    vocabulary = (Vocabulary("", chat.vocab_size) if chat is not None
+                  else Vocabulary(tok.name, tok.vocab_size)
+                  if tok is not None else Vocabulary("", cfg.vocab_size))
+    registry = WorkerRegistry(static, cfg.block_size, vocabulary)
+    mirror = IndexMirror(connect_config(cfg, block_timeout_s=cfg.poll_interval_s),
+                         RedisKeys(cfg.model), registry, poll_interval_s=cfg.poll_interval_s,
+                         retry_s=cfg.redis_retry_s)
+    return ModelPool(model, registry, mirror, Decider(cfg.model, cfg.block_size,
+                                                      make_policy(cfg.policy)))
 
 
 async def run_router(cfg: RouterConfig) -> None:

@@ -109,6 +109,16 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "serving Llama-3.1-8B)")
     p.add_argument("--propagation-ms", type=NON_NEGATIVE, default=50.0,
                    help="delay before the router sees a cache event (agent -> Redis -> router)")
+    p.add_argument("--routers", type=AT_LEAST_ONE, default=1,
+                   help="router replicas the arrivals are split over (round robin), each with "
+                        "its own index, predictions and in-flight counts, seeing the others' "
+                        "traffic only in the workers' heartbeats (docs/scaling.md)")
+    p.add_argument("--share-inflight", action="store_true",
+                   help="with --routers > 1: each routing decision reaches the other routers "
+                        "--propagation-ms later (their in-flight counts and predictions)")
+    p.add_argument("--heartbeat-ms", type=NON_NEGATIVE, default=1000.0,
+                   help="with --routers > 1: how often the workers' heartbeats (queue, "
+                        "pending prefill: every router's traffic) refresh each router's view")
     p.add_argument("--predict-ttl-ms", type=NON_NEGATIVE, default=PREDICT_TTL_S * 1000,
                    help="router predicts a routed prompt's blocks on its worker until they "
                         "are stored, at most this long, and holds a request routed on a "
@@ -319,7 +329,9 @@ def prepare(args: argparse.Namespace) -> Setup | None:
                            prefill_budget=args.prefill_budget,
                            chunked_prefill=args.chunked_prefill,
                            long_prefill_threshold=args.long_prefill_threshold,
-                           closed_loop=args.closed_loop)
+                           closed_loop=args.closed_loop, routers=args.routers,
+                           heartbeat_s=args.heartbeat_ms / 1000,
+                           share_inflight=args.share_inflight)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     too_big = [i for i, r in enumerate(trace.requests)

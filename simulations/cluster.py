@@ -98,6 +98,7 @@ class SimRequest:
     watched: bool = False  # a continuation waits for it to end (closed-loop replay)
     waited_s: float = 0.0  # sent this long after its trace time: the reply it continues ended then
     copy_of: int = -1  # a router's background copy of a hot prefix: the request that made it
+    router: int = 0  # the router replica that routed it (ClusterSpec.routers)
 
 
 def _held(r: SimRequest, now: float) -> bool:

@@ -66,13 +66,14 @@ from dataclasses import dataclass, field
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.index import PrefixIndex
-from kvroute.core.load import PrefixDemand, SentTraffic
+from kvroute.core.load import PrefixDemand, SentTraffic, WorkerLoad
 from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.redis_schema import Op
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.copies import copy_blocks
 from kvroute.router.decide import prefill_tail, rank_request, rerank_confirmed
+from kvroute.router.registry import seen_load
 from kvroute.simulations.cluster import SimRequest, SimWorker
 from kvroute.simulations.costmodel import CostModel
 from kvroute.simulations.trace import Trace
@@ -119,14 +120,82 @@ class ClusterSpec:
     closed_loop: bool = False
     overflow: bool = True  # programs: split a fork that does not fit (router's placement)
     cost: CostModel = field(default_factory=CostModel)
+    # Router replicas the arrivals are split over (round robin), each with its own index,
+    # predictions and in-flight counts; > 1: each sees the others' traffic only through the
+    # workers' heartbeats, every heartbeat_s (see _Router).
+    routers: int = 1
+    heartbeat_s: float = 1.0
+    # Several routers: each routing decision (worker, uncached tokens, predicted prefix)
+    # reaches the other routers propagation_s later, as if published beside the feed; they
+    # count it in their in-flight view and predict and coalesce on it as on their own.
+    share_inflight: bool = False
 
     def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if self.long_prefill_threshold < 0:
             raise ValueError(f"long_prefill_threshold must be >= 0 (0: none), got "
                              f"{self.long_prefill_threshold}")
         if self.long_prefill_threshold and not self.chunked_prefill:
             raise ValueError("a long-prefill threshold caps the chunks of a chunked prefill: "
                              "it needs chunked prefill (--chunked-prefill)")
+
+
+class _Router:
+    """One router replica's own state: what the production router keeps per process (its
+    mirror's index with its predictions, in-flight prefixes, demand, tail, copies) and, with
+    several replicas, its own counts of what it sent each worker. Alone, its counts are all
+    the traffic there is, and a worker's load is read from the worker as it is."""
+
+    def __init__(self, policy: Policy, start: float, workers: Sequence[SimWorker],
+                 coalesce_share: float, alone: bool) -> None:
+        self.index = PrefixIndex()
+        self.inflight: InflightPrefixes[SimRequest] = InflightPrefixes(coalesce_share)
+        self.producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
+        self.demand = PrefixDemand(start=start)  # as the router's decider keeps it
+        self.tail = prefill_tail(policy)  # ... and its tail
+        self.copying: dict[tuple[str, int], SimRequest] = {}  # (worker, last key) -> copy
+        self.alone = alone
+        # Several replicas: what this one sent each worker (rates, and its requests not
+        # ended, for its in-flight and pending counts).
+        self.sent = {w.name: w.sent if alone else SentTraffic(start=start) for w in workers}
+        self.out: dict[str, list[SimRequest]] = {w.name: [] for w in workers}
+        self.routed = 0
+
+    def send(self, worker: str, req: SimRequest, now: float) -> None:
+        """Count ``req`` as sent to ``worker`` at ``now`` (the router's SentTraffic)."""
+        self.sent[worker].add(now, req.routed_uncached)
+        if not self.alone:
+            self.out[worker].append(req)
+
+    def learn(self, worker: str, req: SimRequest, now: float, ttl: float) -> None:
+        """Another router sent ``req`` to ``worker`` (``share_inflight``): count and predict
+        it as this router's own."""
+        self.send(worker, req, now)
+        if ttl > 0 and not req.first_token_s <= now:
+            self.inflight.add(req, worker, self.index.predict(worker, req.keys, now + ttl),
+                              req.routed_uncached)
+            self.producers.append(req)
+
+    def loads(self, workers: Sequence[SimWorker], now: float,
+              beats: dict[str, WorkerLoad]) -> dict[str, WorkerLoad]:
+        if self.alone:
+            return {w.name: w.load(self.index.count(w.name), now) for w in workers}
+        out = {}
+        for w in workers:
+            mine = self.out[w.name] = [r for r in self.out[w.name] if not r.finished_s <= now]
+            pending = [r for r in mine if not r.first_token_s <= now]
+            sent = self.sent[w.name]
+            own = WorkerLoad(inflight=len(mine),
+                             pending_prefill_tokens=sum(r.routed_uncached for r in pending),
+                             cached_blocks=self.index.count(w.name),
+                             arrival_rate=sent.arrivals.at(now),
+                             pending_prefill_context=sum(r.routed_context for r in pending),
+                             prefill_rate=sent.prefills.at(now))
+            out[w.name] = seen_load(own, beats[w.name])
+        return out
 
 
 @dataclass
@@ -141,6 +210,7 @@ class ReplayResult:
     # The router's background copies of hot prefixes (``copy_of``: the request whose
     # routing made each), in the order they were sent.
     copies: list[SimRequest] = field(default_factory=list)
+    routed_by: list[int] = field(default_factory=list)  # requests each router routed
 
     @property
     def measured(self) -> list[SimRequest]:
@@ -160,7 +230,8 @@ class Replayer:
         self.trace = trace
         self.policy = policy
         self.spec = spec
-        self.index = PrefixIndex()
+        self.routers: list[_Router] = []  # made at run()
+        self.index = PrefixIndex()  # router 0's (every router's, until run())
         self._events: list[tuple[float, int, str, CacheEvent]] = []
         self._seq = itertools.count()
         self.workers = [
@@ -178,15 +249,19 @@ class Replayer:
         heapq.heappush(self._events, (t + self.spec.propagation_s, next(self._seq), worker, ev))
 
     def _apply_visible(self, now: float) -> None:
-        ev_heap, index = self._events, self.index
+        """Every router's mirror applies the events visible at ``now`` (all follow one feed,
+        ``propagation_s`` late)."""
+        ev_heap = self._events
+        indexes = [rt.index for rt in self.routers] or [self.index]
         while ev_heap and ev_heap[0][0] <= now:
             _, _, worker, ev = heapq.heappop(ev_heap)
-            if ev.op is Op.STORE:
-                index.add(worker, ev.keys)
-            elif ev.op is Op.EVICT:
-                index.remove(worker, ev.keys)
-            elif ev.op is Op.CLEAR:
-                index.clear_worker(worker)
+            for index in indexes:
+                if ev.op is Op.STORE:
+                    index.add(worker, ev.keys)
+                elif ev.op is Op.EVICT:
+                    index.remove(worker, ev.keys)
+                elif ev.op is Op.CLEAR:
+                    index.clear_worker(worker)
 
     def _run_to_next(self, arrivals: list[tuple[float, int]], reqs: list[SimRequest],
                      nxt: list[int]) -> None:
@@ -274,17 +349,21 @@ class Replayer:
         transfer = getattr(self.policy, "transfer", None)  # policies that move KV
         replica = getattr(self.policy, "replica", None)  # policies that copy hot prefixes
         copies: list[SimRequest] = []
-        copying: dict[tuple[str, int], SimRequest] = {}  # (worker, last key) -> its copy
         # Program id -> where each branch (by arrival order) runs, after which prefill.
         placed: dict[str, list[tuple[SimWorker, _ForkGroup]]] = {}
-        inflight: InflightPrefixes[SimRequest] = InflightPrefixes(self.spec.coalesce_share)
-        producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
         # The router starts with the replay: its rates count from the first arrival.
         start = min((r.arrival_s for r in reqs), default=0.0)
         for w in self.workers:
-            w.sent = SentTraffic(start=start)
-        demand = PrefixDemand(start=start)  # as the router's decider keeps it
-        tail = prefill_tail(self.policy)  # ... and its tail
+            w.sent = SentTraffic(start=start)  # with several routers: the agent's count
+        n_routers = self.spec.routers
+        self.routers = [_Router(self.policy, start, self.workers, self.spec.coalesce_share,
+                                n_routers == 1) for _ in range(n_routers)]
+        self.index = self.routers[0].index
+        # The workers' last heartbeats (several routers), taken every heartbeat_s.
+        beats: dict[str, WorkerLoad] = {}
+        next_beat = -math.inf
+        # share_inflight: (when the others see it, order, router, worker, request)
+        shared: list[tuple[float, int, int, str, SimRequest]] = []
         samples: list[tuple[float, list[int]]] = []
         next_sample = reqs[0].arrival_s if reqs else 0.0
         n = 0
@@ -305,16 +384,31 @@ class Replayer:
                 worker.submit(req, now)
                 continue
             self._apply_visible(now)
-            index = self.index
+            # Arrivals are split over the routers in turn, as a load balancer in front would.
+            rt = self.routers[i % n_routers]
+            rt.routed += 1
+            req.router = i % n_routers
+            index, inflight, producers, copying = rt.index, rt.inflight, rt.producers, \
+                rt.copying
             ttl = self.spec.predict_ttl_s
+            while shared and shared[0][0] <= now:
+                t_seen, _, origin, wname, other = heapq.heappop(shared)
+                for k, peer in enumerate(self.routers):
+                    if k != origin:
+                        peer.learn(wname, other, t_seen, ttl)
             if ttl > 0:
                 index.expire(now)
                 # As the router drops a request at its first token (bounded memory).
                 while producers and producers[0].first_token_s <= now:
                     inflight.drop(producers.popleft())
-            loads = {w.name: w.load(index.count(w.name), now) for w in self.workers}
+            if n_routers > 1 and now >= next_beat:
+                # What each agent's heartbeat reports: its worker as it is now (all routers'
+                # traffic), read by every router until the next one.
+                beats = {w.name: w.load(0, now) for w in self.workers}
+                next_beat = (math.floor(now / self.spec.heartbeat_s) + 1) * self.spec.heartbeat_s
+            loads = rt.loads(self.workers, now, beats)
             d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
-                             treq.affinity, demand=demand, tail=tail, now=now)
+                             treq.affinity, demand=rt.demand, tail=rt.tail, now=now)
             held = False
             if ttl > 0 and not n_branches:
                 # Routed there on a prediction: held until that prefill's first token, if
@@ -366,14 +460,22 @@ class Replayer:
             q = d.query
             req.moved_tokens = max(0, max(map(q.cached_tokens, q.matched_blocks), default=0)
                                    - q.cached_tokens(chosen.name) - req.received_tokens)
-            chosen.sent.add(now, req.routed_uncached)  # as the router counts what it sends
+            rt.send(chosen.name, req, now)  # as the router counts what it sends
+            if n_routers > 1:
+                chosen.sent.add(now, req.routed_uncached)  # the agent counts all routers'
+                if self.spec.share_inflight:
+                    heapq.heappush(shared, (now + self.spec.propagation_s, next(self._seq),
+                                            req.router, chosen.name, req))
             chosen.submit(req, now)
             if replica is not None and not n_branches \
                     and (plan := replica(d.query, chosen.name)) is not None:
                 copy = self._copy(req, plan, d.query.cached_tokens(plan[0]), copying, now)
                 if copy is not None:
                     copies.append(copy)
-                    by_name[plan[0]].sent.add(now, copy.routed_uncached)  # as the router
+                    copy.router = req.router
+                    rt.send(plan[0], copy, now)  # as the router
+                    if n_routers > 1:
+                        by_name[plan[0]].sent.add(now, copy.routed_uncached)
                     by_name[plan[0]].submit(copy, now)
                     if ttl > 0:  # as the router: later requests coalesce on it
                         inflight.add(copy, plan[0],
@@ -401,7 +503,7 @@ class Replayer:
             self._progress(len(reqs))
         return ReplayResult(self.policy.name, reqs, self.workers, samples,
                             propagation_s=self.spec.propagation_s, warmup=self.trace.warmup,
-                            copies=copies)
+                            copies=copies, routed_by=[rt.routed for rt in self.routers])
 
     def _copy(self, req: SimRequest, plan: tuple[str, int], cached: int,
               copying: dict[tuple[str, int], SimRequest], now: float) -> SimRequest | None:

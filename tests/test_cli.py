@@ -25,7 +25,7 @@ def _help(cmd: str) -> str:
     return " ".join(sub.choices[cmd].format_help().split())
 
 
-@pytest.mark.parametrize("cmd", ["router", "agent", "demo", "replay", "tune", "gen"])
+@pytest.mark.parametrize("cmd", ["router", "epp", "agent", "demo", "replay", "tune", "gen"])
 def test_help_states_each_default_once_and_not_for_switches(cmd: str) -> None:
     text = _help(cmd)
     # One entry runs from its flag to the next. argparse appends "(default: X)" at its end;

@@ -23,8 +23,9 @@ PACKAGES: list[str] = SETUPTOOLS["packages"]
 # drives the router's own decision path over the core's policies.
 ALLOWED = {
     "v1": set(),
+    "envoy_api": set(),  # Envoy's ext_proc stubs (vendored protos): kvroute epp speaks them
     "core": {"v1"},
-    "router": {"core", "v1"},
+    "router": {"core", "v1", "envoy_api"},
     "worker_agent": {"core", "v1"},
     "simulations": {"core", "router"},
     "demo": {"core", "v1"},

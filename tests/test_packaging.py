@@ -58,6 +58,9 @@ def test_the_wheel_holds_the_c_builds_the_stubs_and_the_command(wheel: Path) -> 
                  "program_pb2.py"):
         assert f"kvroute/v1/{stub}" in names
     assert "kvroute/simulations/replay.py" in names  # kvroute replay / tune / gen
+    # kvroute epp's Envoy ext_proc stubs, under kvroute.envoy_api (scripts/envoy_stubs.py)
+    assert "kvroute/envoy_api/envoy/service/ext_proc/v3/external_processor_pb2_grpc.py" in names
+    assert "kvroute/envoy_api/validate/validate_pb2.pyi" in names
     entry = zipfile.ZipFile(wheel).read(
         f"kvroute-{version}.dist-info/entry_points.txt").decode()
     assert re.search(r"^kvroute = kvroute\.cli:main$", entry, re.M)
@@ -84,7 +87,7 @@ print(json.dumps({"mods": len(mods), "files": files, "native": native_builds()})
     # Every module came from the wheel, not from the source tree.
     assert all(f.startswith(str(site)) for f in got["files"] if f), got["files"][:3]
     assert got["native"] == {"chainhash": True, "holders": True, "wire": True, "kvcost": True}
-    for command in ("router", "agent", "replay", "tune"):
+    for command in ("router", "epp", "agent", "replay", "tune"):
         run = subprocess.run([sys.executable, "-m", "kvroute", command, "--help"], env=env,
                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert run.returncode == 0, run.stderr

@@ -25,11 +25,16 @@ from dataclasses import dataclass
 
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient, refusal
-from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
+from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RecordError, RedisKeys, pack_keys
 
 log = logging.getLogger("kvroute.agent.publisher")
 
 _SADD_CHUNK = 10000  # keys per SADD: bounds one command's size on a big resync
+# What the loops survive and retry: Redis errors, and the RuntimeError ("Event loop is
+# closed") redis-py's cluster client raises when it drops a connection it cannot close. It
+# once ended the first heartbeat loop of a process silently: the worker's heartbeat stopped
+# while the agent ran on, and routers pruned it (bench/scale.py, docs/scaling.md).
+_LOOP_ERRORS = (*REDIS_ERRORS, RuntimeError)
 
 
 def new_epoch() -> str:
@@ -99,6 +104,18 @@ class CachePublisher:
         self.stats.pending = len(self._pending)
         self._wake.set()
 
+    async def peer_address(self, worker: str) -> str | None:
+        """The address in ``worker``'s live heartbeat; None when it has none (expired, never
+        registered, or malformed). Redis errors propagate (nothing can be verified)."""
+        raw = await self._r.get(self._keys.heartbeat(worker))
+        if raw is None:
+            return None
+        try:
+            hb = Heartbeat.from_json(raw)
+        except RecordError:
+            return None
+        return hb.address if hb.worker_id == worker else None
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -145,7 +162,7 @@ class CachePublisher:
                 while await self.flush():
                     pass
                 backoff = 0.05
-            except REDIS_ERRORS as exc:
+            except _LOOP_ERRORS as exc:
                 self._set_up(False, exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), backoff)
@@ -157,7 +174,7 @@ class CachePublisher:
             try:
                 await self._beat()
                 self._set_up(True)
-            except REDIS_ERRORS as exc:
+            except _LOOP_ERRORS as exc:
                 self._set_up(False, exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self._hb_s)

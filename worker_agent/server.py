@@ -15,6 +15,7 @@ import grpc
 from kvroute.core.agent_client import AgentChannels
 from kvroute.core.config import AgentConfig
 from kvroute.core.grpc_util import (
+    HealthPort,
     add_handlers,
     add_standard_services,
     bind,
@@ -27,6 +28,7 @@ from kvroute.core.grpc_util import (
 from kvroute.core.load import ArrivalRate
 from kvroute.core.redis_conn import connect_config
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, check_name
+from kvroute.core.tls import TlsConfig
 from kvroute.core.tokenizer import vocab_size
 from kvroute.core.validate import (
     InvalidRequestError,
@@ -38,7 +40,12 @@ from kvroute.core.validate import (
 from kvroute.core.wire import request_token_ids
 from kvroute.v1 import common_pb2, worker_agent_pb2, worker_agent_pb2_grpc
 from kvroute.worker_agent.controller import ProgramError, ProgramLimits, ProgramRuntime
-from kvroute.worker_agent.engines.base import Engine, EngineError, EngineRequest
+from kvroute.worker_agent.engines.base import (
+    Engine,
+    EngineError,
+    EngineRequest,
+    RequestRefusedError,
+)
 from kvroute.worker_agent.metrics import AgentMetrics
 from kvroute.worker_agent.publisher import CachePublisher
 
@@ -171,6 +178,11 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
         except ProgramError as exc:
             self._m.requests.labels("invalid").inc()
             await context.abort(exc.code, str(exc))
+        except Exception as exc:  # a bug of the checks': said, not an opaque UNKNOWN
+            log.exception("program check failed unexpectedly")
+            self._m.requests.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"program: unexpected {type(exc).__name__}: {exc}")
         first = True
         async with self._outcome(context):
             async for resp in self._programs.run(prepared, request, rid):
@@ -182,18 +194,30 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
 
     @contextlib.asynccontextmanager
     async def _outcome(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Count how a request's engine work ended, and turn a failure into its status."""
+        """Count how a request's engine work ended, and turn a failure into its status: the
+        request's own fault its code (routers pass it back and mark nothing down), the
+        engine's UNAVAILABLE, anything else INTERNAL (never UNKNOWN)."""
         try:
             yield
         except ProgramError as exc:
             self._m.requests.labels("invalid").inc()
             await context.abort(exc.code, str(exc))
+        except RequestRefusedError as exc:
+            self._m.requests.labels("invalid").inc()
+            await context.abort(grpc.StatusCode[exc.code], f"engine: {exc}")
         except EngineError as exc:
             self._m.requests.labels("engine_error").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {exc}")
         except asyncio.CancelledError:
             self._m.requests.labels("cancelled").inc()
             raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a bug of the agent's: said, not an opaque UNKNOWN
+            log.exception("request failed unexpectedly")
+            self._m.requests.labels("engine_error").inc()
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"agent: unexpected {type(exc).__name__}: {exc}")
         self._m.requests.labels("ok").inc()
 
     async def GetLoad(  # noqa: N802 - gRPC method name
@@ -232,22 +256,30 @@ class AgentApp:
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
         self._metrics_http: Any = None
+        self.health_server = HealthPort("", 0)  # --health-port: bound at start
         self.publisher: CachePublisher | None = None
-        self._channels = AgentChannels()  # to other agents: a program's overflow children
+        try:
+            self.tls = TlsConfig.from_config(cfg)
+            # To other agents (a program's overflow children): mTLS with --tls-ca.
+            self._channels = AgentChannels(self.tls)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
         self.programs: ProgramRuntime | None = None
         self.metrics: AgentMetrics | None = None  # set at start
         self.service: AgentService | None = None  # set at start
 
     async def start(self) -> int:
         cfg = self.cfg
-        server = new_server()
-        self.port = bind(server, cfg.host, cfg.port)
+        server = new_server(self.tls)  # --tls-allowed-sans: only those callers
+        self.port = bind(server, cfg.host, cfg.port, tls=self.tls)
+        self.health_server = HealthPort(cfg.metrics_host or cfg.host, cfg.health_port)
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{self.port}"
         check_name("worker id", self.worker_id)
         advertise = cfg.advertise or f"{cfg.host}:{self.port}"
         metrics = self.metrics = AgentMetrics(self.worker_id)
         # Before the engine and the publisher start: a taken port then leaves nothing running.
-        self._metrics_http = start_metrics(cfg.metrics_port, cfg.host, metrics.registry)
+        self._metrics_http = start_metrics(cfg.metrics_port, cfg.metrics_host or cfg.host,
+                                           metrics.registry)
         # The engine knows its vocabulary (tiny's byte vocab is 258): ids past it are the
         # caller's mistake (INVALID_ARGUMENT), not an engine failure.
         vocab = min(cfg.vocab_size, getattr(self.engine, "vocab_size", cfg.vocab_size))
@@ -278,7 +310,7 @@ class AgentApp:
                 max_prefill_chunk=ld.max_prefill_chunk,
                 arrival_rate=service.arrivals.at(now), prefill_rate=service.prefills.at(now),
                 block_size=cfg.block_size, ttl_s=cfg.heartbeat_ttl_s,
-                tokenizer=tokenizer, vocab_size=vocab,
+                tokenizer=tokenizer, vocab_size=vocab, engine_endpoint=cfg.engine_endpoint,
             )
 
         pub = CachePublisher(
@@ -287,12 +319,14 @@ class AgentApp:
             max_pending=cfg.publish_buffer, feed_maxlen=cfg.feed_maxlen,
         )
         self.publisher = pub
+        programs.peers = pub.peer_address  # placements go only to live workers
         engine.add_listener(pub.on_event)
         metrics.watch(engine, pub, programs.stats)
         await engine.start()
         await pub.start()
         await server.start()
         self._server = server
+        await self.health_server.start(self._health)
         await set_serving(self._health, [SERVICE], True)
         log.info("agent serving", extra={"kv": {
             "worker": self.worker_id, "address": advertise, "engine": cfg.engine,
@@ -305,6 +339,7 @@ class AgentApp:
             await set_serving(self._health, [SERVICE], False)
         if self._server is not None:
             await self._server.stop(grace_s)
+        await self.health_server.stop()
         if self.publisher is not None:
             await self.publisher.stop()
         await self.engine.stop()

@@ -14,6 +14,7 @@ from kvroute.core.policies.base import (
     tie_break,
 )
 from kvroute.core.policies.kvroute_cost import KvrouteCost
+from kvroute.core.policies.kvroute_v2 import KvrouteV2
 from kvroute.core.policies.peers import (
     ConsistentHashBoundedLoads,
     DynamoKvRouter,
@@ -30,6 +31,8 @@ DEFAULT_POLICY = "kvroute"
 
 REGISTRY: dict[str, Callable[[], Policy]] = {
     "kvroute": KvrouteCost,
+    # The derived policy (docs/policy.md), beside the default until it is shown as good.
+    "kvroute_v2": KvrouteV2,
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
     "random": RandomChoice,
@@ -70,6 +73,7 @@ __all__ = [
     "ConsistentHashBoundedLoads",
     "DynamoKvRouter",
     "KvrouteCost",
+    "KvrouteV2",
     "LeastLoaded",
     "LlmdPrecisePrefix",
     "MooncakeConductor",

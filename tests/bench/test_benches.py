@@ -65,12 +65,29 @@ CASES = {
                              "--workers", "4"], ["0.80"]),
     "campaign.py": (["{chat}.campaign", *TINY_CAMPAIGN, "--policies", "kvroute,llmd", "--",
                      *TINY_REPLAY], ["[1/1] chat_s1", "as replayed: 1 cells"]),
+    "policy_robustness.py": (["ablation", "{chat}", "--jitters", "1", "--workers", "4"],
+                             ["ablation: each term", "chat at 80%:", "  -joined ",
+                              "  -lookahead ", "  kvroute_v1 "]),
     "replay_speed.py": (["--trace", "{chat}", "--tile", "2", "--policies", "kvroute"],
                         ["400 requests, 16 workers", "kvroute ", "x round_robin"]),
+    "epp.py": (["--iters", "4", "--agents", "2"],
+               ["routing decision, 2 sim agents", "ratio: ext_proc / Route"]),
     "http_front.py": (["--iters", "4", "--requests", "16", "--concurrency", "8",
                        "--conversations", "1", "--agents", "2", "--tokens", "8"],
                       ["1. chat template + tokenization", "HTTP chat vs gRPC Generate",
-                       "HTTP/gRPC "]),
+                       "HTTP/gRPC ", "threads/loop "]),
+    "secure_hops.py": (["--iters", "8", "--connects", "3", "--agents", "1"],
+                       ["p50/plain", "mtls+key ", "new connection per call"]),
+    "scale.py": (["--workers", "8", "--routers", "2", "--seconds", "1", "--pause-s", "0.5",
+                  "--rate", "200", "--boot-workers", "8", "--boot-blocks", "100",
+                  "--decisions", "5"],
+                 ["    8  2 |", "ratios against the baseline cell", "late router, 8 workers",
+                  "router memory per (block, worker) entry", "8k-token prompt: p50"]),
+    # Its invariants, asserted (it exits 1 when one fails): no process died, no INTERNAL,
+    # UNKNOWN or 5xx answer to bad input, none left past its deadline, still serving after.
+    "fuzz.py": (["--requests", "400", "--seed", "3"],
+                ["processes died:            0 ", "bad (INTERNAL/UNKNOWN/5xx): 0 ",
+                 "hung past deadline:        0 ", "afterwards:  grpc ok, http ok"]),
 }
 
 
@@ -163,3 +180,33 @@ def test_campaign_resumes_past_finished_traces_only(tmp_path: Path) -> None:
     assert (out / "chat_s1.log").exists()
     assert json.loads((out / "chat_s1.json").read_text()) == json.loads(done)
     assert not (out / "chat_s1.json.partial").exists()
+
+
+def test_robustness_table_runs_every_condition(chat: Path) -> None:
+    run = subprocess.run([sys.executable, str(BENCH / "policy_robustness.py"), "robustness",
+                          str(chat), "--jitters", "1", "--workers", "4", "--peers",
+                          "mooncake_local"], capture_output=True, text=True, timeout=240,
+                         cwd=BENCH.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for cond in ("nominal", "attention 0.5x", "attention 2x", "decode 0.5x", "decode 2x",
+                 "propagation 5 ms", "propagation 500 ms"):
+        assert f"  {cond}:" in run.stdout, (cond, run.stdout[-2000:])
+    assert run.stdout.count("v2 told") >= 4
+
+
+def test_campaign_draws_unseen_workloads(tmp_path: Path) -> None:
+    out = tmp_path / "unseen"
+    run = campaign(out, "--kinds", "none", "--unseen", "2", "--unseen-seed", "5000",
+                   "--policies", "kvroute_v2,kvroute,llmd", "--", *TINY_REPLAY)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # Consecutive seeds take the kinds in turn, each with its own draw, kept beside it.
+    drawn = sorted(p.name for p in (out / "traces").glob("*.params.json"))
+    assert drawn == ["unseen_agent_s5001.params.json", "unseen_chat_s5000.params.json"]
+    params = json.loads((out / "traces" / "unseen_chat_s5000.params.json").read_text())
+    assert params["kind"] == "chat" and params["seed"] == 5000
+    assert "user_tokens" in params["params"] and "burst_cv" in params
+    assert "unseen unseen_chat_s5000: burst cv" in run.stdout
+    assert "as replayed: 2 cells" in run.stdout
+    # A seed the campaign tunes on is not unseen.
+    bad = campaign(tmp_path / "bad", "--unseen", "3", "--unseen-seed", "0", "--seeds", "1")
+    assert bad.returncode == 2 and "not unseen" in bad.stderr

@@ -7,7 +7,7 @@ import struct
 import pytest
 import xxhash
 
-from kvroute.core.blocks import BlockHasher, chain_seed
+from kvroute.core.blocks import BlockHasher, adapter_salt, chain_seed, split_adapter_salt
 
 # Published test vectors. Changing any of these breaks every deployed agent/router pair.
 VECTORS = [
@@ -28,6 +28,14 @@ def test_published_vectors(bs: int, model: str, salt: str, tokens: list[int],
 def test_seed_vectors() -> None:
     assert chain_seed("default") == 0xE75D8AF6547988D0
     assert chain_seed("m", "lora-a") == 0xB03BAD3988EFCBC9
+    # A LoRA adapter: its own salt input, never a caller salt's seed or the base model's.
+    assert adapter_salt("lora-a") == "\x00lora\x00lora-a\x00"
+    assert chain_seed("m", adapter_salt("lora-a")) == 0xE88B9CAE19318D5C
+    assert chain_seed("m", adapter_salt("lora-a", "s")) == 0x6FD045F134733F39
+    assert BlockHasher(4, "llama", adapter_salt("lora-a")).keys(list(range(1, 10))) == [
+        0x7CED828A2F432FD6, 0xF889EA07571510AA]
+    assert split_adapter_salt(adapter_salt("lora-a", "s")) == ("lora-a", "s")
+    assert split_adapter_salt("lora-a") == ("", "lora-a")
 
 
 def test_scheme_matches_its_written_definition() -> None:

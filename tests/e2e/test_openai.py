@@ -109,6 +109,38 @@ async def test_chat_non_streaming_and_streaming_give_the_same_text(cluster, mode
     assert http_requests(r, "ok") == 2
 
 
+def tokenize_threads(router: Any) -> list[str]:
+    import threading
+
+    prefix = f"kvroute-tokenize-{router.http_port}"
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+async def test_a_long_chat_is_tokenized_off_the_event_loop_with_the_same_ids(
+        cluster, model_dir) -> None:
+    from kvroute.router.openai_api import INLINE_BODY_BYTES
+
+    r = await start(cluster, model_dir, {"a": SIM})
+    c = client(r)
+    chat = ChatTokenizer.load(str(model_dir))
+    short = [{"role": "user", "content": "hi"}]
+    out = await c.chat.completions.create(model=MODEL, messages=short, max_tokens=2)
+    assert out.usage.prompt_tokens == len(chat.apply(short))
+    assert tokenize_threads(r) == []  # a short prompt stays on the loop: no thread was made
+    long = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "word " * (INLINE_BODY_BYTES // 4)}]  # > the bound
+    outs = await asyncio.gather(*(c.chat.completions.create(
+        model=MODEL, messages=[*long, {"role": "user", "content": str(i)}], max_tokens=2)
+        for i in range(4)))
+    assert tokenize_threads(r)  # the long ones were tokenized on the pool's threads
+    for i, o in enumerate(outs):
+        assert o.usage.prompt_tokens == len(chat.apply([*long, {"role": "user",
+                                                               "content": str(i)}]))
+    text = await c.completions.create(model=MODEL, prompt="x" * (INLINE_BODY_BYTES + 1),
+                                      max_tokens=2)
+    assert text.usage.prompt_tokens == INLINE_BODY_BYTES + 1
+
+
 async def test_the_second_turn_lands_on_the_first_turns_worker_with_its_cache(
         cluster, model_dir) -> None:
     r = await start(cluster, model_dir, {w: SIM for w in ("a", "b", "c", "d")})

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvroute.core.redis_schema import Heartbeat, RedisKeys
 from kvroute.v1 import common_pb2, router_pb2_grpc, worker_agent_pb2_grpc
 from kvroute.v1 import program_pb2 as P  # noqa: N812
 from tests.e2e.test_programs import (
@@ -126,7 +127,12 @@ async def test_a_split_forks_select_sees_every_child(cluster, mode) -> None:
 async def test_an_unreachable_overflow_worker_costs_nothing(cluster) -> None:
     a = await cluster.agent("a", **TINY)
     alone = results(await run(a.port, FOUR))
-    resps = await call(a.port, placed(FOUR, "gone", f"127.0.0.1:{free_port()}", [2, 3]))
+    # A worker still live in Redis (its heartbeat not yet expired) but gone: the agent
+    # places only onto live workers, and this one's call then fails at once.
+    gone = f"127.0.0.1:{free_port()}"
+    cluster.redis.client().set(RedisKeys("default").heartbeat("gone"),
+                               Heartbeat("gone", gone, "e").to_json(), px=30_000)
+    resps = await call(a.port, placed(FOUR, "gone", gone, [2, 3]))
     res = results(resps)
     assert {k: list(r.token_ids) for k, r in res.items()} == \
         {k: list(r.token_ids) for k, r in alone.items()}

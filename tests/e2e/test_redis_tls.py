@@ -176,6 +176,8 @@ def test_the_acl_users_can_do_their_job_and_nothing_else(tls_redis: TlsRedis) ->
     agent.sadd(KEYS.snapshot("a"), b"\x00" * 8)
     agent.xadd(KEYS.feed, {"w": "a", "e": "e", "s": 1, "op": "clear"})
     assert router.smembers(KEYS.snapshot("a")) == {b"\x00" * 8}
+    # Heartbeats are read-only to other agents: a placement goes only to a live worker.
+    assert agent.get(KEYS.heartbeat("a")) == b"{}"
     denied = [
         (agent, lambda c: c.flushall()),
         (agent, lambda c: c.config_get("*")),
@@ -183,7 +185,8 @@ def test_the_acl_users_can_do_their_job_and_nothing_else(tls_redis: TlsRedis) ->
         (agent, lambda c: c.sadd(KEYS.snapshot("b"), b"\x01" * 8)),  # its snapshot
         (agent, lambda c: c.hset(KEYS.meta("b"), "seq", 9)),  # its meta
         (agent, lambda c: c.set("kvr:{other}:hb:a", "{}")),  # another model's keys
-        (agent, lambda c: c.get(KEYS.heartbeat("a"))),  # agents read nothing but their meta
+        (agent, lambda c: c.get("kvr:{other}:hb:a")),  # ... nor another model's heartbeats
+    (agent, lambda c: c.get(KEYS.meta("b"))),  # nor another agent's meta
         (agent, lambda c: c.publish("ch", "x")),
         (agent, lambda c: c.eval("return 1", 0)),
         (router, lambda c: c.flushall()),

@@ -99,25 +99,26 @@ async def test_a_single_workers_engine_failure_reaches_the_client(cluster) -> No
     """The only worker's engine fails a request: the client gets the engine's error, and
     while the router skips that worker (2 s) every request is told which worker is down,
     since when and after what, instead of 'none registered, or all down'. Then it is
-    routed to again."""
-    await cluster.agent("w0", capacity_blocks=4)  # 64 tokens of KV cache in all
+    routed to again. (A request the engine refuses for its own content, a prompt larger
+    than its KV cache, marks nothing down: tests/e2e/test_faults.py.)"""
+    a = await cluster.agent("w0", capacity_blocks=4)
     router = await cluster.router()
     await wait_for(lambda: "w0" in router.registry.loads, what="w0 registered")
-    engine_error = re.escape("prompt of 200 tokens needs 13 blocks of 16, more than the "
-                             "engine's whole KV cache (4 blocks)")
+    await a.engine.stop()  # its loop gone: every request fails with "engine stopped"
+    engine_error = re.escape("engine stopped")
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await generate(router.port, list(range(200)))
+        await generate(router.port, list(range(20)))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert re.fullmatch(r"no worker could serve the request: w0: UNAVAILABLE engine: "
-                        r"request \w+: " + engine_error, err.value.details()), \
-        err.value.details()
+                        + engine_error, err.value.details()), err.value.details()
     for rpc in (lambda: generate(router.port, [1, 2, 3]), lambda: route(router.port, [1, 2])):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await rpc()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert re.fullmatch(r"no routable workers: w0 down since \d+\.\d s ago after: "
-                            r"UNAVAILABLE: engine: request \w+: " + engine_error,
+                            r"UNAVAILABLE: engine: " + engine_error,
                             err.value.details()), err.value.details()
+    await a.engine.start()
     info = router.registry.get("w0")
     await asyncio.sleep(max(0.0, info.down_until - time.monotonic()) + 0.05)
     out = await generate(router.port, [1, 2, 3])

@@ -17,7 +17,7 @@ import yaml
 from redis.connection import parse_url
 
 from kvroute.cli import build_parser
-from kvroute.core.config import AgentConfig, RouterConfig, from_env
+from kvroute.core.config import AgentConfig, EppConfig, RouterConfig, from_env
 from kvroute.core.policies import make_policy
 from tests.helm.chart import (
     CHART,
@@ -37,7 +37,9 @@ from tests.helm.chart import (
 )
 from tests.tools import kubernetes_validate
 
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # no schema offline; checked below instead
+# No schema offline: checked below instead (the InferencePool against its vendored CRD in
+# tests/helm/test_epp_chart.py).
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
 VALUES_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 
 
@@ -111,14 +113,16 @@ def test_router_env_is_a_valid_config(rendered: dict[str, str]) -> None:
     for name in VALUES_IDS:
         dep = manifests(rendered, name).one("Deployment", "-router")
         c = container(dep, "router")
-        assert c["command"] == ["kvroute"] and c["args"][0] == "router"
+        # epp.enabled runs the router as the InferencePool's endpoint picker (kvroute epp).
+        assert c["command"] == ["kvroute"] and c["args"][0] in ("router", "epp")
+        cls = EppConfig if c["args"][0] == "epp" else RouterConfig
         build_parser().parse_args(c["args"])
         env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
         env = {k: expand(v, {"REDIS_PASSWORD": "pw"}) for k, v in env.items()}
-        fields = {"KVROUTE_" + f.upper() for f in RouterConfig.__dataclass_fields__}
+        fields = {"KVROUTE_" + f.upper() for f in cls.__dataclass_fields__}
         unknown = {k for k in env if k.startswith("KVROUTE_")} - fields
         assert not unknown, f"{name}: env vars that configure nothing: {unknown}"
-        cfg = from_env(RouterConfig, env)
+        cfg = from_env(cls, env)
         assert cfg.host == "0.0.0.0" and cfg.port == 50051 and cfg.metrics_port == 9100
 
 
@@ -296,6 +300,18 @@ def test_the_http_front_takes_the_models_tokenizer_from_a_volume_or_the_hub(
     c = container(off.one("Deployment", "-router"), "router")
     assert c["livenessProbe"]["grpc"]["port"] == 50051 and env_of(c)["KVROUTE_HTTP_PORT"] == "0"
     assert [p["name"] for p in off.one("Service", "-router")["spec"]["ports"]] == ["grpc"]
+
+
+def test_the_router_serves_several_models_and_lora_adapters(helm: Path) -> None:
+    m = Manifests.parse(template(helm, sets=(
+        "router.extraModels[0].name=llama", "router.extraModels[0].source=hf:meta/llama",
+        "router.loras[0].name=sql", "router.loras[0].base=Qwen/Qwen2.5-7B-Instruct")))
+    c = container(m.one("Deployment", "-router"), "router")
+    ns = build_parser().parse_args(c["args"])
+    # model.name first (the default), bare: its workers' model; then each pool's source.
+    assert ns.model == "Qwen/Qwen2.5-7B-Instruct,llama=hf:meta/llama"
+    assert ns.lora == "sql=Qwen/Qwen2.5-7B-Instruct"
+    assert "HF_HOME" in env_of(c)  # an hf: source of an extra model needs the hub's cache
 
 
 def test_router_policy_takes_a_spec_with_parameter_overrides(helm: Path) -> None:

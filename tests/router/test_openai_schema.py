@@ -95,6 +95,16 @@ def test_a_bad_field_is_named(body: dict[str, Any], param: str) -> None:
     assert exc.value.status == 400 and exc.value.param == param
 
 
+def test_top_logprobs_above_0_is_a_400_naming_the_field_and_why() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    assert parse_chat({**chat, "top_logprobs": 0}).logprobs
+    with pytest.raises(ApiError) as exc:
+        parse_chat({**chat, "top_logprobs": 2})
+    assert exc.value.status == 400 and exc.value.param == "top_logprobs"
+    assert exc.value.code == "unsupported_parameter"
+    assert "only each sampled token's log-probability" in exc.value.message
+
+
 def test_n_stop_and_constraints_become_one_forked_gen_step() -> None:
     req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3,
                       "stop": ["\n"], "max_completion_tokens": 9, "max_tokens": 4,

@@ -247,3 +247,19 @@ def test_mark_down_keeps_the_failure() -> None:
     assert info is not None and info.down_error == "UNAVAILABLE: boom"
     assert t0 <= info.down_since <= time.monotonic()
     assert info.down_until == pytest.approx(info.down_since + 2.0)
+
+
+def test_the_reconnect_reprieve_is_capped_whatever_a_heartbeat_claims() -> None:
+    """A record claiming the longest TTL Redis records may carry (an hour) would keep dead
+    and fake workers candidates that long after a reconnect: the reprieve is capped."""
+    from kvroute.core.redis_schema import MAX_TTL_S
+    from kvroute.router.registry import REPRIEVE_CAP_S
+
+    reg = WorkerRegistry({}, 16)
+    assert reg.max_ttl_s() == 3.0  # none known: the default
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", ttl_s=5.0)})
+    assert reg.max_ttl_s() == 5.0
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", ttl_s=5.0),
+                          "evil": Heartbeat("evil", "127.0.0.1:1", "e", ttl_s=MAX_TTL_S)})
+    assert REPRIEVE_CAP_S < MAX_TTL_S
+    assert reg.max_ttl_s() == REPRIEVE_CAP_S

@@ -134,3 +134,28 @@ async def test_a_redis_never_reached_is_logged_at_start(caplog) -> None:
             await pub.stop()
             await engine.stop()
     assert caplog.text.count("redis unreachable") == 1  # said once, not at every retry
+
+
+async def test_the_heartbeat_loop_survives_the_cluster_clients_runtime_error(
+        redis_server) -> None:
+    # redis-py's cluster client can raise RuntimeError("Event loop is closed") when it drops
+    # a connection; it once ended a heartbeat loop for good, and routers pruned the worker
+    # while its agent ran on (bench/scale.py at 1,000 workers).
+    engine = SimEngine(SimConfig(capacity_blocks=64, model="default", time_scale=0.0))
+    calls = []
+
+    def beat() -> Heartbeat:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("Event loop is closed")
+        return Heartbeat("w1", "127.0.0.1:1", pub.epoch)
+
+    pub = CachePublisher(connect(redis_server.url), KEYS, "w1", engine.cached_keys, beat,
+                         heartbeat_s=0.05, heartbeat_ttl_s=1.0)
+    client = redis_server.client()
+    await pub.start()
+    try:
+        await wait_for(lambda: client.exists(KEYS.heartbeat("w1")), 10, "a heartbeat")
+        assert len(calls) >= 2 and pub.stats.redis_up
+    finally:
+        await pub.stop()

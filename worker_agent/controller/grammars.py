@@ -55,8 +55,22 @@ async def compile_constraints(specs: Sequence[ConstraintSpec], vocab: Vocab,
         if m.is_error():
             raise ProgramError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"constraint ({spec.kind}): {m.get_error()}")
+        if not m.is_accepting() and not _can_start(m, vocab):
+            # E.g. a schema whose $refs only loop: no output satisfies it. Said now, not as a
+            # masked token rejected mid-run.
+            raise ProgramError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"constraint ({spec.kind}): no output can satisfy it")
         out[spec.grammar] = m
     return out
+
+
+def _can_start(matcher: llguidance.LLMatcher, vocab: Vocab) -> bool:
+    """Whether the matcher allows some first token other than end-of-sequence (which an
+    empty language offers, then rejects)."""
+    allowed = MaskBuffer(vocab.size).fill(matcher).copy()
+    if 0 <= vocab.eos_token_id < vocab.size:
+        allowed[vocab.eos_token_id] = False
+    return bool(allowed.any())
 
 
 class MaskBuffer:

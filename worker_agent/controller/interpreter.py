@@ -324,7 +324,8 @@ class Run:
             out = await run_remote(
                 channels=self.rt.channels, stats=self.rt.stats, request=self.request,
                 request_id=self.request_id, seg=split.seg, parent=parent, target=target,
-                idx=idx, members=members, send=self.queue.put, fallback=fallback)
+                idx=idx, members=members, send=self.queue.put, fallback=fallback,
+                probe=self.rt.probe)
             self.decoded += out.decoded
             self.dropped.extend(out.dropped)
             return out.live

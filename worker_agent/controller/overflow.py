@@ -28,6 +28,7 @@ import grpc
 import xxhash
 
 from kvroute.core.agent_client import AgentChannels
+from kvroute.core.liveness import HungWorkerError, LivenessProbe, watched
 from kvroute.core.placement import ForkSegment, fork_segment
 from kvroute.v1 import common_pb2, program_pb2
 from kvroute.worker_agent.controller.branch import Branch, CaptureValue
@@ -35,6 +36,10 @@ from kvroute.worker_agent.controller.program import ProgramError
 from kvroute.worker_agent.controller.stats import ProgramStats
 
 log = logging.getLogger("kvroute.agent.programs")
+
+PROBE_S = 1.0
+"""An overflow worker not answering yet is probed every PROBE_S and left (its children run
+here) when a probe goes unanswered for PROBE_S (core/liveness.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +170,13 @@ async def run_remote(*, channels: AgentChannels, stats: ProgramStats,
                      request: common_pb2.GenerateRequest, request_id: str, seg: ForkSegment,
                      parent: Branch, target: Target, idx: list[int], members: list[Branch],
                      send: Callable[[common_pb2.GenerateResponse], Awaitable[None]],
-                     fallback: Sequence[Callable[[], Awaitable[list[Branch]]]]
-                     ) -> RemoteOutcome:
+                     fallback: Sequence[Callable[[], Awaitable[list[Branch]]]],
+                     probe: LivenessProbe | None = None) -> RemoteOutcome:
     """Run ``members`` (the split fork's children ``idx``) on ``target``, relaying its
     stream to ``send`` under local branch ids. A failure before any of their output was sent
     runs ``fallback`` (their local runs) here instead; one after fails the program
-    (UNAVAILABLE), as does a remote stream that ends without results."""
+    (UNAVAILABLE), as does a remote stream that ends without results. With ``probe``, a
+    target that hangs before its first response counts as failed then."""
     req = common_pb2.GenerateRequest(
         token_ids=parent.tokens, model=request.model, cache_salt=request.cache_salt,
         request_id=f"{request_id}/{members[0].id}@{target.worker_id}",
@@ -183,8 +189,9 @@ async def run_remote(*, channels: AgentChannels, stats: ProgramStats,
     call = channels.stub(target.address).Generate(req)
     relayed = False  # once the client has seen the remote's output, it cannot move
     final: common_pb2.GenerateResponse | None = None
+    stream = watched(call, probe, target.address, PROBE_S) if probe is not None else call
     try:
-        async for resp in call:
+        async for resp in stream:
             if resp.results:
                 final = resp
                 continue
@@ -192,7 +199,7 @@ async def run_remote(*, channels: AgentChannels, stats: ProgramStats,
             if out is not None:
                 relayed = True
                 await send(out)
-    except grpc.aio.AioRpcError as exc:
+    except (grpc.aio.AioRpcError, HungWorkerError) as exc:
         if relayed:
             raise ProgramError(grpc.StatusCode.UNAVAILABLE,
                                f"overflow worker {target.worker_id} failed mid-program: "

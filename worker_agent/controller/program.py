@@ -1,13 +1,11 @@
 """Controller programs: the proto's ``ControllerProgram`` parsed into plain dataclasses and
 checked against the agent's limits, before any engine work.
 
-Static bounds (what the limits are checked against), over the whole program tree:
-
-- ``tokens``: every gen's ``max_tokens`` plus every fast-forward's length (text: its UTF-8
-  byte count, an upper bound for both byte-level vocabularies), times the number of
-  branches the step can run in.
-- ``fanout``: the most branches that can be live at once (a fork of N children in each of
-  L live branches makes L*N; a best/first-finished join brings them back down).
+Static bounds (``tokens``, ``fanout``, steps, nesting) are computed first, from what the
+program claims and without expanding it, by :mod:`kvroute.core.program_bounds` (the walk the
+router bounds programs with too); only a program within them is parsed step by step, and
+each constraint's claimed size (bytes, options, JSON nesting) is checked before it is parsed.
+The agent runs :func:`check_program` off its event loop (``runtime``).
 
 Status codes (the message always starts with the limit's flag name or the field path):
 
@@ -16,6 +14,8 @@ over ``max_program_fanout``            RESOURCE_EXHAUSTED
 over ``max_program_tokens``            RESOURCE_EXHAUSTED
 over ``grammar_compile_timeout_s``     RESOURCE_EXHAUSTED  (see ``grammars``)
 over ``max_grammar_bytes``             INVALID_ARGUMENT
+over ``max_choices``                   INVALID_ARGUMENT
+over ``max_schema_depth``              INVALID_ARGUMENT
 over ``max_program_steps`` / depth     INVALID_ARGUMENT
 a malformed step or grammar            INVALID_ARGUMENT
 =====================================  ===================
@@ -30,11 +30,15 @@ from enum import IntEnum
 
 import grpc
 
+from kvroute.core.program_bounds import BoundLimits, ProgramBoundsError, program_bounds
 from kvroute.v1 import program_pb2
 
-MAX_DEPTH = 16
-"""Fork nesting limit (keeps the recursive runtime's stack small)."""
 MAX_NAME = 64
+MAX_CHOICES = 1024
+"""Most options of one ``choices`` constraint (each is an alternative of its grammar)."""
+MAX_SCHEMA_DEPTH = 64
+"""Most nesting levels of a JSON schema's text (objects and arrays): the schema-to-grammar
+converter recurses over it."""
 
 
 class SelectMode(IntEnum):
@@ -113,6 +117,8 @@ class ProgramLimits:
     compile_timeout_s: float
     max_new_tokens: int
     vocab_size: int
+    max_choices: int = MAX_CHOICES
+    max_schema_depth: int = MAX_SCHEMA_DEPTH
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +137,34 @@ class Plan:
     any constraint; one that takes a whole grammar per request, a regular one only)."""
 
 
-def constraint_spec(c: program_pb2.Constraint, where: str, max_bytes: int) -> ConstraintSpec:
-    """The llguidance grammar of one constraint (compiled later, see ``grammars``)."""
+def json_depth(text: str) -> int:
+    """Deepest nesting of objects and arrays in JSON ``text`` (strings skipped), found without
+    parsing it: the parser and the schema converter recurse once a level."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def constraint_spec(c: program_pb2.Constraint, where: str, max_bytes: int,
+                    max_choices: int = MAX_CHOICES,
+                    max_schema_depth: int = MAX_SCHEMA_DEPTH) -> ConstraintSpec:
+    """The llguidance grammar of one constraint (compiled later, see ``grammars``). Its
+    claimed size (bytes, options, nesting) is checked before it is parsed or converted."""
     import llguidance
 
     kind = c.WhichOneof("kind")
@@ -140,6 +172,10 @@ def constraint_spec(c: program_pb2.Constraint, where: str, max_bytes: int) -> Co
         raise _invalid(where, "empty constraint (set json_schema, regex, lark or choices)")
     source: str | tuple[str, ...]
     if kind == "choices":
+        if len(c.choices.options) > max_choices:
+            raise _invalid(f"max_choices: {where}.choices",
+                           f"{len(c.choices.options)} options exceed the limit of "
+                           f"{max_choices}")
         opts = list(c.choices.options)
         size = sum(len(o.encode()) for o in opts)
         source = tuple(opts)
@@ -150,79 +186,66 @@ def constraint_spec(c: program_pb2.Constraint, where: str, max_bytes: int) -> Co
         raise _invalid(f"max_grammar_bytes: {where}.{kind}",
                        f"{size} bytes exceeds the limit of {max_bytes}")
     if kind == "json_schema":
+        depth = json_depth(c.json_schema)
+        if depth > max_schema_depth:
+            raise _invalid(f"max_schema_depth: {where}.json_schema",
+                           f"nested {depth} levels deep, over the limit of {max_schema_depth}")
         try:
             schema = json.loads(c.json_schema)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise _invalid(f"{where}.json_schema", f"not JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise _invalid(f"{where}.json_schema", "must be a JSON object")
-        # Compact separators: a random model cannot pad the output with whitespace forever.
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False})
-    elif kind == "regex":
-        grammar = llguidance.LLMatcher.grammar_from_regex(c.regex)
-    elif kind == "lark":
-        grammar = llguidance.LLMatcher.grammar_from_lark(c.lark)
-    else:
-        if not opts or any(not o for o in opts):
-            raise _invalid(f"{where}.choices", "needs at least one option, none empty")
-        # JSON string literals are valid Lark string literals (same escapes).
-        grammar = llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(o) for o in opts))
+    elif kind == "choices" and (not opts or any(not o for o in opts)):
+        raise _invalid(f"{where}.choices", "needs at least one option, none empty")
+    try:
+        if kind == "json_schema":
+            # Compact separators: a random model cannot pad the output with whitespace.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": False})
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(c.regex)
+        elif kind == "lark":
+            grammar = llguidance.LLMatcher.grammar_from_lark(c.lark)
+        else:
+            # JSON string literals are valid Lark string literals (same escapes).
+            grammar = llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(o) for o in opts))
+    except (ValueError, TypeError, RecursionError) as exc:  # the converter's refusal
+        raise _invalid(f"constraint: {where}.{kind}", str(exc)) from None
     return ConstraintSpec(kind, grammar, size, source)
 
 
 @dataclass(slots=True)
 class _Walk:
+    """Parses a program already within its bounds (``program_bounds``): its forks' copies
+    are at most ``max_fanout`` and its steps at most ``max_steps``."""
+
     limits: ProgramLimits
-    steps: int = 0
-    tokens: int = 0
     needs_text: bool = False
     continues: bool = False
     constraints: dict[str, ConstraintSpec] | None = None
 
-    def program(self, p: program_pb2.ControllerProgram, where: str, live: int,
-                depth: int) -> tuple[Program, int, int]:
-        """Parse ``p``, run as ``live`` independent instances (one per parent branch); return
-        it, the live count after it and its peak live count (over all instances)."""
-        instances = live
-        if depth > MAX_DEPTH:
-            raise _invalid(f"max_program_steps: {where}", f"forks nested deeper than {MAX_DEPTH}")
+    def program(self, p: program_pb2.ControllerProgram, where: str) -> Program:
         out: list[Step] = []
-        peak = live
         for i, step in enumerate(p.steps):
-            self.steps += 1
-            if self.steps > self.limits.max_steps:
-                raise _invalid("max_program_steps",
-                               f"program has more than {self.limits.max_steps} steps")
             at = f"{where}.steps[{i}]"
             kind = step.WhichOneof("kind")
             if kind == "gen":
                 out.append(self.gen(step.gen, f"{at}.gen"))
-                self.tokens += live * step.gen.max_tokens
             elif kind == "fast_forward":
-                ff = self.fast_forward(step.fast_forward, f"{at}.fast_forward")
-                self.tokens += live * (len(ff.text.encode()) if ff.text is not None
-                                       else len(ff.tokens))
-                out.append(ff)
+                out.append(self.fast_forward(step.fast_forward, f"{at}.fast_forward"))
             elif kind == "backtrack":
                 if step.backtrack.tokens == 0:
                     raise _invalid(f"{at}.backtrack.tokens", "must be > 0")
                 out.append(Backtrack(step.backtrack.tokens))
             elif kind == "fork":
-                fork, live, fork_peak = self.fork(step.fork, f"{at}.fork", live, depth)
-                peak = max(peak, fork_peak)
-                out.append(fork)
+                out.append(self.fork(step.fork, f"{at}.fork"))
             elif kind == "select":
-                mode = SelectMode(step.select.mode)
-                if mode != SelectMode.ALL:
-                    live = instances  # one survivor per instance
-                out.append(Select(mode))
+                out.append(Select(SelectMode(step.select.mode)))
             else:
                 raise _invalid(at, "empty step (set gen, fast_forward, backtrack, fork, select)")
-            if peak > self.limits.max_fanout:
-                break
-        return tuple(out), live, peak
+        return tuple(out)
 
     def gen(self, g: program_pb2.Gen, at: str) -> Gen:
         lim = self.limits
@@ -240,7 +263,8 @@ class _Walk:
             raise _invalid(f"{at}.continue_constraint", "give a constraint or continue one")
         spec = None
         if g.HasField("constraint"):
-            spec = constraint_spec(g.constraint, f"{at}.constraint", lim.max_grammar_bytes)
+            spec = constraint_spec(g.constraint, f"{at}.constraint", lim.max_grammar_bytes,
+                                   lim.max_choices, lim.max_schema_depth)
             assert self.constraints is not None
             spec = self.constraints.setdefault(spec.grammar, spec)
         self.needs_text |= bool(g.stop)
@@ -263,58 +287,34 @@ class _Walk:
             return FastForward(tokens=tuple(f.tokens.ids))
         raise _invalid(at, "give text or (non-empty) tokens")
 
-    def fork(self, f: program_pb2.Fork, at: str, live: int,
-             depth: int) -> tuple[Fork, int, int]:
+    def fork(self, f: program_pb2.Fork, at: str) -> Fork:
         subs = list(f.branches)
         if f.n:
             if len(subs) > 1:
                 raise _invalid(f"{at}.n", "with n, give at most one branch (the copy)")
-            subs = (subs or [program_pb2.ControllerProgram()]) * f.n
+            # n copies of one sub-program: parsed once (n is within max_fanout here).
+            one = self.program(subs[0] if subs else program_pb2.ControllerProgram(),
+                               f"{at}.branches[0]")
+            return Fork((one,) * f.n, SelectMode(f.select))
         if not subs:
             raise _invalid(at, "no branches (set branches or n)")
-        # Children run concurrently: the fork's peak is the sum of its children's peaks,
-        # in each of the `live` parents.
-        if live * len(subs) > self.limits.max_fanout:
-            return Fork((), SelectMode(f.select)), live * len(subs), live * len(subs)
-        parsed: dict[int, tuple[Program, int, int, int]] = {}
-        progs: list[Program] = []
-        outs: list[int] = []
-        peaks = 0
-        for j, sub in enumerate(subs):
-            key = id(sub)
-            if key not in parsed:  # n copies of one sub-program are checked once
-                before = self.tokens
-                prog, sub_live, sub_peak = self.program(
-                    sub, f"{at}.branches[{min(j, max(len(f.branches) - 1, 0))}]", live,
-                    depth + 1)
-                parsed[key] = (prog, sub_live, sub_peak, self.tokens - before)
-            else:
-                prog, sub_live, sub_peak, tokens = parsed[key]
-                self.tokens += tokens
-            progs.append(prog)
-            outs.append(sub_live)
-            peaks += sub_peak
-        mode = SelectMode(f.select)
-        # Sub-programs were walked in all `live` parents at once: counts are already scaled.
-        after = {SelectMode.ALL: sum(outs), SelectMode.BEST_LOGPROB: live,
-                 SelectMode.FIRST_FINISHED: max(outs)}[mode]
-        return Fork(tuple(progs), mode), after, peaks
+        return Fork(tuple(self.program(sub, f"{at}.branches[{j}]")
+                          for j, sub in enumerate(subs)), SelectMode(f.select))
 
 
 def check_program(p: program_pb2.ControllerProgram, limits: ProgramLimits) -> Plan:
-    """Parse and bound ``p``; :class:`ProgramError` if it is malformed or over a limit."""
+    """Bound, then parse ``p``; :class:`ProgramError` if it is malformed or over a limit.
+    CPU work up to its limits (constraint conversion): run it off the event loop."""
     if not p.steps:
         raise _invalid("program.steps", "empty program")
+    try:
+        bounds = program_bounds(p, BoundLimits(max_fanout=limits.max_fanout,
+                                               max_tokens=limits.max_tokens,
+                                               max_steps=limits.max_steps))
+    except ProgramBoundsError as exc:
+        raise ProgramError(exc.code, str(exc)) from None
     walk = _Walk(limits, constraints={})
-    program, _, peak = walk.program(p, "program", 1, 0)
-    if peak > limits.max_fanout:
-        raise ProgramError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"max_program_fanout: the program can run {peak} branches at "
-                           f"once, over the limit of {limits.max_fanout}")
-    if walk.tokens > limits.max_tokens:
-        raise ProgramError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"max_program_tokens: the program can produce {walk.tokens} "
-                           f"tokens over all branches, over the limit of {limits.max_tokens}")
+    program = walk.program(p, "program")
     assert walk.constraints is not None
-    return Plan(program, walk.tokens, peak, walk.steps, tuple(walk.constraints.values()),
-                walk.needs_text, walk.continues)
+    return Plan(program, bounds.tokens, bounds.fanout, bounds.steps,
+                tuple(walk.constraints.values()), walk.needs_text, walk.continues)

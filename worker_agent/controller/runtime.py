@@ -21,23 +21,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from kvroute.core.agent_client import AgentChannels
+from kvroute.core.liveness import LivenessProbe
+from kvroute.core.redis_conn import REDIS_ERRORS
 from kvroute.core.tokenizer import vocab_size
 from kvroute.v1 import common_pb2, program_pb2
 from kvroute.worker_agent.controller.constrained import continuation_rests
 from kvroute.worker_agent.controller.grammars import compile_constraints
 from kvroute.worker_agent.controller.interpreter import END, Prepared, Run
 from kvroute.worker_agent.controller.logprobs import LogitsTap
-from kvroute.worker_agent.controller.overflow import check_placement
+from kvroute.worker_agent.controller.overflow import PROBE_S, Split, check_placement
 from kvroute.worker_agent.controller.program import ProgramError, ProgramLimits, check_program
 from kvroute.worker_agent.controller.stats import ProgramStats
 from kvroute.worker_agent.controller.vocab import Vocab, make_vocab
 from kvroute.worker_agent.engines.base import Engine, EngineError
+
+log = logging.getLogger("kvroute.agent.programs")
 
 PROGRAM_ENGINES = frozenset({"tiny", "sim", "vllm"})
 """Engines the runtime drives (one engine request per branch step, prompt = the branch)."""
@@ -65,13 +70,20 @@ class ProgramRuntime:
     """When set (benchmarks), every mask_fn call appends its duration in seconds."""
     channels: AgentChannels | None = None
     """To other agents, for fork children a placement moves (None: placements refused)."""
+    peers: Callable[[str], Awaitable[str | None]] | None = None
+    """A worker's address from its live heartbeat (None: not live). A placement may send
+    children (and the whole prompt) only there; without it placements run here."""
     stats: ProgramStats = field(default_factory=ProgramStats)
+    probe: LivenessProbe | None = None
+    """Watches overflow workers for hangs (set from ``channels``)."""
     _vocab: Vocab | None = None
     _tap: LogitsTap | None = None
 
     def __post_init__(self) -> None:
         if hasattr(self.engine, "logits_observer"):
             self._tap = LogitsTap(self.engine)
+        if self.channels is not None and self.probe is None:
+            self.probe = LivenessProbe(self.channels, PROBE_S)
 
     @property
     def engine_kind(self) -> str:
@@ -106,7 +118,9 @@ class ProgramRuntime:
             raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                f"program: controller programs run on the tiny, sim and vllm "
                                f"engines; this agent's engine is {kind}")
-        plan = check_program(program, self.limits)
+        # Off the loop: a program within its limits can still cost milliseconds to parse
+        # (schema conversion), and other requests must not wait for it.
+        plan = await asyncio.to_thread(check_program, program, self.limits)
         split = None
         if placement is not None and placement.overflow:
             if self.channels is None:
@@ -114,6 +128,7 @@ class ProgramRuntime:
                                    "placement: this agent cannot reach other workers")
             split = check_placement(program, placement, self.worker_id,
                                     self.limits.max_fanout)
+            split = await self._known_targets(split)
         if plan.constraints and kind not in MASK_ENGINES | GRAMMAR_ENGINES:
             raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                f"program: constrained gen needs an engine with token masks "
@@ -124,9 +139,10 @@ class ProgramRuntime:
         json_flexible = kind in GRAMMAR_ENGINES
         # An engine taking a whole grammar per request is sent a continued region as what is
         # left of its constraint, which only a regular one has as a regex.
-        rests = continuation_rests(plan.constraints, kind, self.limits.max_grammar_bytes,
-                                   json_flexible) \
-            if plan.continues_constraint and kind not in MASK_ENGINES else {}
+        # (Schema -> regex conversion: CPU work, off the loop.)
+        rests = await asyncio.to_thread(
+            continuation_rests, plan.constraints, kind, self.limits.max_grammar_bytes,
+            json_flexible) if plan.continues_constraint and kind not in MASK_ENGINES else {}
         vocab = await self.vocab() if (plan.constraints or plan.needs_text
                                        or kind in VOCAB_ENGINES) else None
         if vocab is None and (plan.constraints or plan.needs_text):
@@ -139,6 +155,28 @@ class ProgramRuntime:
             plan.constraints, vocab, self.limits.compile_timeout_s,
             json_whitespace_flexible=json_flexible)
         return Prepared(plan, vocab, templates, split, rests)
+
+    async def _known_targets(self, split: Split | None) -> Split | None:
+        """``split`` if every worker it names is live at the address given; ProgramError
+        (INVALID_ARGUMENT) naming one that is not (a client calling the agent directly
+        must not make it send the prompt to any host:port). None (children run here)
+        when that cannot be checked now: no Redis."""
+        if split is None:
+            return None
+        if self.peers is None:
+            return None
+        for i, t in enumerate(split.targets):
+            try:
+                live = await asyncio.wait_for(self.peers(t.worker_id), 2.0)
+            except (TimeoutError, *REDIS_ERRORS) as exc:
+                log.warning("cannot check a placement's workers; its children run here",
+                            extra={"kv": {"worker": t.worker_id, "error": repr(exc)}})
+                return None
+            if live is None or _host_port(live) != _host_port(t.address):
+                raise ProgramError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"placement.overflow[{i}].worker_id: {t.worker_id!r} at "
+                                   f"{t.address!r} is not a live worker of this model")
+        return split
 
     async def run(self, prepared: Prepared, request: common_pb2.GenerateRequest,
                   request_id: str) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -159,3 +197,9 @@ class ProgramRuntime:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, ProgramError, EngineError):
                 await task
+
+
+def _host_port(address: str) -> str:
+    """``[::1]:5`` and ``::1:5`` alike (Kubernetes discovery brackets IPv6 hosts)."""
+    host, _, port = address.rpartition(":")
+    return f"{host.strip('[]')}:{port}"

@@ -76,7 +76,20 @@ class EngineLoad:
 
 
 class EngineError(RuntimeError):
-    """The engine cannot take or finish a request (reported to the caller as UNAVAILABLE)."""
+    """The engine cannot take or finish a request (reported to the caller as UNAVAILABLE:
+    routers then try another worker and skip this one for a while)."""
+
+
+class RequestRefusedError(EngineError):
+    """The engine refuses a request for what the request itself asks (a prompt larger than
+    its whole KV cache, an id past its vocabulary): the caller's doing, not a failure of the
+    worker, so reported as ``code`` (INVALID_ARGUMENT, RESOURCE_EXHAUSTED), which routers pass
+    back without marking the worker down or trying another."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
+        """A ``grpc.StatusCode`` name (engines do not import grpc)."""
 
 
 class Engine(Protocol):

@@ -47,7 +47,13 @@ from kvroute.core.blocks import BlockHasher
 from kvroute.core.cache_events import CacheEvent, CacheListener
 from kvroute.core.load import PrefillMode
 from kvroute.core.scheduler import Scheduler
-from kvroute.worker_agent.engines.base import EngineError, EngineLoad, EngineRequest, TokenChunk
+from kvroute.worker_agent.engines.base import (
+    EngineError,
+    EngineLoad,
+    EngineRequest,
+    RequestRefusedError,
+    TokenChunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -225,22 +231,23 @@ class BatchingEngine:
         prompt = list(request.token_ids)
         n = len(prompt)
         if n == 0:
-            raise EngineError(f"request {request.request_id}: empty prompt")
+            raise RequestRefusedError(f"request {request.request_id}: empty prompt")
         if request.max_tokens < 1:
-            raise EngineError(f"request {request.request_id}: max_tokens must be >= 1")
+            raise RequestRefusedError(f"request {request.request_id}: max_tokens must be >= 1")
         prompt_blocks = -(-n // bs)
         if prompt_blocks > capacity:
-            raise EngineError(
+            raise RequestRefusedError(
                 f"request {request.request_id}: prompt of {n} tokens needs {prompt_blocks} "
                 f"blocks of {bs}, more than the engine's whole KV cache "
-                f"({capacity} blocks)"
+                f"({capacity} blocks)", "RESOURCE_EXHAUSTED"
             )
         self._validate(request)
         hasher = BlockHasher(bs, self.model, request.cache_salt)
         try:
             keys = hasher.keys(prompt)
         except OverflowError as exc:
-            raise EngineError(f"request {request.request_id}: token id out of range") from exc
+            raise RequestRefusedError(
+                f"request {request.request_id}: token id out of range") from exc
         out_limit = min(request.max_tokens, capacity * bs - n + 1)
         return self._new_seq(
             request=request,

@@ -52,7 +52,7 @@ import xxhash
 from kvroute.core import tokenizer as tokenizers
 from kvroute.core.blocks import tokens_to_bytes
 from kvroute.core.config import AgentConfig
-from kvroute.worker_agent.engines.base import EngineError, EngineRequest
+from kvroute.worker_agent.engines.base import EngineError, EngineRequest, RequestRefusedError
 from kvroute.worker_agent.engines.batching import BatchingEngine, Seq
 from kvroute.worker_agent.engines.tiny_model import (
     ForwardItem,
@@ -158,10 +158,11 @@ class TinyEngine(BatchingEngine):
         rid = request.request_id
         ids = request.token_ids
         if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise EngineError(f"request {rid}: token id out of range [0, {self.vocab_size})")
+            raise RequestRefusedError(
+                f"request {rid}: token id out of range [0, {self.vocab_size})")
         t = request.temperature
         if not math.isfinite(t) or t < 0:
-            raise EngineError(f"request {rid}: temperature must be >= 0, got {t}")
+            raise RequestRefusedError(f"request {rid}: temperature must be >= 0, got {t}")
 
     def _new_seq(self, **fields: Any) -> Seq:
         request: EngineRequest = fields["request"]

@@ -194,7 +194,82 @@ seccompProfile:
 {{- if and (eq .Values.workers.mode "vllm") (ne .Values.workers.agent.engine "vllm") -}}
 {{- fail "workers.mode=vllm runs the vllm engine: set workers.agent.engine=vllm or workers.mode=agentOnly" -}}
 {{- end -}}
+{{- if and .Values.epp.enabled .Values.epp.httpRoute.enabled (not .Values.epp.httpRoute.gateway.name) -}}
+{{- fail "epp.httpRoute.enabled needs epp.httpRoute.gateway.name (the Gateway the route attaches to)" -}}
+{{- end -}}
 {{- if and .Values.router.autoscaling.enabled (gt (int .Values.router.autoscaling.minReplicas) (int .Values.router.autoscaling.maxReplicas)) -}}
 {{- fail "router.autoscaling.minReplicas must not exceed maxReplicas" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The InferencePool's name (and its HTTPRoute's): epp.poolName, else the full name. */}}
+{{- define "kvroute.poolName" -}}
+{{- default (include "kvroute.fullname" .) .Values.epp.poolName | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+TLS (tls.enabled, docs/security.md): a part's environment, its certificate Secret's volume
+and mount (a whole directory, not subPath: the kubelet then swaps renewed files in, and
+kvroute re-reads them), and the port its probes use (the plaintext health port: the
+kubelet's gRPC probes cannot do TLS). Called with (dict "root" $ "role" "router"|"agent").
+*/}}
+{{- define "kvroute.tlsEnv" -}}
+{{- $t := .root.Values.tls -}}
+{{- if $t.enabled }}
+- name: KVROUTE_TLS_CERT
+  value: /etc/kvroute/tls/tls.crt
+- name: KVROUTE_TLS_KEY
+  value: /etc/kvroute/tls/tls.key
+- name: KVROUTE_TLS_CA
+  value: /etc/kvroute/tls/ca.crt
+- name: KVROUTE_TLS_SERVER_NAME
+  value: {{ $t.agentServerName | quote }}
+{{- if or (eq .role "agent") $t.requireClientCerts }}
+- name: KVROUTE_TLS_CLIENT_CA
+  value: /etc/kvroute/tls/ca.crt
+{{- end }}
+{{- if eq .role "agent" }}
+- name: KVROUTE_TLS_ALLOWED_SANS
+  value: {{ printf "%s,%s" $t.routerSan $t.agentServerName | quote }}
+{{- end }}
+- name: KVROUTE_HEALTH_PORT
+  value: {{ include "kvroute.healthPort" . | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvroute.healthPort" -}}
+{{- $t := .root.Values.tls -}}
+{{- eq .role "agent" | ternary $t.agentHealthPort $t.routerHealthPort -}}
+{{- end -}}
+
+{{- define "kvroute.tlsVolume" -}}
+{{- $t := .root.Values.tls -}}
+{{- if $t.enabled }}
+{{- $secret := include "kvroute.tlsSecret" . }}
+{{- if not $secret }}
+{{- fail (printf "tls.enabled needs tls.%sSecret (a Secret with tls.crt, tls.key and ca.crt)" .role) }}
+{{- end }}
+- name: kvroute-tls
+  secret:
+    secretName: {{ $secret }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvroute.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: kvroute-tls
+  mountPath: /etc/kvroute/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- /* The Secret of a role's certificate: the one named, else cert-manager's default. */}}
+{{- define "kvroute.tlsSecret" -}}
+{{- $t := .root.Values.tls -}}
+{{- $named := eq .role "agent" | ternary $t.agentSecret $t.routerSecret -}}
+{{- if $named -}}
+{{- $named -}}
+{{- else if $t.certManager.enabled -}}
+{{- eq .role "agent" | ternary (include "kvroute.workersName" .root) (include "kvroute.routerName" .root) -}}-tls
 {{- end -}}
 {{- end -}}

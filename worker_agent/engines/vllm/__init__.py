@@ -16,6 +16,7 @@ Modules, one job each:
 * :mod:`.subscriber` -- ZMQ SUB + replay, seq tracking, gap healing, resets
 * :mod:`.openai` -- streaming ``/v1/completions`` with token ids
 * :mod:`.prom` -- load from vLLM's ``/metrics``, polled in the background
+* :mod:`.render_check` -- vLLM's chat rendering (``/tokenize``) against the router's
 * :mod:`.engine` -- :class:`VllmEngine`, the Engine protocol on top of these
 * :mod:`.versions` -- :data:`SUPPORTED`, the vLLM releases supported (oldest, newest; both
   tested), and what differs between them in the requests
@@ -50,6 +51,13 @@ __all__ = ["SUPPORTED", "VllmConfig", "VllmEngine", "from_agent_config"]
 
 
 def from_agent_config(cfg: AgentConfig) -> VllmEngine:
+    try:
+        return _from_agent_config(cfg)
+    except ValueError as exc:  # a --model-source that is not a tokenizer (ModelSourceError)
+        raise SystemExit(str(exc)) from None
+
+
+def _from_agent_config(cfg: AgentConfig) -> VllmEngine:
     return VllmEngine(VllmConfig(
         url=cfg.vllm_url,
         model=cfg.model,
@@ -65,4 +73,6 @@ def from_agent_config(cfg: AgentConfig) -> VllmEngine:
         long_prefill_token_threshold=cfg.vllm_long_prefill_threshold,
         # Load is published once per heartbeat: two polls per beat keep it fresh.
         metrics_interval_s=min(1.0, max(0.05, cfg.heartbeat_s / 2)),
+        model_source=cfg.model_source,
+        render_check_s=cfg.vllm_render_check_s,
     ))

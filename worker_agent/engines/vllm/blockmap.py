@@ -17,11 +17,14 @@ Cache salt (what seeds the chain at a root block, ``parent_block_hash is None``)
   may itself be a LoRA adapter): salt = the ``cache_salt`` string vLLM lists in the first
   block's ``extra_keys`` (``""`` if none), i.e. exactly what the router computes from
   ``GenerateRequest.cache_salt``.
-* any other LoRA adapter, multimodal identifiers or prompt-embedding digests in a block's
-  ``extra_keys``: the block (and every block chained after it) is **opaque**: it is tracked,
-  so removals and children resolve, but never published, because no kvroute request (token ids
-  only, served model only) can hit it. Releases before ``lora_name`` existed mark any
-  ``lora_id`` opaque.
+* another LoRA adapter (``lora_name``; a router's ``--lora NAME=BASE`` sends its requests
+  here with ``adapter_salt(NAME, salt)``, and vLLM runs them as model NAME): salt =
+  ``adapter_salt(lora_name, that cache_salt)``, the salt the router keys the adapter's
+  requests with (core/blocks.py).
+* multimodal identifiers or prompt-embedding digests in a block's ``extra_keys``: the block
+  (and every block chained after it) is **opaque**: it is tracked, so removals and children
+  resolve, but never published, because no kvroute request (token ids only) can hit it.
+  Releases before ``lora_name`` existed mark any ``lora_id`` opaque (the adapter is unknown).
 * releases before ``extra_keys`` existed (0.10.2, the oldest supported, among them) carry no
   cache salt: salted blocks get the unsalted key (the router may over-predict a hit for an
   unsalted prompt; the engine still isolates).
@@ -36,7 +39,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvroute.core.blocks import BlockHasher
+from kvroute.core.blocks import BlockHasher, adapter_salt
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
 from kvroute.worker_agent.engines.vllm.wire import Cleared, EngineHash, Event, Removed, Stored
@@ -249,24 +252,32 @@ class BlockMap:
         return keys + [OPAQUE] * (n - cut)
 
     def _lora_ok(self, ev: Stored) -> bool:
-        if ev.lora_name is not None:
-            return ev.lora_name == self.served_model
-        return ev.lora_id is None
+        """Whether the block's adapter is known: none, or named (releases with lora_name)."""
+        return ev.lora_name is not None or ev.lora_id is None
 
     def _root_salt(self, ev: Stored) -> str | None:
         """The cache salt seeding a root block's chain; None if the block is opaque."""
         if not self._lora_ok(ev):
             return None
         if not ev.extra_keys or not ev.extra_keys[0]:
-            return ""
+            return self._adapter_salt(ev, "")
+        salt = ""
         skip_lora = ev.lora_name is not None
         for item in ev.extra_keys[0]:
             if isinstance(item, str):
                 if skip_lora and item == ev.lora_name:
                     skip_lora = False  # the LoRA name precedes the cache salt
                     continue
-                return item
-        return ""
+                salt = item
+                break
+        return self._adapter_salt(ev, salt)
+
+    def _adapter_salt(self, ev: Stored, salt: str) -> str:
+        """``salt`` as the router keys it: an adapter other than the served model's own
+        seeds ``adapter_salt`` (core/blocks.py)."""
+        if ev.lora_name is not None and ev.lora_name != self.served_model:
+            return adapter_salt(ev.lora_name, salt)
+        return salt
 
     @staticmethod
     def _plain_extra(ek: object, lora_name: str | None, *, first: bool) -> bool:

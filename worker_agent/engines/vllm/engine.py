@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvroute.core.cache_events import CacheEvent, CacheListener
+from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.core.load import PrefillMode
 from kvroute.worker_agent.engines.base import EngineError, EngineLoad, EngineRequest, TokenChunk
 from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
 from kvroute.worker_agent.engines.vllm.openai import CompletionsClient, structured_outputs
 from kvroute.worker_agent.engines.vllm.prom import MetricsPoller
+from kvroute.worker_agent.engines.vllm.render_check import RenderCheck
 from kvroute.worker_agent.engines.vllm.subscriber import (
     BatchSink,
     EventSubscriber,
@@ -67,6 +69,11 @@ class VllmConfig:
     version_retry_s: float = 2.0
     """How often ``GET /version`` is retried while vLLM does not answer (it may start after
     the agent)."""
+    model_source: str = ""
+    """The router's SOURCE of the model (``--model NAME=SOURCE``): with it, vLLM's rendering
+    of a probe chat is checked against the router's (:mod:`.render_check`)."""
+    render_check_s: float = 300.0
+    """Seconds between those checks."""
     report_reused: str = "auto"
     """Ask vLLM to re-report reused prefix blocks (``kv_cache_report_mode=full``): ``auto``
     while the cache view is incomplete (started late or reset), ``always`` or ``never``."""
@@ -113,6 +120,14 @@ class VllmEngine(BatchSink):
         """The server's release from ``GET /version``; None until it answers."""
         self._version_settled = False  # known, or the server cannot tell (no retries)
         self._version_task: asyncio.Task[None] | None = None
+        self.render_check: RenderCheck | None = None
+        """With ``model_source``: the chat-rendering check against vLLM's /tokenize."""
+        if config.model_source:
+            # Loaded now: a SOURCE that is not a tokenizer ends the start (ModelSourceError).
+            chat = ChatTokenizer.load(config.model_source, name=config.model)
+            self.render_check = RenderCheck(config.url, self.served_model, chat,
+                                            config.render_check_s)
+        self._render_task: asyncio.Task[None] | None = None
 
     # -- Engine protocol ---------------------------------------------------------------------
 
@@ -131,6 +146,9 @@ class VllmEngine(BatchSink):
             "replay": self.config.replay or "off", "served_model": self.served_model,
             "block_size": self.block_size, "supported_vllm": "..".join(SUPPORTED)}})
         self._version_task = asyncio.create_task(self._watch_version(), name="vllm-version")
+        if self.render_check is not None:
+            self._render_task = asyncio.create_task(self.render_check.run(),
+                                                    name="vllm-render-check")
 
     async def stop(self) -> None:
         if not self._started:
@@ -141,6 +159,13 @@ class VllmEngine(BatchSink):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._version_task
             self._version_task = None
+        if self._render_task is not None:
+            self._render_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._render_task
+            self._render_task = None
+        if self.render_check is not None:
+            await self.render_check.aclose()
         await self.events.stop()
         await self.metrics.stop()
         await self.client.aclose()
@@ -348,3 +373,5 @@ class VllmEngine(BatchSink):
              time.monotonic() - m.last_ok if m.last_ok else -1.0),
         ):
             yield GaugeMetricFamily(p + name, doc, value=value)
+        if self.render_check is not None:
+            yield from self.render_check.metric_families()

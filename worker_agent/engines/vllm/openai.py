@@ -43,10 +43,15 @@ from typing import Any
 
 import httpx
 
-from kvroute.worker_agent.engines.base import EngineError
+from kvroute.core.blocks import split_adapter_salt
+from kvroute.worker_agent.engines.base import EngineError, RequestRefusedError
 from kvroute.worker_agent.engines.vllm.versions import StructuredDialect, guided_fields
 
 _TOKEN_ID_PREFIX = "token_id:"
+# What vLLM answers for a request it refuses for its own content (a prompt longer than the
+# model's context, a bad parameter): the caller's doing, not the worker's failure.
+_REQUEST_CAUSED = {400: "INVALID_ARGUMENT", 413: "RESOURCE_EXHAUSTED",
+                   422: "INVALID_ARGUMENT"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +104,12 @@ class CompletionsClient:
              seed: int = 0, stop_token_ids: frozenset[int] = frozenset(), cache_salt: str = "",
              report_reused: bool = False, structured: dict[str, Any] | None = None,
              logprobs: bool = False) -> dict[str, Any]:
+        """``cache_salt``: the request's; a LoRA adapter's salt (core/blocks.py
+        ``adapter_salt``, from a router's ``--lora``) asks vLLM for that adapter as the
+        model, with the caller's own salt."""
+        adapter, cache_salt = split_adapter_salt(cache_salt)
         b: dict[str, Any] = {
-            "model": self.model, "prompt": token_ids, "max_tokens": max_tokens,
+            "model": adapter or self.model, "prompt": token_ids, "max_tokens": max_tokens,
             "temperature": temperature,  # 0 = greedy, as in EngineRequest
             "stream": True, "stream_options": {"include_usage": True},
         }
@@ -164,7 +173,10 @@ class CompletionsClient:
                                          headers=headers) as resp:
                 if resp.status_code >= 400:
                     text = (await resp.aread()).decode("utf-8", "replace")
-                    raise EngineError(f"vllm HTTP {resp.status_code}: {_error_text(text)}")
+                    message = f"vllm HTTP {resp.status_code}: {_error_text(text)}"
+                    if resp.status_code in _REQUEST_CAUSED:  # e.g. longer than the context
+                        raise RequestRefusedError(message, _REQUEST_CAUSED[resp.status_code])
+                    raise EngineError(message)
                 async for data in _sse_data(resp):
                     if data == "[DONE]":
                         break

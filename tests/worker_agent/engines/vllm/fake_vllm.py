@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.core import tokenizer as tokenizers
-from kvroute.core.blocks import BlockHasher
+from kvroute.core.blocks import BlockHasher, adapter_salt
 from tests.worker_agent.engines.vllm.vllm_release import Release, read_release
 from tests.worker_agent.engines.vllm.vllm_wire import FrameForwarder, load_kv_events, struct
 
@@ -88,6 +88,7 @@ class _Req:
     report_full: bool
     seed: int
     stop: frozenset[int]
+    lora: str = ""  # the LoRA adapter it runs (its body's model, one of --lora-modules)
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks so far
     keys: list[int] = field(default_factory=list)
     pinned: list[bytes] = field(default_factory=list)  # cached blocks this request holds
@@ -121,15 +122,24 @@ class FakeVllm:
         self.received: list[dict[str, Any]] = []  # completion request bodies, in order
         self.tokenizer = tokenizers.ByteTokenizer() if args.tokenizer == "byte" \
             else tokenizers.GPT2Tokenizer()
+        self.received_tokenize: list[dict[str, Any]] = []  # /tokenize bodies, in order
+        self.loras = [m for m in args.lora_modules.split(",") if m]
+        self.chat_model: Any = None  # transformers' tokenizer of --chat-model
+        if args.chat_model:
+            import transformers
+
+            self.chat_model = transformers.AutoTokenizer.from_pretrained(args.chat_model)
 
     # -- cache -------------------------------------------------------------------------------
 
     def ext(self, h: bytes) -> bytes | int:
         return int.from_bytes(h, "big") & MASK64 if self.a.int_hashes else h
 
-    def block_hash(self, parent: bytes | None, tokens: list[int], salt: str, first: bool
-                   ) -> bytes:
-        extra = (("cache_salt", salt),) if (first and salt) else None
+    def block_hash(self, parent: bytes | None, tokens: list[int], salt: str, first: bool,
+                   lora: str = "") -> bytes:
+        extra = ((("lora", lora),) if lora else ()) + \
+            ((("cache_salt", salt),) if (first and salt) else ())
+        extra = extra or None
         return hashlib.sha256(pickle.dumps((parent or NONE_HASH, tuple(tokens), extra),
                                            protocol=5)).digest()
 
@@ -152,14 +162,32 @@ class FakeVllm:
                                        medium="GPU", group_idx=0))
         return True
 
+    def oracle(self, r: _Req) -> BlockHasher:
+        """The kvroute keys of ``r``'s blocks: an adapter's with its adapter salt."""
+        salt = adapter_salt(r.lora, r.salt) if r.lora else r.salt
+        return BlockHasher(self.bs, self.a.kvroute_model, salt)
+
+    def extra_keys(self, r: _Req, lo: int, hi: int) -> list[Any] | None:
+        """vLLM's per-block extra keys: the adapter's name on each block, the cache salt
+        after it on the first."""
+        extra = [([r.lora] if r.lora else []) + ([r.salt] if (i == 0 and r.salt) else [])
+                 for i in range(lo, hi)]
+        return [e or None for e in extra] if any(extra) else None
+
+    def lora_fields(self, r: _Req) -> dict[str, Any]:
+        if not r.lora:
+            return {"lora_id": None, "lora_name": None}
+        return {"lora_id": self.loras.index(r.lora) + 1, "lora_name": r.lora}
+
     def admit(self, r: _Req) -> bool:
         n, bs = len(r.prompt), self.bs
-        hasher = BlockHasher(bs, self.a.kvroute_model, r.salt)
+        hasher = self.oracle(r)
         r.keys = hasher.keys(r.prompt)
         r.hashes = []
         parent = None
         for i in range(n // bs):
-            parent = self.block_hash(parent, r.prompt[i * bs:(i + 1) * bs], r.salt, i == 0)
+            parent = self.block_hash(parent, r.prompt[i * bs:(i + 1) * bs], r.salt, i == 0,
+                                     r.lora)
             r.hashes.append(parent)
         hit = 0
         for h in r.hashes[: (n - 1) // bs]:
@@ -188,14 +216,12 @@ class FakeVllm:
 
     def _stored(self, r: _Req, lo: int, hi: int, parent: bytes | None) -> Any:
         bs = self.bs
-        extra = [([r.salt] if (i == 0 and r.salt) else None) for i in range(lo, hi)]
         return struct(
             self.kv.BlockStored,
             block_hashes=[self.ext(h) for h in r.hashes[lo:hi]],
             parent_block_hash=self.ext(parent) if parent is not None else None,
-            token_ids=r.prompt[lo * bs:hi * bs],
-            block_size=bs, lora_id=None, medium="GPU", lora_name=None,
-            extra_keys=extra if any(e is not None for e in extra) else None, group_idx=0)
+            token_ids=r.prompt[lo * bs:hi * bs], block_size=bs, medium="GPU",
+            extra_keys=self.extra_keys(r, lo, hi), group_idx=0, **self.lora_fields(r))
 
     def commit(self, r: _Req, tokens: list[int], computed: int) -> None:
         """Cache every block fully covered by computed KV (vLLM's cache_full_blocks)."""
@@ -207,10 +233,10 @@ class FakeVllm:
         while len(r.hashes) < full:
             i = len(r.hashes)
             parent = r.hashes[-1] if r.hashes else None
-            r.hashes.append(self.block_hash(parent, tokens[i * bs:(i + 1) * bs], r.salt, i == 0))
+            r.hashes.append(self.block_hash(parent, tokens[i * bs:(i + 1) * bs], r.salt, i == 0,
+                                            r.lora))
         if len(r.keys) < full:
-            hasher = BlockHasher(bs, self.a.kvroute_model, r.salt)
-            r.keys = hasher.keys(tokens[: full * bs])
+            r.keys = self.oracle(r).keys(tokens[: full * bs])
         new_lo = None
         for i in range(have, full):
             h = r.hashes[i]
@@ -232,11 +258,9 @@ class FakeVllm:
             self.pending.append(struct(
                 self.kv.BlockStored, block_hashes=[self.ext(h) for h in r.hashes[new_lo:full]],
                 parent_block_hash=self.ext(parent) if parent is not None else None,
-                token_ids=tokens[new_lo * bsz: full * bsz], block_size=bsz, lora_id=None,
-                medium="GPU", lora_name=None,
-                extra_keys=[[r.salt]] + [None] * (full - 1) if (new_lo == 0 and r.salt)
-                else None,
-                group_idx=0))
+                token_ids=tokens[new_lo * bsz: full * bsz], block_size=bsz, medium="GPU",
+                extra_keys=self.extra_keys(r, new_lo, full), group_idx=0,
+                **self.lora_fields(r)))
 
     def release(self, r: _Req) -> None:
         for h in reversed(r.pinned):  # vLLM frees tail blocks first: they are evicted first
@@ -303,7 +327,8 @@ class FakeVllm:
                  report_full=xargs.get("kv_cache_report_mode") == "full"
                  and self.vllm.reports_reused,
                  seed=int(body.get("seed") or 0),
-                 stop=frozenset(body.get("stop_token_ids") or ()))
+                 stop=frozenset(body.get("stop_token_ids") or ()),
+                 lora=body.get("model") if body.get("model") in self.loras else "")
         self.next_rid += 1
         self.received.append(body)
         forced = self.forced(self.constraint(body))
@@ -361,6 +386,25 @@ class FakeVllm:
             self.release(r)
             self.flush()
 
+    def tokenize(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """vLLM's ``POST /tokenize`` of a chat (TokenizeChatRequest: ``model``, ``messages``,
+        ``add_generation_prompt``, ``tools``; special tokens not added, as vLLM's default for chat):
+        ``{"tokens", "count", "max_model_len"}``, rendered by transformers'
+        ``apply_chat_template`` on ``--chat-model`` (404 without one, as a server whose
+        model has no chat template answers an error)."""
+        self.received_tokenize.append(body)
+        if body.get("model") != self.a.model:
+            return 404, {"error": {"message": f"The model `{body.get('model')}` does not "
+                                   "exist.", "type": "NotFoundError", "code": 404}}
+        if self.chat_model is None or not isinstance(body.get("messages"), list):
+            return 400, {"error": {"message": "messages and a chat template are needed",
+                                   "type": "BadRequestError", "code": 400}}
+        ids = self.chat_model.apply_chat_template(
+            body["messages"], tools=body.get("tools"),
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            tokenize=True, return_dict=False)
+        return 200, {"tokens": list(ids), "count": len(ids), "max_model_len": 4096}
+
     def metrics(self) -> str:
         m = f'engine="0",model_name="{self.a.model}"'
         # As vLLM: cached blocks nobody uses are free (evictable), so not "used".
@@ -416,6 +460,9 @@ async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWrite
             await _respond(w, 200, fake.metrics().encode(), "text/plain; version=0.0.4")
         elif method == "POST" and path == "/v1/completions":
             await _completions(fake, body, w)
+        elif method == "POST" and path == "/tokenize":
+            status, answer = fake.tokenize(body)
+            await _respond(w, status, json.dumps(answer).encode())
         elif method == "POST" and path == "/reset_prefix_cache":
             ok = fake.reset_prefix_cache()
             await _respond(w, 200 if ok else 400, b"{}")
@@ -426,6 +473,8 @@ async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWrite
                 "ignored_fields": sorted(fake.ignored)}).encode())
         elif method == "GET" and path == "/control/requests":
             await _respond(w, 200, json.dumps(fake.received).encode())
+        elif method == "GET" and path == "/control/tokenize":
+            await _respond(w, 200, json.dumps(fake.received_tokenize).encode())
         elif method == "POST" and path == "/control/drop":
             fake.fwd.drop(body.get("seqs", ()), int(body.get("next", 0)))
             await _respond(w, 200, b"{}")
@@ -516,6 +565,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     action="store_false")
     ap.add_argument("--vllm-src", required=True, help="vllm_wire.vllm_sources(version)")
     ap.add_argument("--vllm-version", required=True, help="the release it plays")
+    ap.add_argument("--lora-modules", default="",
+                    help="comma-separated LoRA adapters served beside --model")
+    ap.add_argument("--chat-model", default="",
+                    help="a HF model directory whose chat template /tokenize renders with")
     ap.add_argument("--report-version", default="",
                     help="what GET /version answers instead (none: 404)")
     return ap.parse_args(argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import array
 
-from kvroute.core.blocks import BlockHasher
+from kvroute.core.blocks import BlockHasher, adapter_salt
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
 from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
@@ -48,16 +48,30 @@ def test_cache_salt_from_extra_keys_seeds_the_chain() -> None:
     assert m.cached_keys() == BlockHasher(B, "m", "user-7").keys(TOKS[:8])
 
 
+def test_another_adapters_blocks_are_keyed_with_its_adapter_salt() -> None:
+    # vLLM serving base + LoRA adapters: an adapter's blocks get the keys a router's
+    # --lora NAME=BASE computes for its requests (core/blocks.py adapter_salt), which never
+    # equal the base model's.
+    m = BlockMap(B, "m", served_model="base")
+    out = run(m, stored([1, 2], lora_name="other", lora_id=1, extra_keys=[["other"], ["other"]]),
+              stored([3], parent=2, tokens=TOKS[8:12], lora_name="other", lora_id=1),
+              stored([4], lora_name="other", lora_id=1, extra_keys=[["other", "user-7"]]))
+    lora = BlockHasher(B, "m", adapter_salt("other")).keys(TOKS[:12])
+    salted = BlockHasher(B, "m", adapter_salt("other", "user-7")).keys(TOKS[:4])
+    assert out == [CacheEvent(Op.STORE, tuple(lora[:2])), CacheEvent(Op.STORE, (lora[2],)),
+                   CacheEvent(Op.STORE, tuple(salted))]
+    assert not set(lora + salted) & set(KEYS)
+    assert m.stats.opaque_blocks == 0
+
+
 def test_blocks_no_kvroute_request_can_hit_are_tracked_but_never_published() -> None:
     m = BlockMap(B, "m", served_model="base")
     out = run(m,
-              stored([1, 2], lora_name="other", lora_id=1),  # another LoRA adapter
-              stored([3], parent=2, tokens=TOKS[8:12], lora_name="other", lora_id=1),
               stored([4, 5], extra_keys=[None, [["img-hash", 0]]]),  # multimodal from block 1
               stored([6], lora_id=9))  # old layout: an adapter we cannot name
     assert out == [CacheEvent(Op.STORE, (KEYS[0],))]  # only block 0 of the multimodal event
-    assert m.stats.opaque_blocks == 5 and m.stats.unknown_parent == 0
-    assert run(m, Removed([1, 2, 3, 5, 6])) == []
+    assert m.stats.opaque_blocks == 2 and m.stats.unknown_parent == 0
+    assert run(m, Removed([5, 6])) == []
     assert m.stats.unknown_removals == 0 and m.engine_hashes == 1
 
 

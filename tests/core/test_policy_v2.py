@@ -1,0 +1,211 @@
+"""kvroute_v2, the derived policy: each term's behaviour, and the inlined ranking against the
+term-by-term formula on random loads."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.core.index import PrefixIndex
+from kvroute.core.load import PrefillMode, WorkerLoad
+from kvroute.core.policies import REGISTRY, KvrouteV2, RouteQuery, make_policy
+from kvroute.core.policies.cost_model import CostModel
+from kvroute.core.policies.kvroute_v2 import (
+    cache_pressure,
+    decode_delay,
+    joined,
+    later_arrivals,
+    longest_cached,
+    own_prefill,
+    queued_wait,
+)
+from kvroute.router.decide import rank_request
+
+BS = 16
+
+
+def q(matched: dict[str, int], loads: dict[str, WorkerLoad], prompt: int = 1024,
+      affinity: int = 1) -> RouteQuery:
+    return RouteQuery(prompt, BS, matched, loads, affinity, affinity)
+
+
+def best(pol: KvrouteV2, query: RouteQuery) -> str:
+    return pol.rank(query)[0].worker
+
+
+def test_defaults_come_from_the_cost_model() -> None:
+    m, pol = CostModel(), KvrouteV2()
+    assert pol.attn == pytest.approx(m.attn_s_per_token_pair / m.linear_s_per_token)
+    assert pol.decode == pytest.approx(m.decode_per_seq_s / m.linear_s_per_token)
+    assert pol.unit_s == m.linear_s_per_token
+    assert "kvroute_v2" in REGISTRY
+
+
+def test_parameters_are_range_checked_with_their_meaning() -> None:
+    with pytest.raises(ValueError, match=r"reuse must be a finite number in \[0, 1\].*evicted"):
+        KvrouteV2(reuse=1.5)
+    with pytest.raises(ValueError, match="most_busy"):
+        make_policy("kvroute_v2:most_busy=1")
+    assert make_policy("kvroute_v2:delay=2").delay == 2.0  # type: ignore[attr-defined]
+
+
+def test_wait_prefers_the_idle_worker_when_prefixes_tie() -> None:
+    loads = {"a": WorkerLoad(pending_prefill_tokens=3000, queued=1), "b": WorkerLoad()}
+    assert best(KvrouteV2(), q({"a": 20, "b": 20}, loads)) == "b"
+    assert best(KvrouteV2(), q({}, loads)) == "b"
+
+
+def test_wait_counts_the_attention_of_the_queued_prefill() -> None:
+    """Two queues of as many tokens: the one whose prefill attends to a long context takes
+    longer, so the request goes to the other."""
+    long_ctx = WorkerLoad(pending_prefill_tokens=4000, pending_prefill_context=10**9)
+    short_ctx = WorkerLoad(pending_prefill_tokens=4000, pending_prefill_context=0)
+    assert queued_wait(long_ctx, KvrouteV2().attn) > queued_wait(short_ctx, KvrouteV2().attn)
+    assert best(KvrouteV2(), q({}, {"a": long_ctx, "b": short_ctx})) == "b"
+
+
+def test_attention_term_grows_with_context() -> None:
+    attn = KvrouteV2().attn
+    # The same 1000 new tokens cost more after a longer cached context ...
+    assert own_prefill(1000, 30_000, attn) > own_prefill(1000, 1000, attn) > \
+        own_prefill(1000, 0, attn) == pytest.approx(1000 * (1 + attn * 500))
+    # ... and superlinearly in their own count.
+    assert own_prefill(20_000, 0, attn) > 2 * own_prefill(10_000, 0, attn)
+    assert own_prefill(1000, 30_000, 0.0) == 1000
+
+
+def test_lookahead_counts_a_queued_request_sharing_the_prefix() -> None:
+    """A request queued on ``a`` will have stored the shared prefix by the time this one
+    starts there: the router predicts its blocks on ``a`` (``PrefixIndex.predict``, as it
+    does for every request it sends), the match includes them, and ``a`` wins despite its
+    queue, where without them the idle ``b`` would."""
+    keys = list(range(1000, 1512))  # 512 blocks: 8192 tokens
+    loads = {"a": WorkerLoad(pending_prefill_tokens=7680, queued=1, inflight=1),
+             "b": WorkerLoad()}
+    index = PrefixIndex()
+    assert rank_request(KvrouteV2(), index, keys, 8192, BS, loads, 1).best == "b"
+    index.predict("a", keys[:480], deadline=1e9)  # the queued sibling's prompt
+    d = rank_request(KvrouteV2(), index, keys, 8192, BS, loads, 1)
+    assert d.query.matched_blocks == {"a": 480}
+    assert d.best == "a"
+
+
+def test_decode_term_prefers_the_smaller_batch_and_counts_iterations() -> None:
+    pol = KvrouteV2()
+    small, big = WorkerLoad(running=2), WorkerLoad(running=40)
+    assert best(pol, q({}, {"a": big, "b": small})) == "b"
+    budgeted = WorkerLoad(running=10, max_batched_tokens=1000)
+    one = decode_delay(budgeted, 0, pol.decode)
+    assert one == pytest.approx(10 * pol.decode)
+    assert decode_delay(budgeted, 3000, pol.decode) == pytest.approx(4 * one)  # 3 more
+    assert decode_delay(WorkerLoad(running=10), 3000, pol.decode) == pytest.approx(one)
+
+
+def test_later_arrivals_grow_with_the_cluster_queue_and_make_misses_dearer() -> None:
+    """With no queue a holder with a short backlog loses to an idle worker (its own first
+    token comes sooner there); once the cluster queues, the miss's redo delays the later
+    arrivals too, and the request stays on its prefix."""
+    pol = KvrouteV2()
+    calm = {"a": WorkerLoad(pending_prefill_tokens=6000), "b": WorkerLoad()}
+    assert best(pol, q({"a": 20}, calm)) == "b"  # 320 of 1024 tokens cached on a
+    crowd = {f"x{i}": WorkerLoad(pending_prefill_tokens=200_000, arrival_rate=2.0,
+                                 prefill_rate=5000.0) for i in range(6)}
+    busy = {**calm, **crowd}
+    assert later_arrivals(busy, pol.attn, pol.unit_s, pol.most_busy) > \
+        later_arrivals(calm, pol.attn, pol.unit_s, pol.most_busy) == 0.0
+    assert best(pol, q({"a": 20}, busy)) == "a"
+    assert best(KvrouteV2(delay=0), q({"a": 20}, busy)) == "b"  # the term removed
+
+
+def test_later_arrivals_busy_period_is_capped() -> None:
+    """A saturated cluster (utilisation >= 1) reads the capped busy period, not a negative
+    or infinite one."""
+    sat = {"a": WorkerLoad(pending_prefill_tokens=1000, arrival_rate=1.0,
+                           prefill_rate=1e6)}
+    pol = KvrouteV2()
+    n = later_arrivals(sat, pol.attn, pol.unit_s, pol.most_busy)
+    assert n == pytest.approx(1.0 * 1000 * pol.unit_s / (1 - pol.most_busy), rel=1e-3)
+
+
+def test_joined_charges_the_queue_whose_iteration_it_joins() -> None:
+    attn = KvrouteV2().attn
+    room = WorkerLoad(queued=3, pending_prefill_tokens=1000, max_batched_tokens=8192)
+    assert joined(room, 4000, 0, attn) == own_prefill(4000, 0, attn)
+    assert joined(room, 9000, 0, attn) == 0.0  # does not fit: the next iteration
+    chunking = WorkerLoad(queued=3, pending_prefill_tokens=1000, max_batched_tokens=8192,
+                          prefill_mode=PrefillMode.CHUNKED)
+    assert joined(chunking, 9000, 0, attn) == own_prefill(7192, 0, attn)
+    assert joined(WorkerLoad(pending_prefill_tokens=10, max_batched_tokens=8192),
+                  4000, 0, attn) == 0.0  # nobody queued there
+    # In the formula: the three queued on ``a`` wait for all of it, none on ``b`` (whose
+    # queue fills its iteration) does.
+    loads = {"a": room, "b": WorkerLoad(queued=3, pending_prefill_tokens=9000,
+                                        max_batched_tokens=8192)}
+    query = q({}, loads, 4000)
+    pol = KvrouteV2(delay=0)
+    assert pol.terms(query, "a", 0.0, 0)["joined"] == 3 * own_prefill(4000, 0, attn)
+    assert pol.terms(query, "b", 0.0, 0)["joined"] == 0.0
+
+
+def test_cache_pressure_charges_copies_that_evict() -> None:
+    full = WorkerLoad(capacity_blocks=100, cached_blocks=100)
+    roomy = WorkerLoad(capacity_blocks=100, cached_blocks=0)
+    assert cache_pressure(800, 500, full, BS, 0.5) == 250.0  # the 500 copied tokens
+    assert cache_pressure(800, 1000, full, BS, 0.5) == 400.0  # at most what it evicts
+    assert cache_pressure(800, 500, roomy, BS, 0.5) == 0.0  # 1600 tokens free: no eviction
+    assert cache_pressure(800, 0, full, BS, 0.5) == 0.0  # nothing copied: new content
+    assert cache_pressure(800, 500, WorkerLoad(), BS, 0.5) == 0.0  # capacity unknown
+    # Between two equally busy workers without the prefix, the one with room takes it.
+    loads = {"h": WorkerLoad(pending_prefill_tokens=50_000, capacity_blocks=1000,
+                             cached_blocks=1000),
+             "f": full_copy(), "r": roomy_copy()}
+    query = q({"h": 60}, loads, 1024)
+    assert longest_cached(query) == 960
+    costs = KvrouteV2().costs_by_terms(query)
+    assert costs["f"] > costs["r"]
+
+
+def full_copy() -> WorkerLoad:
+    return WorkerLoad(capacity_blocks=1000, cached_blocks=1000)
+
+
+def roomy_copy() -> WorkerLoad:
+    return WorkerLoad(capacity_blocks=1000, cached_blocks=0)
+
+
+def test_ranks_every_worker_and_empty_loads() -> None:
+    loads = {f"w{i}": WorkerLoad(queued=i % 3, pending_prefill_tokens=100 * i)
+             for i in range(9)}
+    assert sorted(s.worker for s in KvrouteV2().rank(q({"w3": 5}, loads))) == sorted(loads)
+    assert list(KvrouteV2().rank(q({}, {}))) == []
+
+
+loads_st = st.builds(
+    WorkerLoad,
+    inflight=st.integers(0, 40), running=st.integers(0, 40), queued=st.integers(0, 10),
+    free_blocks=st.integers(0, 3000), capacity_blocks=st.sampled_from([0, 1000, 3000]),
+    pending_prefill_tokens=st.integers(0, 100_000), cached_blocks=st.integers(0, 3500),
+    max_running=st.sampled_from([0, 64]), max_batched_tokens=st.sampled_from([0, 8192, 16384]),
+    arrival_rate=st.floats(0, 20), pending_prefill_context=st.integers(0, 10**10),
+    prefill_rate=st.floats(0, 50_000),
+    prefill_mode=st.sampled_from(list(PrefillMode)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads=st.lists(loads_st, min_size=1, max_size=12),
+       matches=st.lists(st.integers(0, 700), min_size=12, max_size=12),
+       prompt=st.integers(1, 12_000), delay=st.sampled_from([0.0, 1.0, 3.0]),
+       reuse=st.sampled_from([0.0, 0.5, 1.0]))
+def test_inlined_ranking_equals_the_term_by_term_oracle(
+        loads: list[WorkerLoad], matches: list[int], prompt: int, delay: float,
+        reuse: float) -> None:
+    named = {f"w{i}": ld for i, ld in enumerate(loads)}
+    matched = {w: m for w, m in zip(named, matches, strict=False) if m}
+    query = q(matched, named, prompt, affinity=prompt)
+    pol = KvrouteV2(delay=delay, reuse=reuse)
+    oracle = pol.costs_by_terms(query)
+    ranked = pol.rank(query)
+    assert {s.worker: s.cost for s in ranked} == oracle  # the very same floats
+    costs = [s.cost for s in ranked]
+    assert costs == sorted(costs)

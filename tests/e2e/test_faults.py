@@ -1,0 +1,240 @@
+"""Faults a worker did not cause must not be blamed on it, and faults it did must not be left
+to a heartbeat's expiry: request-caused errors pass through without marking a worker down; a
+hung (SIGSTOPped) agent is left for the next-best worker before the client's deadline; a
+stream that fails after its first token says how much output was already sent. Real agent
+subprocesses, redis-server and router on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvroute.router.refusal import OUTPUT_SENT
+from kvroute.v1 import common_pb2, router_pb2_grpc
+from tests.support import AgentProc, generate, wait_for
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50000 for i in range(n)]
+
+
+@contextlib.contextmanager
+def agents(url: str, *ids: str, extra: list[str] | None = None) -> Iterator[list[AgentProc]]:
+    procs = [AgentProc(url, w, extra=list(extra or [])) for w in ids]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGCONT)  # a stopped one cannot act on SIGTERM
+            p.stop()
+
+
+async def call(port: int, req: common_pb2.GenerateRequest,
+               timeout: float) -> list[common_pb2.GenerateResponse]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return [r async for r in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=timeout)]
+
+
+def plain(tokens: list[int], max_tokens: int = 4) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(
+        token_ids=tokens, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+
+
+async def test_a_prompt_larger_than_the_kv_cache_marks_no_worker_down(cluster) -> None:
+    """The engine refuses it for its size: RESOURCE_EXHAUSTED, passed back as is, no retry on
+    the next worker, both workers still routable (before: UNAVAILABLE, both marked down)."""
+    await cluster.agent("a", capacity_blocks=4)
+    await cluster.agent("b", capacity_blocks=4)
+    router = await cluster.router()
+    await wait_for(lambda: {"a", "b"} <= set(router.registry.loads), what="both registered")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(router.port, prompt(200, 1))  # 13 blocks of 16 > 4
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+    assert "KV cache" in err.value.details()
+    assert {"a", "b"} <= set(router.registry.loads)
+    assert router.metrics.registry.get_sample_value("kvroute_router_retries_total") == 0
+    assert (await generate(router.port, prompt(20, 2)))[-1].finish_reason
+
+
+async def test_a_hung_worker_is_left_for_the_next_best_before_the_deadline(cluster) -> None:
+    """Heartbeats live 30 s here: only the router's probe can notice the SIGSTOPped agent.
+    Every request sent while it is stopped still completes within its 8 s deadline, on the
+    other worker; the stopped one is marked down as not answering."""
+    url = cluster.redis.url
+    with agents(url, "hung", "well", extra=["--heartbeat-s", "1", "--heartbeat-ttl-s",
+                                            "30"]) as (hung, _well):
+        router = await cluster.router(policy="round_robin", predict_ttl_s=0)
+        await wait_for(lambda: {"hung", "well"} <= set(router.registry.loads), 20,
+                       "both agents registered")
+        for i in range(4):  # channels to both are open: the hang is not at connect
+            await call(router.port, plain(prompt(40, i)), timeout=10)
+        hung.proc.send_signal(signal.SIGSTOP)
+        outs = await asyncio.gather(*(call(router.port, plain(prompt(40, 10 + i)), timeout=8)
+                                      for i in range(6)))
+        assert all(o[-1].worker_id == "well" for o in outs)
+        info = router.registry.get("hung")
+        assert "hung" not in router.registry.loads
+        assert "no answer" in info.down_error, info.down_error
+        hung.proc.send_signal(signal.SIGCONT)
+
+
+async def test_with_only_a_hung_worker_the_client_hears_before_its_deadline(cluster) -> None:
+    with agents(cluster.redis.url, "only", extra=["--heartbeat-s", "1", "--heartbeat-ttl-s",
+                                                  "30"]) as (only,):
+        router = await cluster.router()
+        await wait_for(lambda: "only" in router.registry.loads, 20, "agent registered")
+        await call(router.port, plain(prompt(40, 1)), timeout=10)
+        only.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(router.port, plain(prompt(40, 2)), timeout=8)
+        # Retryable, and said: not the client's own deadline running out.
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "no answer" in err.value.details()
+        only.proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_stream_failing_after_its_first_token_says_output_was_sent(cluster) -> None:
+    """UNAVAILABLE stays (the worker failed), but the message and the kvroute-output-sent
+    trailer tell the client a blind retry would repeat tokens."""
+    with agents(cluster.redis.url, "doomed", extra=["--time-scale", "1"]) as (doomed,):
+        router = await cluster.router()
+        await wait_for(lambda: "doomed" in router.registry.loads, 20, "agent registered")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+            stream = router_pb2_grpc.RouterStub(ch).Generate(
+                plain(prompt(40, 3), max_tokens=20000), timeout=60)
+            got = 0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for r in stream:
+                    got += len(r.token_ids)
+                    if got >= 3 and doomed.proc.poll() is None:
+                        doomed.kill(signal.SIGKILL)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "mid-stream" in err.value.details() and "were sent" in err.value.details()
+            trailer = dict(await stream.trailing_metadata())
+            assert int(trailer[OUTPUT_SENT]) == got
+
+
+async def test_keys_of_a_worker_that_never_heartbeats_are_pruned(redis_server) -> None:
+    """A worker's snapshot, meta and membership with no heartbeat beside them (an agent that
+    died before its first beat, or garbage) are deleted by the routers after their grace
+    period; a worker that does heartbeat keeps its keys."""
+    from kvroute.core.redis_conn import connect
+    from kvroute.core.redis_schema import Heartbeat, RedisKeys, pack_keys
+    from kvroute.router.mirror import IndexMirror
+    from kvroute.router.registry import WorkerRegistry
+
+    keys = RedisKeys("default")
+    r = redis_server.client()
+    for w in ("ghost", "live"):
+        r.sadd(keys.snapshot(w), pack_keys([1, 2, 3]))
+        r.hset(keys.meta(w), mapping={"epoch": "e", "seq": 1})
+        r.sadd(keys.workers, w)
+    m = IndexMirror(connect(redis_server.url, block_timeout_s=0.05), keys,
+                    WorkerRegistry({}, 16), poll_interval_s=0.05, retry_s=0.1,
+                    prune_after_s=0.5)
+    task = asyncio.create_task(m.run())
+    try:
+        for _ in range(30):  # the live one beats throughout (TTL 1 s)
+            r.set(keys.heartbeat("live"), Heartbeat("live", "127.0.0.1:1", "e",
+                                                    ttl_s=1.0).to_json(), px=1000)
+            await asyncio.sleep(0.05)
+        await wait_for(lambda: not r.exists(keys.snapshot("ghost"), keys.meta("ghost")),
+                       what="the ghost's keys pruned")
+        assert r.smembers(keys.workers) == {b"live"}
+        assert r.exists(keys.snapshot("live"), keys.meta("live")) == 2
+    finally:
+        await m.stop(task)
+        r.close()
+
+
+async def test_a_worker_publishing_blocks_it_does_not_hold_is_demoted(cluster) -> None:
+    """The liar's agent publishes store events for prefixes its engine never computed (what
+    a buggy adapter or a forged feed entry does): the router sends those prompts there,
+    its engine reports them uncached, and after a few such requests the router stops
+    believing its blocks (routed as a worker with no cache), logs it and counts it."""
+    from kvroute.core.blocks import BlockHasher
+    from kvroute.core.cache_events import CacheEvent
+    from kvroute.core.redis_schema import Op
+    from tests.support import route
+
+    liar = await cluster.agent("liar")
+    await cluster.agent("honest")
+    router = await cluster.router(predict_ttl_s=0)
+    await wait_for(lambda: {"liar", "honest"} <= set(router.registry.loads), what="both up")
+    hasher = BlockHasher(16, "default", "")
+    prompts = [prompt(513, 1000 + i) for i in range(16)]
+    for p in prompts:  # 32 blocks each, claimed by the liar and never stored by its engine
+        liar.publisher.on_event(CacheEvent(Op.STORE, tuple(hasher.keys(p[:512]))))
+    await wait_for(lambda: router.mirror.index.count("liar") == 16 * 32, what="claims indexed")
+
+    def demotions() -> float:
+        return router.metrics.registry.get_sample_value(
+            "kvroute_router_worker_demotions_total", {"worker": "liar"}) or 0.0
+
+    served = []
+    for p in prompts[:12]:
+        if demotions():
+            break
+        out = await generate(router.port, p, max_tokens=1)
+        served.append(out[-1].worker_id)
+        assert out[-1].usage.cached_tokens == 0  # the claim was false
+    assert served and set(served) == {"liar"}  # the claims drew the traffic
+    assert demotions() == 1
+    assert "liar" in router.registry.demoted()
+    # Its remaining claims no longer count: a claimed prompt is decided as if cold.
+    resp = await route(router.port, prompts[15])
+    assert all(not c.cached_tokens for c in resp.candidates), resp
+    assert "liar" in router.registry.loads  # still routable, by load
+    assert router.metrics.registry.get_sample_value(
+        "kvroute_router_worker_demotions_total", {"worker": "honest"}) is None
+    # A worker whose claims hold is never demoted: prompts sent twice hit where they went.
+    for i in range(10):
+        p = prompt(300, 5000 + i)
+        first = await generate(router.port, p, max_tokens=1)
+        await wait_for(lambda w=first[-1].worker_id: router.mirror.index.count(w) > 0,
+                       what="the prefix indexed")
+        await asyncio.sleep(0.15)  # its store events reach the mirror
+        again = await generate(router.port, p, max_tokens=1)
+        assert again[-1].usage.cached_tokens > 0
+    assert router.metrics.registry.get_sample_value(
+        "kvroute_router_worker_demotions_total", {"worker": "honest"}) is None
+    assert demotions() == 1
+
+
+async def test_a_hung_overflow_worker_costs_its_fork_children_nothing(cluster) -> None:
+    """An agent sending a program's fork children to another agent that hangs (SIGSTOPped,
+    its heartbeat still live) notices within about 2 s and runs them itself."""
+    from kvroute.v1 import program_pb2 as P  # noqa: N812
+    from kvroute.v1 import worker_agent_pb2_grpc
+
+    tiny = ["--engine", "tiny", "--tokenizer", "byte", "--vocab-size", "258",
+            "--capacity-blocks", "64", "--heartbeat-s", "1", "--heartbeat-ttl-s", "30"]
+    a = await cluster.agent("a", engine="tiny", tokenizer="byte", vocab_size=258,
+                            capacity_blocks=64)
+    with agents(cluster.redis.url, "b", extra=tiny) as (b,):
+        await wait_for(lambda: cluster.redis.client().exists("kvr:{default}:hb:b"), 20,
+                       "b's heartbeat")
+        b.proc.send_signal(signal.SIGSTOP)
+        gen = P.Step(gen=P.Gen(max_tokens=3))
+        req = common_pb2.GenerateRequest(
+            token_ids=list(b"fork across agents: "),
+            program=P.ControllerProgram(steps=[P.Step(fork=P.Fork(
+                branches=[P.ControllerProgram(steps=[gen])] * 4))]))
+        req.placement.fork_step = 0
+        req.placement.overflow.add(worker_id="b", address=f"127.0.0.1:{b.port}",
+                                   children=[2, 3])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
+            out = [r async for r in worker_agent_pb2_grpc.WorkerAgentStub(ch).Generate(
+                req, timeout=20)]
+        assert len(out[-1].results) == 4
+        assert {r.worker_id for r in out if r.token_ids} == {"a"}
+        assert a.programs.stats.overflow_fallback == 2
+        b.proc.send_signal(signal.SIGCONT)
