@@ -41,7 +41,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -70,28 +69,13 @@ _PORTS = PortPool()
 # -- Redis Cluster -----------------------------------------------------------------------------
 
 
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    for _ in range(1000):
-        p = _PORTS.take()
-        if p + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 10000))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no free port pair for a cluster node")
-
-
 @contextlib.contextmanager
 def redis_cluster(masters: int = 3) -> object:
     """``masters`` cluster-enabled redis-servers joined into one cluster; yields their ports.
     Stopped by PID on exit."""
     cli = shutil.which("redis-cli") or str(Path(find_redis_server()).with_name("redis-cli"))
     with tempfile.TemporaryDirectory() as tmp:
-        ports = [_cluster_port() for _ in range(masters)]
+        ports = [_PORTS.take_cluster() for _ in range(masters)]
         procs = [subprocess.Popen(
             [find_redis_server(), "--port", str(p), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--protected-mode", "no", "--cluster-enabled", "yes",
@@ -578,15 +562,19 @@ async def run_cell(ports: Sequence[int], w: int, r: int, args: argparse.Namespac
             cell.redis_cpu_ms_per_worker_s = (cpu1 - cpu0) * 1000 / w / elapsed
             cell.offered = cell.applied  # every entry reaches every router eventually
             # The limit: router 0 paused under load, then its backlog drained.
+            # Read before the pause: once resumed, the router answers only when its loop
+            # gets to it, which may be after the backlog is gone.
+            m0 = await routers[0].counters()
             os.kill(routers[0].proc.pid, signal.SIGSTOP)
             await asyncio.sleep(args.pause_s)
             os.kill(routers[0].proc.pid, signal.SIGCONT)
-            m0 = await routers[0].counters()
             t1 = time.monotonic()
             while True:  # drained: the last entry it applied is fresh again
                 await asyncio.sleep(0.01)
                 m1 = await routers[0].counters()
-                if m1["lag_s"] < 0.05 or time.monotonic() - t1 > 60:
+                # (lag_s is the last applied entry's: fresh only once it applied new ones)
+                if (m1["events_applied"] > m0["events_applied"] and m1["lag_s"] < 0.05) \
+                        or time.monotonic() - t1 > 60:
                     break
             cell.drain = (m1["events_applied"] - m0["events_applied"]) / max(
                 time.monotonic() - t1, 1e-3)

@@ -156,6 +156,8 @@ class CommonConfig:
                             "and probes")
     health_port: int = opt(0, "plaintext gRPC port serving only grpc.health.v1, for probes "
                            "that cannot do TLS (the kubelet's); 0: off", PORT)
+    grpc_reflection: bool = opt(True, "serve gRPC server reflection (grpcurl without .proto "
+                                "files); it lists every method to anyone reaching the port")
     log_level: str = opt("info", "log level: debug, info, warning, error")
     log_json: bool = opt(False, "log one JSON object per line")
     vocab_size: int = opt(50257, "token ids must be below this", AT_LEAST_ONE)
@@ -201,6 +203,9 @@ class RouterConfig(CommonConfig):
                           "kvroute policy copies a prefix in demand to a second worker instead "
                           "of moving a request off its holder (its replicate; 0: no copies)",
                           NON_NEGATIVE)
+    copy_timeout_s: float = opt(30.0, "deadline of a background copy's call to its worker: a "
+                                "hung worker cannot hold a copy (and its load and predicted "
+                                "blocks) longer", POSITIVE)
     route_candidates: int = opt(0, "most workers a Route response lists as candidates, best "
                                 "first (0: every live worker; listing 128 adds ~0.2-0.5 ms to "
                                 "a call)", NON_NEGATIVE)

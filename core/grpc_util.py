@@ -29,16 +29,20 @@ from kvroute.v1 import common_pb2
 log = logging.getLogger("kvroute")
 
 
-def add_standard_services(server: grpc.aio.Server, services: Iterable[str]) -> Any:
-    """Register grpc.health.v1 (every service SERVING) and server reflection."""
+def add_standard_services(server: grpc.aio.Server, services: Iterable[str],
+                          with_reflection: bool = True) -> Any:
+    """Register grpc.health.v1 (every service SERVING) and, with ``with_reflection`` (the
+    config's ``grpc_reflection``), server reflection: grpcurl needs it without .proto files,
+    but it also tells anyone who reaches the port every method, so the chart turns it off."""
     names = list(services)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME],
-        server,
-    )
+    if with_reflection:
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME],
+            server,
+        )
     return hs
 
 

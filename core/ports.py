@@ -71,3 +71,17 @@ class PortPool:
             if port not in self._taken:
                 self._taken.add(port)
                 return port
+
+    def take_cluster(self) -> int:
+        """A free port whose Redis Cluster bus port (port + 10000) is valid and free too."""
+        for _ in range(1000):
+            p = self.take()
+            if p + 10000 > 65535:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p + 10000))
+                except OSError:
+                    continue
+            return p
+        raise RuntimeError("no free port pair for a cluster node")

@@ -1,5 +1,5 @@
 """The ``kvroute`` command: ``router``, ``epp``, ``agent``, ``demo``, ``policies``,
-``replay``, ``tune``, ``gen``."""
+``replay``, ``tune``, ``keys``, ``redis-acl``, ``gen``."""
 
 from __future__ import annotations
 
@@ -102,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests at once (default: the rate, at least 1)")
     kh.add_argument("--stdin", action="store_true",
                     help="hash a key read from stdin instead of making one")
+    ap = sub.add_parser("redis-acl", help="print the least Redis ACL of a router or an agent "
+                        "(docs/security.md): its rules, or with --user a whole ACL-file line",
+                        formatter_class=fmt)
+    ap.add_argument("--role", required=True, choices=("router", "agent", "admin"),
+                    help="whose rules: admin is every command and key (operators, probes)")
+    ap.add_argument("--model", action="append", default=[],
+                    help="a model whose keys it may use (repeat for a router of several)")
+    ap.add_argument("--worker", default="", help="agent: its worker id, so it may write only "
+                    "its own snapshot, meta and heartbeat")
+    ap.add_argument("--prefix", default="kvr", help="the Redis key prefix")
+    ap.add_argument("--user", default="", help="print an ACL-file line for this user: `user "
+                    "NAME on #SHA256 RULES`, the password's hash read from --password-env")
+    ap.add_argument("--password-env", default="", help="with --user: the environment variable "
+                    "holding the password (never an argument: other processes can read those)")
     gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
                         "fork)", formatter_class=RawDefaultsFormatter)
     from kvroute.simulations.generators import add_arguments as add_gen_arguments
@@ -193,6 +207,53 @@ def keys_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def redis_acl(args: argparse.Namespace) -> int:
+    """``kvroute redis-acl``: :func:`kvroute.core.redis_schema.acl_rules` on one line, or an
+    ACL-file line of a user with them (the chart's built-in Redis is given such a file)."""
+    import hashlib
+
+    from kvroute.core.redis_schema import acl_rules
+
+    if args.role == "admin":
+        rules = ["~*", "&*", "+@all"]
+    else:
+        if not args.model:
+            print(f"redis-acl --role {args.role} needs --model", file=sys.stderr)
+            return 2
+        if args.worker and args.role != "agent":
+            print("redis-acl --worker is for --role agent", file=sys.stderr)
+            return 2
+        rules = []
+        try:
+            for model in args.model:
+                # Each model's rules start with the same resets and commands: keep them once
+                # (a second resetkeys would drop the first model's keys).
+                rules += [r for r in acl_rules(args.role, model, args.worker, args.prefix)
+                          if r not in rules]
+        except ValueError as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+    if not args.user:
+        print(" ".join(rules))
+        return 0
+    if not args.password_env:
+        print("redis-acl --user needs --password-env VAR (the variable holding the password)",
+              file=sys.stderr)
+        return 2
+    password = os.environ.get(args.password_env, "")
+    if not password:
+        print(f"redis-acl: environment variable {args.password_env} is empty or unset",
+              file=sys.stderr)
+        return 2
+    if any(c.isspace() for c in args.user):
+        print(f"redis-acl: user name {args.user!r} has white space", file=sys.stderr)
+        return 2
+    # The hash, not >password: the file then holds nothing that logs in.
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    print(" ".join(["user", args.user, "reset", "on", f"#{digest}", *rules]))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -208,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "keys":
         return keys_hash(args)
+    if args.command == "redis-acl":
+        return redis_acl(args)
     if args.command == "gen":
         from kvroute.simulations.generators import run as run_gen
 

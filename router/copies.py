@@ -46,8 +46,9 @@ class PrefixCopier:
 
     Invariants: at most ``limit`` copies in flight, and at most one per (worker, last block
     of the prefix); each copy counts on its worker's load (``registry.begin``) until it ends,
-    however it ends; with ``predict_ttl_s``, later requests routed to the copy's worker on its
-    predicted blocks wait for its first token, as for any request's prefill (``inflight``);
+    however it ends (at its ``timeout_s`` deadline at the latest); with ``predict_ttl_s``,
+    later requests routed to the copy's worker on its predicted blocks wait for its first
+    token, as for any request's prefill (``inflight``);
     a copy that fails is logged and counted, never raised: no request depends on it.
     """
 
@@ -61,6 +62,9 @@ class PrefixCopier:
     block_size: int
     predict_ttl_s: float
     limit: int
+    # The deadline of each copy's call: no request waits for a copy, but its load and
+    # predicted blocks stay on the worker until it ends, so a hung worker must not hold it.
+    timeout_s: float = 30.0
     _running: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
 
     def maybe_copy(self, d: Decision, tokens: Sequence[int],
@@ -106,7 +110,7 @@ class PrefixCopier:
                                      uncached, self.predict_ttl_s)
         started = False
         try:
-            async for _ in self.channels.stub(address).Generate(copy):
+            async for _ in self.channels.stub(address).Generate(copy, timeout=self.timeout_s):
                 if not started:
                     started = True
                     self.release(stored)

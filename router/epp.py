@@ -525,7 +525,8 @@ class EppApp:
                             else make_tokenizer(self.router.cfg.tokenizer))
         picker = EndpointPicker(self.cfg, self.router, service, front)
         ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-        self._health = add_standard_services(server, HEALTH_SERVICES)
+        self._health = add_standard_services(server, HEALTH_SERVICES,
+                                             self.cfg.grpc_reflection)
         await server.start()
         self._server = server
         await set_serving(self._health, HEALTH_SERVICES, True)

@@ -117,7 +117,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # The policy's background copies of hot prefixes (kvroute's replicate), if it makes any.
         self.copier = PrefixCopier(getattr(decider.policy, "replica", None), registry,
                                    channels, mirror, self._inflight, self._release, metrics,
-                                   decider.block_size, cfg.predict_ttl_s, cfg.max_copies)
+                                   decider.block_size, cfg.predict_ttl_s, cfg.max_copies,
+                                   cfg.copy_timeout_s)
 
     def invalid(self, method: str, api: str = "grpc") -> None:
         """Count a request refused as INVALID_ARGUMENT before it reached ``method``."""
@@ -280,11 +281,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self.copier.maybe_copy(d, tokens, request, rid)
         sent = 0
         tokens_out = 0
-        for cand in d.ranked[:_MAX_ATTEMPTS]:
+        for cand in d.ranked:
+            if sent >= _MAX_ATTEMPTS:
+                break
             w = cand.worker
             info = self._registry.get(w)
             if info is None or (waited and w not in self._registry.loads):
-                continue  # gone, or marked down while this request waited (its producer's)
+                # Gone, or marked down while this request waited (its producer's): skipped,
+                # it does not use up the retry on the next-best.
+                continue
             if sent:
                 self._m.retries.inc()  # a worker skipped above is not a retry
             sent += 1
@@ -603,7 +608,7 @@ class RouterApp:
         add_router_service(self.front, server)  # type: ignore[arg-type]
         if self.http is not None:
             self.http.serve(self.front, self.front)
-        self._health = add_standard_services(server, [SERVICE])
+        self._health = add_standard_services(server, [SERVICE], cfg.grpc_reflection)
         await server.start()
         self._server = server
         await self.health_server.start(self._health)

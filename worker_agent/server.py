@@ -295,7 +295,7 @@ class AgentApp:
         service = self.service = AgentService(self.worker_id, cfg.model, self.engine, limits,
                                               metrics, programs)
         add_agent_service(service, server)
-        self._health = add_standard_services(server, [SERVICE])
+        self._health = add_standard_services(server, [SERVICE], cfg.grpc_reflection)
         engine = self.engine
 
         def heartbeat() -> Heartbeat:

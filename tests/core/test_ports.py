@@ -45,9 +45,10 @@ def test_a_port_the_os_offers_again_is_skipped(monkeypatch: pytest.MonkeyPatch) 
     assert [pool.take(), pool.take()] == [41000, 41001]
 
 
-def test_a_served_port_is_refused_naming_its_flag_and_a_free_one_is_picked() -> None:
-    # Two servers made by new_server: the second cannot share the first's port (gRPC's
-    # default SO_REUSEPORT would let it); port 0 still picks a free one for each.
+async def test_a_served_port_is_refused_naming_its_flag_and_a_free_one_is_picked() -> None:
+    # Two servers made by new_server (async: a grpc.aio server wants a running loop): the
+    # second cannot share the first's port (gRPC's default SO_REUSEPORT would let it); port
+    # 0 still picks a free one for each.
     first, second = new_server(), new_server()
     port = bind(first, "127.0.0.1", 0)
     other = bind(second, "127.0.0.1", 0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,7 +17,13 @@ from kvroute.core.redis_schema import RedisKeys
 from kvroute.router.server import RouterApp
 from kvroute.worker_agent.server import AgentApp
 from tests.conftest import agent_config, router_config
-from tests.support import RedisProc, free_port, generate, redis_binary, wait_for
+from tests.support import (
+    RedisProc,
+    free_cluster_port,
+    generate,
+    redis_binary,
+    wait_for,
+)
 
 
 def redis_cli() -> str:
@@ -28,19 +33,7 @@ def redis_cli() -> str:
     return found
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is valid and free too."""
-    for _ in range(1000):
-        p = free_port()
-        if p + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 10000))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no free port pair for a cluster node")
+cluster_port = free_cluster_port  # tests/e2e/test_redis_tls.py imports it by this name
 
 
 @pytest.fixture

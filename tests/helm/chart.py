@@ -90,7 +90,8 @@ def flag(args: list[str], name: str) -> str:
 
 
 # Free-form maps documented as a whole (Kubernetes resource, probe, label and annotation maps).
-WHOLE = {"resources", "probes", "labels", "annotations"}
+WHOLE = {"resources", "probes", "labels", "annotations", "securityContext",
+         "podSecurityContext"}
 
 
 def leaf_keys(values: Any, prefix: str = "") -> Iterator[str]:

@@ -35,11 +35,11 @@ from tests.helm.chart import (
     selector_matches,
     template,
 )
-from tests.tools import kubernetes_validate
+from tests.tools import ROOT, kubernetes_validate
 
 # No schema offline: checked below instead (the InferencePool against its vendored CRD in
 # tests/helm/test_epp_chart.py).
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute", "Certificate"}
 VALUES_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 
 
@@ -118,7 +118,7 @@ def test_router_env_is_a_valid_config(rendered: dict[str, str]) -> None:
         cls = EppConfig if c["args"][0] == "epp" else RouterConfig
         build_parser().parse_args(c["args"])
         env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
-        env = {k: expand(v, {"REDIS_PASSWORD": "pw"}) for k, v in env.items()}
+        assert not any("$(" in v for v in env.values())  # nothing for the kubelet to expand
         fields = {"KVROUTE_" + f.upper() for f in cls.__dataclass_fields__}
         unknown = {k for k in env if k.startswith("KVROUTE_")} - fields
         assert not unknown, f"{name}: env vars that configure nothing: {unknown}"
@@ -167,11 +167,10 @@ def agent_argv(sts: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     env = env_of(c)
     names = [e["name"] for e in c["env"]]
     # $(VAR) only expands to variables defined earlier in the list.
-    for ref in ("POD_NAME", "POD_IP", "REDIS_PASSWORD"):
+    for ref in ("POD_NAME", "POD_IP"):
         if ref in names:
             assert names.index(ref) < names.index("KVROUTE_REDIS")
-    fake = {"POD_NAME": "rel-kvroute-worker-0", "POD_IP": "10.4.0.7", "POD_NAMESPACE": "kvr",
-            "REDIS_PASSWORD": "pw"}
+    fake = {"POD_NAME": "rel-kvroute-worker-0", "POD_IP": "10.4.0.7", "POD_NAMESPACE": "kvr"}
     argv = [expand(a, fake) for a in c["args"]]
     plain = {k: expand(v, fake) for k, v in env.items() if isinstance(v, str)}
     fields = {"KVROUTE_" + f.upper() for f in AgentConfig.__dataclass_fields__}
@@ -336,19 +335,28 @@ def test_agent_only_sim_engine(helm: Path) -> None:
 def test_builtin_redis_with_generated_password(rendered: dict[str, str]) -> None:
     m = manifests(rendered, "defaults")
     secret = m.one("Secret", "-redis")
-    assert set(secret["data"]) == {"redis-password"}
+    assert set(secret["data"]) == {"redis-password", "router-password", "agent-password"}
+    assert len({v for v in secret["data"].values()}) == 3  # one password per user
     redis_sts = m.one("StatefulSet", "-redis")
     rc = container(redis_sts, "redis")
-    assert flag(rc["args"], "--requirepass") == "$(REDIS_PASSWORD)"
-    assert env_of(rc)["REDIS_PASSWORD"]["secretKeyRef"] == {
+    # The users (and their passwords' hashes) come from the ACL file, not the command line.
+    assert "--requirepass" not in rc["args"] and flag(rc["args"], "--aclfile") == \
+        "/run/redis/users.acl"
+    assert env_of(rc)["REDISCLI_AUTH"]["secretKeyRef"] == {
         "name": secret["metadata"]["name"], "key": "redis-password"}
     svc = m.one("Service", "-redis")
     assert svc["spec"]["selector"].items() <= \
         redis_sts["spec"]["template"]["metadata"]["labels"].items()
-    _, env = agent_argv(m.one("StatefulSet", "-worker"))
-    url = parse_url(env["KVROUTE_REDIS"])
-    assert url["host"] == svc["metadata"]["name"] and url["port"] == 6379
-    assert url["password"] == "pw"  # from the Secret, via $(REDIS_PASSWORD)
+    for obj, name, user in ((m.one("StatefulSet", "-worker"), "agent", "agent"),
+                            (m.one("Deployment", "-router"), "router", "router")):
+        env = env_of(container(obj, name))
+        url = parse_url(env["KVROUTE_REDIS"])
+        assert url["host"] == svc["metadata"]["name"] and url["port"] == 6379
+        assert "password" not in url and "username" not in url
+        # Each part logs in as its own ACL user, its password from the Secret.
+        assert env["KVROUTE_REDIS_USERNAME"] == user
+        assert env["KVROUTE_REDIS_PASSWORD"]["secretKeyRef"] == {
+            "name": secret["metadata"]["name"], "key": f"{user}-password"}
 
 
 def test_external_redis_tls_and_secret(rendered: dict[str, str]) -> None:
@@ -358,13 +366,14 @@ def test_external_redis_tls_and_secret(rendered: dict[str, str]) -> None:
     for obj in (m.one("Deployment", "-router"), m.one("StatefulSet", "-worker")):
         c = container(obj, "router" if obj["kind"] == "Deployment" else "agent")
         env = env_of(c)
-        assert env["REDIS_PASSWORD"]["secretKeyRef"] == {"name": "kvroute-redis-auth",
-                                                         "key": "password"}
-        raw = expand(env["KVROUTE_REDIS"], {"REDIS_PASSWORD": "s3cret"})
+        assert env["KVROUTE_REDIS_PASSWORD"]["secretKeyRef"] == {"name": "kvroute-redis-auth",
+                                                                 "key": "password"}
+        assert env["KVROUTE_REDIS_USERNAME"] == "kvroute"
+        raw = env["KVROUTE_REDIS"]
         assert raw.startswith("rediss://")
         url = parse_url(raw)
         assert (url["host"], url["port"], url["db"]) == ("redis.data.svc.cluster.local", 6380, 2)
-        assert (url["username"], url["password"]) == ("kvroute", "s3cret")
+        assert "password" not in url  # never in the URL (logs, errors)
         mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
         vols = {v["name"]: v["secret"]["secretName"] for v in pod_spec(obj)["volumes"]
                 if "secret" in v}
@@ -437,7 +446,9 @@ def test_dashboards_ship_as_labelled_configmaps(rendered: dict[str, str]) -> Non
         assert c["metadata"]["namespace"] == "monitoring"
         for name, body in c["data"].items():
             assert json.loads(body) == json.loads((CHART / "dashboards" / name).read_text())
-    assert not [c for c in manifests(rendered, "defaults").of("ConfigMap")]
+    # Only the `helm test` hook's (the health .proto) without dashboards.
+    assert not [c for c in manifests(rendered, "defaults").of("ConfigMap")
+                if "helm.sh/hook" not in c["metadata"].get("annotations", {})]
 
 
 # -- values: schema, README, NOTES ------------------------------------------------------------
@@ -501,7 +512,10 @@ def render_notes(helm: Path, tmp_path: Path) -> str:
 def test_notes_tell_how_to_send_a_first_request(helm: Path, tmp_path: Path) -> None:
     notes = render_notes(helm, tmp_path)
     assert "kubectl -n kvr port-forward svc/rel-kvroute-router 50051:50051" in notes
-    assert "grpcurl -plaintext -d" in notes and "kvroute.v1.Router/Generate" in notes
+    # Reflection is off in the chart: grpcurl is given the .proto files of a checkout.
+    assert "grpcurl -plaintext -import-path proto -proto kvroute/v1/router.proto -d" in notes
+    assert "kvroute.v1.Router/Generate" in notes
+    assert (ROOT / "proto" / "kvroute" / "v1" / "router.proto").is_file()
     bodies = re.findall(r"-d '(\{.*?\})' \\\n +localhost:50051", notes)
     assert len(bodies) == 2
     from google.protobuf import json_format

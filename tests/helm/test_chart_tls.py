@@ -24,7 +24,8 @@ from tests.helm.chart import (
 from tests.tools import kubernetes_validate
 
 SETS = ("tls.enabled=true", "tls.routerSecret=router-tls", "tls.agentSecret=agent-tls",
-        "router.apiKeys.secretName=api-keys", "tls.requireClientCerts=true")
+        "redis.builtin.tls.secret=redis-tls", "router.apiKeys.secretName=api-keys",
+        "tls.requireClientCerts=true")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_cert_manager_certificates_are_the_secrets_mounted(helm: Path) -> None:
     m = Manifests.parse(template(helm, sets=("tls.enabled=true", "tls.certManager.enabled=true",
                                              "tls.certManager.issuerRef.name=kvroute-ca")))
     certs = {c["spec"]["secretName"]: c["spec"] for c in m.of("Certificate")}
-    assert len(certs) == 2
+    assert len(certs) == 3  # the built-in Redis's too (tests/helm/test_chart_hardening.py)
     for obj, name, san in ((m.one("Deployment", "-router"), "router", "kvroute-router"),
                            (m.one("StatefulSet", "-worker"), "agent", "kvroute-agent")):
         c = container(obj, name)

@@ -111,3 +111,18 @@ async def test_a_failed_copy_is_counted_and_leaves_no_load(cluster: Any) -> None
     ld = router.registry.loads["y"]
     assert ld.pending_prefill_tokens == 0 and ld.pending_prefill_context == 0
     assert ld.inflight == 0
+
+
+async def test_a_copy_to_a_hung_worker_ends_at_its_deadline(cluster: Any) -> None:
+    # y takes ages to prefill (a worker that hangs): the copy's call has a deadline, so its
+    # load and predicted blocks leave y then, not when (if ever) y answers.
+    router, _, c = await hot_prefix_on_a_busy_holder(
+        cluster, POLICY, y={"time_scale": 10_000.0}, copy_timeout_s=0.5)
+    assert c[0].worker_id == "x" and c[0].cached_tokens >= SYSTEM
+    await wait_for(lambda: copies(router, "sent") == 1, what="the copy sent")
+    await wait_for(lambda: copies(router, "failed") == 1, what="the copy's deadline")
+    assert copies(router, "ok") == 0
+    assert router.mirror.index.predicted("y") == 0
+    ld = router.registry.loads["y"]
+    assert ld.pending_prefill_tokens == 0 and ld.pending_prefill_context == 0
+    assert ld.inflight == 0

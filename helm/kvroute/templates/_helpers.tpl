@@ -98,17 +98,32 @@ app.kubernetes.io/name={{ include "kvroute.name" . }},app.kubernetes.io/instance
 
 {{- define "kvroute.redisTlsDir" -}}/etc/kvroute/redis-tls{{- end -}}
 
-{{/* The Redis URL; $(REDIS_PASSWORD) is expanded by the kubelet from the env var before it. */}}
+{{/* The built-in Redis serves TLS whenever the parts do (tls.enabled). */}}
+{{- define "kvroute.redisBuiltinTls" -}}
+{{- if and (eq .Values.redis.mode "builtin") .Values.tls.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The Secret of the built-in Redis's server certificate: the one named, else
+cert-manager's (templates/tls/certificates.yaml). */}}
+{{- define "kvroute.redisTlsSecret" -}}
+{{- if .Values.redis.builtin.tls.secret -}}
+{{ .Values.redis.builtin.tls.secret }}
+{{- else if .Values.tls.certManager.enabled -}}
+{{ include "kvroute.redisName" . }}-tls
+{{- end -}}
+{{- end -}}
+
+{{/* The built-in Redis's ACL users (templates/redis/redis.yaml): the admin (default)
+user, for operators and probes, and one least-privilege user per role, each with its
+password's key in the Redis Secret. */}}
+{{- define "kvroute.redisRoleKey" -}}{{ . }}-password{{- end -}}
+
+{{/* The Redis URL: no credentials in it (they come from KVROUTE_REDIS_USERNAME and
+KVROUTE_REDIS_PASSWORD, commonEnv). */}}
 {{- define "kvroute.redisUrl" -}}
 {{- $v := .Values.redis -}}
-{{- $auth := "" -}}
-{{- if include "kvroute.redisHasPassword" . -}}
-{{- $user := "" -}}
-{{- if eq $v.mode "external" }}{{ $user = $v.external.username }}{{ end -}}
-{{- $auth = printf "%s:$(REDIS_PASSWORD)@" $user -}}
-{{- end -}}
 {{- if eq $v.mode "builtin" -}}
-redis://{{ $auth }}{{ include "kvroute.redisName" . }}:6379/0
+{{ ternary "rediss" "redis" (eq (include "kvroute.redisBuiltinTls" .) "true") }}://{{ include "kvroute.redisName" . }}:6379/0
 {{- else -}}
 {{- $e := $v.external -}}
 {{- $q := list -}}
@@ -117,29 +132,60 @@ redis://{{ $auth }}{{ include "kvroute.redisName" . }}:6379/0
 {{- if $e.tls.clientSecret }}{{ $q = append $q (printf "ssl_certfile=%s/client/tls.crt" (include "kvroute.redisTlsDir" .)) }}{{ $q = append $q (printf "ssl_keyfile=%s/client/tls.key" (include "kvroute.redisTlsDir" .)) }}{{ end -}}
 {{- if $e.tls.insecureSkipVerify }}{{ $q = append $q "ssl_cert_reqs=none" }}{{ $q = append $q "ssl_check_hostname=false" }}{{ end -}}
 {{- end -}}
-{{ ternary "rediss" "redis" $e.tls.enabled }}{{ if $e.cluster }}+cluster{{ end }}://{{ $auth }}{{ required "redis.mode=external needs redis.external.host" $e.host }}:{{ $e.port }}{{ if not $e.cluster }}/{{ $e.db }}{{ end }}{{ if $q }}?{{ join "&" $q }}{{ end }}
+{{ ternary "rediss" "redis" $e.tls.enabled }}{{ if $e.cluster }}+cluster{{ end }}://{{ required "redis.mode=external needs redis.external.host" $e.host }}:{{ $e.port }}{{ if not $e.cluster }}/{{ $e.db }}{{ end }}{{ if $q }}?{{ join "&" $q }}{{ end }}
 {{- end -}}
 {{- end -}}
 
-{{/* Env entries every kvroute container gets: Redis, model, block size, logging. */}}
+{{/* Env entries every kvroute container gets: Redis, model, block size, logging. Called
+with (dict "root" $ "role" "router"|"agent"): with the built-in Redis each role logs in as
+its own ACL user. The password comes from the Secret as an environment variable, never an
+argument or the URL (which other processes and logs could show). */}}
 {{- define "kvroute.commonEnv" -}}
-{{- if include "kvroute.redisHasPassword" . }}
-- name: REDIS_PASSWORD
+{{- $root := .root -}}
+{{- $v := $root.Values.redis -}}
+{{- if eq $v.mode "builtin" }}
+- name: KVROUTE_REDIS_USERNAME
+  value: {{ .role | quote }}
+- name: KVROUTE_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "kvroute.redisSecretName" . }}
-      key: {{ include "kvroute.redisSecretKey" . }}
+      name: {{ include "kvroute.redisSecretName" $root }}
+      key: {{ include "kvroute.redisRoleKey" .role }}
+{{- if include "kvroute.redisBuiltinTls" $root }}
+# The Redis certificate comes from the same CA; the part's own is its client certificate.
+- name: KVROUTE_REDIS_CA_FILE
+  value: /etc/kvroute/tls/ca.crt
+- name: KVROUTE_REDIS_CERT_FILE
+  value: /etc/kvroute/tls/tls.crt
+- name: KVROUTE_REDIS_KEY_FILE
+  value: /etc/kvroute/tls/tls.key
+{{- end }}
+{{- else if $v.external.existingSecret }}
+{{- with $v.external.username }}
+- name: KVROUTE_REDIS_USERNAME
+  value: {{ . | quote }}
+{{- end }}
+- name: KVROUTE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvroute.redisSecretName" $root }}
+      key: {{ include "kvroute.redisSecretKey" $root }}
+{{- else if $v.external.username }}
+- name: KVROUTE_REDIS_USERNAME
+  value: {{ $v.external.username | quote }}
 {{- end }}
 - name: KVROUTE_REDIS
-  value: {{ include "kvroute.redisUrl" . | quote }}
+  value: {{ include "kvroute.redisUrl" $root | quote }}
 - name: KVROUTE_MODEL
-  value: {{ .Values.model.name | quote }}
+  value: {{ $root.Values.model.name | quote }}
 - name: KVROUTE_BLOCK_SIZE
-  value: {{ .Values.model.blockSize | quote }}
+  value: {{ $root.Values.model.blockSize | quote }}
 - name: KVROUTE_LOG_LEVEL
-  value: {{ .Values.logging.level | quote }}
+  value: {{ $root.Values.logging.level | quote }}
 - name: KVROUTE_LOG_JSON
-  value: {{ .Values.logging.json | quote }}
+  value: {{ $root.Values.logging.json | quote }}
+- name: KVROUTE_GRPC_REFLECTION
+  value: {{ $root.Values.grpcReflection | quote }}
 {{- end -}}
 
 {{- define "kvroute.redisTlsVolumes" -}}
@@ -174,6 +220,7 @@ redis://{{ $auth }}{{ include "kvroute.redisName" . }}:6379/0
 {{- end -}}
 {{- end -}}
 
+{{/* kvroute's containers: the image's user (Dockerfile), nothing else allowed. */}}
 {{- define "kvroute.containerSecurityContext" -}}
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
