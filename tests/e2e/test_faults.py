@@ -86,6 +86,37 @@ async def test_a_hung_worker_is_left_for_the_next_best_before_the_deadline(clust
         hung.proc.send_signal(signal.SIGCONT)
 
 
+async def test_a_candidate_gone_since_the_decision_does_not_use_up_the_retry(cluster) -> None:
+    """The ranking names a worker that has left the registry (here put first by hand: it
+    happens when one leaves between decision and send), then a hung one, then a well one.
+    The gone one is skipped without counting as an attempt, so the hung one's failure still
+    leaves the retry for the well one (before: the retry was spent, UNAVAILABLE)."""
+    import dataclasses
+
+    from kvroute.core.policies.base import Scored
+
+    with agents(cluster.redis.url, "hung", "well", extra=["--heartbeat-s", "1",
+                                                          "--heartbeat-ttl-s", "30"]) as (hung, _):
+        router = await cluster.router(policy="round_robin", predict_ttl_s=0)
+        await wait_for(lambda: {"hung", "well"} <= set(router.registry.loads), 20,
+                       "both agents registered")
+        for i in range(2):  # channels to both are open: the hang is not at connect
+            await call(router.port, plain(prompt(40, i)), timeout=10)
+        service = router.service
+        decide = service.decide_request
+
+        def gone_then_hung_then_well(*args, **kw):
+            tokens, d = decide(*args, **kw)
+            order = [Scored("gone", 0.0), Scored("hung", 1.0), Scored("well", 2.0)]
+            return tokens, dataclasses.replace(d, ranked=order)
+
+        service.decide_request = gone_then_hung_then_well
+        hung.proc.send_signal(signal.SIGSTOP)
+        out = await call(router.port, plain(prompt(40, 5)), timeout=8)
+        assert out[-1].worker_id == "well"
+        hung.proc.send_signal(signal.SIGCONT)
+
+
 async def test_with_only_a_hung_worker_the_client_hears_before_its_deadline(cluster) -> None:
     with agents(cluster.redis.url, "only", extra=["--heartbeat-s", "1", "--heartbeat-ttl-s",
                                                   "30"]) as (only,):

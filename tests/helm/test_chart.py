@@ -496,7 +496,7 @@ def test_schema_describes_every_value() -> None:
             node = node["properties"][part]
 
 
-def render_notes(helm: Path, tmp_path: Path) -> str:
+def render_notes(helm: Path, tmp_path: Path, *values: str) -> str:
     """NOTES.txt as `helm install` prints it. `helm install --dry-run` wants a cluster, so
     a copy of the chart renders NOTES.txt through `tpl` in a throwaway template."""
     chart = tmp_path / "kvroute"
@@ -505,7 +505,7 @@ def render_notes(helm: Path, tmp_path: Path) -> str:
     (chart / "templates" / "zz-notes.yaml").write_text(
         'notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
     out = run_helm(helm, "template", RELEASE, str(chart), "--namespace", NAMESPACE,
-                   "--show-only", "templates/zz-notes.yaml").stdout
+                   "--show-only", "templates/zz-notes.yaml", *values).stdout
     return str(yaml.safe_load(out)["notes"])
 
 
@@ -523,9 +523,17 @@ def test_notes_tell_how_to_send_a_first_request(helm: Path, tmp_path: Path) -> N
     from kvroute.router.openai_schema import parse_completion
     from kvroute.v1 import common_pb2
 
-    (http,) = re.findall(r"curl -N localhost:8000/v1/completions .*\\\n +-d '(\{.*?\})'", notes)
+    (http,) = re.findall(r"curl -N http://localhost:8000/v1/completions .*\\\n +-d '(\{.*?\})'", notes)
     assert parse_completion(json.loads(http)).model == "Qwen/Qwen2.5-7B-Instruct"
     assert "port-forward svc/rel-kvroute-router 8000:8000" in notes
     for body in bodies:  # each request body is a valid GenerateRequest in JSON
         req = json_format.ParseDict(json.loads(body), common_pb2.GenerateRequest())
         assert req.model == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_notes_with_tls_give_the_ca_not_plaintext(helm: Path, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path, "-f", str(CHART / "ci" / "hardened-values.yaml"),
+                         "--set", "router.httpPort=8000")
+    assert "-plaintext" not in notes
+    assert "grpcurl -cacert ca.crt" in notes
+    assert "curl -N --cacert ca.crt https://localhost:8000/v1/completions" in notes
