@@ -192,6 +192,12 @@ class RouterConfig(CommonConfig):
                                 "if it would get at least this fraction of it (else it is "
                                 "routed on what workers really hold; 0: always wait)",
                                 FRACTION)
+    share_decisions: bool = opt(True, "share each routing decision with the other routers "
+                                "of the model through Redis, and count theirs in each "
+                                "worker's load and predicted blocks (docs/scaling.md)")
+    share_max_age_s: float = opt(30.0, "longest another router's shared request is counted "
+                                 "without its first token (a router that died leaves no "
+                                 "load behind longer)", POSITIVE)
     program_overflow: bool = opt(True, "split a controller program's fork across workers "
                                  "when the chosen one cannot run all its branches now")
     max_program_fanout: int = opt(1024, "programs: most branches a program may have at "

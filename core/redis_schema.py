@@ -15,6 +15,10 @@ key                                type    content
 ``kvr:{M}:hb:<worker>``            string  heartbeat JSON (address, load, block size,
                                            tokenizer and vocabulary size); has TTL
 ``kvr:{M}:workers``                set     worker ids that have published (pruned on expiry)
+``kvr:{M}:decisions``              stream  routers' shared decisions (``--share-decisions``):
+                                           ``r`` router, ``op`` (sent | done), ``q`` request,
+                                           ``t`` wall ms; sent: ``w`` worker, ``u`` uncached
+                                           tokens, ``c`` their context, ``k`` predicted keys
 =================================  ======  ====================================================
 
 Feed semantics: per worker, ``seq`` counts 1, 2, 3... within an ``epoch``. A new epoch starts
@@ -83,6 +87,10 @@ class RedisKeys:
     @property
     def workers(self) -> str:
         return f"{self._base}:workers"
+
+    @property
+    def decisions(self) -> str:
+        return f"{self._base}:decisions"
 
     def snapshot(self, worker: str) -> str:
         return f"{self._base}:snap:{worker}"
@@ -338,9 +346,10 @@ _ACL_COMMON = ("+multi", "+exec", "+discard", "+select", "+cluster|slots", "+clu
 _ACL_AGENT = ("+set", "+sadd", "+srem", "+del", "+hget", "+hset", "+xadd", "+get")
 # What kvroute.router.mirror sends: feed reads (XREVRANGE, XREAD BLOCK), the heartbeat scan
 # (SMEMBERS, MGET), the snapshot script (EVAL running HGETALL and SMEMBERS) and the pruning of
-# dead members (SREM of the workers set, DEL of their snapshot and meta).
+# dead members (SREM of the workers set, DEL of their snapshot and meta), and the shared
+# decisions (XADD MAXLEN ~ to the decisions stream: kvroute.router.shared).
 _ACL_ROUTER = ("+xrevrange", "+xread", "+smembers", "+mget", "+eval", "+hgetall", "+srem",
-               "+del")
+               "+del", "+xadd")
 
 
 def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> list[str]:
@@ -352,7 +361,8 @@ def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> l
     the feed stream and the workers set are one key per model that every agent appends to,
     so an ACL cannot stop one agent from writing an entry in another's name (see
     docs/security.md). A router reads the model's keys and writes only what pruning
-    deletes: never the feed or a heartbeat. Needs Redis >= 7.0 (``%R~`` read-only keys)."""
+    deletes, and appends to the decisions stream: never the feed or a heartbeat. Needs
+    Redis >= 7.0 (``%R~`` read-only keys)."""
     k = RedisKeys(model, prefix)
     base = f"{prefix}:{{{model}}}"
     head = ["resetkeys", "resetchannels", "-@all", *_ACL_COMMON]
@@ -365,6 +375,6 @@ def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> l
     if role == "router":
         # Read-write (~), not write-only (%W~): SREM reads the set it changes, and Redis
         # checks an EVAL's declared keys (the snapshot script's meta and set) as read-write.
-        written = (k.workers, f"{base}:snap:*", f"{base}:meta:*")
+        written = (k.workers, f"{base}:snap:*", f"{base}:meta:*", k.decisions)
         return [*head, *_ACL_ROUTER, f"%R~{base}:*", *(f"~{key}" for key in written)]
     raise ValueError(f"ACL role {role!r} is not one of: agent, router")

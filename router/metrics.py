@@ -190,6 +190,17 @@ class _MirrorCollector(Collector):
             for reason in REJECT_REASONS:
                 rejected.add_metric([kind, reason], st.rejected[kind, reason])
         yield rejected
+        shared = self._m.shared
+        if shared is not None:
+            st_shared = shared.stats
+            decisions = CounterMetricFamily(
+                "kvroute_router_shared_decisions",
+                "Routing decisions shared with the other routers (--share-decisions): sent "
+                "to Redis, applied here from others, dropped (Redis down, malformed, too old)",
+                labels=["direction"])
+            for direction in ("sent", "applied", "dropped"):
+                decisions.add_metric([direction], getattr(st_shared, direction))
+            yield decisions
         inflight = GaugeMetricFamily("kvroute_router_worker_inflight",
                                      "Requests this router has outstanding per worker",
                                      labels=["worker"])

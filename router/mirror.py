@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
@@ -44,6 +45,9 @@ from kvroute.core.redis_schema import (
     parse_snapshot,
 )
 from kvroute.router.registry import Vocabulary, WorkerRegistry
+
+if TYPE_CHECKING:
+    from kvroute.router.shared import SharedDecisions
 
 log = logging.getLogger("kvroute.router.mirror")
 
@@ -132,6 +136,9 @@ class IndexMirror:
         # worker -> (its heartbeat as last read, parsed): an unchanged record is not parsed
         # again at the next scan (agents beat every second, routers scan twice as often).
         self._beat_cache: dict[str, tuple[bytes, Heartbeat]] = {}
+        # The other routers' decisions, read in the same XREAD as the feed (router/shared.py;
+        # None: --share-decisions off).
+        self.shared: SharedDecisions | None = None
 
     async def run(self) -> None:
         """Follow Redis until :meth:`stop`; on failure degrade, reconnect, bootstrap again."""
@@ -236,6 +243,12 @@ class IndexMirror:
         # snapshots we load next or a duplicate their seq lets us skip.
         last = await self._r.xrevrange(self._keys.feed, "+", "-", count=1)
         self._last_id = last[0][0] if last else b"0-0"
+        if self.shared is not None:
+            # The new index holds none of the others' predictions: count them afresh, from
+            # now (an older decision is either done or soon past its max age).
+            self.shared.reset()
+            last = await self._r.xrevrange(self.shared.key, "+", "-", count=1)
+            self.shared.last_id = last[0][0] if last else b"0-0"
         self._feeds.clear()
         self._touched.clear()
         self.index = PrefixIndex()
@@ -302,12 +315,21 @@ class IndexMirror:
         if now >= self._next_poll:
             await self._poll_heartbeats()
             self._next_poll = now + self._poll_s
+        shared = self.shared
+        streams = {self._keys.feed: self._last_id}
+        if shared is not None:
+            shared.expire(now)
+            streams[shared.key] = shared.last_id  # same hash tag: one slot, one XREAD
         block_ms = max(1, int((self._next_poll - time.monotonic()) * 1000))
-        resp = await self._r.xread({self._keys.feed: self._last_id}, count=_XREAD_COUNT,
-                                   block=block_ms)
+        resp = await self._r.xread(streams, count=_XREAD_COUNT, block=block_ms)
         touched = self._touched
         read = 0
-        for _stream, entries in resp or ():
+        for stream, entries in resp or ():
+            if shared is not None and _name(stream) == shared.key:
+                for entry_id, fields in entries:
+                    shared.last_id = entry_id
+                    shared.apply(fields)
+                continue
             read += len(entries)
             for entry_id, fields in entries:
                 self._last_id = entry_id
@@ -464,3 +486,7 @@ class IndexMirror:
                     self._feeds.pop(w, None)
         if added or expired or any(w in self._feeds for w in loaded):
             self._on_change()
+
+
+def _name(stream: bytes | str) -> str:
+    return stream.decode() if isinstance(stream, bytes) else stream

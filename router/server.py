@@ -64,6 +64,7 @@ from kvroute.router.pools import (
 )
 from kvroute.router.refusal import RefusedError
 from kvroute.router.registry import Vocabulary, WorkerRegistry, parse_static
+from kvroute.router.shared import SharedDecisions
 from kvroute.router.trust import ClaimAudit, promised_tokens
 from kvroute.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -114,6 +115,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                            max_steps=cfg.max_program_steps)
         # Requests sent on with predicted entries whose first token has not come back.
         self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(cfg.coalesce_share)
+        if mirror.shared is not None:
+            mirror.shared.inflight = self._inflight  # others' prefills are waited for too
         # The policy's background copies of hot prefixes (kvroute's replicate), if it makes any.
         self.copier = PrefixCopier(getattr(decider.policy, "replica", None), registry,
                                    channels, mirror, self._inflight, self._release, metrics,
@@ -328,11 +331,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
                 predicted = predict_sent(self._mirror.index, self._inflight, stored, w,
                                          d.keys, uncached, self._cfg.predict_ttl_s)
+            shared = self._mirror.shared
+            # The other routers count this prefill until its first token (router/shared.py).
+            share_id = (shared.sent(rid, w, uncached + extra, attended,
+                                    predicted.keys if predicted is not None else ())
+                        if shared is not None else None)
             try:
                 async for resp in watched(call, self._probe, info.address,
                                           self._cfg.connect_timeout_s / 2):
                     if not started:
                         started = True
+                        if shared is not None and share_id is not None:
+                            shared.done(share_id)
+                            share_id = None
                         self._release(stored)
                         self._registry.first_token(w, uncached, attended)
                         self._m.ttft.observe(time.perf_counter() - t0)
@@ -356,6 +367,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # Every begin() gets its end(), however the attempt ended (the client may
                 # cancel or close the stream at any await or yield).
                 self._release(stored)
+                if shared is not None and share_id is not None:
+                    shared.done(share_id)
                 self._registry.first_token(w, (0 if started else uncached) + extra,
                                            0 if started else attended)
                 self._registry.end(w, local)
@@ -658,6 +671,8 @@ class RouterApp:
         if self.discovery is not None:
             await self.discovery.stop()
         for p, task in zip(self.pools, self._mirror_tasks, strict=False):
+            if p.mirror.shared is not None:
+                await p.mirror.shared.close()  # its last entries, before the client closes
             await p.mirror.stop(task)
         await self.channels.close()
         if self._metrics_http is not None:
@@ -675,9 +690,12 @@ def _pool(model: PoolModel, static: Mapping[str, str]) -> ModelPool:
                   else Vocabulary(tok.name, tok.vocab_size)
                   if tok is not None else Vocabulary("", cfg.vocab_size))
     registry = WorkerRegistry(static, cfg.block_size, vocabulary)
-    mirror = IndexMirror(connect_config(cfg, block_timeout_s=cfg.poll_interval_s),
-                         RedisKeys(cfg.model), registry, poll_interval_s=cfg.poll_interval_s,
-                         retry_s=cfg.redis_retry_s)
+    client = connect_config(cfg, block_timeout_s=cfg.poll_interval_s)
+    mirror = IndexMirror(client, RedisKeys(cfg.model), registry,
+                         poll_interval_s=cfg.poll_interval_s, retry_s=cfg.redis_retry_s)
+    if cfg.share_decisions:
+        mirror.shared = SharedDecisions(client, RedisKeys(cfg.model), mirror,
+                                        cfg.predict_ttl_s, cfg.share_max_age_s)
     return ModelPool(model, registry, mirror, Decider(cfg.model, cfg.block_size,
                                                       make_policy(cfg.policy)))
 

@@ -50,6 +50,8 @@ CASES = {
     "gc_pause.py": (["--entries", "20000", "--workers", "8", "--repeats", "1", "--iters", "50"],
                     ["full-collection pause, baseline/kvroute"]),
     "agent_events.py": (["--batches", "200"], ["agent ingest + publish to Redis"]),
+    "shared_decisions.py": (["--requests", "50", "--keys", "32"],
+                            ["apply a shared decision (sent+done)", "publish sent+done"]),
     "controller.py": (["--tokens", "8", "--branches", "2", "--rounds", "1", "--prefix", "100"],
                       ["first child leads (the agent)", "independent via router"]),
     "tiny_engine.py": (["--prompt", "64", "--batch", "2", "--decode", "4", "--capacity", "64"],

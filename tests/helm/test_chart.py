@@ -523,7 +523,8 @@ def test_notes_tell_how_to_send_a_first_request(helm: Path, tmp_path: Path) -> N
     from kvroute.router.openai_schema import parse_completion
     from kvroute.v1 import common_pb2
 
-    (http,) = re.findall(r"curl -N http://localhost:8000/v1/completions .*\\\n +-d '(\{.*?\})'", notes)
+    (http,) = re.findall(
+        r"curl -N http://localhost:8000/v1/completions .*\\\n +-d '(\{.*?\})'", notes)
     assert parse_completion(json.loads(http)).model == "Qwen/Qwen2.5-7B-Instruct"
     assert "port-forward svc/rel-kvroute-router 8000:8000" in notes
     for body in bodies:  # each request body is a valid GenerateRequest in JSON
