@@ -242,46 +242,24 @@ class CheckingInterceptor(grpc.aio.ServerInterceptor):
 def checked_handler(handler: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandler:
     """``handler`` with ``check`` run first (unary and streaming, async functions and async
     generators alike)."""
-    ser, de = handler.response_serializer, handler.request_deserializer
-    if handler.unary_unary is not None:
-        inner = handler.unary_unary
+    kind = next(k for k in _HANDLER_KINDS if getattr(handler, k) is not None)
+    inner = getattr(handler, kind)
+    streamed_in = kind.startswith("stream")  # no request to check yet: None
 
-        async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await check(request, context)
-            return await inner(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(uu, de, ser)
-    if handler.unary_stream is not None:
-        inner_us = handler.unary_stream
-        if inspect.isasyncgenfunction(inner_us):
-            async def us(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(request, context)
-                async for resp in inner_us(request, context):
-                    yield resp
-        else:
-            async def us(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
-                await check(request, context)
-                return await inner_us(request, context)
-        return grpc.unary_stream_rpc_method_handler(us, de, ser)
-    if handler.stream_unary is not None:
-        inner_su = handler.stream_unary
-
-        async def su(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            await check(None, context)
-            return await inner_su(requests, context)
-
-        return grpc.stream_unary_rpc_method_handler(su, de, ser)
-    inner_ss = handler.stream_stream
-    if inspect.isasyncgenfunction(inner_ss):
-        async def ss(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            await check(None, context)
-            async for resp in inner_ss(requests, context):
+    if inspect.isasyncgenfunction(inner):
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(None if streamed_in else request, context)
+            async for resp in inner(request, context):
                 yield resp
     else:
-        async def ss(requests: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
-            await check(None, context)
-            return await inner_ss(requests, context)
-    return grpc.stream_stream_rpc_method_handler(ss, de, ser)
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+            await check(None if streamed_in else request, context)
+            return await inner(request, context)
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(wrapped, handler.request_deserializer, handler.response_serializer)
+
+
+_HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
 
 # -- HTTP (aiohttp) servers -------------------------------------------------------------------

@@ -44,6 +44,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import struct_pb2
+from google.protobuf.json_format import MessageToDict
 
 from kvroute.core.config import EppConfig
 from kvroute.core.grpc_util import (
@@ -53,7 +54,6 @@ from kvroute.core.grpc_util import (
     new_server,
     set_serving,
 )
-from kvroute.core.tokenizer import make_tokenizer
 from kvroute.envoy_api.envoy.config.core.v3 import base_pb2
 from kvroute.envoy_api.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
@@ -118,8 +118,6 @@ def _metadata(md: base_pb2.Metadata, namespace: str) -> Mapping[str, Any]:
 
 
 def _struct(s: struct_pb2.Struct) -> dict[str, Any]:
-    from google.protobuf.json_format import MessageToDict
-
     return MessageToDict(s)
 
 
@@ -520,9 +518,7 @@ class EppApp:
         service = self.router.service
         assert service is not None
         # The router's own config (--model NAME=SOURCE made it the bare name) and tokenizer.
-        chat = self.router.chat
-        front = OpenAIFront(self.router.cfg, chat if chat is not None
-                            else make_tokenizer(self.router.cfg.tokenizer))
+        front = OpenAIFront(self.router.cfg, self.router.pools[0].model.tokenizer)
         picker = EndpointPicker(self.cfg, self.router, service, front)
         ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
         self._health = add_standard_services(server, HEALTH_SERVICES,

@@ -119,7 +119,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             mirror.shared.inflight = self._inflight  # others' prefills are waited for too
         # The policy's background copies of hot prefixes (kvroute's replicate), if it makes any.
         self.copier = PrefixCopier(getattr(decider.policy, "replica", None), registry,
-                                   channels, mirror, self._inflight, self._release, metrics,
+                                   channels, mirror, self._inflight, self.release, metrics,
                                    decider.block_size, cfg.predict_ttl_s, cfg.max_copies,
                                    cfg.copy_timeout_s)
 
@@ -171,19 +171,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.RouteResponse:
         """``wire``: the bytes ``request`` was parsed from (:func:`add_router_service`)."""
         try:
-            t0 = time.perf_counter()
-            self._check_program(request)
-            tokens = self._prompt(request, wire)
-            d = self._decide(tokens, request, t0)
-        except InvalidRequestError as exc:
-            self.invalid("Route")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ProgramBoundsError as exc:
-            self.invalid("Route")
-            await context.abort(exc.code, str(exc))
-        except NoWorkersError as exc:
-            self._m.requests.labels("grpc", "Route", "unavailable").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            tokens, d = self.decide_request(request, wire, rpc="Route", sampling=False)
+        except RefusedError as exc:
+            await context.abort(exc.code, exc.message)
         self._m.requests.labels("grpc", "Route", "ok").inc()
         resp = router_pb2.RouteResponse(
             request_id=request.request_id or uuid.uuid4().hex, worker_id=d.best,
@@ -215,16 +205,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def decide_request(
         self, request: common_pb2.GenerateRequest, wire: bytes | None = None, *,
         api: str = "grpc", rpc: str = "Generate", t0: float | None = None,
+        sampling: bool = True,
     ) -> tuple[Sequence[int], Decision]:
         """The front half of :meth:`generate`: validate, read or tokenize the prompt, decide.
         Nothing is sent: a front whose gateway carries the request itself (``kvroute epp``)
         stops here. Raises :class:`RefusedError` (counted under ``api`` and ``rpc``) for what
-        is not served; ``t0``: when the request began to be read (default: now)."""
+        is not served; ``t0``: when the request began to be read (default: now);
+        ``sampling``: check the sampling fields too (``Route`` generates nothing)."""
         t0 = time.perf_counter() if t0 is None else t0
         try:
             self._check_program(request)
             tokens = self._prompt(request, wire)
-            check_sampling(request, self._limits)
+            if sampling:
+                check_sampling(request, self._limits)
             return tokens, self._decide(tokens, request, t0)
         except InvalidRequestError as exc:
             self.invalid(rpc, api)
@@ -279,7 +272,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         predicting = self._cfg.predict_ttl_s > 0 and self._mirror.available and bool(d.keys)
         waited = False
         if predicting:
-            d, waited = await self._coalesce(d, rid, api)
+            d, waited = await self.coalesce(d, rid, api)
         if program is None:
             self.copier.maybe_copy(d, tokens, request, rid)
         sent = 0
@@ -344,7 +337,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         if shared is not None and share_id is not None:
                             shared.done(share_id)
                             share_id = None
-                        self._release(stored)
+                        self.release(stored)
                         self._registry.first_token(w, uncached, attended)
                         self._m.ttft.observe(time.perf_counter() - t0)
                         self._m.routed.labels(w).inc()
@@ -366,7 +359,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             finally:
                 # Every begin() gets its end(), however the attempt ended (the client may
                 # cancel or close the stream at any await or yield).
-                self._release(stored)
+                self.release(stored)
                 if shared is not None and share_id is not None:
                     shared.done(share_id)
                 self._registry.first_token(w, (0 if started else uncached) + extra,
@@ -412,7 +405,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         raise RefusedError(grpc.StatusCode.UNAVAILABLE,
                            "no worker could serve the request: " + "; ".join(errors))
 
-    async def _coalesce(self, d: Decision, rid: str, api: str) -> tuple[Decision, bool]:
+    async def coalesce(self, d: Decision, rid: str, api: str) -> tuple[Decision, bool]:
         """Coalescing: when the chosen worker matched the prompt's prefix only by a
         prediction, hold the request until the request that prediction stands for has its
         first token (its prefix is then stored), so it is prefilled once: an engine admits
@@ -476,28 +469,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
                             "worker": worker, "shortfall": round(shortfall, 2),
                             "demoted_s": DEMOTE_S}})
 
-    def _release(self, stored: asyncio.Event) -> None:
+    def release(self, stored: asyncio.Event) -> None:
         """This request's prefix is stored (first token) or it ended: wake its siblings."""
         if not stored.is_set():
             stored.set()
             self._inflight.drop(stored)
 
-    # -- for fronts whose gateway carries the request (kvroute epp, router/epp.py): the same
-    # coalescing and predictions as generate(), each step called where the front sees it.
+    # -- kvroute epp (router/epp.py), whose gateway carries the request, calls inflight,
+    # coalesce() and release() itself: the same coalescing and predictions as generate().
 
     @property
     def inflight(self) -> InflightPrefixes[asyncio.Event]:
         """Requests sent on with predicted entries whose first token has not come back."""
         return self._inflight
-
-    async def coalesce(self, d: Decision, rid: str, api: str) -> tuple[Decision, bool]:
-        """:meth:`_coalesce` for another front: the decision to send by, and whether it
-        waited for an in-flight sibling's prefill."""
-        return await self._coalesce(d, rid, api)
-
-    def release(self, stored: asyncio.Event) -> None:
-        """:meth:`_release`: the request ``stored`` stands for has its first token, or ended."""
-        self._release(stored)
 
     def _place(self, fwd: common_pb2.GenerateRequest, seg: ForkSegment | None,
                weights: list[int], worker: str, d: Decision) -> tuple[Overflow, ...]:

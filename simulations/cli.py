@@ -13,6 +13,7 @@ from pathlib import Path
 from kvroute.core import config
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.policies import REGISTRY, Policy, make_policy
+from kvroute.core.policies.cost_model import CostModel
 from kvroute.simulations.compare import (
     Jittered,
     Matched,
@@ -23,7 +24,6 @@ from kvroute.simulations.compare import (
     replay_jittered,
     verdicts,
 )
-from kvroute.simulations.costmodel import CostModel
 from kvroute.simulations.metrics import (
     PolicyMetrics,
     capacity_rps,

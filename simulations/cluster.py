@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 from kvroute.core.block_pool import BlockPool
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.load import PrefillMode, SentTraffic, WorkerLoad, prefill_context
+from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.scheduler import Scheduler, blocks_needed
-from kvroute.simulations.costmodel import CostModel
 
 EventSink = Callable[[float, str, CacheEvent], None]
 

@@ -12,8 +12,8 @@ from typing import NamedTuple
 import numpy as np
 
 from kvroute.core.index import leading_held
+from kvroute.core.policies.cost_model import CostModel
 from kvroute.simulations.cluster import SimRequest
-from kvroute.simulations.costmodel import CostModel
 from kvroute.simulations.replay import ReplayResult
 from kvroute.simulations.trace import Trace
 

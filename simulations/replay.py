@@ -69,13 +69,13 @@ from kvroute.core.index import PrefixIndex
 from kvroute.core.load import PrefixDemand, SentTraffic, WorkerLoad
 from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
+from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.redis_schema import Op
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.copies import copy_blocks
 from kvroute.router.decide import prefill_tail, rank_request, rerank_confirmed
 from kvroute.router.registry import seen_load
 from kvroute.simulations.cluster import SimRequest, SimWorker
-from kvroute.simulations.costmodel import CostModel
 from kvroute.simulations.trace import Trace
 
 

@@ -1,9 +1,8 @@
 """The engine cost model: how long an iteration of continuous batching takes.
 
-The one source of these constants: the replay simulator times its workers with it
-(``kvroute.simulations.costmodel`` re-exports it) and kvroute's policy derives its defaults
-from it (``kvroute.core.policies.kvroute_v2``), so the router and the simulated GPU agree
-unless a replay says otherwise.
+The one source of these constants: the replay simulator times its workers with it and
+kvroute's policy derives its defaults from it (``kvroute.core.policies.kvroute_v2``), so the
+router and the simulated GPU agree unless a replay says otherwise.
 
 One iteration prefills the requests admitted in it and decodes one token for each running
 sequence::

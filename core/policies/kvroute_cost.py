@@ -376,7 +376,7 @@ class KvrouteCost:
             first) for the last worker in the rendezvous order (3.0).
         attn: attention cost per context token relative to a token's linear cost:
             2.8e-9 s / 8.6e-5 s = 3.3e-5 for Llama-3.1-8B on an A100
-            (``simulations/costmodel.py``).
+            (``core/policies/cost_model.py``).
         hold: how many times the redone prefill (in cost units, so scaled by ``beta``) a
             worker's queued prefill must be shorter by than the holder's to take a request
             off its longest prefix (3.0; 0 turns the rule off).
@@ -396,7 +396,7 @@ class KvrouteCost:
             both 0: off).
         prefill_s_per_token: seconds of prefill per unit of work, to turn that delay into
             work units: 8.6e-5 s for Llama-3.1-8B on an A100, like ``attn`` a property of
-            the model and GPU (``simulations/costmodel.py``).
+            the model and GPU (``core/policies/cost_model.py``).
         demand_horizon_s: how long a hot prefix's demand is counted against its holder's
             backlog in the hold rule (10 s; 0: demand ignored).
         replicate: 1 (the default): a hot prefix's second copy is made in the background

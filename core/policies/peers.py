@@ -495,7 +495,7 @@ class MooncakeConductor:
         transfer_cost: time to fetch one token's KV relative to prefilling one token. The
             paper publishes no constant; default ``0.122`` = 10.5 us per token (Llama-3.1-8B:
             128 KiB of KV per token at 100 Gb/s, one RDMA NIC) / 86 us per prefilled token
-            (``simulations/costmodel.py``), so a transfer pays off for any longer match.
+            (``core/policies/cost_model.py``), so a transfer pays off for any longer match.
 
     Source: Qin et al., "Mooncake: A KVCache-centric Disaggregated Architecture for LLM
     Serving", USENIX FAST 2025 (arXiv:2407.00079), Algorithm 1 and the scheduling

@@ -9,9 +9,9 @@ import pytest
 
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.load import prefill_context
+from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.redis_schema import Op
 from kvroute.simulations.cluster import SimRequest, SimWorker
-from kvroute.simulations.costmodel import CostModel
 
 
 def worker() -> SimWorker:

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
+from kvroute.core.policies.cost_model import CostModel
 from kvroute.simulations.cli import make_policies
 from kvroute.simulations.cluster import SimRequest
-from kvroute.simulations.costmodel import CostModel
 from kvroute.simulations.generators import generate
 from kvroute.simulations.metrics import Tail, measure, tail_of
 from kvroute.simulations.replay import ClusterSpec, Replayer

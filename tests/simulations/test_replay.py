@@ -548,8 +548,8 @@ def test_mooncake_fetches_hot_prefixes_instead_of_recomputing_them() -> None:
     """Mooncake's transfer branch, performed by the replay: the KV arrives over the network
     (timed), is cached on the fetching worker (a replica of the hot prefix), and is not
     counted as a cache hit."""
+    from kvroute.core.policies.cost_model import CostModel
     from kvroute.core.policies.peers import MooncakeConductor
-    from kvroute.simulations.costmodel import CostModel
 
     lines = SHARED.read_text().splitlines()[:600]
     part = parse(lines)

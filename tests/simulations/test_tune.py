@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvroute.core.policies import make_policy, parameters
+from kvroute.core.policies.cost_model import CostModel
 from kvroute.simulations.cli import Setup
-from kvroute.simulations.costmodel import CostModel
 from kvroute.simulations.generators import generate, write_jsonl
 from kvroute.simulations.metrics import capacity_rps
 from kvroute.simulations.replay import ClusterSpec
