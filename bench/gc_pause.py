@@ -5,11 +5,11 @@ router holds its prefix index for life, so any part of it the collector tracks i
 every full collection, stalling every in-flight routing decision. Over an index of ``--entries``
 (block, worker) pairs (built by ``routing_decision.build``), this times ``gc.collect()`` with:
 
-* kvroute: the index as ``PrefixIndex`` stores it (per-worker key dicts the collector leaves
-  untracked);
+* kvroute: the index as ``PrefixIndex`` stores it (one C table, no Python object per key:
+  nothing for the collector to walk);
 * baseline, measured in the same run: the same process additionally holding the same entries
-  as one Python set per worker, which is how ``PrefixIndex`` held them before (its int ->
-  bitmask dict is untracked either way, so this is the former layout's cost to the collector).
+  as one Python set per worker, which is how ``PrefixIndex`` held them once (the former
+  layout's cost to the collector).
 
 The two cases alternate, so load on a shared machine hits both alike. In each case, routing
 decisions (``Decider.decide`` on 8k-token prompts) then run while each also leaves cyclic

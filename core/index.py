@@ -2,40 +2,52 @@
 
 Design (the hot path of every routing decision):
 
-* Workers are given small integer *slots*; the holders of a key are a bitmask over slots
-  (:mod:`kvroute.core.holders`: a C table with the mask words inline, or a dict of ints), so
-  intersecting "who holds every block so far" is one ``&`` whatever the number of workers.
-* ``match`` walks a prompt's keys in order with a running mask of workers that hold the whole
-  prefix so far, and stops at the first key nobody in that mask holds: a cold prompt costs one
+* Workers are given small integer *slots*. The holder map (:mod:`kvroute.core.holders`: a C
+  table of (key, holder slots) entries, or dicts in the pure-Python reference) keeps, per key,
+  the slots that really hold it and those predicted to, and per slot the count of its real
+  keys: nothing else holds the real keys, so the index costs per (key, worker) pair, not per
+  key x workers, and `holds`, `count`, `confirmed`, `keys_of`, `entries` and `clear_worker`
+  ask the map.
+* ``match`` walks a prompt's keys in order with a running set of the slots that hold the whole
+  prefix so far, and stops at the first key nobody in that set holds: a cold prompt costs one
   lookup, and the caller's lazy key iterator hashes no further.
 
 * *Predicted* entries (``predict``) stand for blocks a worker is about to store because a
   request was just routed there, before its engine's events arrive: a burst of siblings then
   finds the prefix where the first one went. They expire at a deadline unless a real store
   confirms them. At most ``max_predicted`` predicted keys wait for their deadlines; past
-  that, the earliest deadline's go first.
+  that, the earliest deadline's go first. Their deadlines are a dict per worker (bounded by
+  ``max_predicted``).
 
-* Each worker's real keys are a ``dict`` mapping key -> None, not a ``set``: CPython's cyclic
-  collector never tracks a dict that holds only ints (``gc.is_tracked`` is False), but it
-  traverses every set entry on every full collection. With the keys in sets, a 1M-entry
-  index made each full collection a ~100 ms stall of every in-flight routing decision
-  (``bench/gc_pause.py``).
+* No Python container holds the real keys: CPython's cyclic collector traverses every entry
+  of a tracked container on each full collection, and with the keys in sets a 1M-entry index
+  made each full collection a ~100 ms stall of every in-flight routing decision
+  (``bench/gc_pause.py``). The C map is one object the collector does not traverse; the
+  pure-Python map keeps each slot's keys in a dict of int -> None, which it never tracks, as
+  are the deadline dicts (int -> float).
 
 Invariants:
 
-* ``_holders.get(k)`` is 0 only for a key that is not stored: a key with no holder is deleted.
-* For every slot ``s`` and key ``k``: bit ``s`` of ``_holders.get(k)`` is set iff ``k`` is in
-  ``_keys_of[worker(s)]`` (really stored) or in ``_pred_of[worker(s)]`` (predicted).
-* ``count``, ``keys_of`` and ``entries`` report real keys only.
-* A slot is reused only after its worker has been removed and all its keys cleared.
+* A key with no holder is not stored (``len`` counts keys with at least one holder).
+* For every worker ``w`` with slot ``s`` and key ``k``: ``s`` holds ``k`` in ``_holders``
+  really iff ``w``'s engine stores it (as its events and snapshots said), predicted iff
+  ``k`` is in ``_pred_of[w]``; never both (a real store confirms a prediction, and a key
+  really held is not predicted).
+* ``count``, ``keys_of``, ``holds``, ``confirmed`` and ``entries`` report real keys only;
+  ``match`` counts both.
+* A slot is reused only after its worker has been removed and all its keys and predictions
+  dropped.
+* ``_worker_of_slot[s]`` is slot ``s``'s worker ('' while free), so the map's walk names
+  the workers itself (no slot -> name pass per decision).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Container, Iterable, Sequence
-from itertools import filterfalse
+from collections.abc import Iterable, Sequence
 
+# leading_held is re-exported: the replay's metrics count leading blocks the same way.
+from kvroute.core.holders import leading_held as leading_held
 from kvroute.core.holders import make_holders
 
 # The most predicted keys kept waiting for their deadline (~40 MB of key tuples): 3,000 cold
@@ -44,7 +56,7 @@ MAX_PREDICTED_KEYS = 1 << 20
 
 
 class PrefixIndex:
-    """Key -> worker bitmask, plus each worker's key set (for removal and snapshots)."""
+    """Key -> the workers holding it (really or predicted), and each worker's real key count."""
 
     def __init__(self, native: bool = True, max_predicted: int = MAX_PREDICTED_KEYS) -> None:
         self._holders = make_holders(native)  # the C map when built (same results, faster)
@@ -53,8 +65,7 @@ class PrefixIndex:
         self._max_predicted = max_predicted
         self._pred_heap_keys = 0
         self._slot_of: dict[str, int] = {}
-        self._worker_of_slot: dict[int, str] = {}
-        self._keys_of: dict[str, dict[int, None]] = {}  # a set that the collector skips
+        self._worker_of_slot: list[str] = []  # slot -> worker ('' while free)
         self._pred_of: dict[str, dict[int, float]] = {}  # worker -> predicted key -> deadline
         self._pred_heap: list[tuple[float, str, tuple[int, ...]]] = []
         self._free_slots: list[int] = []
@@ -64,10 +75,13 @@ class PrefixIndex:
     def _slot(self, worker: str) -> int:
         slot = self._slot_of.get(worker)
         if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slot_of)
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._worker_of_slot[slot] = worker
+            else:
+                slot = len(self._worker_of_slot)
+                self._worker_of_slot.append(worker)
             self._slot_of[worker] = slot
-            self._worker_of_slot[slot] = worker
-            self._keys_of[worker] = {}
             self._pred_of[worker] = {}
         return slot
 
@@ -79,61 +93,41 @@ class PrefixIndex:
         n = self.clear_worker(worker)
         slot = self._slot_of.pop(worker, None)
         if slot is not None:
-            pred = self._pred_of.pop(worker)
-            self._drop(slot, list(pred), keep=())
-            del self._worker_of_slot[slot]
-            del self._keys_of[worker]
+            self._holders.unpredict(list(self._pred_of.pop(worker)), slot)
+            self._worker_of_slot[slot] = ""
             self._free_slots.append(slot)
         return n
 
     def clear_worker(self, worker: str) -> int:
-        """Drop every key ``worker`` really holds (predictions stay) but keep its slot."""
-        keys = self._keys_of.get(worker)
-        if not keys:
-            return 0
-        self._drop(self._slot_of[worker], keys, keep=self._pred_of[worker])
-        n = len(keys)
-        keys.clear()
-        return n
+        """Drop every key ``worker`` really holds (predictions stay) but keep its slot.
+        Returns the number of keys dropped. (A scan of the whole map: for resyncs and
+        removals, not per event.)"""
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else self._holders.clear_slot(slot)
 
     # -- keys ----------------------------------------------------------------------------
 
     def add(self, worker: str, keys: Iterable[int]) -> None:
         slot = self._slot(worker)
         keys = _listed(keys)
-        mine = self._keys_of[worker]
+        self._holders.add(keys, slot)
         pred = self._pred_of[worker]
-        self._holders.set_bit(keys, slot)
-        mine.update(dict.fromkeys(keys))
         if pred:
-            for k in [k for k in pred if k in mine]:
-                del pred[k]  # confirmed by the engine
+            for k in keys:
+                pred.pop(k, None)  # confirmed by the engine
 
     def remove(self, worker: str, keys: Iterable[int]) -> None:
         slot = self._slot_of.get(worker)
-        if slot is None:
-            return
-        mine = self._keys_of[worker]
-        present = [k for k in keys if k in mine]
-        for k in present:
-            mine.pop(k, None)  # not del: a batch may name a key twice
-        self._drop(slot, present, keep=self._pred_of[worker])
-
-    def _drop(self, slot: int, keys: Iterable[int], keep: Collection[int]) -> None:
-        """Clear ``slot``'s bit on ``keys``, except those in ``keep``."""
-        self._holders.clear_bit(list(filterfalse(keep.__contains__, keys)) if keep else keys,
-                                slot)
+        if slot is not None:
+            self._holders.remove(keys, slot)  # keys it does not really hold: ignored
 
     def predict(self, worker: str, keys: Iterable[int], deadline: float) -> tuple[int, ...]:
         """``worker`` is expected to store ``keys`` soon: match them as held until
         ``deadline`` (on the caller's clock) unless a real store confirms them first.
         Returns the keys predicted: those ``worker`` does not really hold already."""
         slot = self._slot(worker)
-        mine = self._keys_of[worker]
-        pred = self._pred_of[worker]
-        new = tuple(filterfalse(mine.__contains__, keys))
-        self._holders.set_bit(new, slot)
-        pred.update(dict.fromkeys(new, deadline))
+        new = self._holders.predict(_listed(keys), slot)
+        self._pred_of[worker].update(dict.fromkeys(new, deadline))
         if new:
             heapq.heappush(self._pred_heap, (deadline, worker, new))
             self._pred_heap_keys += len(new)
@@ -168,19 +162,19 @@ class PrefixIndex:
         stale = [k for k in keys if pred.get(k) == deadline]
         for k in stale:
             pred.pop(k, None)  # not del: a prompt may name a key twice
-        self._drop(slot, stale, keep=self._keys_of[worker])
+        self._holders.unpredict(stale, slot)
         return len(stale)
 
     def holds(self, worker: str, key: int) -> bool:
         """Whether ``worker`` really stores ``key`` (a prediction does not count)."""
-        keys = self._keys_of.get(worker)
-        return keys is not None and key in keys
+        slot = self._slot_of.get(worker)
+        return slot is not None and self._holders.holds(key, slot)
 
     def confirmed(self, worker: str, keys: Sequence[int], depth: int) -> int:
         """How many of the first ``depth`` ``keys`` ``worker`` really stores, leading ones
         only: a match (``match``'s depth) without its predictions."""
-        mine = self._keys_of.get(worker)
-        return leading_held(keys, depth, mine) if mine else 0
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else self._holders.leading(keys, depth, slot)
 
     def predicted(self, worker: str) -> int:
         return len(self._pred_of.get(worker, ()))
@@ -190,12 +184,27 @@ class PrefixIndex:
         self.clear_worker(worker)
         self.add(worker, keys)
 
+    def replace_worker_packed(self, worker: str, members: Iterable[bytes]) -> None:
+        """``replace_worker`` with the keys as a snapshot's members read from Redis (8
+        big-endian bytes each, ``redis_schema.pack_keys``), decoded in the map: no int object
+        per key on a bootstrap of millions. ValueError, before any change, for a member of
+        another size."""
+        slot = self._slot(worker)
+        self._holders.add_packed(members, slot, True)
+        pred = self._pred_of[worker]
+        if pred:
+            for k in [k for k in pred if self._holders.holds(k, slot)]:
+                del pred[k]  # confirmed by the engine
+
     def count(self, worker: str) -> int:
-        """Keys held by ``worker``."""
-        return len(self._keys_of.get(worker, ()))
+        """Keys ``worker`` really holds."""
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else self._holders.count(slot)
 
     def keys_of(self, worker: str) -> set[int]:
-        return set(self._keys_of.get(worker, ()))
+        """The keys ``worker`` really holds (a scan of the whole map: not per decision)."""
+        slot = self._slot_of.get(worker)
+        return set() if slot is None else set(self._holders.keys_of(slot))
 
     def __len__(self) -> int:
         """Distinct keys held by at least one worker."""
@@ -203,7 +212,7 @@ class PrefixIndex:
 
     def entries(self) -> int:
         """(key, worker) pairs: the index's size as a count of cached blocks cluster-wide."""
-        return sum(len(s) for s in self._keys_of.values())
+        return self._holders.entries()
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -212,19 +221,7 @@ class PrefixIndex:
 
         Stops consuming ``keys`` at the first block that no worker still matching holds.
         """
-        names = self._worker_of_slot
-        return {names[s]: depth for s, depth in self._holders.walk(keys).items()}
-
-
-def leading_held(keys: Sequence[int], limit: int, held: Container[int]) -> int:
-    """How many of the first ``limit`` ``keys`` are in ``held``, leading ones only (a
-    prefix ends at its first block not held)."""
-    n = 0
-    for k in keys[:limit]:
-        if k not in held:
-            break
-        n += 1
-    return n
+        return self._holders.walk(keys, self._worker_of_slot)
 
 
 def _listed(keys: Iterable[int]) -> Sequence[int]:

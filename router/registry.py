@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvroute.core.load import SentTraffic, WorkerLoad
@@ -107,21 +107,31 @@ def seen_load(own: WorkerLoad, hb: Heartbeat | WorkerLoad) -> WorkerLoad:
     traffic but is up to a heartbeat interval old. The engine's state (running, queued, free
     blocks, limits) is the heartbeat's; of what both count, the larger. The replay simulator's
     multi-router mode (``--routers``) sees loads through this too."""
+    return _seen_load(own.inflight, own.pending_prefill_tokens, own.cached_blocks,
+                      own.arrival_rate, own.pending_prefill_context, own.prefill_rate, hb)
+
+
+def _seen_load(inflight: int, pending_prefill: int, cached_blocks: int, arrival_rate: float,
+               pending_context: int, prefill_rate: float, hb: Heartbeat | WorkerLoad
+               ) -> WorkerLoad:
+    """:func:`seen_load` from the router's own counts as numbers: the registry rebuilds
+    every worker's load at each heartbeat scan, and a WorkerLoad built only to carry them
+    cost a third of that rebuild (1,000 workers: ~5 of 15 ms a scan)."""
     return WorkerLoad(
-        inflight=own.inflight,
+        inflight=inflight,
         running=hb.running,
         queued=hb.queued,
         free_blocks=hb.free_blocks,
         capacity_blocks=hb.capacity_blocks,
-        pending_prefill_tokens=max(hb.pending_prefill_tokens, own.pending_prefill_tokens),
-        cached_blocks=own.cached_blocks,
+        pending_prefill_tokens=max(hb.pending_prefill_tokens, pending_prefill),
+        cached_blocks=cached_blocks,
         max_running=hb.max_running,
         max_batched_tokens=hb.max_batched_tokens,
         prefill_mode=hb.prefill_mode,
         max_prefill_chunk=hb.max_prefill_chunk,
-        arrival_rate=max(hb.arrival_rate, own.arrival_rate),
-        pending_prefill_context=own.pending_prefill_context,  # engines report tokens only
-        prefill_rate=max(hb.prefill_rate, own.prefill_rate),  # as the arrival rate
+        arrival_rate=max(hb.arrival_rate, arrival_rate),
+        pending_prefill_context=pending_context,  # engines report tokens only
+        prefill_rate=max(hb.prefill_rate, prefill_rate),  # as the arrival rate
     )
 
 
@@ -212,13 +222,25 @@ class WorkerRegistry:
         """Update from one scan of live heartbeats. Returns (added, expired) worker ids.
 
         ``expire=False`` keeps workers whose heartbeat is missing (just after a reconnect to
-        a Redis that lost its data, before the agents' next heartbeat)."""
+        a Redis that lost its data, before the agents' next heartbeat). The same as
+        :meth:`update_heartbeats` for every part of the scan, then :meth:`expire_missing`."""
+        added = self.update_heartbeats(beats)
+        return added, self.expire_missing(beats.keys(), expire=expire)
+
+    def update_heartbeats(self, beats: Mapping[str, Heartbeat]) -> list[str]:
+        """Apply some of one scan's live heartbeats (a scan may come in parts); returns the
+        workers added. A heartbeat that is the very object already applied (the mirror
+        parses an unchanged record once) is not judged again: compatibility and
+        vocabulary depend on it and on this router alone. Its load is still rebuilt."""
         added: list[str] = []
         for w, hb in beats.items():
             info = self._workers.get(w)
             if info is None:
                 info = self._workers[w] = WorkerInfo(w, hb.address)
                 added.append(w)
+            elif info.heartbeat is hb:
+                self._refresh(w)  # its own traffic's rates decay: read them again
+                continue
             info.address = hb.address
             info.heartbeat = hb
             ok = hb.block_size == self._block_size and hb.key_scheme == KEY_SCHEME
@@ -235,17 +257,23 @@ class WorkerRegistry:
                 self._incompatible.add(w)
             self._judge_vocabulary(info, hb)
             self._refresh(w)
+        return added
+
+    def expire_missing(self, live: Collection[str], *, expire: bool = True) -> list[str]:
+        """End one scan whose live heartbeats were ``live`` (all applied by
+        :meth:`update_heartbeats`): forget heartbeat workers not among them (unless
+        ``expire`` is False) and refresh static ones. Returns the workers forgotten."""
         for w, i in self._workers.items():
-            if i.static and w not in beats and w not in self._down:
+            if i.static and w not in live and w not in self._down:
                 self._refresh(w)  # no heartbeat to refresh it: its arrival rate decays here
         expired = [w for w, i in self._workers.items()
-                   if expire and not i.static and w not in beats]
+                   if expire and not i.static and w not in live]
         for w in expired:
             del self._workers[w]
             self._incompatible.discard(w)
             self._demoted.pop(w, None)
             self.loads.pop(w, None)
-        return added, expired
+        return expired
 
     def _judge_vocabulary(self, info: WorkerInfo, hb: Heartbeat) -> None:
         theirs = Vocabulary(hb.tokenizer, hb.vocab_size)
@@ -418,9 +446,5 @@ class WorkerRegistry:
                                             pending_prefill_context=info.pending_context,
                                             prefill_rate=prefill_rate)
             return
-        self.loads[worker] = seen_load(
-            WorkerLoad(inflight=info.inflight, pending_prefill_tokens=info.pending_prefill,
-                       cached_blocks=info.cached_blocks, arrival_rate=rate,
-                       pending_prefill_context=info.pending_context,
-                       prefill_rate=prefill_rate),
-            hb)
+        self.loads[worker] = _seen_load(info.inflight, info.pending_prefill, info.cached_blocks,
+                                        rate, info.pending_context, prefill_rate, hb)

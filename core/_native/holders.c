@@ -1,18 +1,29 @@
-/* kvroute holder map in C: block key -> bitmask of the worker slots holding it.
+/* kvroute holder map in C: block key -> the worker slots holding it, real or predicted.
  *
- * The same map as kvroute/core/holders.py's DictHolders, laid out for the routing walk:
- * one open-addressing table (linear probing, backward-shift deletion, load <= 1/2) whose
- * entries are the 64-bit key followed by the mask's 64-bit words, inline. A lookup reads
- * one entry, usually one cache line; a Python dict lookup reads the hash index, the entry,
- * the stored key object and the mask int object, each a cache miss on a 1M-key index.
+ * The same map as kvroute/core/holders.py's DictHolders. Its memory is proportional to
+ * (key, holder) pairs, not to keys x workers: one open-addressing table (linear probing,
+ * backward-shift deletion, load <= 3/4) of 32-byte entries: the 64-bit key, its holder
+ * count, and up to INLINE holders inline. A key with more holders points to a heap list of
+ * up to LIST_MAX; past that, to two bitmasks as wide as the map's slots (every holder, then
+ * the predicted ones): there a mask costs less than a list (<= 4 B a holder at 1,000
+ * workers, <= 40 B at 10,000) and the routing walk ANDs its running set with it word by
+ * word (the walk reads only the first mask). A holder in a list is a uint32: the slot, and
+ * the PRED bit for a predicted (not really stored) one. Per-slot counts of real holders
+ * are kept, so count/entries are O(1); keys_of and clear_slot scan the table (they run on
+ * resync and worker removal, not per decision).
  *
  * Invariants:
- *   - an entry is empty iff its mask words are all 0 (a key with no holder is deleted), so
- *     every 64-bit key, 0 included, can be stored and no sentinel key is needed;
- *   - cap is 0 or a power of two, and used * 2 <= cap;
+ *   - an entry is empty iff n == 0 (a key with no holder is deleted), so every 64-bit key,
+ *     0 included, can be stored and no sentinel key is needed;
+ *   - cap is 0 or a power of two, and used * 4 <= cap * 3;
  *   - for every stored key, the entries from its home slot up to its own are all occupied
  *     (linear probing; deletion shifts later entries back to keep this true);
- *   - width (mask words per entry) only grows, when a slot >= 64 * width is set.
+ *   - holders live inline iff n <= INLINE; on the heap, as a list (kind: its capacity,
+ *     <= LIST_MAX) or as masks (kind: MASK | words per mask), and n counts them; a mask's
+ *     predicted bits are a subset of its every-holder bits;
+ *   - a slot holds a key at most once, either real or predicted (PRED), never both;
+ *   - counts[s] is the number of keys slot s really (not PRED) holds; entries their sum;
+ *   - width covers every slot ever given (slot < 64 * width), so a walk's running set fits.
  *
  * Keys are ints in [0, 2**64) (OverflowError/TypeError otherwise, before any change for
  * a bad key). Every method runs with the GIL held and calls no Python code mid-update.
@@ -22,28 +33,37 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-    PyObject_HEAD
-    uint64_t *tab; /* cap entries of (1 + width) words: key, then mask words (low first) */
-    size_t cap;
-    size_t used;
-    size_t width;
-    int shift; /* 64 - log2(cap): the home slot is the top bits of a multiplicative hash */
-} HolderMap;
-
+#define INLINE 4
+#define LIST_MIN 8
+#define LIST_MAX 64
+#define PRED 0x80000000u
+#define MASK 0x80000000u
+#define MAX_SLOT (1 << 20)
 #define MIN_CAP 64
 
-static inline size_t stride(const HolderMap *m) { return 1 + m->width; }
+typedef struct {
+    uint64_t key;
+    uint32_t n;    /* holders (real and predicted); 0: the entry is empty */
+    uint32_t kind; /* heap only: a list's capacity, or MASK | words per mask */
+    union {
+        uint32_t inl[INLINE];
+        uint32_t *list;
+        uint64_t *mask; /* words of every holder, then words of the predicted ones */
+    } u;
+} Entry;
 
-static inline uint64_t *entry(const HolderMap *m, size_t i) {
-    return m->tab + i * stride(m);
-}
+typedef struct {
+    PyObject_HEAD
+    Entry *tab;
+    size_t cap, used;
+    int shift; /* 64 - log2(cap): the home slot is the top bits of a multiplicative hash */
+    size_t width;   /* words covering every slot given */
+    size_t *counts; /* ncounts slots' real holder counts */
+    size_t ncounts, entries;
+    size_t heap_bytes; /* lists and masks */
+} HolderMap;
 
-static inline int is_empty(const uint64_t *e, size_t width) {
-    for (size_t w = 1; w <= width; w++)
-        if (e[w]) return 0;
-    return 1;
-}
+enum { NONE = 0, REAL = 1, PREDICTED = 2 };
 
 static inline size_t home(const HolderMap *m, uint64_t key) {
     /* Fibonacci hashing: block keys are already uniform, but tests and callers may use
@@ -51,89 +71,224 @@ static inline size_t home(const HolderMap *m, uint64_t key) {
     return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> m->shift);
 }
 
+static inline int on_heap(const Entry *e) { return e->n > INLINE; }
+static inline int is_mask(const Entry *e) { return on_heap(e) && (e->kind & MASK); }
+static inline uint32_t *holder_list(Entry *e) { return on_heap(e) ? e->u.list : e->u.inl; }
+
 /* The entry holding key, or NULL. */
-static uint64_t *find(const HolderMap *m, uint64_t key) {
+static Entry *find(const HolderMap *m, uint64_t key) {
     if (m->cap == 0) return NULL;
     size_t mask = m->cap - 1;
     for (size_t i = home(m, key);; i = (i + 1) & mask) {
-        uint64_t *e = entry(m, i);
-        if (is_empty(e, m->width)) return NULL;
-        if (e[0] == key) return e;
+        Entry *e = &m->tab[i];
+        if (e->n == 0) return NULL;
+        if (e->key == key) return e;
     }
 }
 
-/* Re-lay the table at new_cap entries of new_width mask words. */
-static int relayout(HolderMap *m, size_t new_cap, size_t new_width) {
-    size_t new_stride = 1 + new_width;
-    uint64_t *fresh = PyMem_RawCalloc(new_cap, new_stride * sizeof(uint64_t));
+static int grow(HolderMap *m) {
+    size_t new_cap = m->cap ? m->cap * 2 : MIN_CAP;
+    Entry *fresh = PyMem_RawCalloc(new_cap, sizeof(Entry));
     if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     int new_shift = 64;
     for (size_t c = new_cap; c > 1; c >>= 1) new_shift--;
-    HolderMap next = *m;
-    next.tab = fresh;
-    next.cap = new_cap;
-    next.width = new_width;
-    next.shift = new_shift;
-    size_t nmask = new_cap - 1;
-    for (size_t i = 0; i < m->cap; i++) {
-        uint64_t *e = entry(m, i);
-        if (is_empty(e, m->width)) continue;
-        size_t j = home(&next, e[0]);
-        while (!is_empty(entry(&next, j), new_width)) j = (j + 1) & nmask;
-        memcpy(entry(&next, j), e, (1 + m->width) * sizeof(uint64_t));
-    }
-    PyMem_RawFree(m->tab);
+    Entry *old = m->tab;
+    size_t old_cap = m->cap;
     m->tab = fresh;
     m->cap = new_cap;
-    m->width = new_width;
     m->shift = new_shift;
+    for (size_t i = 0; i < old_cap; i++) {
+        if (old[i].n == 0) continue;
+        size_t j = home(m, old[i].key);
+        while (fresh[j].n) j = (j + 1) & (new_cap - 1);
+        fresh[j] = old[i]; /* heap pointers move with their entry */
+    }
+    PyMem_RawFree(old);
     return 0;
 }
 
-/* The entry for key, inserted (mask 0, so still "empty" until a bit is set) if absent.
- * The caller sets a bit at once, before any other call. */
-static uint64_t *find_or_insert(HolderMap *m, uint64_t key, int *inserted) {
-    if ((m->used + 1) * 2 > m->cap) {
-        if (relayout(m, m->cap ? m->cap * 2 : MIN_CAP, m->width ? m->width : 1) < 0)
-            return NULL;
-    }
+/* The entry for key, inserted with n == 0 (still "empty") if absent: the caller gives it a
+ * holder at once, before any other call. */
+static Entry *find_or_insert(HolderMap *m, uint64_t key) {
+    if ((m->used + 1) * 4 > m->cap * 3 && grow(m) < 0) return NULL;
     size_t mask = m->cap - 1;
     for (size_t i = home(m, key);; i = (i + 1) & mask) {
-        uint64_t *e = entry(m, i);
-        if (is_empty(e, m->width)) {
-            e[0] = key;
-            *inserted = 1;
+        Entry *e = &m->tab[i];
+        if (e->n == 0) {
+            e->key = key;
+            m->used++;
             return e;
         }
-        if (e[0] == key) {
-            *inserted = 0;
-            return e;
-        }
+        if (e->key == key) return e;
     }
 }
 
-/* Delete the (now all-zero) entry at e, shifting later entries of its run back. */
-static void erase(HolderMap *m, uint64_t *e) {
-    size_t mask = m->cap - 1, s = stride(m);
-    size_t i = (size_t)(e - m->tab) / s;
-    size_t j = i;
+/* Delete the (now holderless, inline) entry e, shifting later entries of its run back. */
+static void erase(HolderMap *m, Entry *e) {
+    size_t mask = m->cap - 1;
+    size_t i = (size_t)(e - m->tab), j = i;
     for (;;) {
         j = (j + 1) & mask;
-        uint64_t *ej = entry(m, j);
-        if (is_empty(ej, m->width)) break;
-        size_t h = home(m, ej[0]);
+        Entry *ej = &m->tab[j];
+        if (ej->n == 0) break;
+        size_t h = home(m, ej->key);
         /* ej may fill the hole at i iff i lies on its probe path: h .. j (cyclically). */
         if (((j - h) & mask) >= ((j - i) & mask)) {
-            memcpy(entry(m, i), ej, s * sizeof(uint64_t));
+            m->tab[i] = *ej;
             i = j;
         }
     }
-    memset(entry(m, i), 0, s * sizeof(uint64_t));
+    memset(&m->tab[i], 0, sizeof(Entry));
     m->used--;
 }
+
+/* -- one key's holders ---------------------------------------------------------------- */
+
+static inline int mask_bit(const uint64_t *w, size_t words, uint32_t slot) {
+    return slot / 64 < words && (w[slot / 64] >> (slot % 64) & 1);
+}
+
+/* NONE, REAL or PREDICTED; *at: the holder's index in a list (lists only). */
+static int state_of(Entry *e, uint32_t slot, uint32_t *at) {
+    if (is_mask(e)) {
+        size_t words = e->kind & ~MASK;
+        if (!mask_bit(e->u.mask, words, slot)) return NONE;
+        return mask_bit(e->u.mask + words, words, slot) ? PREDICTED : REAL;
+    }
+    uint32_t *h = holder_list(e);
+    for (uint32_t i = 0; i < e->n; i++) {
+        if ((h[i] & ~PRED) == slot) {
+            *at = i;
+            return h[i] & PRED ? PREDICTED : REAL;
+        }
+    }
+    return NONE;
+}
+
+/* The masks (every holder, then the predicted ones) of `words` words each for holders h
+ * (inline or a list); NULL on no memory. */
+static uint64_t *to_masks(const uint32_t *h, uint32_t n, size_t words) {
+    uint64_t *w = PyMem_RawCalloc(2 * words, sizeof(uint64_t));
+    if (w == NULL) return NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t s = h[i] & ~PRED;
+        w[s / 64] |= 1ULL << (s % 64);
+        if (h[i] & PRED) w[words + s / 64] |= 1ULL << (s % 64);
+    }
+    return w;
+}
+
+/* Add slot (absent) as a holder of e, real or predicted. 0, or -1 on no memory. */
+static int add_holder(HolderMap *m, Entry *e, uint32_t slot, int pred) {
+    uint32_t h = slot | (pred ? PRED : 0);
+    if (e->n < INLINE) {
+        e->u.inl[e->n++] = h;
+        return 0;
+    }
+    if (e->n == INLINE) { /* inline -> list */
+        uint32_t *l = PyMem_RawMalloc(LIST_MIN * sizeof(uint32_t));
+        if (l == NULL) goto nomem;
+        memcpy(l, e->u.inl, INLINE * sizeof(uint32_t));
+        l[e->n++] = h;
+        e->u.list = l;
+        e->kind = LIST_MIN;
+        m->heap_bytes += LIST_MIN * sizeof(uint32_t);
+        return 0;
+    }
+    if (!(e->kind & MASK) && e->n < e->kind) {
+        e->u.list[e->n++] = h;
+        return 0;
+    }
+    if (!(e->kind & MASK) && e->kind < LIST_MAX) { /* a longer list */
+        uint32_t *l = PyMem_RawRealloc(e->u.list, 2 * e->kind * sizeof(uint32_t));
+        if (l == NULL) goto nomem;
+        m->heap_bytes += e->kind * sizeof(uint32_t);
+        e->u.list = l;
+        e->kind *= 2;
+        l[e->n++] = h;
+        return 0;
+    }
+    if (!(e->kind & MASK)) { /* a full list of LIST_MAX -> masks as wide as the map */
+        uint64_t *w = to_masks(e->u.list, e->n, m->width);
+        if (w == NULL) goto nomem;
+        m->heap_bytes += 2 * m->width * sizeof(uint64_t) - e->kind * sizeof(uint32_t);
+        PyMem_RawFree(e->u.list);
+        e->u.mask = w;
+        e->kind = MASK | (uint32_t)m->width;
+    }
+    size_t words = e->kind & ~MASK;
+    if (slot / 64 >= words) { /* widen both masks to the map's width */
+        size_t nw = m->width;
+        uint64_t *w = PyMem_RawCalloc(2 * nw, sizeof(uint64_t));
+        if (w == NULL) goto nomem;
+        memcpy(w, e->u.mask, words * sizeof(uint64_t));
+        memcpy(w + nw, e->u.mask + words, words * sizeof(uint64_t));
+        PyMem_RawFree(e->u.mask);
+        m->heap_bytes += 2 * (nw - words) * sizeof(uint64_t);
+        e->u.mask = w;
+        e->kind = MASK | (uint32_t)nw;
+        words = nw;
+    }
+    e->u.mask[slot / 64] |= 1ULL << (slot % 64);
+    if (pred) e->u.mask[words + slot / 64] |= 1ULL << (slot % 64);
+    e->n++;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+/* Remove slot (a holder, in state st, at index `at` if a list) from e; a key left with at
+ * most INLINE holders moves them back inline. */
+static void drop_holder(HolderMap *m, Entry *e, uint32_t slot, int st, uint32_t at) {
+    if (is_mask(e)) {
+        size_t words = e->kind & ~MASK;
+        (void)st;
+        e->u.mask[slot / 64] &= ~(1ULL << (slot % 64));
+        e->u.mask[words + slot / 64] &= ~(1ULL << (slot % 64));
+        if (--e->n > INLINE) return;
+        uint64_t *w = e->u.mask; /* back inline, in slot order */
+        uint32_t k = 0;
+        for (size_t i = 0; i < words; i++)
+            for (uint64_t x = w[i]; x; x &= x - 1) {
+                int b = __builtin_ctzll(x);
+                e->u.inl[k++] = (uint32_t)(i * 64 + b) | (w[words + i] >> b & 1 ? PRED : 0);
+            }
+        m->heap_bytes -= 2 * words * sizeof(uint64_t);
+        PyMem_RawFree(w);
+        return;
+    }
+    uint32_t *h = holder_list(e);
+    h[at] = h[--e->n];
+    if (e->n == INLINE) {
+        uint32_t *l = e->u.list;
+        m->heap_bytes -= e->kind * sizeof(uint32_t);
+        memcpy(e->u.inl, l, INLINE * sizeof(uint32_t));
+        PyMem_RawFree(l);
+    }
+}
+
+/* keep = active & holders(e), word by word over `width` words (keep zeroed first). */
+static void intersect(const Entry *e, const uint64_t *active, uint64_t *keep, size_t width) {
+    memset(keep, 0, width * sizeof(uint64_t));
+    if (is_mask(e)) {
+        size_t words = e->kind & ~MASK, top = words < width ? words : width;
+        const uint64_t *w = e->u.mask;
+        for (size_t i = 0; i < top; i++) keep[i] = active[i] & w[i]; /* every holder */
+        return;
+    }
+    const uint32_t *h = on_heap(e) ? e->u.list : e->u.inl;
+    for (uint32_t i = 0; i < e->n; i++) {
+        uint32_t s = h[i] & ~PRED;
+        uint64_t bit = 1ULL << (s % 64);
+        keep[s / 64] |= active[s / 64] & bit;
+    }
+}
+
+/* -- Python arguments ----------------------------------------------------------------- */
 
 /* Keys from a list/tuple (read in place) or any iterable (consumed lazily). */
 typedef struct {
@@ -144,13 +299,6 @@ typedef struct {
 
 static int keys_open(KeyIter *ki, PyObject *obj) {
     memset(ki, 0, sizeof(*ki));
-    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
-        ki->seq = PySequence_Fast(obj, "keys");
-        if (ki->seq == NULL) return -1;
-        ki->items = PySequence_Fast_ITEMS(ki->seq);
-        ki->n = PySequence_Fast_GET_SIZE(ki->seq);
-        return 0;
-    }
     ki->it = PyObject_GetIter(obj);
     return ki->it ? 0 : -1;
 }
@@ -176,10 +324,6 @@ static int as_key(PyObject *obj, uint64_t *out) {
 
 /* 1: *out set; 0: no more keys; -1: error. */
 static int keys_next(KeyIter *ki, uint64_t *out) {
-    if (ki->items != NULL || ki->seq != NULL) {
-        if (ki->i >= ki->n) return 0;
-        return as_key(ki->items[ki->i++], out) < 0 ? -1 : 1;
-    }
     PyObject *obj = PyIter_Next(ki->it);
     if (obj == NULL) return PyErr_Occurred() ? -1 : 0;
     int rc = as_key(obj, out);
@@ -187,11 +331,13 @@ static int keys_next(KeyIter *ki, uint64_t *out) {
     return rc < 0 ? -1 : 1;
 }
 
-/* The keys of a list/tuple converted up front, so a bad key raises before any change. */
-static uint64_t *keys_all(PyObject *obj, Py_ssize_t *n) {
+/* The first `limit` (all if < 0) keys of an iterable, converted up front, so a bad key
+ * raises before any change. Free with PyMem_Free. */
+static uint64_t *keys_all(PyObject *obj, Py_ssize_t *n, Py_ssize_t limit) {
     PyObject *seq = PySequence_Fast(obj, "keys must be an iterable of ints");
     if (seq == NULL) return NULL;
     *n = PySequence_Fast_GET_SIZE(seq);
+    if (limit >= 0 && limit < *n) *n = limit;
     uint64_t *out = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof(uint64_t));
     if (out == NULL) {
         Py_DECREF(seq);
@@ -211,72 +357,323 @@ static uint64_t *keys_all(PyObject *obj, Py_ssize_t *n) {
 }
 
 static int check_slot(Py_ssize_t slot) {
-    if (slot < 0 || slot >= (1 << 20)) {
+    if (slot < 0 || slot >= MAX_SLOT) {
         PyErr_Format(PyExc_ValueError, "slot must be in [0, 2**20), got %zd", slot);
         return -1;
     }
     return 0;
 }
 
-/* The (keys, slot) arguments of set_bit and clear_bit: every key converted (so a bad one
- * raises before any change), and the slot's mask word and bit. Returns the keys (free them
- * with PyMem_Free) or NULL on error. */
-static uint64_t *bit_args(PyObject *args, Py_ssize_t *n, size_t *word, uint64_t *bit) {
+/* Make room for slot: its count, and the walk's width. */
+static int give_slot(HolderMap *m, uint32_t slot) {
+    if (slot >= m->ncounts) {
+        size_t n = m->ncounts ? m->ncounts : 64;
+        while (n <= slot) n *= 2;
+        size_t *c = PyMem_RawRealloc(m->counts, n * sizeof(size_t));
+        if (c == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(c + m->ncounts, 0, (n - m->ncounts) * sizeof(size_t));
+        m->counts = c;
+        m->ncounts = n;
+    }
+    if (slot / 64 >= m->width) m->width = slot / 64 + 1;
+    return 0;
+}
+
+/* (keys, slot) arguments: every key converted first. NULL on error. */
+static uint64_t *key_slot_args(PyObject *args, Py_ssize_t *n, uint32_t *slot) {
     PyObject *keys;
-    Py_ssize_t slot;
-    if (!PyArg_ParseTuple(args, "On", &keys, &slot) || check_slot(slot) < 0) return NULL;
-    *word = (size_t)slot / 64;
-    *bit = 1ULL << (slot % 64);
-    return keys_all(keys, n);
+    Py_ssize_t s;
+    if (!PyArg_ParseTuple(args, "On", &keys, &s) || check_slot(s) < 0) return NULL;
+    *slot = (uint32_t)s;
+    return keys_all(keys, n, -1);
 }
 
-static PyObject *HolderMap_set_bit(HolderMap *m, PyObject *args) {
-    Py_ssize_t n;
-    size_t word;
-    uint64_t bit;
-    uint64_t *ks = bit_args(args, &n, &word, &bit);
-    if (ks == NULL) return NULL;
-    if (word >= m->width && relayout(m, m->cap ? m->cap : MIN_CAP, word + 1) < 0) goto fail;
+/* -- methods -------------------------------------------------------------------------- */
+
+/* Loops over keys held in an array (the walk, add, predict) request the entries PREFETCH keys ahead early, so
+ * that the table's cache misses (most of a cold walk's time) overlap. */
+#define PREFETCH 8
+
+static inline void prefetch_key(const HolderMap *m, uint64_t key) {
+    if (m->cap) __builtin_prefetch(&m->tab[home(m, key)]);
+}
+
+
+/* Drop slot's holder of each key if it is in state `want`; returns how many, or -1. */
+static Py_ssize_t drop_keys(HolderMap *m, const uint64_t *ks, Py_ssize_t n, uint32_t slot,
+                            int want) {
+    Py_ssize_t dropped = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int inserted;
-        uint64_t *e = find_or_insert(m, ks[i], &inserted);
-        if (e == NULL) goto fail;
-        e[1 + word] |= bit;
-        m->used += (size_t)inserted;
+        if (i + PREFETCH < n) prefetch_key(m, ks[i + PREFETCH]);
+        Entry *e = find(m, ks[i]);
+        uint32_t at = 0;
+        if (e == NULL || state_of(e, slot, &at) != want) continue;
+        drop_holder(m, e, slot, want, at);
+        if (e->n == 0) erase(m, e);
+        dropped++;
     }
-    PyMem_Free(ks);
-    Py_RETURN_NONE;
-fail:
-    PyMem_Free(ks);
-    return NULL;
+    if (want == REAL) {
+        m->counts[slot] -= (size_t)dropped;
+        m->entries -= (size_t)dropped;
+    }
+    return dropped;
 }
 
-static PyObject *HolderMap_clear_bit(HolderMap *m, PyObject *args) {
+/* The keys slot s really holds, in an array of counts[s] (free with PyMem_Free). */
+static uint64_t *real_keys(HolderMap *m, uint32_t s, size_t *n) {
+    *n = s < m->ncounts ? m->counts[s] : 0;
+    uint64_t *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    size_t k = 0;
+    for (size_t i = 0; k < *n && i < m->cap; i++) {
+        Entry *e = &m->tab[i];
+        uint32_t at;
+        if (e->n && state_of(e, s, &at) == REAL) out[k++] = e->key;
+    }
+    return out;
+}
+
+/* Drop every key slot s really holds; how many, or -1 on no memory. */
+static Py_ssize_t clear_slot(HolderMap *m, uint32_t s) {
+    if (s >= m->ncounts || m->counts[s] == 0) return 0; /* no scan for an empty slot */
+    size_t n;
+    /* Collected first: deleting while scanning would shift entries under the scan. */
+    uint64_t *ks = real_keys(m, s, &n);
+    if (ks == NULL) return -1;
+    Py_ssize_t dropped = drop_keys(m, ks, (Py_ssize_t)n, s, REAL);
+    PyMem_Free(ks);
+    return dropped;
+}
+
+/* Make slot a real holder of ks[0..n). 0, or -1 on no memory (keys before stay added). */
+static int add_keys(HolderMap *m, const uint64_t *ks, Py_ssize_t n, uint32_t slot) {
+    if (give_slot(m, slot) < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) prefetch_key(m, ks[i + PREFETCH]);
+        Entry *e = find_or_insert(m, ks[i]);
+        if (e == NULL) return -1;
+        uint32_t at = 0;
+        int st = e->n ? state_of(e, slot, &at) : NONE;
+        if (st == REAL) continue;
+        if (st == PREDICTED) { /* confirmed: the same holder, now real */
+            if (is_mask(e)) {
+                size_t words = e->kind & ~MASK;
+                e->u.mask[words + slot / 64] &= ~(1ULL << (slot % 64));
+            } else {
+                holder_list(e)[at] &= ~PRED;
+            }
+        } else if (add_holder(m, e, slot, 0) < 0) {
+            if (e->n == 0) erase(m, e);
+            return -1;
+        }
+        m->counts[slot]++;
+        m->entries++;
+    }
+    return 0;
+}
+
+static PyObject *HolderMap_add(HolderMap *m, PyObject *args) {
     Py_ssize_t n;
-    size_t word;
-    uint64_t bit;
-    uint64_t *ks = bit_args(args, &n, &word, &bit);
+    uint32_t slot;
+    uint64_t *ks = key_slot_args(args, &n, &slot);
     if (ks == NULL) return NULL;
-    for (Py_ssize_t i = 0; word < m->width && i < n; i++) {
-        uint64_t *e = find(m, ks[i]);
-        if (e == NULL) continue;
-        e[1 + word] &= ~bit;
-        if (is_empty(e, m->width)) erase(m, e);
+    int rc = add_keys(m, ks, n, slot);
+    PyMem_Free(ks);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* add_packed(members, slot): add of keys each packed as 8 bytes, big-endian (a snapshot's
+ * members as read from Redis), decoded here rather than into int objects first. */
+static PyObject *HolderMap_add_packed(HolderMap *m, PyObject *args) {
+    PyObject *members;
+    Py_ssize_t s;
+    int replace = 0;
+    if (!PyArg_ParseTuple(args, "On|p", &members, &s, &replace) || check_slot(s) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(members, "members must be an iterable of bytes");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t *ks = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    if (ks == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
     }
+    for (Py_ssize_t i = 0; i < n; i++) { /* every member checked before any change */
+        if (!PyBytes_Check(items[i]) || PyBytes_GET_SIZE(items[i]) != 8) {
+            if (PyBytes_Check(items[i]))
+                PyErr_Format(PyExc_ValueError, "snapshot member of %zd bytes is not one "
+                             "8-byte key", PyBytes_GET_SIZE(items[i]));
+            else
+                PyErr_Format(PyExc_TypeError, "snapshot members are bytes, got %.100s",
+                             Py_TYPE(items[i])->tp_name);
+            PyMem_Free(ks);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(items[i]);
+        uint64_t k = 0;
+        for (int j = 0; j < 8; j++) k = k << 8 | b[j];
+        ks[i] = k;
+    }
+    Py_DECREF(seq);
+    int rc = replace ? clear_slot(m, (uint32_t)s) : 0;
+    rc = rc < 0 ? rc : add_keys(m, ks, n, (uint32_t)s);
+    PyMem_Free(ks);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *drop_method(HolderMap *m, PyObject *args, int want) {
+    Py_ssize_t n;
+    uint32_t slot;
+    uint64_t *ks = key_slot_args(args, &n, &slot);
+    if (ks == NULL) return NULL;
+    if (slot < m->ncounts) drop_keys(m, ks, n, slot, want);
     PyMem_Free(ks);
     Py_RETURN_NONE;
 }
 
-/* out[slot] = depth for every set bit of words (width of them). */
-static int record(PyObject *out, const uint64_t *words, size_t width, Py_ssize_t depth) {
+static PyObject *HolderMap_remove(HolderMap *m, PyObject *args) {
+    return drop_method(m, args, REAL);
+}
+
+static PyObject *HolderMap_unpredict(HolderMap *m, PyObject *args) {
+    return drop_method(m, args, PREDICTED);
+}
+
+static PyObject *HolderMap_predict(HolderMap *m, PyObject *args) {
+    Py_ssize_t n;
+    uint32_t slot;
+    PyObject *keys;
+    Py_ssize_t s;
+    if (!PyArg_ParseTuple(args, "On", &keys, &s) || check_slot(s) < 0) return NULL;
+    slot = (uint32_t)s;
+    PyObject *seq = PySequence_Fast(keys, "keys must be an iterable of ints");
+    if (seq == NULL) return NULL;
+    uint64_t *ks = keys_all(seq, &n, -1);
+    PyObject *out = NULL, *tmp = NULL;
+    if (ks == NULL || give_slot(m, slot) < 0) goto done;
+    tmp = PyList_New(0);
+    if (tmp == NULL) goto done;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Entry *e = find_or_insert(m, ks[i]);
+        if (e == NULL) goto done;
+        uint32_t at = 0;
+        int st = e->n ? state_of(e, slot, &at) : NONE;
+        if (st == REAL) continue;
+        if (st == NONE && add_holder(m, e, slot, 1) < 0) {
+            if (e->n == 0) erase(m, e);
+            goto done;
+        }
+        if (PyList_Append(tmp, items[i]) < 0) goto done;
+    }
+    out = PyList_AsTuple(tmp);
+done:
+    Py_XDECREF(tmp);
+    PyMem_Free(ks);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *HolderMap_holds(HolderMap *m, PyObject *args) {
+    PyObject *key;
+    Py_ssize_t s;
+    uint64_t k;
+    if (!PyArg_ParseTuple(args, "On", &key, &s) || check_slot(s) < 0 || as_key(key, &k) < 0)
+        return NULL;
+    Entry *e = find(m, k);
+    uint32_t at;
+    return PyBool_FromLong(e != NULL && state_of(e, (uint32_t)s, &at) == REAL);
+}
+
+static PyObject *HolderMap_leading(HolderMap *m, PyObject *args) {
+    PyObject *keys;
+    Py_ssize_t limit, s, n;
+    if (!PyArg_ParseTuple(args, "Onn", &keys, &limit, &s) || check_slot(s) < 0) return NULL;
+    if (limit < 0) { /* as keys[:limit] */
+        Py_ssize_t len = PyObject_Length(keys);
+        if (len < 0) return NULL;
+        limit = len + limit > 0 ? len + limit : 0;
+    }
+    uint64_t *ks = keys_all(keys, &n, limit);
+    if (ks == NULL) return NULL;
+    Py_ssize_t held = 0;
+    for (; held < n; held++) {
+        Entry *e = find(m, ks[held]);
+        uint32_t at;
+        if (e == NULL || state_of(e, (uint32_t)s, &at) != REAL) break;
+    }
+    PyMem_Free(ks);
+    return PyLong_FromSsize_t(held);
+}
+
+static PyObject *HolderMap_count(HolderMap *m, PyObject *arg) {
+    Py_ssize_t s = PyLong_AsSsize_t(arg);
+    if (s == -1 && PyErr_Occurred()) return NULL;
+    if (check_slot(s) < 0) return NULL;
+    return PyLong_FromSize_t((size_t)s < m->ncounts ? m->counts[s] : 0);
+}
+
+static PyObject *HolderMap_entries(HolderMap *m, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(m->entries);
+}
+
+static PyObject *HolderMap_keys_of(HolderMap *m, PyObject *arg) {
+    Py_ssize_t s = PyLong_AsSsize_t(arg);
+    if ((s == -1 && PyErr_Occurred()) || check_slot(s) < 0) return NULL;
+    size_t n;
+    uint64_t *ks = real_keys(m, (uint32_t)s, &n);
+    if (ks == NULL) return NULL;
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out != NULL && i < n; i++) {
+        PyObject *k = PyLong_FromUnsignedLongLong(ks[i]);
+        if (k == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, k);
+    }
+    PyMem_Free(ks);
+    return out;
+}
+
+static PyObject *HolderMap_clear_slot(HolderMap *m, PyObject *arg) {
+    Py_ssize_t s = PyLong_AsSsize_t(arg);
+    if ((s == -1 && PyErr_Occurred()) || check_slot(s) < 0) return NULL;
+    Py_ssize_t dropped = clear_slot(m, (uint32_t)s);
+    return dropped < 0 ? NULL : PyLong_FromSsize_t(dropped);
+}
+
+/* out[slot] = depth (out[names[slot]] with names) for every set bit of words (width of
+ * them). */
+static int record(PyObject *out, const uint64_t *words, size_t width, Py_ssize_t depth,
+                  PyObject *names) {
     PyObject *d = PyLong_FromSsize_t(depth);
     if (d == NULL) return -1;
     for (size_t w = 0; w < width; w++) {
         uint64_t x = words[w];
         while (x) {
-            int b = __builtin_ctzll(x);
+            size_t slot = w * 64 + (size_t)__builtin_ctzll(x);
             x &= x - 1;
-            PyObject *s = PyLong_FromSize_t(w * 64 + (size_t)b);
+            PyObject *s;
+            if (names != NULL) {
+                if ((Py_ssize_t)slot >= PyList_GET_SIZE(names)) {
+                    PyErr_Format(PyExc_IndexError, "no name for slot %zu", slot);
+                    s = NULL;
+                } else {
+                    s = PyList_GET_ITEM(names, (Py_ssize_t)slot);
+                    Py_INCREF(s);
+                }
+            } else {
+                s = PyLong_FromSize_t(slot);
+            }
             if (s == NULL || PyDict_SetItem(out, s, d) < 0) {
                 Py_XDECREF(s);
                 Py_DECREF(d);
@@ -289,45 +686,59 @@ static int record(PyObject *out, const uint64_t *words, size_t width, Py_ssize_t
     return 0;
 }
 
-/* The walk over keys[0..n) held in an array: the same steps as over an iterator, with the
- * entries PREFETCH keys ahead requested early, so that the table's cache misses (most of a
- * cold walk's time) overlap instead of following one another. */
-#define PREFETCH 8
-
-static inline void prefetch_key(const HolderMap *m, uint64_t key) {
-    __builtin_prefetch(entry(m, home(m, key)));
+/* Request the heap holders (list or masks) of key's entry, if any: a walk does this a few
+ * keys ahead, once the entry itself (prefetched further ahead) is likely in cache. */
+static inline void prefetch_holders(const HolderMap *m, uint64_t key) {
+    const Entry *e = find(m, key);
+    if (e == NULL || !on_heap(e)) return;
+    const char *p = (const char *)e->u.list;
+    size_t bytes = is_mask(e) ? 2 * (e->kind & ~MASK) * sizeof(uint64_t)
+                              : e->n * sizeof(uint32_t);
+    for (size_t off = 0; off < bytes && off < 1024; off += 64) __builtin_prefetch(p + off);
 }
 
-/* One step of the walk: active &= holders(key); the bits dropped are recorded at depth.
- * Returns 1 if some slot still holds every key so far, 0 if none, -1 on error. */
-static int step(const HolderMap *m, uint64_t key, uint64_t *active, uint64_t *dropped,
-                size_t width, Py_ssize_t depth, PyObject *out) {
-    const uint64_t *e = find(m, key);
-    uint64_t any_left = 0, any_dropped = 0;
+/* One step: keep = active & holders(key); the slots dropped are recorded at depth; then
+ * active = keep (by swapping the buffers). 1: some slot still holds every key so far,
+ * 0: none, -1: error. */
+static int step(const HolderMap *m, uint64_t key, uint64_t **active, uint64_t **keep,
+                size_t width, Py_ssize_t depth, PyObject *out, PyObject *names) {
+    const Entry *e = find(m, key);
+    uint64_t *a = *active, *k = *keep, any_left = 0, any_dropped = 0;
+    if (e == NULL) memset(k, 0, width * sizeof(uint64_t));
+    else intersect(e, a, k, width);
     for (size_t w = 0; w < width; w++) {
-        uint64_t keep = e ? active[w] & e[1 + w] : 0;
-        dropped[w] = active[w] & ~keep;
-        any_dropped |= dropped[w];
-        any_left |= keep;
-        active[w] = keep;
+        any_left |= k[w];
+        any_dropped |= a[w] & ~k[w];
+        a[w] &= ~k[w]; /* a: the dropped slots now */
     }
-    if (any_dropped && record(out, dropped, width, depth) < 0) return -1;
+    if (any_dropped && record(out, a, width, depth, names) < 0) return -1;
+    *active = k;
+    *keep = a;
     return any_left != 0;
 }
 
-static PyObject *HolderMap_walk(HolderMap *m, PyObject *keys) {
+static PyObject *HolderMap_walk(HolderMap *m, PyObject *args) {
+    PyObject *keys, *names = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O", &keys, &names)) return NULL;
+    if (names == Py_None) {
+        names = NULL;
+    } else if (!PyList_Check(names)) {
+        PyErr_SetString(PyExc_TypeError, "names must be a list (slot -> name)");
+        return NULL;
+    }
     KeyIter ki;
     uint64_t *arr = NULL;
     Py_ssize_t n = 0;
     int listed = PyList_CheckExact(keys) || PyTuple_CheckExact(keys);
     memset(&ki, 0, sizeof(ki));
-    if (listed ? (arr = keys_all(keys, &n)) == NULL : keys_open(&ki, keys) < 0) return NULL;
+    if (listed ? (arr = keys_all(keys, &n, -1)) == NULL : keys_open(&ki, keys) < 0)
+        return NULL;
     PyObject *out = PyDict_New();
-    size_t width = m->width;
-    uint64_t stack[8];
-    uint64_t *buf = width <= 4 ? stack : PyMem_Malloc(2 * width * sizeof(uint64_t));
+    size_t width = m->width ? m->width : 1;
+    uint64_t stack[2 * 32];
+    uint64_t *buf = width <= 32 ? stack : PyMem_Malloc(2 * width * sizeof(uint64_t));
     if (out == NULL || buf == NULL) goto fail;
-    uint64_t *active = buf, *dropped = buf + width;
+    uint64_t *active = buf, *keep = buf + width;
     uint64_t k;
     int rc = listed ? n > 0 : keys_next(&ki, &k);
     if (rc < 0) goto fail;
@@ -335,27 +746,31 @@ static PyObject *HolderMap_walk(HolderMap *m, PyObject *keys) {
     if (listed) {
         k = arr[0];
         for (Py_ssize_t i = 1; i < n && i <= PREFETCH; i++) prefetch_key(m, arr[i]);
+        for (Py_ssize_t i = 1; i < n && i < PREFETCH / 2; i++) prefetch_holders(m, arr[i]);
     }
-    const uint64_t *e = find(m, k);
+    const Entry *e = find(m, k);
     if (e == NULL) goto done;
-    memcpy(active, e + 1, width * sizeof(uint64_t));
+    memset(active, 0xff, width * sizeof(uint64_t));
+    memcpy(keep, active, width * sizeof(uint64_t));
+    intersect(e, keep, active, width); /* active = every holder of the first key */
     Py_ssize_t depth = 1;
     if (listed) {
         for (Py_ssize_t i = 1; i < n; i++) {
             if (i + PREFETCH < n) prefetch_key(m, arr[i + PREFETCH]);
-            rc = step(m, arr[i], active, dropped, width, depth, out);
+            if (i + PREFETCH / 2 < n) prefetch_holders(m, arr[i + PREFETCH / 2]);
+            rc = step(m, arr[i], &active, &keep, width, depth, out, names);
             if (rc <= 0) goto done_or_fail;
             depth++;
         }
     } else {
         while ((rc = keys_next(&ki, &k)) == 1) {
-            rc = step(m, k, active, dropped, width, depth, out);
+            rc = step(m, k, &active, &keep, width, depth, out, names);
             if (rc <= 0) goto done_or_fail;
             depth++;
         }
         if (rc < 0) goto fail;
     }
-    if (record(out, active, width, depth) < 0) goto fail;
+    if (record(out, active, width, depth, names) < 0) goto fail;
     goto done;
 done_or_fail:
     if (rc < 0) goto fail;
@@ -365,7 +780,7 @@ done:
     keys_close(&ki);
     return out;
 fail:
-    if (buf != stack) PyMem_Free(buf);
+    if (buf != stack && buf != NULL) PyMem_Free(buf);
     PyMem_Free(arr);
     keys_close(&ki);
     Py_XDECREF(out);
@@ -375,35 +790,29 @@ fail:
 static PyObject *HolderMap_get(HolderMap *m, PyObject *key) {
     uint64_t k;
     if (as_key(key, &k) < 0) return NULL;
-    const uint64_t *e = find(m, k);
-    PyObject *acc = PyLong_FromLong(0);
-    if (e == NULL || acc == NULL) return acc;
-    PyObject *sixty_four = PyLong_FromLong(64);
-    if (sixty_four == NULL) goto fail;
-    for (size_t w = m->width; w-- > 0;) {
-        PyObject *shifted = PyNumber_Lshift(acc, sixty_four);
-        Py_DECREF(acc);
-        acc = shifted;
-        if (acc == NULL) break;
-        PyObject *word = PyLong_FromUnsignedLongLong(e[1 + w]);
-        PyObject *merged = word ? PyNumber_Or(acc, word) : NULL;
-        Py_XDECREF(word);
-        Py_DECREF(acc);
-        acc = merged;
-        if (acc == NULL) break;
-    }
-    Py_DECREF(sixty_four);
-    return acc;
-fail:
-    Py_DECREF(acc);
-    return NULL;
+    Entry *e = find(m, k);
+    if (e == NULL) return PyLong_FromLong(0);
+    size_t width = m->width;
+    uint64_t *ones = PyMem_Malloc(2 * width * sizeof(uint64_t));
+    if (ones == NULL) return PyErr_NoMemory();
+    memset(ones, 0xff, width * sizeof(uint64_t));
+    intersect(e, ones, ones + width, width);
+    /* Little-endian words -> an int; on a big-endian host, swap each word's bytes. */
+    unsigned char *bytes = (unsigned char *)(ones + width);
+#if PY_BIG_ENDIAN
+    for (size_t i = 0; i < width; i++) ones[width + i] = __builtin_bswap64(ones[width + i]);
+#endif
+    PyObject *out = _PyLong_FromByteArray(bytes, width * 8, 1, 0);
+    PyMem_Free(ones);
+    return out;
 }
 
 static Py_ssize_t HolderMap_len(HolderMap *m) { return (Py_ssize_t)m->used; }
 
 static PyObject *HolderMap_nbytes(HolderMap *m, void *closure) {
     (void)closure;
-    return PyLong_FromSize_t(m->cap * stride(m) * sizeof(uint64_t));
+    return PyLong_FromSize_t(m->cap * sizeof(Entry) + m->heap_bytes +
+                             m->ncounts * sizeof(size_t));
 }
 
 static PyObject *HolderMap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -411,29 +820,56 @@ static PyObject *HolderMap_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         PyErr_SetString(PyExc_TypeError, "HolderMap() takes no arguments");
         return NULL;
     }
-    HolderMap *m = (HolderMap *)type->tp_alloc(type, 0);
-    return (PyObject *)m; /* tab NULL, cap 0, used 0, width 0 */
+    return type->tp_alloc(type, 0); /* empty: tab NULL, cap 0, no slots */
 }
 
 static void HolderMap_dealloc(HolderMap *m) {
+    for (size_t i = 0; i < m->cap; i++)
+        if (on_heap(&m->tab[i])) PyMem_RawFree(m->tab[i].u.list);
     PyMem_RawFree(m->tab);
+    PyMem_RawFree(m->counts);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
 
 static PyMethodDef HolderMap_methods[] = {
-    {"set_bit", (PyCFunction)HolderMap_set_bit, METH_VARARGS,
-     "set_bit(keys, slot): mark slot as a holder of every key"},
-    {"clear_bit", (PyCFunction)HolderMap_clear_bit, METH_VARARGS,
-     "clear_bit(keys, slot): unmark slot on every key; a key left with no holder is deleted"},
-    {"walk", (PyCFunction)HolderMap_walk, METH_O,
-     "walk(keys) -> {slot: depth}: the longest run of leading keys each slot holds, for "
-     "slots holding the first key; stops consuming keys at the first no such slot holds"},
-    {"get", (PyCFunction)HolderMap_get, METH_O, "get(key) -> int: the holder bitmask (0: none)"},
+    {"add", (PyCFunction)HolderMap_add, METH_VARARGS,
+     "add(keys, slot): slot really holds every key (a prediction of it is confirmed)"},
+    {"add_packed", (PyCFunction)HolderMap_add_packed, METH_VARARGS,
+     "add_packed(members, slot, replace=False): add of keys packed as 8 big-endian bytes "
+     "each (ValueError, before any change, for a member of another size); with replace, "
+     "slot's real keys are cleared first (predictions stay)"},
+    {"remove", (PyCFunction)HolderMap_remove, METH_VARARGS,
+     "remove(keys, slot): slot no longer really holds the keys (predictions stay)"},
+    {"predict", (PyCFunction)HolderMap_predict, METH_VARARGS,
+     "predict(keys, slot) -> tuple: mark slot a predicted holder of the keys it does not "
+     "really hold; returns those keys, in order"},
+    {"unpredict", (PyCFunction)HolderMap_unpredict, METH_VARARGS,
+     "unpredict(keys, slot): drop slot's predictions of the keys (real holders stay)"},
+    {"holds", (PyCFunction)HolderMap_holds, METH_VARARGS,
+     "holds(key, slot) -> bool: slot really holds key"},
+    {"leading", (PyCFunction)HolderMap_leading, METH_VARARGS,
+     "leading(keys, limit, slot) -> int: how many of keys[:limit] slot really holds, "
+     "leading ones only"},
+    {"count", (PyCFunction)HolderMap_count, METH_O, "count(slot) -> keys slot really holds"},
+    {"keys_of", (PyCFunction)HolderMap_keys_of, METH_O,
+     "keys_of(slot) -> list: the keys slot really holds (a table scan)"},
+    {"clear_slot", (PyCFunction)HolderMap_clear_slot, METH_O,
+     "clear_slot(slot) -> int: drop every key slot really holds (a table scan); how many"},
+    {"entries", (PyCFunction)HolderMap_entries, METH_NOARGS,
+     "entries() -> (key, slot) pairs really held"},
+    {"walk", (PyCFunction)HolderMap_walk, METH_VARARGS,
+     "walk(keys, names=None) -> {slot: depth} ({names[slot]: depth} with a list of names): "
+     "the longest run of leading keys each slot holds (really "
+     "or predicted), for slots holding the first key; stops consuming keys at the first no "
+     "such slot holds"},
+    {"get", (PyCFunction)HolderMap_get, METH_O,
+     "get(key) -> int: the bitmask of its holders, real or predicted (0: none)"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef HolderMap_getset[] = {
-    {"nbytes", (getter)HolderMap_nbytes, NULL, "bytes of the table", NULL},
+    {"nbytes", (getter)HolderMap_nbytes, NULL, "bytes of the table, lists, masks, counts",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -444,7 +880,8 @@ static PySequenceMethods HolderMap_as_sequence = {
 static PyTypeObject HolderMapType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvroute.core._holders.HolderMap",
-    .tp_doc = "Block key -> bitmask of holder slots, in one open-addressing table.",
+    .tp_doc = "Block key -> its holder slots (real or predicted), in one open-addressing "
+              "table of (key, holders) entries.",
     .tp_basicsize = sizeof(HolderMap),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = HolderMap_new,

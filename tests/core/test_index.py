@@ -2,6 +2,10 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.core.holders import NATIVE_AVAILABLE
 from kvroute.core.index import PrefixIndex
 from tests.support import collector_visits
 
@@ -202,3 +206,53 @@ def test_the_collector_has_nothing_to_walk_per_key(native: bool) -> None:
     idx.add("c", range(3000))
     assert idx.entries() == 9000
     assert collector_visits(idx) == one_key_each
+
+
+_WORKERS = [f"w{i}" for i in range(6)]
+_index_ops = st.lists(st.tuples(
+    st.sampled_from(["add", "remove", "predict", "expire", "withdraw", "clear_worker",
+                     "remove_worker", "replace_worker", "match"]),
+    st.sampled_from(_WORKERS),
+    st.lists(st.integers(0, 9), max_size=8),
+    st.integers(0, 6)), max_size=100)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_index_ops)
+def test_random_operations_give_identical_indexes_on_both_backends(
+        ops: list[tuple[str, str, list[int], int]]) -> None:
+    assert NATIVE_AVAILABLE, "the C holder map was not built; see setup.py"
+    c, d = PrefixIndex(native=True, max_predicted=12), PrefixIndex(native=False, max_predicted=12)
+    for name, w, keys, t in ops:
+        if name == "match":
+            assert list(c.match(keys).items()) == list(d.match(keys).items())
+            assert c.confirmed(w, keys, t) == d.confirmed(w, keys, t)
+        elif name in ("predict", "withdraw"):
+            assert getattr(c, name)(w, keys, float(t)) == getattr(d, name)(w, keys, float(t))
+        elif name == "expire":
+            assert c.expire(float(t)) == d.expire(float(t))
+        elif name in ("clear_worker", "remove_worker"):
+            assert getattr(c, name)(w) == getattr(d, name)(w)
+        else:
+            getattr(c, name)(w, keys)
+            getattr(d, name)(w, keys)
+        assert (len(c), c.entries(), c.workers()) == (len(d), d.entries(), d.workers())
+    for w in _WORKERS:
+        assert (c.count(w), c.keys_of(w), c.predicted(w)) == (d.count(w), d.keys_of(w),
+                                                             d.predicted(w))
+        assert [c.holds(w, k) for k in range(10)] == [d.holds(w, k) for k in range(10)]
+    assert c.entries() == sum(c.count(w) for w in _WORKERS)
+
+
+def test_a_packed_snapshot_load_is_replace_worker(native: bool) -> None:
+    from kvroute.core.redis_schema import pack_keys
+
+    idx, ref = PrefixIndex(native=native), PrefixIndex(native=native)
+    for i in (idx, ref):
+        i.add("a", [1, 2, 3])
+        i.predict("a", [4, 5], deadline=10.0)
+    idx.replace_worker_packed("a", [pack_keys((k,)) for k in (2, 4, 9)])
+    ref.replace_worker("a", [2, 4, 9])
+    assert idx.keys_of("a") == ref.keys_of("a") == {2, 4, 9}
+    assert idx.predicted("a") == ref.predicted("a") == 1  # 4 confirmed, 5 still predicted
+    assert idx.match([2, 4, 5]) == ref.match([2, 4, 5]) == {"a": 3}

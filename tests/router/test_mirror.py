@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
 
 from kvroute.core.index import PrefixIndex
 from kvroute.core.redis_conn import connect
-from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
+from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys, unpack_keys
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.registry import WorkerRegistry
 from tests.support import collector_visits, wait_for
@@ -278,3 +279,106 @@ async def test_rejections_are_exported_and_logged_at_most_once_a_while(
     assert 'kvroute_router_records_rejected_total{kind="feed",reason="bad_type"} 0.0' in text
     logged = [r for r in caplog.records if "rejected a malformed heartbeat" in r.getMessage()]
     assert len(logged) == 1
+
+
+class ScanProbe(WorkerRegistry):
+    """A real registry that also notes, for one heartbeat scan, whether a feed entry is in
+    the mirror's index at each part of the scan it is given: once armed, at the first part
+    of the next scan it writes the entry (``write``), then at each later part and at the
+    scan's end (expire_missing) it asks ``visible``."""
+
+    def __init__(self, write, visible) -> None:
+        super().__init__({}, 16)
+        self._write, self._visible = write, visible
+        self.state = "idle"  # -> "armed" -> "next scan" -> "probing" -> "done"
+        self.parts: list[bool] = []  # per part of the probed scan after the first: visible?
+        self.at_end: bool | None = None
+
+    def update_heartbeats(self, beats):
+        if self.state == "next scan":
+            self._write()  # the scan has just begun: the entry arrives during it
+            self.state = "probing"
+        elif self.state == "probing":
+            self.parts.append(self._visible())
+        return super().update_heartbeats(beats)
+
+    def expire_missing(self, live, *, expire=True):
+        if self.state == "armed":
+            self.state = "next scan"
+        elif self.state == "probing":
+            self.at_end, self.state = self._visible(), "done"
+        return super().expire_missing(live, expire=expire)
+
+
+async def test_feed_entries_are_applied_while_a_large_heartbeat_scan_runs(
+        redis_server) -> None:
+    """The heartbeat scan of many workers runs beside the feed, in parts: an entry written
+    while a scan of 2,000 heartbeats has just begun is in the index before that scan's
+    last part, not only once the whole scan is done (as when the scan ran on the feed's
+    loop and every entry that arrived during it waited for all of it)."""
+    c = redis_server.client()
+    n = 2000
+    pipe = c.pipeline(transaction=False)
+    for i in range(n):  # long-lived heartbeats, no snapshots
+        w = f"hb{i:05d}"
+        pipe.set(KEYS.heartbeat(w), Heartbeat(w, "127.0.0.1:1", "e", ttl_s=60.0).to_json(),
+                 px=60_000)
+        pipe.sadd(KEYS.workers, w)
+    pipe.execute()
+    publish(c, FeedEvent("w", "e1", 1, Op.CLEAR))
+    box: list[IndexMirror] = []
+    probe = ScanProbe(lambda: publish(c, FeedEvent("w", "e1", 2, Op.STORE, (7,))),
+                      lambda: 7 in box[0].index.keys_of("w"))
+    m = IndexMirror(connect(redis_server.url, block_timeout_s=0.05), KEYS, probe,
+                    poll_interval_s=0.05, retry_s=0.1)
+    box.append(m)
+    task = asyncio.create_task(m.run())
+    try:
+        await asyncio.wait_for(m.ready.wait(), 30)
+        await wait_for(lambda: m.index.count("w") == 0 and "w" in m.view(),
+                       what="seq 1 applied")
+        assert len(m.registry.loads) == n
+        probe.state = "armed"
+        await wait_for(lambda: probe.state == "done", 30, "a probed scan")
+        assert len(probe.parts) == n // 100  # the scan's parts after the first (n + 1 members)
+        assert probe.at_end and m.index.keys_of("w") == {7}
+        assert True in probe.parts[:-1], probe.parts  # applied before the scan's last part
+    finally:
+        await m.stop(task)
+
+
+async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis_server,
+                                                                         mirror) -> None:
+    """Members and (epoch, seq) read together are of one write, however the reads fall
+    between an agent's MULTIs (the equal-meta pipeline, else the script)."""
+    def members_of(seq: int) -> set[int]:
+        return {seq * 1000 + i for i in range(seq % 40 + 1)}
+
+    stop = threading.Event()
+
+    def agent() -> None:  # an agent rewriting its snapshot as fast as it can
+        c = redis_server.client()
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            pipe = c.pipeline(transaction=True)
+            pipe.delete(KEYS.snapshot("w"))
+            pipe.sadd(KEYS.snapshot("w"), *(pack_keys((k,)) for k in members_of(seq)))
+            pipe.hset(KEYS.meta("w"), mapping={"epoch": "e1", "seq": seq})
+            pipe.execute()
+
+    writer = threading.Thread(target=agent)
+    writer.start()
+    try:
+        seen = set()
+        for _ in range(300):
+            meta, members = await mirror._read_snapshot("w")
+            if not meta:
+                continue  # before the first write
+            seq = int(meta[b"seq"])
+            assert {unpack_keys(m)[0] for m in members} == members_of(seq)
+            seen.add(seq)
+        assert len(seen) > 10  # the reads did fall between many writes
+    finally:
+        stop.set()
+        writer.join()

@@ -263,3 +263,26 @@ def test_the_reconnect_reprieve_is_capped_whatever_a_heartbeat_claims() -> None:
                           "evil": Heartbeat("evil", "127.0.0.1:1", "e", ttl_s=MAX_TTL_S)})
     assert REPRIEVE_CAP_S < MAX_TTL_S
     assert reg.max_ttl_s() == REPRIEVE_CAP_S
+
+
+def test_a_scan_applied_in_parts_equals_one_applied_whole() -> None:
+    """The mirror applies a scan of many heartbeats in parts (update_heartbeats), then ends
+    it (expire_missing): the same workers added, expired and loads as apply_heartbeats."""
+    def beats(names: list[str], running: int) -> dict[str, Heartbeat]:
+        return {w: Heartbeat(w, f"h:{i + 1}", "e", running=running + i,
+                             block_size=32 if w == "w3" else 16) for i, w in enumerate(names)}
+
+    whole, parts = WorkerRegistry({"s": "h:9"}, 16), WorkerRegistry({"s": "h:9"}, 16)
+    first = beats([f"w{i}" for i in range(10)], 1)
+    whole.apply_heartbeats(first)
+    parts.apply_heartbeats(first)
+    second = beats([f"w{i}" for i in range(3, 14)], 2)  # w0-w2 gone, w10-w13 new
+    second["w5"] = first["w5"]  # an unchanged record: the very object applied before
+    added, expired = whole.apply_heartbeats(second)
+    names = list(second)
+    got = parts.update_heartbeats({w: second[w] for w in names[:4]})
+    got += parts.update_heartbeats({w: second[w] for w in names[4:]})
+    assert (got, parts.expire_missing(second.keys())) == (added, expired)
+    assert (added, expired) == (["w10", "w11", "w12", "w13"], ["w0", "w1", "w2"])
+    assert parts.loads == whole.loads and set(parts.loads) == {"s", *names}
+    assert not parts.compatible("w3") and parts.get("w5").heartbeat is first["w5"]
