@@ -6,7 +6,8 @@ of the cluster is wrong: the ablation and robustness tables of docs/policy.md.
 
 ``ablation`` replays kvroute_v2 whole and with each term of its formula removed (the term
 set to 0 in every worker's score; ``lookahead``: the router's block predictions off, so
-queued requests' prefixes are not counted), beside kvroute_v1 and Mooncake-local.
+queued requests' prefixes are not counted; ``copies``: no background copies of hot
+prefixes), beside kvroute_v1 and Mooncake-local.
 ``robustness`` replays kvroute_v2, kvroute_v1 and the peers named by ``--peers`` with the
 simulated GPU other than the router's cost model says (attention or decode 0.5x and 2x:
 the policies keep their defaults), with cache events reaching the router after 5 and 500
@@ -38,7 +39,10 @@ from kvroute.simulations.metrics import PolicyMetrics, capacity_rps, measure
 from kvroute.simulations.replay import ClusterSpec, Replayer
 from kvroute.simulations.trace import Trace, TraceError, load
 
-TERMS = ("wait", "decode", "arrivals", "joined", "pressure")
+TERMS = ("wait", "elapsed", "decode", "arrivals", "extension", "joined", "pressure")
+# Removed with a term: ``elapsed`` is the part of ``wait`` already done, negative; alone it
+# would make the busiest worker the cheapest.
+WITH = {"wait": ("elapsed",)}
 
 
 @dataclass
@@ -54,13 +58,28 @@ class WithoutTerm:
         self.name = f"kvroute_v2 -{self.term}"
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
-        delayed, top = self.base.delayed(query), longest_cached(query)
+        later, top = self.base.later(query), longest_cached(query)
         costs = {}
         for w in query.loads:
-            t = self.base.terms(query, w, delayed, top)
-            t[self.term] = 0.0
+            t = self.base.terms(query, w, later, top)
+            for term in (self.term, *WITH.get(self.term, ())):
+                t[term] = 0.0
             costs[w] = sum(t.values())
         return rank_by_cost(query, costs)
+
+    def replica(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
+        return self.base.replica(query, worker)  # the copies stay: only the term goes
+
+
+@dataclass
+class WithoutCopies:
+    """kvroute_v2 ranking as it does, but making no background copies of hot prefixes."""
+
+    base: KvrouteV2
+    name: str = "kvroute_v2 -copies"
+
+    def rank(self, query: RouteQuery) -> Sequence[Scored]:
+        return self.base.rank(query)
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,7 @@ def ablation(traces: list[tuple[str, Trace]], spec: ClusterSpec, loads: Sequence
     v2 = KvrouteV2()
     entries = [Entry("kvroute_v2", KvrouteV2, True),
                *(Entry(f"-{t}", lambda t=t: WithoutTerm(t, v2), True) for t in TERMS),
+               Entry("-copies", lambda: WithoutCopies(KvrouteV2()), True),
                Entry("-attention", lambda: make_policy("kvroute_v2:attn=0"), True),
                Entry("-lookahead", KvrouteV2, False),
                Entry("kvroute_v1", lambda: make_policy("kvroute"), True),

@@ -26,17 +26,23 @@ from pathlib import Path
 from kvroute.simulations.compare import (
     ALPHA,
     CRITERIA,
+    AimsScore,
     CellScore,
     at_matched_load,
     jittered_from_json,
     matched_from_json,
+    score_aims,
     score_cell,
 )
 
+Cell = tuple[float, CellScore, CellScore | None, AimsScore | None]
 
-def cells(path: Path, focus: str | None, alpha: float
-          ) -> list[tuple[float, CellScore, CellScore | None]]:
-    """Each load of one ``--json`` file: its score, and at equal load when matched."""
+
+def cells(path: Path, focus: str | None, alpha: float, aims: bool = False,
+          peers: list[str] | None = None) -> list[Cell]:
+    """Each load of one ``--json`` file: its score, at equal load when matched, and against
+    the aims (``aims``; ``peers``: who counts as a peer, default every policy not named
+    ``kvroute...``)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -59,7 +65,14 @@ def cells(path: Path, focus: str | None, alpha: float
             raise ValueError(f"{where}: only {who} was replayed: nothing to score it against")
         matched = matched_from_json(cell.get("matched", []), f"{where}.matched")
         equal = score_cell(at_matched_load(rows, matched), who, alpha) if matched else None
-        out.append((float(cell["load"]), score_cell(rows, who, alpha), equal))
+        against = None
+        if aims:
+            names = peers or [j.policy for j in rows if not j.policy.startswith("kvroute")]
+            try:
+                against = score_aims(rows, who, names)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+        out.append((float(cell["load"]), score_cell(rows, who, alpha), equal, against))
     return out
 
 
@@ -89,20 +102,32 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=ALPHA,
                     help=f"a lead is consistent when a tie would split the jitters so at most "
                          f"this often (default {ALPHA})")
+    ap.add_argument("--aims", action="store_true",
+                    help="also score every cell against issue 39's aims (see above)")
+    ap.add_argument("--peers", default=None,
+                    help="with --aims: the peers, comma-separated (default: every policy not "
+                         "named kvroute...)")
     args = ap.parse_args()
     if not 0 < args.alpha < 1:
         ap.error(f"--alpha is a probability in (0, 1), got {args.alpha}")
+    peers = [p for p in args.peers.split(",") if p] if args.peers else None
     raw: list[CellScore] = []
     equal: list[CellScore] = []
+    missed: list[tuple[str, ...]] = []
     for path in args.files:
         try:
-            scored = cells(path, args.focus, args.alpha)
+            scored = cells(path, args.focus, args.alpha, args.aims, peers)
         except ValueError as exc:
             ap.error(str(exc))
-        for load, score, at_equal in scored:
+        for load, score, at_equal, aims in scored:
             line = f"{path.stem:24s} {load:4.0%}  {score.codes()}  {score.margins()}"
             if at_equal is not None:
                 line += f"  | at equal load {at_equal.codes()}"
+            if aims is not None:
+                line += (f"  | aims: {aims.mean_margin:+.1%} / {aims.p99_margin:+.1%} / "
+                         f"{aims.hit_margin * 100:+.2f} "
+                         f"{'met' if not aims.failed else 'missed ' + ', '.join(aims.failed)}")
+                missed.append(aims.failed)
             print(line, flush=True)
             raw.append(score)
             equal.append(at_equal or score)
@@ -112,6 +137,10 @@ def main() -> None:
     if any(a is not b for a, b in zip(raw, equal, strict=True)):
         for line in summary(equal, "at equal load (closed loop, --match-load)"):
             print(line)
+    if args.aims:
+        print(f"against the aims: {sum(not m for m in missed)} of {len(missed)} cells met; "
+              "missed on " + ", ".join(f"{label} {sum(label in m for m in missed)}"
+                                       for _, label, _ in CRITERIA))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ class WorkerLoad:
     busy: int = field(init=False, repr=False, compare=False)
     used_blocks: int = field(init=False, repr=False, compare=False)
     cache_fill: float = field(init=False, repr=False, compare=False)
+    waiting: int = field(init=False, repr=False, compare=False)
     # What the C build of kvroute's policy reads, one attribute per worker instead of nine
     # (kvroute/core/_native/kvcost.c): pending_prefill_tokens, busy, used_blocks, queued,
     # max_batched_tokens, max_running, occupied, pending_prefill_context, prefill_mode
@@ -133,6 +134,9 @@ class WorkerLoad:
         # the capacity is unknown; an index a little ahead of an eviction reads 1).
         object.__setattr__(self, "cache_fill", min(1.0, self.cached_blocks / self.capacity_blocks)
                            if self.capacity_blocks > 0 else 0.0)
+        # waiting: requests sent there and not running yet: the engine's queue, or the
+        # router's own count when it is higher (a request in transit, a heartbeat behind).
+        object.__setattr__(self, "waiting", self.occupied - self.running)
         object.__setattr__(self, "packed", (
             self.pending_prefill_tokens, self.busy, self.used_blocks, self.queued,
             self.max_batched_tokens, self.max_running, self.occupied,
@@ -146,12 +150,6 @@ class WorkerLoad:
         """Sequences running or waiting there (the router's own count when it is higher):
         what ``max_running`` bounds."""
         return max(self.running + self.queued, self.inflight)
-
-    @property
-    def waiting(self) -> int:
-        """Requests sent there and not running yet: the engine's queue, or the router's own
-        count when it is higher (a request in transit, a heartbeat behind)."""
-        return self.occupied - self.running
 
     @property
     def kv_usage(self) -> float:

@@ -330,6 +330,45 @@ def score_cell(rows: Sequence[Jittered], focus: str, alpha: float = ALPHA) -> Ce
     return CellScore(focus, tuple(verdicts(rows, focus=focus)), alpha)
 
 
+@dataclass(frozen=True)
+class AimsScore:
+    """One cell against issue 39's aims for a default policy: its jitter-averaged mean TTFT
+    no worse than the best peer's, its p99 within ``p99_slack`` of the best peer's and its
+    hit ratio within ``hit_slack`` (a fraction, 0.005 = half a point) of the best peer's.
+    The best peer on each metric may be a different policy."""
+
+    mean_margin: float  # relative to the best peer's mean TTFT (below 0: lower)
+    p99_margin: float  # relative to the best peer's p99 TTFT
+    hit_margin: float  # hit ratio minus the best peer's (a fraction)
+    p99_slack: float = 0.02
+    hit_slack: float = 0.005
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        """The metrics whose aim is missed, by :data:`CRITERIA` label."""
+        misses = (self.mean_margin > 0, self.p99_margin > self.p99_slack,
+                  self.hit_margin < -self.hit_slack)
+        return tuple(label for (_, label, _), miss in zip(CRITERIA, misses, strict=True)
+                     if miss)
+
+
+def score_aims(rows: Sequence[Jittered], focus: str, peers: Sequence[str]) -> AimsScore:
+    """``focus`` against the best of ``peers`` in ``rows`` on each metric (see
+    :class:`AimsScore`); ValueError if either is missing."""
+    means = {j.policy: j.mean() for j in rows}
+    if focus not in means:
+        raise ValueError(f"no policy {focus!r} among {', '.join(means)}")
+    theirs = [means[p] for p in peers if p in means and p != focus]
+    if not theirs:
+        raise ValueError(f"none of the peers ({', '.join(peers)}) was replayed")
+    mine = means[focus]
+    best_mean = min(m.ttft_mean_s for m in theirs)
+    best_p99 = min(m.ttft_p99_s for m in theirs)
+    return AimsScore(mine.ttft_mean_s / best_mean - 1 if best_mean else 0.0,
+                     mine.ttft_p99_s / best_p99 - 1 if best_p99 else 0.0,
+                     mine.hit_ratio - max(m.hit_ratio for m in theirs))
+
+
 def jittered_to_json(rows: Sequence[Jittered]) -> dict[str, list[dict[str, object]]]:
     """Each policy's replays, one metrics row per jitter (``bench/policy_jitter.py --json``)."""
     return {j.policy: [m.row() for m in j.runs] for j in rows}

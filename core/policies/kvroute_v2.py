@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from kvroute.core.config import Range
-from kvroute.core.load import PrefillMode, WorkerLoad
+from kvroute.core.load import ARRIVAL_TAU_S, PrefillMode, WorkerLoad
 from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost
 from kvroute.core.policies.cost_model import CostModel
 
@@ -30,12 +30,30 @@ def own_prefill(n: float, c: float, attn: float) -> float:
     return n * (1.0 + attn * (c + n / 2.0))
 
 
-def queued_wait(ld: WorkerLoad, attn: float) -> float:
+def queued_prefill(ld: WorkerLoad, attn: float) -> float:
     """The prefill queued ahead of it on the worker: its pending tokens plus ``attn`` times
     the context they attend to. Requests queued or running there whose blocks this one shares
     are counted by the router's predicted blocks (lookahead): the query's prefix already
     includes what they will have stored when this request starts."""
     return ld.pending_prefill_tokens + attn * ld.pending_prefill_context
+
+
+def elapsed(ld: WorkerLoad, queued: float) -> float:
+    """The part of ``queued`` (:func:`queued_prefill`) already done when the request comes:
+    the worker's first iteration of it (a budget's worth, or all of it when it fits one) is
+    running, and a request arriving at a random moment of that iteration finds half of it
+    done on average. The router counts a prefill whole until its first token, so without
+    this a worker part-way through a long prefill looks as busy as one about to start it."""
+    p, budget = ld.pending_prefill_tokens, ld.max_batched_tokens
+    if not p:
+        return 0.0
+    return 0.5 * queued * (budget / p if budget and budget < p else 1.0)
+
+
+def queued_wait(ld: WorkerLoad, attn: float) -> float:
+    """What it waits for the queue ahead: :func:`queued_prefill` less :func:`elapsed`."""
+    queued = queued_prefill(ld, attn)
+    return queued - elapsed(ld, queued)
 
 
 def decode_delay(ld: WorkerLoad, prefill_ahead: float, decode: float) -> float:
@@ -62,21 +80,44 @@ def joined(ld: WorkerLoad, n: float, c: float, attn: float) -> float:
     return 0.0
 
 
-def later_arrivals(loads: Mapping[str, WorkerLoad], attn: float, unit_s: float, most: float
-                   ) -> float:
-    """The requests that reach the average worker before its queue drains (M/G/1, first come
-    first served): its queued prefill (:func:`queued_wait`) drains in ``wait * unit_s / (1 -
-    rho)`` seconds at prefill utilisation ``rho`` (what arrives meanwhile is served too), and
-    requests arrive at its ``arrival_rate``. ``rho`` is the uncached tokens a second sent to
-    it lately times the seconds each takes, at most ``most`` (a saturated queue's busy
-    period has no end, and the rates lag the queue)."""
+def utilisation(by_rate: float, waiting: float, most: float) -> float:
+    """The average worker's prefill utilisation ``rho``, at most ``most`` (a saturated
+    queue's busy period has no end). Of two estimates the higher: ``by_rate``, the uncached
+    tokens a second sent to it lately times the seconds each takes, and what its queue
+    shows, ``L / (1 + L)`` for ``L = waiting`` requests waiting there (M/M/1: ``L = rho / (1
+    - rho)``). The rates are decaying sums over tens of seconds and lag a burst; the queue
+    shows it at once."""
+    rho = max(by_rate, waiting / (1.0 + waiting))
+    return rho if rho < most else most
+
+
+def later_arrivals(loads: Mapping[str, WorkerLoad], waits: Sequence[float], unit_s: float,
+                   most: float) -> tuple[float, float]:
+    """``(k, wait)``: the requests reaching the average worker per unit of work its queue
+    takes to drain, and that queue (the mean of ``waits``, each worker's
+    :func:`queued_wait` in ``loads``' order). At utilisation ``rho`` (:func:`utilisation`)
+    ``x`` units drain in ``x * unit_s / (1 - rho)`` seconds (M/G/1, first come first
+    served: what arrives meanwhile is served too), and requests arrive at its
+    ``arrival_rate``: ``k = rate * unit_s / (1 - rho)`` (0, 0 for no workers)."""
     if not loads:
-        return 0.0
+        return 0.0, 0.0
     n = len(loads)
-    wait = sum(queued_wait(ld, attn) for ld in loads.values()) / n
-    rate = sum(ld.arrival_rate for ld in loads.values()) / n
-    rho = sum(ld.prefill_rate for ld in loads.values()) * unit_s / n
-    return rate * wait * unit_s / (1.0 - (rho if rho < most else most))
+    lds = loads.values()
+    rho = utilisation(sum(ld.prefill_rate for ld in lds) * unit_s / n,
+                      sum(ld.waiting for ld in lds) / n, most)
+    return sum(ld.arrival_rate for ld in lds) / n * unit_s / (1.0 - rho), sum(waits) / n
+
+
+def drain_delay(own: float, k: float, wait: float) -> float:
+    """What a prefill of ``own`` units costs the ``k * wait`` requests arriving before the
+    queue ahead of it drains (:func:`later_arrivals`): each waits all of it."""
+    return own * k * wait
+
+
+def extension_delay(own: float, k: float) -> float:
+    """What it costs the ``k * own`` requests arriving while it runs, beyond that queue:
+    each waits half of it on average. Makes a long redo dear even on an idle worker."""
+    return own * k * (own / 2.0)
 
 
 def cache_pressure(n: float, duplicate: float, ld: WorkerLoad, block_size: int,
@@ -99,7 +140,8 @@ def longest_cached(query: RouteQuery) -> int:
 
 @dataclass(slots=True)
 class KvrouteV2:
-    """Least first-token time plus what the choice costs the requests after it.
+    """Least first-token time plus what the choice costs the requests after it, and a
+    background copy of a hot prefix when its demand pays for one.
 
     Formula, for each worker ``w``, in work units (one = the linear prefill of one token,
     ``unit_s`` = 86 us on the default cost model); lowest wins, ties by a rendezvous hash of
@@ -109,24 +151,30 @@ class KvrouteV2:
 
         first_w       = wait_w + own_w                     # its prefill ends
         own_w         = n_w * (1 + attn * (c_w + n_w / 2))  n_w = P - c_w
-        wait_w        = pending_w + attn * context_w
+        wait_w        = queued_w - elapsed_w
+        queued_w      = pending_w + attn * context_w
+        elapsed_w     = queued_w * min(1, budget_w / pending_w) / 2
         decode_w      = decode * busy_w * (1 + first_w / budget_w)
-        externality_w = own_w * N + joined_w * queued_w
-        N             = delay * lambda * unit_s * wait / (1 - min(rho, most_busy))
+        externality_w = own_w * k * (wait + own_w / 2) + joined_w * nqueued_w
+        k             = delay * lambda * unit_s / (1 - rho)
+        rho           = min(most_busy, max(pi * unit_s, L / (1 + L)))
         pressure_w    = reuse * min(c* - c_w, n_w - room_w)   if both > 0, else 0
 
     ``P`` is the prompt's tokens, ``c_w`` those of its longest prefix cached on ``w`` (with
     the router's predicted blocks: what requests already sent there will have stored when
     this one starts), ``c*`` the longest on any worker; ``pending_w`` / ``context_w`` the
-    prefill queued there and the context it attends to, ``busy_w`` its running sequences,
-    ``budget_w`` its prefill tokens per iteration (0: unknown, one iteration), ``queued_w``
+    prefill queued there and the context it attends to, ``elapsed_w`` the half of its first
+    iteration done on average when a request comes, ``busy_w`` its running sequences,
+    ``budget_w`` its prefill tokens per iteration (0: unknown, one iteration), ``nqueued_w``
     its queue and ``joined_w`` the part of ``own_w`` admitted in the same iteration as that
     queue (all of it if it fits the budget's room; the room's worth on a chunking engine),
-    ``room_w`` the tokens of its cache holding no prefix. ``N`` is how many later requests
-    each unit of prefill delays: those reaching the average worker (``lambda`` a second)
-    before its queue (``wait``) drains at its prefill utilisation ``rho`` (uncached tokens a
-    second sent to it times ``unit_s``), the M/G/1 busy period. ``first_w`` and ``decode_w``
-    are when the request's first token comes on ``w``; the rest is what it costs others.
+    ``room_w`` the tokens of its cache holding no prefix. ``k * wait`` later requests wait
+    out all of a prefill placed now (those reaching the average worker, ``lambda`` a second,
+    before its ``wait`` drains at utilisation ``rho``: the M/G/1 busy period), and the ``k *
+    own_w`` arriving while it runs half of it. ``rho`` is the higher of the rates' estimate
+    (``pi`` uncached tokens a second) and the queue's (``L`` requests waiting; M/M/1).
+    ``first_w`` and ``decode_w`` are when the request's first token comes on ``w``; the
+    rest is what it costs others. :meth:`replica` names the copy.
     """
 
     attn: float = param(_MODEL.attn_s_per_token_pair / _MODEL.linear_s_per_token,
@@ -157,28 +205,31 @@ class KvrouteV2:
                 raise ValueError(f"{f.name} must be {r.wanted(False)} ({f.metadata['help']}), "
                                  f"got {getattr(self, f.name)!r}")
 
-    def terms(self, query: RouteQuery, worker: str, delayed: float, top: int
+    def terms(self, query: RouteQuery, worker: str, later: tuple[float, float], top: int
               ) -> dict[str, float]:
-        """The formula's terms for one worker, by name (``delayed``: :meth:`delayed`;
-        ``top``: :func:`longest_cached`): what docs/policy.md's ablation removes one at a
-        time. Their sum, in this order, is :meth:`score`."""
+        """The formula's terms for one worker, by name (``later``: :meth:`later`; ``top``:
+        :func:`longest_cached`): what docs/policy.md's ablation removes one at a time. Their
+        sum, in this order, is :meth:`score`."""
         ld = query.loads[worker]
         c = query.cached_tokens(worker)
         n = query.prompt_tokens - c
         own = own_prefill(n, c, self.attn)
-        wait = queued_wait(ld, self.attn)
-        return {"wait": wait, "own": own,
-                "decode": decode_delay(ld, wait + own, self.decode),
-                "arrivals": own * delayed,
+        queued = queued_prefill(ld, self.attn)
+        done = -elapsed(ld, queued)
+        k, wait = later
+        return {"wait": queued, "elapsed": done, "own": own,
+                "decode": decode_delay(ld, queued + done + own, self.decode),
+                "arrivals": drain_delay(own, k, wait), "extension": extension_delay(own, k),
                 "joined": joined(ld, n, c, self.attn) * ld.queued,
                 "pressure": cache_pressure(n, top - c, ld, query.block_size, self.reuse)}
 
-    def score(self, query: RouteQuery, worker: str, delayed: float, top: int) -> float:
+    def score(self, query: RouteQuery, worker: str, later: tuple[float, float], top: int
+              ) -> float:
         """``score_w`` of the formula for one worker, term by term: the reference
         :meth:`rank` is checked against."""
-        t = self.terms(query, worker, delayed, top)
-        return (t["wait"] + t["own"] + t["decode"] + (t["arrivals"] + t["joined"])
-                + t["pressure"])
+        t = self.terms(query, worker, later, top)
+        return (t["wait"] + t["elapsed"] + t["own"] + t["decode"]
+                + (t["arrivals"] + t["extension"] + t["joined"]) + t["pressure"])
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         """Workers by :meth:`score`, the terms inlined: a decision ranks every worker, and
@@ -189,29 +240,38 @@ class KvrouteV2:
         p, bs = query.prompt_tokens, query.block_size
         attn, decode, reuse = self.attn, self.decode, self.reuse
         chunked = PrefillMode.CHUNKED
-        delayed = self.delayed(query)
+        # Each worker's queued_wait, once: the averages need them all before any score.
+        waits = []
+        for ld in loads.values():
+            pending, budget = ld.pending_prefill_tokens, ld.max_batched_tokens
+            queued = pending + attn * ld.pending_prefill_context
+            if pending:
+                queued += -(0.5 * queued * (budget / pending if budget and budget < pending
+                                            else 1.0))
+            waits.append(queued)
+        k, wait_avg = self._later(loads, waits)
         matched = query.matched_blocks
         top = longest_cached(query)
         costs: dict[str, float] = {}
         # The same sums in the same order as score(), so both give the very same floats.
-        for w, ld in loads.items():
+        for (w, ld), queued in zip(loads.items(), waits, strict=True):
             m = matched.get(w)
             c = min(m * bs, p) if m else 0
             n = p - c
             own = n * (1.0 + attn * (c + n / 2.0))
-            first = ld.pending_prefill_tokens + attn * ld.pending_prefill_context + own
+            budget = ld.max_batched_tokens
+            first = queued + own
             cost = first
             if ld.busy:
-                budget = ld.max_batched_tokens
                 cost += decode * ld.busy * (1.0 + first / budget if budget else 1.0)
-            ext = own * delayed
-            queued = ld.queued
-            if queued and ld.max_batched_tokens:
-                room = ld.max_batched_tokens - ld.pending_prefill_tokens
+            ext = own * k * wait_avg + own * k * (own / 2.0)
+            nq = ld.queued
+            if nq and budget:
+                room = budget - ld.pending_prefill_tokens
                 if n <= room:
-                    ext += own * queued
+                    ext += own * nq
                 elif room > 0 and ld.prefill_mode is chunked:
-                    ext += room * (1.0 + attn * (c + room / 2.0)) * queued
+                    ext += room * (1.0 + attn * (c + room / 2.0)) * nq
             cost += ext
             if c < top and ld.capacity_blocks > 0:
                 room = (ld.capacity_blocks - ld.cached_blocks) * bs
@@ -224,11 +284,47 @@ class KvrouteV2:
 
     def costs_by_terms(self, query: RouteQuery) -> dict[str, float]:
         """Every worker's :meth:`score` (the oracle, for tests and docs)."""
-        delayed, top = self.delayed(query), longest_cached(query)
-        return {w: self.score(query, w, delayed, top) for w in query.loads}
+        later, top = self.later(query), longest_cached(query)
+        return {w: self.score(query, w, later, top) for w in query.loads}
 
-    def delayed(self, query: RouteQuery) -> float:
-        """How many later requests each unit of this one's prefill delays: ``delay`` times
-        :func:`later_arrivals`."""
-        return self.delay * later_arrivals(query.loads, self.attn, self.unit_s, self.most_busy)
+    def later(self, query: RouteQuery) -> tuple[float, float]:
+        """``(k, wait)`` of :func:`later_arrivals`, ``k`` times ``delay``."""
+        loads = query.loads
+        return self._later(loads, [queued_wait(ld, self.attn) for ld in loads.values()])
 
+    def _later(self, loads: Mapping[str, WorkerLoad], waits: Sequence[float]
+               ) -> tuple[float, float]:
+        k, wait = later_arrivals(loads, waits, self.unit_s, self.most_busy)
+        return self.delay * k, wait
+
+    def replica(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
+        """Where to copy the prompt's longest cached prefix in the background, and its
+        tokens, when the request goes to a holder ``h`` of it and a second copy saves the
+        prefix's next requests more than it costs; else None (see docs/policy.md).
+
+        The prefix's demand (``prefix_rate``, requests a second over the router's rate
+        window, ``ARRIVAL_TAU_S``) is taken to go on for one more such window: that many of
+        its next requests wait ``wait_h`` on ``h``. A copy on the worker ``m`` with the
+        shortest wait among those lacking it lets each start ``wait_h - wait_m`` sooner; it
+        costs the prefix's prefill there and what that delays others (the arrivals terms).
+        Copy when ``rate * ARRIVAL_TAU_S * (wait_h - wait_m)`` exceeds that cost."""
+        rate = query.prefix_rate
+        loads = query.loads
+        top = longest_cached(query)
+        if not rate or not top or query.cached_tokens(worker) < top:
+            return None  # no demand, nothing cached, or the request brings it itself
+        attn = self.attn
+        wait_h = queued_wait(loads[worker], attn)
+        copy = own_prefill(top, 0, attn)
+        if rate * ARRIVAL_TAU_S * wait_h <= copy:
+            return None  # even an idle worker free of cost would not pay: skip the scan
+        lacking = [(queued_wait(ld, attn), w) for w, ld in loads.items()
+                   if query.cached_tokens(w) < top]
+        if not lacking:
+            return None  # every worker holds it
+        wait_m, target = min(lacking)  # ties: by name, the same on every router
+        if wait_m >= wait_h:
+            return None
+        k, wait = self.later(query)
+        cost = copy + drain_delay(copy, k, wait) + extension_delay(copy, k)
+        return (target, top) if rate * ARRIVAL_TAU_S * (wait_h - wait_m) > cost else None

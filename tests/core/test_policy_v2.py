@@ -14,11 +14,15 @@ from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.policies.kvroute_v2 import (
     cache_pressure,
     decode_delay,
+    elapsed,
+    extension_delay,
     joined,
     later_arrivals,
     longest_cached,
     own_prefill,
+    queued_prefill,
     queued_wait,
+    utilisation,
 )
 from kvroute.router.decide import rank_request
 
@@ -32,6 +36,10 @@ def q(matched: dict[str, int], loads: dict[str, WorkerLoad], prompt: int = 1024,
 
 def best(pol: KvrouteV2, query: RouteQuery) -> str:
     return pol.rank(query)[0].worker
+
+
+def waits(loads: dict[str, WorkerLoad]) -> list[float]:
+    return [queued_wait(ld, KvrouteV2().attn) for ld in loads.values()]
 
 
 def test_defaults_come_from_the_cost_model() -> None:
@@ -102,20 +110,50 @@ def test_decode_term_prefers_the_smaller_batch_and_counts_iterations() -> None:
     assert decode_delay(WorkerLoad(running=10), 3000, pol.decode) == pytest.approx(one)
 
 
+def test_a_running_prefill_is_counted_half_done() -> None:
+    """The router counts a prefill whole until its first token; a request arriving while the
+    worker runs it finds half of its first iteration done on average."""
+    attn = KvrouteV2().attn
+    one = WorkerLoad(pending_prefill_tokens=6000, max_batched_tokens=16384)
+    assert queued_prefill(one, attn) == 6000
+    assert elapsed(one, 6000) == 3000 and queued_wait(one, attn) == 3000
+    # longer than one iteration: half of the budget's worth is done, the rest all ahead
+    long = WorkerLoad(pending_prefill_tokens=40_000, max_batched_tokens=8192)
+    assert queued_wait(long, 0.0) == pytest.approx(40_000 - 4096)
+    assert queued_wait(WorkerLoad(pending_prefill_tokens=8000), 0.0) == 4000  # no budget
+    assert queued_wait(WorkerLoad(), attn) == 0.0
+
+
 def test_later_arrivals_grow_with_the_cluster_queue_and_make_misses_dearer() -> None:
     """With no queue a holder with a short backlog loses to an idle worker (its own first
     token comes sooner there); once the cluster queues, the miss's redo delays the later
     arrivals too, and the request stays on its prefix."""
     pol = KvrouteV2()
-    calm = {"a": WorkerLoad(pending_prefill_tokens=6000), "b": WorkerLoad()}
+    calm = {"a": WorkerLoad(pending_prefill_tokens=12_000), "b": WorkerLoad()}
     assert best(pol, q({"a": 20}, calm)) == "b"  # 320 of 1024 tokens cached on a
-    crowd = {f"x{i}": WorkerLoad(pending_prefill_tokens=200_000, arrival_rate=2.0,
+    crowd = {f"x{i}": WorkerLoad(pending_prefill_tokens=400_000, arrival_rate=2.0,
                                  prefill_rate=5000.0) for i in range(6)}
     busy = {**calm, **crowd}
-    assert later_arrivals(busy, pol.attn, pol.unit_s, pol.most_busy) > \
-        later_arrivals(calm, pol.attn, pol.unit_s, pol.most_busy) == 0.0
+    k_busy, wait_busy = later_arrivals(busy, waits(busy), pol.unit_s, pol.most_busy)
+    k_calm, _ = later_arrivals(calm, waits(calm), pol.unit_s, pol.most_busy)
+    assert k_busy * wait_busy > 0.0 == k_calm  # nobody arrives at the calm cluster
     assert best(pol, q({"a": 20}, busy)) == "a"
     assert best(KvrouteV2(delay=0), q({"a": 20}, busy)) == "b"  # the term removed
+
+
+def test_utilisation_reads_a_burst_from_the_queue_before_the_rates() -> None:
+    """Rates lag a burst; requests waiting show it at once (M/M/1: L = rho / (1 - rho))."""
+    pol = KvrouteV2()
+    assert utilisation(0.2, 0.0, 0.9) == 0.2  # no queue: the rates' estimate
+    assert utilisation(0.2, 3.0, 0.99) == pytest.approx(0.75)  # L = 3
+    assert utilisation(0.2, 3.0, 0.5) == 0.5  # capped
+    # in later_arrivals: the same rates, with and without a queue
+    quiet = {w: WorkerLoad(prefill_rate=1000.0, arrival_rate=4.0) for w in "ab"}
+    burst = {w: WorkerLoad(prefill_rate=1000.0, arrival_rate=4.0, queued=3) for w in "ab"}
+    k_quiet, _ = later_arrivals(quiet, waits(quiet), pol.unit_s, 0.99)
+    k_burst, _ = later_arrivals(burst, waits(burst), pol.unit_s, 0.99)
+    assert k_quiet == pytest.approx(4.0 * pol.unit_s / (1 - 1000.0 * pol.unit_s))
+    assert k_burst == pytest.approx(4.0 * pol.unit_s / (1 - 0.75))
 
 
 def test_later_arrivals_busy_period_is_capped() -> None:
@@ -124,8 +162,46 @@ def test_later_arrivals_busy_period_is_capped() -> None:
     sat = {"a": WorkerLoad(pending_prefill_tokens=1000, arrival_rate=1.0,
                            prefill_rate=1e6)}
     pol = KvrouteV2()
-    n = later_arrivals(sat, pol.attn, pol.unit_s, pol.most_busy)
-    assert n == pytest.approx(1.0 * 1000 * pol.unit_s / (1 - pol.most_busy), rel=1e-3)
+    k, wait = later_arrivals(sat, waits(sat), pol.unit_s, pol.most_busy)
+    assert k == pytest.approx(1.0 * pol.unit_s / (1 - pol.most_busy))
+    assert wait == queued_wait(sat["a"], pol.attn)
+
+
+def test_the_requests_arriving_meanwhile_make_a_long_redo_dear() -> None:
+    """The requests arriving while a prefill runs wait half of it (quadratic in its length),
+    and those arriving before the queue ahead drains all of it: with arrivals, a long redo
+    loses to a wait on the holder that it would beat without them."""
+    k = 2.0 * KvrouteV2().unit_s  # 2 requests a second, idle
+    assert extension_delay(2000, k) == pytest.approx(2000 * k * 1000)
+    assert extension_delay(8000, k) == pytest.approx(16 * extension_delay(2000, k))
+    loads = {"h": WorkerLoad(pending_prefill_tokens=60_000, arrival_rate=8.0),
+             "m": WorkerLoad(arrival_rate=8.0)}
+    # 16k tokens, 15k of them cached on h: the redo on m (16k) costs more than h's wait
+    assert best(KvrouteV2(), q({"h": 940}, loads, 16_000)) == "h"
+    # without arrivals the redo is only its own prefill, and m's first token comes sooner
+    still = {w: WorkerLoad(pending_prefill_tokens=ld.pending_prefill_tokens)
+             for w, ld in loads.items()}
+    assert best(KvrouteV2(), q({"h": 940}, still, 16_000)) == "m"
+
+
+def test_a_hot_prefix_is_copied_when_its_demand_pays_for_it() -> None:
+    pol = KvrouteV2()
+    loads = {"h": WorkerLoad(pending_prefill_tokens=20_000), "m": WorkerLoad(),
+             "n": WorkerLoad(pending_prefill_tokens=5000)}
+    hot = RouteQuery(3000, BS, {"h": 180}, loads, 1, 1, prefix_rate=5.0)
+    assert pol.replica(hot, "h") == ("m", 2880)  # the idle worker gets the 180 blocks
+    # no demand, or a request that goes elsewhere (it brings the prefix there itself)
+    assert pol.replica(RouteQuery(3000, BS, {"h": 180}, loads, 1, 1), "h") is None
+    assert pol.replica(hot, "m") is None
+    # a trickle of demand does not pay for a copy
+    cold = RouteQuery(3000, BS, {"h": 180}, loads, 1, 1, prefix_rate=0.01)
+    assert pol.replica(cold, "h") is None
+    # every worker holds it, or the others are busier than the holder
+    assert pol.replica(RouteQuery(3000, BS, dict.fromkeys(loads, 180), loads, 1, 1,
+                                  prefix_rate=5.0), "h") is None
+    idle_h = {**loads, "h": WorkerLoad()}
+    assert pol.replica(RouteQuery(3000, BS, {"h": 180}, idle_h, 1, 1, prefix_rate=5.0),
+                       "h") is None
 
 
 def test_joined_charges_the_queue_whose_iteration_it_joins() -> None:
@@ -144,8 +220,8 @@ def test_joined_charges_the_queue_whose_iteration_it_joins() -> None:
                                         max_batched_tokens=8192)}
     query = q({}, loads, 4000)
     pol = KvrouteV2(delay=0)
-    assert pol.terms(query, "a", 0.0, 0)["joined"] == 3 * own_prefill(4000, 0, attn)
-    assert pol.terms(query, "b", 0.0, 0)["joined"] == 0.0
+    assert pol.terms(query, "a", (0.0, 0.0), 0)["joined"] == 3 * own_prefill(4000, 0, attn)
+    assert pol.terms(query, "b", (0.0, 0.0), 0)["joined"] == 0.0
 
 
 def test_cache_pressure_charges_copies_that_evict() -> None:

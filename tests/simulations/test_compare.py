@@ -20,6 +20,7 @@ from kvroute.simulations.compare import (
     matched_to_json,
     parse_jitters,
     replay_jittered,
+    score_aims,
     score_cell,
     verdicts,
 )
@@ -223,3 +224,22 @@ def test_runs_survive_json_and_bad_json_is_named() -> None:
             jittered_from_json(bad, "f.json")
     with pytest.raises(ValueError, match=r"f.json\[0\]: not a matched policy"):
         matched_from_json([{"policy": "p"}], "f.json")
+
+
+def test_the_aims_are_scored_against_the_best_peer_on_each_metric() -> None:
+    # against two peers, each best on something: p has the lower mean and p99, q the hits
+    focus = ten("k", [1.0] * 3, [2.03] * 3, [0.496] * 3)
+    p = ten("p", [1.0] * 3, [2.0] * 3, [0.40] * 3)
+    q = ten("q", [3.0] * 3, [9.0] * 3, [0.50] * 3)
+    v1 = ten("kvroute_v1", [0.1] * 3, [0.1] * 3, [0.9] * 3)  # not a peer: ignored
+    met = score_aims([focus, p, q, v1], "k", ["p", "q"])
+    assert met.failed == ()  # a tie on the mean; p99 +1.5% (< 2%); hits -0.4 points
+    assert abs(met.p99_margin - 0.015) < 1e-9 and abs(met.hit_margin + 0.004) < 1e-9
+    worse = score_aims([ten("k", [1.01] * 3, [2.05] * 3, [0.49] * 3), p, q], "k", ["p", "q"])
+    assert worse.failed == ("mean TTFT", "p99 TTFT", "hit ratio")
+    # the non-peer, were it a peer, would fail every aim
+    assert len(score_aims([focus, v1], "k", ["kvroute_v1"]).failed) == 3
+    with pytest.raises(ValueError, match="none of the peers"):
+        score_aims([focus, v1], "k", ["p"])
+    with pytest.raises(ValueError, match="no policy 'x'"):
+        score_aims([focus, p], "x", ["p"])
