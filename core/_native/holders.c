@@ -9,8 +9,10 @@
  * workers, <= 40 B at 10,000) and the routing walk ANDs its running set with it word by
  * word (the walk reads only the first mask). A holder in a list is a uint32: the slot, and
  * the PRED bit for a predicted (not really stored) one. Per-slot counts of real holders
- * are kept, so count/entries are O(1); keys_of and clear_slot scan the table (they run on
- * resync and worker removal, not per decision).
+ * are kept, so count/entries are O(1). Per slot, a log of the keys it was made a real
+ * holder of (appended to on add, not on remove) lets keys_of and clear_slot visit only
+ * those keys instead of scanning the table: a worker's clear (a new epoch, a snapshot
+ * reload, its removal) costs its own keys, not the whole map's.
  *
  * Invariants:
  *   - an entry is empty iff n == 0 (a key with no holder is deleted), so every 64-bit key,
@@ -23,6 +25,9 @@
  *     predicted bits are a subset of its every-holder bits;
  *   - a slot holds a key at most once, either real or predicted (PRED), never both;
  *   - counts[s] is the number of keys slot s really (not PRED) holds; entries their sum;
+ *   - every key slot s really holds is in logs[s] (maybe more than once, and beside keys it
+ *     no longer holds); a log longer than 3 * counts[s] / 2 + LOG_SLACK after a call is
+ *     compacted to the keys held, once each (if memory allows; else at a later call);
  *   - width covers every slot ever given (slot < 64 * width), so a walk's running set fits.
  *
  * Keys are ints in [0, 2**64) (OverflowError/TypeError otherwise, before any change for
@@ -40,6 +45,7 @@
 #define MASK 0x80000000u
 #define MAX_SLOT (1 << 20)
 #define MIN_CAP 64
+#define LOG_SLACK 64
 
 typedef struct {
     uint64_t key;
@@ -59,6 +65,8 @@ typedef struct {
     int shift; /* 64 - log2(cap): the home slot is the top bits of a multiplicative hash */
     size_t width;   /* words covering every slot given */
     size_t *counts; /* ncounts slots' real holder counts */
+    uint64_t **logs; /* ncounts slots' key logs, log_len[s] keys of log_cap[s] */
+    size_t *log_len, *log_cap;
     size_t ncounts, entries;
     size_t heap_bytes; /* lists and masks */
 } HolderMap;
@@ -364,18 +372,35 @@ static int check_slot(Py_ssize_t slot) {
     return 0;
 }
 
-/* Make room for slot: its count, and the walk's width. */
+/* p, an array of `old` elements of `size` bytes, grown to n, the new ones zeroed; NULL on
+ * no memory (p then unchanged, still the caller's). */
+static void *grow_zeroed(void *p, size_t old, size_t n, size_t size) {
+    char *q = PyMem_RawRealloc(p, n * size);
+    if (q == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memset(q + old * size, 0, (n - old) * size);
+    return q;
+}
+
+/* Make room for slot: its count, its key log, and the walk's width. */
 static int give_slot(HolderMap *m, uint32_t slot) {
     if (slot >= m->ncounts) {
         size_t n = m->ncounts ? m->ncounts : 64;
         while (n <= slot) n *= 2;
-        size_t *c = PyMem_RawRealloc(m->counts, n * sizeof(size_t));
-        if (c == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memset(c + m->ncounts, 0, (n - m->ncounts) * sizeof(size_t));
+        size_t *c = grow_zeroed(m->counts, m->ncounts, n, sizeof(size_t));
+        if (c == NULL) return -1;
         m->counts = c;
+        uint64_t **lg = grow_zeroed(m->logs, m->ncounts, n, sizeof(uint64_t *));
+        if (lg == NULL) return -1;
+        m->logs = lg;
+        size_t *ll = grow_zeroed(m->log_len, m->ncounts, n, sizeof(size_t));
+        if (ll == NULL) return -1;
+        m->log_len = ll;
+        size_t *lc = grow_zeroed(m->log_cap, m->ncounts, n, sizeof(size_t));
+        if (lc == NULL) return -1;
+        m->log_cap = lc;
         m->ncounts = n;
     }
     if (slot / 64 >= m->width) m->width = slot / 64 + 1;
@@ -402,6 +427,8 @@ static inline void prefetch_key(const HolderMap *m, uint64_t key) {
 }
 
 
+static int log_compact(HolderMap *m, uint32_t s);
+
 /* Drop slot's holder of each key if it is in state `want`; returns how many, or -1. */
 static Py_ssize_t drop_keys(HolderMap *m, const uint64_t *ks, Py_ssize_t n, uint32_t slot,
                             int want) {
@@ -418,34 +445,82 @@ static Py_ssize_t drop_keys(HolderMap *m, const uint64_t *ks, Py_ssize_t n, uint
     if (want == REAL) {
         m->counts[slot] -= (size_t)dropped;
         m->entries -= (size_t)dropped;
+        if (log_compact(m, slot) < 0) PyErr_Clear(); /* a superset still: compact later */
     }
     return dropped;
 }
 
-/* The keys slot s really holds, in an array of counts[s] (free with PyMem_Free). */
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The keys slot s really holds, each once, in an array of counts[s] (free with
+ * PyMem_Free): its log's keys still held, sorted, duplicates dropped. */
 static uint64_t *real_keys(HolderMap *m, uint32_t s, size_t *n) {
-    *n = s < m->ncounts ? m->counts[s] : 0;
-    uint64_t *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+    size_t len = s < m->ncounts ? m->log_len[s] : 0;
+    uint64_t *out = PyMem_Malloc((len ? len : 1) * sizeof(uint64_t));
     if (out == NULL) {
         PyErr_NoMemory();
         return NULL;
     }
     size_t k = 0;
-    for (size_t i = 0; k < *n && i < m->cap; i++) {
-        Entry *e = &m->tab[i];
+    for (size_t i = 0; i < len; i++) {
+        uint64_t key = m->logs[s][i];
+        if (i + PREFETCH < len) prefetch_key(m, m->logs[s][i + PREFETCH]);
+        Entry *e = find(m, key);
         uint32_t at;
-        if (e->n && state_of(e, s, &at) == REAL) out[k++] = e->key;
+        if (e != NULL && state_of(e, s, &at) == REAL) out[k++] = key;
     }
+    qsort(out, k, sizeof(uint64_t), cmp_u64);
+    size_t u = 0;
+    for (size_t i = 0; i < k; i++)
+        if (u == 0 || out[u - 1] != out[i]) out[u++] = out[i];
+    *n = u; /* == counts[s], by the log's invariant */
     return out;
+}
+
+/* Room in slot s's log for `extra` more keys. 0, or -1 on no memory. */
+static int log_reserve(HolderMap *m, uint32_t s, size_t extra) {
+    size_t need = m->log_len[s] + extra;
+    if (need <= m->log_cap[s]) return 0;
+    size_t cap = m->log_cap[s] + m->log_cap[s] / 2;
+    if (cap < need) cap = need;
+    uint64_t *l = PyMem_RawRealloc(m->logs[s], cap * sizeof(uint64_t));
+    if (l == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    m->heap_bytes += (cap - m->log_cap[s]) * sizeof(uint64_t);
+    m->logs[s] = l;
+    m->log_cap[s] = cap;
+    return 0;
+}
+
+/* Rewrite slot s's log as the keys it holds, once each, when it has grown past the bound
+ * of the invariant (keys removed since stay in a log until then). 0, or -1 on no memory
+ * (the log is then left as it was: still a superset). */
+static int log_compact(HolderMap *m, uint32_t s) {
+    if (m->log_len[s] <= 3 * m->counts[s] / 2 + LOG_SLACK) return 0;
+    size_t n;
+    uint64_t *ks = real_keys(m, s, &n);
+    if (ks == NULL) return -1;
+    memcpy(m->logs[s], ks, n * sizeof(uint64_t));
+    m->log_len[s] = n;
+    PyMem_Free(ks);
+    return 0;
 }
 
 /* Drop every key slot s really holds; how many, or -1 on no memory. */
 static Py_ssize_t clear_slot(HolderMap *m, uint32_t s) {
-    if (s >= m->ncounts || m->counts[s] == 0) return 0; /* no scan for an empty slot */
+    if (s >= m->ncounts || m->counts[s] == 0) {
+        if (s < m->ncounts) m->log_len[s] = 0; /* only keys no longer held */
+        return 0;
+    }
     size_t n;
-    /* Collected first: deleting while scanning would shift entries under the scan. */
     uint64_t *ks = real_keys(m, s, &n);
     if (ks == NULL) return -1;
+    m->log_len[s] = 0; /* it will hold none (and drop_keys has no log to compact) */
     Py_ssize_t dropped = drop_keys(m, ks, (Py_ssize_t)n, s, REAL);
     PyMem_Free(ks);
     return dropped;
@@ -453,7 +528,7 @@ static Py_ssize_t clear_slot(HolderMap *m, uint32_t s) {
 
 /* Make slot a real holder of ks[0..n). 0, or -1 on no memory (keys before stay added). */
 static int add_keys(HolderMap *m, const uint64_t *ks, Py_ssize_t n, uint32_t slot) {
-    if (give_slot(m, slot) < 0) return -1;
+    if (give_slot(m, slot) < 0 || log_reserve(m, slot, (size_t)n) < 0) return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH < n) prefetch_key(m, ks[i + PREFETCH]);
         Entry *e = find_or_insert(m, ks[i]);
@@ -474,7 +549,10 @@ static int add_keys(HolderMap *m, const uint64_t *ks, Py_ssize_t n, uint32_t slo
         }
         m->counts[slot]++;
         m->entries++;
+        m->logs[slot][m->log_len[slot]++] = ks[i]; /* room reserved above */
     }
+    if (log_compact(m, slot) < 0) PyErr_Clear(); /* a batch naming keys twice may pass the
+                                                    * bound; on no memory, compact later */
     return 0;
 }
 
@@ -812,7 +890,7 @@ static Py_ssize_t HolderMap_len(HolderMap *m) { return (Py_ssize_t)m->used; }
 static PyObject *HolderMap_nbytes(HolderMap *m, void *closure) {
     (void)closure;
     return PyLong_FromSize_t(m->cap * sizeof(Entry) + m->heap_bytes +
-                             m->ncounts * sizeof(size_t));
+                             m->ncounts * (3 * sizeof(size_t) + sizeof(uint64_t *)));
 }
 
 static PyObject *HolderMap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -827,6 +905,10 @@ static void HolderMap_dealloc(HolderMap *m) {
     for (size_t i = 0; i < m->cap; i++)
         if (on_heap(&m->tab[i])) PyMem_RawFree(m->tab[i].u.list);
     PyMem_RawFree(m->tab);
+    for (size_t i = 0; i < m->ncounts; i++) PyMem_RawFree(m->logs[i]);
+    PyMem_RawFree(m->logs);
+    PyMem_RawFree(m->log_len);
+    PyMem_RawFree(m->log_cap);
     PyMem_RawFree(m->counts);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
