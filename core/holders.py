@@ -18,9 +18,10 @@ counts keys with at least one holder; a slot holds a key at most once, really or
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Container, Iterable, Sequence
 from typing import Any, Protocol
+
+from kvroute.core.redis_schema import unpack_keys
 
 try:  # the optional C build (setup.py); absent, the dict backend runs
     from kvroute.core._holders import HolderMap as _NativeHolders
@@ -122,7 +123,7 @@ class DictHolders:
             raise ValueError(f"snapshot member of {len(bad)} bytes is not one 8-byte key")
         if replace:
             self.clear_slot(slot)
-        self.add(struct.unpack(f">{len(members)}Q", b"".join(members)), slot)
+        self.add(unpack_keys(b"".join(members)), slot)
 
     def _clear(self, keys: Iterable[int], slot: int) -> None:
         clear = ~(1 << slot)

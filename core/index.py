@@ -100,8 +100,8 @@ class PrefixIndex:
 
     def clear_worker(self, worker: str) -> int:
         """Drop every key ``worker`` really holds (predictions stay) but keep its slot.
-        Returns the number of keys dropped. (A scan of the whole map: for resyncs and
-        removals, not per event.)"""
+        Returns the number of keys dropped. (It visits the worker's key log in the map:
+        its own keys, not the whole map's.)"""
         slot = self._slot_of.get(worker)
         return 0 if slot is None else self._holders.clear_slot(slot)
 
@@ -202,7 +202,8 @@ class PrefixIndex:
         return 0 if slot is None else self._holders.count(slot)
 
     def keys_of(self, worker: str) -> set[int]:
-        """The keys ``worker`` really holds (a scan of the whole map: not per decision)."""
+        """The keys ``worker`` really holds (from its key log in the map: not per
+        decision)."""
         slot = self._slot_of.get(worker)
         return set() if slot is None else set(self._holders.keys_of(slot))
 

@@ -310,10 +310,10 @@ class Heartbeat:
         return hb
 
 
-def parse_snapshot(meta: Mapping[bytes, bytes], members: Sequence[bytes]
-                   ) -> tuple[str, int, list[int]]:
-    """(epoch, seq, block keys) of a worker's snapshot read with its meta; RecordError says
-    what is wrong (every member must be exactly one 8-byte key)."""
+def parse_meta(meta: Mapping[bytes, bytes]) -> tuple[str, int]:
+    """(epoch, seq) of a worker's snapshot meta; RecordError says what is wrong. (The
+    snapshot's members are checked, one 8-byte key each, where the index decodes them:
+    ``PrefixIndex.replace_worker_packed``.)"""
     try:
         epoch = meta[b"epoch"].decode()
         seq = int(meta[b"seq"])
@@ -324,12 +324,7 @@ def parse_snapshot(meta: Mapping[bytes, bytes], members: Sequence[bytes]
     if not 0 <= seq <= INT64_MAX or not 0 < len(epoch) <= MAX_EPOCH_CHARS:
         raise RecordError(f"snapshot meta has seq {_number(seq)} or an epoch of {len(epoch)} "
                           "characters out of range", "out_of_range")
-    # C-level checks and one unpack: a bootstrap reads millions of members.
-    if members and set(map(len, members)) != {8}:
-        bad = next(m for m in members if len(m) != 8)
-        raise RecordError(f"snapshot member of {len(bad)} bytes is not one 8-byte key",
-                          "bad_type")
-    return epoch, seq, list(struct.unpack(f">{len(members)}Q", b"".join(members)))
+    return epoch, seq
 
 
 # -- access control ---------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from kvroute.core.redis_schema import (
     RedisKeys,
     check_name,
     pack_keys,
-    parse_snapshot,
+    parse_meta,
 )
 from kvroute.router.registry import Vocabulary, WorkerRegistry
 
@@ -302,7 +302,7 @@ class IndexMirror:
         try:
             # The meta checked here; the members decoded (and checked) by the index in C,
             # not into an int object per key first: a bootstrap reads millions.
-            epoch, seq, _ = parse_snapshot(meta, ())
+            epoch, seq = parse_meta(meta)
             try:
                 self.index.replace_worker_packed(worker, members)
             except ValueError as exc:  # a member not one 8-byte key: no change made

@@ -143,7 +143,7 @@ def test_heartbeat_numbers_are_bounded() -> None:
 
 
 def test_feed_and_snapshot_numbers_are_bounded() -> None:
-    from kvroute.core.redis_schema import FeedError, RecordError, parse_snapshot
+    from kvroute.core.redis_schema import FeedError, RecordError, parse_meta
 
     ok = {b"w": b"w", b"e": b"e", b"op": b"store", b"k": pack_keys([1])}
     assert FeedEvent.from_fields({**ok, b"s": str((1 << 63) - 1).encode()}).seq == (1 << 63) - 1
@@ -154,16 +154,12 @@ def test_feed_and_snapshot_numbers_are_bounded() -> None:
         assert err.value.reason == reason
     with pytest.raises(FeedError, match="bad worker") as err:
         FeedEvent.from_fields({**ok, b"s": b"1", b"w": b"two words"})
-    assert parse_snapshot({b"epoch": b"e", b"seq": b"3"}, [pack_keys([5]), pack_keys([6])]
-                          ) == ("e", 3, [5, 6])
-    for meta, members, reason in (({b"seq": b"1"}, [], "missing_field"),
-                                  ({b"epoch": b"\xff", b"seq": b"1"}, [], "bad_type"),
-                                  ({b"epoch": b"e", b"seq": str(1 << 64).encode()}, [],
-                                   "out_of_range"),
-                                  ({b"epoch": b"e", b"seq": b"1"}, [b"\x00" * 16], "bad_type"),
-                                  ({b"epoch": b"e", b"seq": b"1"}, [b"\x00" * 3], "bad_type")):
+    assert parse_meta({b"epoch": b"e", b"seq": b"3"}) == ("e", 3)
+    for meta, reason in (({b"seq": b"1"}, "missing_field"),
+                         ({b"epoch": b"\xff", b"seq": b"1"}, "bad_type"),
+                         ({b"epoch": b"e", b"seq": str(1 << 64).encode()}, "out_of_range")):
         with pytest.raises(RecordError) as err:
-            parse_snapshot(meta, members)
+            parse_meta(meta)
         assert err.value.reason == reason
 
 
