@@ -9,7 +9,8 @@
  *             arrival_weight, prefill_s_per_token, demand_horizon_s, kv_fill_from,
  *             kv_fill_full, tail_hold, churn_s, churn_full_s, chunked_prefill,
  *             chunk_caps, join_hold), floats
- *   loads:   dict worker -> WorkerLoad; each load's ``packed`` tuple is read (see
+ *   loads:   dict worker -> WorkerLoad; each load's ``packed`` is read: its fields as
+ *            bytes (load.py's PACKED_FORMAT), copied, or as a tuple, converted (see
  *            kvroute/core/load.py for its fields)
  *   matched: dict worker -> matched blocks
  *
@@ -54,9 +55,7 @@ typedef struct {
     double prefills;     /* prefill_rate */
     long long cached;    /* tokens of the prompt cached there */
     double cost;
-    uint64_t tie;        /* rendezvous hash, for sorting */
-    Py_ssize_t idx;      /* position in loads: the last tie-break */
-} Worker;
+} Worker;  /* ws[i] is the i-th worker of loads: its position is the last tie-break */
 
 /* work(n, c) = n * (1 + attn * (c + n / 2)), as kvroute_cost.work computes it */
 static double work(long long n, long long c, double attn) {
@@ -95,58 +94,171 @@ static double backlog(const Worker *w, const double *prm) {
     return b;
 }
 
+/* What the sorts order: a worker's cost or rendezvous hash and its position in ``loads``,
+ * 16 bytes together, so that a sort of 1,000 workers moves through one compact array
+ * instead of chasing pointers into their 150-byte records (that was half of the ranking's
+ * own time at 1,000 workers). */
+typedef struct {
+    double cost;
+    Py_ssize_t idx;
+} CostKey;
+
+typedef struct {
+    uint64_t tie;
+    Py_ssize_t idx;
+} TieKey;
+
 /* The orders the ranking needs, each total (positions are unique): by cost then position,
- * by rendezvous hash then position. */
-static inline int cost_before(const Worker *x, const Worker *y) {
-    if (x->cost != y->cost) return x->cost < y->cost;
-    return x->idx < y->idx;
+ * by rendezvous hash then position. Written without branches (| and & of comparisons):
+ * ``cost < y or (cost == y and idx < y's)``, as "if they differ, whether less, else the
+ * positions", NaN included (unequal to all, less than none). */
+static inline int cost_before(const CostKey *x, const CostKey *y) {
+    return (x->cost < y->cost) | ((x->cost == y->cost) & (x->idx < y->idx));
 }
 
-static inline int tie_before(const Worker *x, const Worker *y) {
-    if (x->tie != y->tie) return x->tie < y->tie;
-    return x->idx < y->idx;
+static inline int tie_before(const TieKey *x, const TieKey *y) {
+    return (x->tie < y->tie) | ((x->tie == y->tie) & (x->idx < y->idx));
 }
 
-/* A merge sort of Worker pointers with the comparison inlined: glibc's qsort, calling its
- * comparator through a pointer, was a third of the ranking's time at 128 workers. ``tmp``
- * holds n pointers. */
-#define DEFINE_SORT(NAME, BEFORE)                                                         \
-    static void NAME(Worker **a, Worker **tmp, Py_ssize_t n) {                            \
+/* A bottom-up merge sort with the comparison inlined: glibc's qsort, calling its
+ * comparator through a pointer, was a third of the ranking's time at 128 workers. The
+ * merge steps without a branch on the comparison (which costs order nearly at random,
+ * mispredicted half the time at 1,000 workers); the same comparisons in the same order as
+ * a branching merge, so the same result. ``tmp`` holds n keys. */
+#define DEFINE_SORT(NAME, KEY, BEFORE)                                                    \
+    static void NAME(KEY *a, KEY *tmp, Py_ssize_t n) {                                    \
         for (Py_ssize_t w = 1; w < n; w *= 2) {                                           \
             for (Py_ssize_t lo = 0; lo < n - w; lo += 2 * w) {                            \
                 Py_ssize_t mid = lo + w, hi = lo + 2 * w < n ? lo + 2 * w : n;            \
                 Py_ssize_t i = lo, j = mid, k = 0;                                        \
-                if (!BEFORE(a[mid], a[mid - 1])) continue; /* already in order */         \
-                while (i < mid && j < hi) tmp[k++] = BEFORE(a[j], a[i]) ? a[j++] : a[i++];  \
+                if (!BEFORE(&a[mid], &a[mid - 1])) continue; /* already in order */       \
+                while (i < mid && j < hi) {                                               \
+                    const Py_ssize_t right = BEFORE(&a[j], &a[i]);                        \
+                    tmp[k++] = a[i + ((j - i) & -right)]; /* a[j] if right, else a[i] */  \
+                    j += right;                                                           \
+                    i += 1 - right;                                                       \
+                }                                                                         \
                 while (i < mid) tmp[k++] = a[i++];                                        \
-                memcpy(a + lo, tmp, (size_t)k * sizeof(Worker *));                        \
+                memcpy(a + lo, tmp, (size_t)k * sizeof(KEY));                             \
             }                                                                             \
         }                                                                                 \
     }
 
-DEFINE_SORT(sort_by_cost, cost_before)
-DEFINE_SORT(sort_by_tie, tie_before)
+DEFINE_SORT(sort_by_cost, CostKey, cost_before)
+DEFINE_SORT(sort_by_tie, TieKey, tie_before)
+
+/* From this many workers on, the sorts by a 64-bit key are radix sorts: a merge sort of
+ * 1,000 keys is a chain of ~10,000 dependent steps (~40 us); 8 passes of one byte each
+ * are not. Below it the merge sort is as fast. */
+#define RADIX_FROM 256
+
+/* ``a`` (n keys, scratch ``tmp`` as many) sorted by ``tie`` then position, for ``a`` in
+ * the order of the positions: a stable LSD radix sort on the key's 8 bytes (a byte all
+ * keys share is skipped), so the same order as sort_by_tie, which is total. */
+static void radix_by_tie(TieKey *a, TieKey *tmp, Py_ssize_t n) {
+    Py_ssize_t count[8][256];
+    memset(count, 0, sizeof count);
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (int b = 0; b < 8; b++) count[b][(a[i].tie >> (8 * b)) & 0xff]++;
+    TieKey *src = a, *dst = tmp;
+    for (int b = 0; b < 8; b++) {
+        Py_ssize_t *c = count[b];
+        if (c[(src[0].tie >> (8 * b)) & 0xff] == n) continue;  /* one value: no change */
+        for (Py_ssize_t d = 0, at = 0; d < 256; d++) {  /* counts -> first slots */
+            const Py_ssize_t k = c[d];
+            c[d] = at;
+            at += k;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) dst[c[(src[i].tie >> (8 * b)) & 0xff]++] = src[i];
+        TieKey *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != a) memcpy(a, src, (size_t)n * sizeof(TieKey));
+}
+
+/* ``a`` (n keys in the order of their positions; scratch ``tmp``) sorted as sort_by_tie
+ * sorts it: by radix from RADIX_FROM keys on (the same total order), else merging. */
+static void sort_ties(TieKey *a, TieKey *tmp, Py_ssize_t n) {
+    if (n >= RADIX_FROM)
+        radix_by_tie(a, tmp, n);
+    else
+        sort_by_tie(a, tmp, n);
+}
+
+/* A cost as an unsigned key in the same order: for costs that are not NaN, x < y exactly
+ * when key(x) < key(y), and x == y exactly when the keys are equal (-0.0 is keyed as
+ * 0.0, which it equals). */
+static inline uint64_t cost_key(double cost) {
+    if (cost == 0.0) cost = 0.0;
+    uint64_t b;
+    memcpy(&b, &cost, sizeof b);
+    return b >> 63 ? ~b : b | (1ULL << 63);
+}
 
 /* tie_break(seed, worker) of kvroute/core/policies/base.py: XXH3_64(utf8(worker), seed) */
-static int set_ties(Worker **ws, Py_ssize_t n, uint64_t seed) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t len;
-        const char *s = PyUnicode_AsUTF8AndSize(ws[i]->name, &len);
-        if (s == NULL) return -1;
-        ws[i]->tie = XXH3_64bits_withSeed(s, (size_t)len, seed);
-    }
+static int tie_of(const Worker *w, uint64_t seed, uint64_t *tie) {
+    Py_ssize_t len;
+    const char *s = PyUnicode_AsUTF8AndSize(w->name, &len);
+    if (s == NULL) return -1;
+    *tie = XXH3_64bits_withSeed(s, (size_t)len, seed);
     return 0;
 }
 
-/* Sort by cost, equal costs by the rendezvous hash of ``seed`` (then by position): hashes
- * are computed for tied workers alone, as rank_by_cost does, since costs rarely tie. */
-static int sort_ranking(Worker **ws, Worker **tmp, Py_ssize_t n, uint64_t seed) {
-    sort_by_cost(ws, tmp, n);
+/* ``ts`` (n keys, scratch ``tmp`` as many) as the workers ``ws`` in the rendezvous order of
+ * ``seed`` (stable: equal hashes by position). */
+static int rendezvous(const Worker *ws, TieKey *ts, TieKey *tmp, Py_ssize_t n,
+                      uint64_t seed) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ts[i].idx = i;
+        if (tie_of(&ws[i], seed, &ts[i].tie) < 0) return -1;
+    }
+    sort_ties(ts, tmp, n);
+    return 0;
+}
+
+/* ``by`` (n keys, scratch ``tmp`` as many; ``ties`` and ``tie_tmp`` as many) as the workers
+ * ``ws`` sorted by cost, equal costs by the rendezvous hash of ``seed`` (then by position):
+ * hashes are computed for tied workers alone, as rank_by_cost does, since costs rarely
+ * tie. The sort starts from ``start``'s order when given (the affinity term's), else from
+ * the positions', as the ranking always has: only NaN costs could tell the difference. */
+static int sort_ranking(const Worker *ws, const TieKey *start, CostKey *by, CostKey *tmp,
+                        TieKey *ties, TieKey *tie_tmp, Py_ssize_t n, uint64_t seed) {
+    int nan = 0;
+    for (Py_ssize_t i = 0; i < n && !nan; i++) nan = isnan(ws[i].cost);
+    if (n >= RADIX_FROM && !nan) {
+        /* Costs in a total order: keyed, sorted by radix (``start``, which may be ``ties``,
+         * is not read: any start gives this order). */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            ties[i].tie = cost_key(ws[i].cost);
+            ties[i].idx = i;
+        }
+        radix_by_tie(ties, tie_tmp, n);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            by[i].idx = ties[i].idx;
+            by[i].cost = ws[by[i].idx].cost;
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            by[i].idx = start ? start[i].idx : i;
+            by[i].cost = ws[by[i].idx].cost;
+        }
+        sort_by_cost(by, tmp, n);
+    }
     for (Py_ssize_t i = 0, j; i < n; i = j) {
-        for (j = i + 1; j < n && ws[j]->cost == ws[i]->cost; j++) {}
+        for (j = i + 1; j < n && by[j].cost == by[i].cost; j++) {}
         if (j - i > 1) {
-            if (set_ties(ws + i, j - i, seed) < 0) return -1;
-            sort_by_tie(ws + i, tmp, j - i);
+            for (Py_ssize_t k = i; k < j; k++) {
+                ties[k - i].idx = by[k].idx;
+                if (tie_of(&ws[by[k].idx], seed, &ties[k - i].tie) < 0) return -1;
+            }
+            /* (sort_ties wants the positions' order, which equal costs keep when not NaN;
+             * an idle cluster's unmatched workers are one run of hundreds) */
+            if (nan)
+                sort_by_tie(ties, tie_tmp, j - i);
+            else
+                sort_ties(ties, tie_tmp, j - i);
+            for (Py_ssize_t k = i; k < j; k++) by[k].idx = ties[k - i].idx;
         }
     }
     return 0;
@@ -154,12 +266,28 @@ static int sort_ranking(Worker **ws, Worker **tmp, Py_ssize_t n, uint64_t seed) 
 
 static PyObject *packed_name;  /* "packed", interned once */
 
+/* WorkerLoad.packed as bytes (load.py's PACKED_FORMAT "=11q3d"): N_LOAD int64, then the
+ * three doubles, native order, no padding. */
+#define PACKED_BYTES (N_LOAD * sizeof(long long) + 3 * sizeof(double))
+_Static_assert(sizeof(long long) == 8 && sizeof(double) == 8, "PACKED_FORMAT is 8-byte fields");
+
 static int read_load(PyObject *load, Worker *w) {
     PyObject *packed = PyObject_GetAttr(load, packed_name);
     if (packed == NULL) return -1;
+    if (PyBytes_CheckExact(packed) && PyBytes_GET_SIZE(packed) == (Py_ssize_t)PACKED_BYTES) {
+        /* The common form: copied, not converted (14 conversions a worker were a fifth of
+         * the ranking at 1,000 workers). */
+        const char *b = PyBytes_AS_STRING(packed);
+        memcpy(w->f, b, sizeof w->f);
+        memcpy(&w->fill, b + sizeof w->f, sizeof(double));
+        memcpy(&w->rate, b + sizeof w->f + sizeof(double), sizeof(double));
+        memcpy(&w->prefills, b + sizeof w->f + 2 * sizeof(double), sizeof(double));
+        Py_DECREF(packed);
+        return 0;
+    }
     if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != N_PACKED) {
         PyErr_SetString(PyExc_TypeError,
-                        "WorkerLoad.packed must be a tuple of 11 ints and 3 floats");
+                        "WorkerLoad.packed must be 11 ints and 3 floats (bytes or a tuple)");
         Py_DECREF(packed);
         return -1;
     }
@@ -199,15 +327,18 @@ static PyObject *rank(PyObject *self, PyObject *args) {
     }
     Py_ssize_t n = PyDict_GET_SIZE(loads);
     Worker *ws = PyMem_Calloc(n ? n : 1, sizeof(Worker));
-    /* the order being built, and the merge sort's scratch */
-    Worker **by = PyMem_Calloc(n ? 2 * n : 1, sizeof(Worker *));
-    if (ws == NULL || by == NULL) {
+    /* the ranking being built and its merge sort's scratch; the rendezvous orders' */
+    CostKey *by = PyMem_Calloc(n ? 2 * n : 1, sizeof(CostKey));
+    TieKey *ties = PyMem_Calloc(n ? 2 * n : 1, sizeof(TieKey));
+    if (ws == NULL || by == NULL || ties == NULL) {
         PyMem_Free(ws);
         PyMem_Free(by);
+        PyMem_Free(ties);
         return PyErr_NoMemory();
     }
-    Worker **tmp = by + n;
-    for (Py_ssize_t k = 0; k < n; k++) by[k] = &ws[k];
+    CostKey *tmp = by + n;
+    TieKey *tie_tmp = ties + n;
+    const TieKey *start = NULL;  /* the order the final sort starts from (NULL: positions) */
     PyObject *result = NULL, *order = NULL, *costs = NULL;
     const double attn = prm[P_ATTN];
 
@@ -219,7 +350,7 @@ static PyObject *rank(PyObject *self, PyObject *args) {
     while (PyDict_Next(loads, &pos, &key, &value)) {
         Worker *w = &ws[i];
         w->name = key;
-        w->idx = i++;
+        i++;
         if (!PyUnicode_Check(key)) {
             PyErr_SetString(PyExc_TypeError, "worker names must be str");
             goto done;
@@ -371,9 +502,9 @@ static PyObject *rank(PyObject *self, PyObject *args) {
     const double spread = prm[P_AFFINITY] * (mean_queued - 1.0) * (double)(p - top);
     if (spread > 0 && n > 1) {
         const double step = spread / (double)(n - 1);
-        if (set_ties(by, n, (uint64_t)family) < 0) goto done;
-        sort_by_tie(by, tmp, n);
-        for (i = 0; i < n; i++) by[i]->cost += (double)i * step;
+        if (rendezvous(ws, ties, tie_tmp, n, (uint64_t)family) < 0) goto done;
+        for (i = 0; i < n; i++) ws[ties[i].idx].cost += (double)i * step;
+        start = ties;  /* the final sort starts from this order (read before any reuse) */
     }
 
     /* The arrival term: the requests this prefill delays, while caches have room. */
@@ -397,16 +528,17 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             for (i = 0; i < n; i++) ws[i].cost += k * ws[i].prefills;
     }
 
-    if (sort_ranking(by, tmp, n, (uint64_t)affinity) < 0) goto done;
+    if (sort_ranking(ws, start, by, tmp, ties, tie_tmp, n, (uint64_t)affinity) < 0) goto done;
     order = PyList_New(n);
     costs = PyList_New(n);
     if (order == NULL || costs == NULL) goto done;
     for (i = 0; i < n; i++) {
-        PyObject *c = PyFloat_FromDouble(by[i]->cost);
+        PyObject *c = PyFloat_FromDouble(by[i].cost);
         if (c == NULL) goto done;
         PyList_SET_ITEM(costs, i, c);
-        Py_INCREF(by[i]->name);
-        PyList_SET_ITEM(order, i, by[i]->name);
+        PyObject *name = ws[by[i].idx].name;
+        Py_INCREF(name);
+        PyList_SET_ITEM(order, i, name);
     }
     result = PyTuple_Pack(2, order, costs);
 done:
@@ -414,6 +546,7 @@ done:
     Py_XDECREF(costs);
     PyMem_Free(ws);
     PyMem_Free(by);
+    PyMem_Free(ties);
     return result;
 }
 

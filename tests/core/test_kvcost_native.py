@@ -5,12 +5,13 @@ costs to the last bit, on random clusters."""
 from __future__ import annotations
 
 import random
+import struct
 from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
 
-from kvroute.core.load import PrefillMode, WorkerLoad
+from kvroute.core.load import PACKED_FORMAT, PrefillMode, WorkerLoad
 from kvroute.core.policies import KvrouteCost, RouteQuery, kvroute_cost
 
 
@@ -107,6 +108,36 @@ def test_c_and_python_rank_alike_on_random_clusters() -> None:
     assert tied > 300 and spread > 300 and held > 1000 and arrivals > 1000 and demanded > 5
     assert ramped > 100 and tailed > 10 and churned > 50 and capped > 200, \
         (ramped, tailed, churned, capped)
+
+
+def test_c_and_python_rank_alike_on_large_clusters() -> None:
+    # The merge sorts' many levels, and the affinity term's order over every worker.
+    rng = random.Random(5)
+    for _ in range(12):
+        policy, query = random_policy(rng), random_query(rng)
+        loads = dict(query.loads)
+        for i, ld in enumerate(rng.choices(list(loads.values()), k=rng.randint(200, 1000))):
+            loads[f"w{i}"] = ld  # equal loads: ties among hundreds of workers
+        query = replace(query, loads=loads, matched_blocks={
+            **query.matched_blocks, **{w: rng.randint(1, 40) for w in rng.sample(
+                list(loads), len(loads) // 4)}})
+        assert list(policy.rank(query)) == list(policy.rank_python(query)), policy
+
+
+def test_packed_fields_as_a_tuple_rank_as_bytes() -> None:
+    # A load whose fields did not fit the bytes (WorkerLoad.packed's fallback) is converted
+    # from the tuple: the same ranking, and a field that is not an int refused as before.
+    rng = random.Random(9)
+    for _ in range(200):
+        policy, query = random_policy(rng), random_query(rng)
+        loads = {}
+        for w, ld in query.loads.items():
+            as_tuple = replace(ld)
+            object.__setattr__(as_tuple, "packed", struct.unpack(PACKED_FORMAT, ld.packed))
+            loads[w] = as_tuple if rng.random() < 0.5 else ld
+        assert list(policy.rank(replace(query, loads=loads))) == list(policy.rank(query))
+    with pytest.raises(TypeError):
+        KvrouteCost().rank(RouteQuery(100, 16, {}, {"a": WorkerLoad(queued=1.5)}))
 
 
 def test_the_c_path_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:

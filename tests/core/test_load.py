@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 
 from kvroute.core.load import (
     ARRIVAL_MIN_WINDOW_S,
+    PACKED_FORMAT,
     ArrivalRate,
     PrefillMode,
     PrefillTail,
@@ -71,17 +73,32 @@ def test_packed_carries_what_the_c_ranking_reads() -> None:
                     pending_prefill_tokens=500, cached_blocks=25, max_running=8,
                     max_batched_tokens=2048, arrival_rate=1.5, pending_prefill_context=9000,
                     prefill_rate=750.0, prefill_mode="chunked", max_prefill_chunk=512)
-    assert ld.packed == (500, 3, 40, 1, 2048, 8, 3, 9000, 2, 512, 1, 0.25, 1.5, 750.0)
+    assert unpacked(ld) == (500, 3, 40, 1, 2048, 8, 3, 9000, 2, 512, 1, 0.25, 1.5, 750.0)
     # Waiting: the engine's queue, or the router's own count a heartbeat behind.
     assert WorkerLoad(inflight=9, running=2, queued=1).waiting == 7
     assert ld.prefill_mode is PrefillMode.CHUNKED  # a plain string becomes the enum
-    assert [WorkerLoad(prefill_mode=m).packed[8] for m in ("", "whole")] == [0, 1]
+    assert [unpacked(WorkerLoad(prefill_mode=m))[8] for m in ("", "whole")] == [0, 1]
     with pytest.raises(ValueError, match="prefill_mode must be one of"):
         WorkerLoad(prefill_mode="partial")
     assert WorkerLoad(cached_blocks=130, capacity_blocks=100).cache_fill == 1.0  # index ahead
     assert WorkerLoad(cached_blocks=130).cache_fill == 0.0  # capacity unknown
-    assert isinstance(WorkerLoad(arrival_rate=2).packed[-2], float)
-    assert isinstance(WorkerLoad(prefill_rate=2).packed[-1], float)
+    assert isinstance(unpacked(WorkerLoad(arrival_rate=2))[-2], float)
+    assert isinstance(unpacked(WorkerLoad(prefill_rate=2))[-1], float)
+
+
+def unpacked(ld: WorkerLoad) -> tuple[int | float, ...]:
+    """``ld.packed``'s fields (its bytes unpacked)."""
+    assert isinstance(ld.packed, bytes)
+    return struct.unpack(PACKED_FORMAT, ld.packed)
+
+
+def test_packed_falls_back_to_the_fields_when_they_do_not_fit() -> None:
+    # An int field that is not an int, or past 64 bits: the tuple, which the C ranking
+    # converts (and refuses) as it always did.
+    assert WorkerLoad(queued=1.5).packed[3] == 1.5
+    assert WorkerLoad(pending_prefill_tokens=1 << 70).packed[0] == 1 << 70
+    # What struct converts as the C ranking does (a bool, an object with __index__): bytes.
+    assert unpacked(WorkerLoad(queued=True))[3] == 1
 
 
 def test_prefill_context_is_what_new_tokens_attend_to() -> None:
