@@ -1,15 +1,23 @@
 """Benchmark: the routing decision alone, from a parsed request to a ranked list of workers.
 
-For prompts of 1k, 8k and 32k tokens and clusters of 16 and 128 workers, over an index of at
-least 1M (block, worker) entries, time what the router runs per request once gRPC has parsed
-it: the prompt's ids out of the request's wire bytes and checked (``request_token_ids``,
-``check_tokens``), then ``Decider.decide`` (key hashing, index walk, policy). Each case runs
-on a quiet cluster (nothing queued) and a loaded one (0-4 requests queued per worker, so the
-policy's batch and affinity terms run). The baseline, measured in the same run, is the
-straightforward design: the ids read from the protobuf container, every block hashed in
-Python, each worker's key set walked until its first miss, then the same policy in Python.
+For prompts of 1k, 8k and 32k tokens and clusters of 16 and 128 workers (``--workers``),
+over an index of at least 1M (block, worker) entries, time what the router runs per request
+once gRPC has parsed it: the prompt's ids out of the request's wire bytes and checked
+(``request_token_ids``, ``check_tokens``), then ``Decider.decide`` (key hashing, index walk,
+policy). Each case runs on a quiet cluster (nothing queued) and a loaded one (0-4 requests
+queued per worker, so the policy's batch and affinity terms run). The baseline,
+measured in the same run, is the straightforward design: the ids read from the protobuf
+container, every block hashed in Python, each worker's key set walked until its first miss,
+then the same policy in Python.
 
-    python bench/routing_decision.py [--entries 1000000] [--iters 300]
+    python bench/routing_decision.py [--entries 1000000] [--iters 300] [--workers 16,128]
+        [--hot 0.25] [--prompts 1024,8192,32768]
+
+Each query prompt's prefix is cached on 1-4 random workers; with ``--hot F``, on a share F
+of the workers instead (a hot system prompt, as bench/scale.py's probes are held by ~25% of
+its workers), each to a random depth. ``--workers 1000 --entries 4000000 --hot 0.25
+--prompts 8192`` is the 1,000-worker decision of issue 40 (the baseline's pure-Python walk
+over 1,000 key sets is then timed on a fifth of the iterations, as always).
 
 Prints p50/p99 in microseconds and the baseline/kvroute ratio (higher is better), then the
 p50 of each stage of kvroute's decision, with the index walk also timed on the pure-Python
@@ -32,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kvroute.core.blocks import BlockHasher
+from kvroute.core.config import AT_LEAST_ONE
 from kvroute.core.grpc_util import Received
 from kvroute.core.index import PrefixIndex
 from kvroute.core.policies import KvrouteCost, KvrouteV2, RouteQuery
@@ -45,19 +54,22 @@ from kvroute.v1 import common_pb2
 BLOCK = 16
 MODEL = "bench"
 LIMITS = Limits(vocab_size=50257, max_prompt_tokens=65536, max_new_tokens=1)
+COUNTS = AT_LEAST_ONE.list_parser(int)  # --workers 16,128
 
 
-def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.Random
-          ) -> tuple[PrefixIndex, dict[str, set[int]], list[str]]:
+def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.Random,
+          hot: float = 0.0) -> tuple[PrefixIndex, dict[str, set[int]], list[str]]:
     """An index of ``entries`` (block, worker) pairs: background chains, plus each query
-    prompt's prefix cached (to a random depth) on 1-4 random workers."""
+    prompt's prefix cached (to a random depth) on 1-4 random workers, or with ``hot`` on
+    that share of them (at least one): how many workers a decision scores as matched."""
     index = PrefixIndex()
     naive: dict[str, set[int]] = {f"w{i}": set() for i in range(workers)}
     names = list(naive)
     hasher = BlockHasher(BLOCK, MODEL)
     for p in prompts:
         keys = hasher.keys(p)
-        for w in rng.sample(names, rng.randint(1, 4)):
+        holders = max(1, round(hot * workers)) if hot else rng.randint(1, 4)
+        for w in rng.sample(names, holders):
             depth = rng.randint(len(keys) // 4, len(keys))
             index.add(w, keys[:depth])
             naive[w].update(keys[:depth])
@@ -177,18 +189,25 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=1_000_000, help="index size")
     ap.add_argument("--iters", type=int, default=300, help="decisions timed per case")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=COUNTS, default=[16, 128],
+                    help="cluster sizes, comma-separated (default 16,128)")
+    ap.add_argument("--hot", type=float, default=0.0,
+                    help="share of the workers caching each query prompt's prefix (0: 1-4)")
+    ap.add_argument("--prompts", type=COUNTS, default=[1024, 8192, 32768],
+                    help="prompt lengths in tokens, comma-separated")
     args = ap.parse_args()
     print(f"{'prompt':>7} {'workers':>7} {'queued':>6} | {'kvroute p50':>11} {'p99':>8} |"
           f" {'baseline p50':>12} {'p99':>8} | {'p99 ratio':>9} | p50 of: ids  hash  walk"
           f" (dict map)  policy (python)  replica | v2 p50   p99")
-    for workers in (16, 128):
+    for workers in args.workers:
         rng = random.Random(args.seed)
-        lengths = (1024, 8192, 32768)
+        lengths = tuple(args.prompts)
         prompts = {n: [[rng.randrange(50257) for _ in range(n)] for _ in range(20)]
                    for n in lengths}
         t0 = time.perf_counter()
         index, naive, names = build(workers, args.entries,
-                                    [p for ps in prompts.values() for p in ps], rng)
+                                    [p for ps in prompts.values() for p in ps], rng,
+                                    args.hot)
         build_s = time.perf_counter() - t0
         dict_index = PrefixIndex(native=False)
         for w, held in naive.items():

@@ -78,6 +78,21 @@ class Range:
 
         return parse
 
+    def list_parser(self, kind: type[int] | type[float]) -> Callable[[str], list[Any]]:
+        """An argparse ``type`` reading ``16,128``: a non-empty comma-separated list of
+        ``kind``, each in this range."""
+        one = self.parser(kind)
+
+        def parse(text: str) -> list[Any]:
+            parts = [x for x in text.split(",") if x.strip()]
+            if not parts:
+                raise argparse.ArgumentTypeError(
+                    f"expected comma-separated values, each {self.wanted(kind is int)}, "
+                    f"got {text!r}")
+            return [one(x) for x in parts]
+
+        return parse
+
 
 AT_LEAST_ONE = Range(1)
 NON_NEGATIVE = Range(0)

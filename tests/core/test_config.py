@@ -4,7 +4,15 @@ import argparse
 
 import pytest
 
-from kvroute.core.config import AgentConfig, RouterConfig, add_arguments, from_env, from_namespace
+from kvroute.core.config import (
+    AT_LEAST_ONE,
+    FRACTION,
+    AgentConfig,
+    RouterConfig,
+    add_arguments,
+    from_env,
+    from_namespace,
+)
 
 
 def test_flags_env_and_defaults() -> None:
@@ -85,3 +93,15 @@ def test_an_environment_value_out_of_range_is_named() -> None:
         from_env(AgentConfig, {"KVROUTE_HEARTBEAT_S": "0"})
     # In range, it is taken (a TTL is still longer than the interval).
     assert from_env(AgentConfig, {"KVROUTE_HEARTBEAT_S": "0.5"}).heartbeat_s == 0.5
+
+
+def test_a_list_flag_checks_each_value() -> None:
+    counts = AT_LEAST_ONE.list_parser(int)
+    assert counts("16,128, 1000") == [16, 128, 1000]
+    for bad, says in ((",", "comma-separated values"), ("16,0", "an integer >= 1"),
+                      ("16,x", "an integer >= 1"), ("", "comma-separated")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            counts(bad)
+    assert FRACTION.list_parser(float)("0.5,1") == [0.5, 1.0]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"in \[0, 1\]"):
+        FRACTION.list_parser(float)("0.5,nan")
