@@ -366,6 +366,11 @@ def prepare(args: argparse.Namespace) -> Setup | None:
                         f">= {spec.coalesce_share:g} of)" if spec.predict_ttl_s > 0 else
                         "coalescing off (--predict-ttl-ms 0), as the peers' own routers")
           + f"; cache events reach it after {args.propagation_ms:g} ms", flush=True)
+    if spec.routers > 1:
+        print(f"routers: {spec.routers}, arrivals split in turn; each sees the others' "
+              f"traffic in heartbeats every {spec.heartbeat_s * 1000:g} ms"
+              + (f" and their decisions after {args.propagation_ms:g} ms (--share-inflight)"
+                 if spec.share_inflight else " only (no --share-inflight)"), flush=True)
     return Setup(trace, spec, base_rps, capacity, n_replies, reply_tokens)
 
 
