@@ -39,7 +39,7 @@ from kvroute.simulations.metrics import PolicyMetrics, capacity_rps, measure
 from kvroute.simulations.replay import ClusterSpec, Replayer
 from kvroute.simulations.trace import Trace, TraceError, load
 
-TERMS = ("wait", "elapsed", "decode", "arrivals", "extension", "joined", "pressure")
+TERMS = ("wait", "elapsed", "decode", "arrivals", "extension", "pressure")
 # Removed with a term: ``elapsed`` is the part of ``wait`` already done, negative; alone it
 # would make the busiest worker the cheapest.
 WITH = {"wait": ("elapsed",)}

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from kvroute.core.config import Range
-from kvroute.core.load import ARRIVAL_TAU_S, PrefillMode, WorkerLoad
+from kvroute.core.load import ARRIVAL_TAU_S, WorkerLoad
 from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost
 from kvroute.core.policies.cost_model import CostModel
 
@@ -62,22 +62,6 @@ def decode_delay(ld: WorkerLoad, prefill_ahead: float, decode: float) -> float:
     prefill and the queue's take ``prefill_ahead / budget`` iterations beyond the first."""
     iterations = 1.0 + (prefill_ahead / ld.max_batched_tokens if ld.max_batched_tokens else 0.0)
     return decode * ld.busy * iterations
-
-
-def joined(ld: WorkerLoad, n: float, c: float, attn: float) -> float:
-    """The prefill it adds to the iteration the worker's queue is admitted in: each request
-    in that iteration gets its first token when the iteration's prefill ends, so those queued
-    there wait this long more for it. A whole prompt joins if it fits the budget's room; a
-    chunking engine (vLLM V1) puts the room's worth of it in, the rest in later iterations."""
-    budget = ld.max_batched_tokens
-    if not ld.queued or not budget:
-        return 0.0
-    room = budget - ld.pending_prefill_tokens
-    if n <= room:
-        return own_prefill(n, c, attn)
-    if room > 0 and ld.prefill_mode is PrefillMode.CHUNKED:
-        return own_prefill(room, c, attn)
-    return 0.0
 
 
 def utilisation(by_rate: float, waiting: float, most: float) -> float:
@@ -155,7 +139,7 @@ class KvrouteV2:
         queued_w      = pending_w + attn * context_w
         elapsed_w     = queued_w * min(1, budget_w / pending_w) / 2
         decode_w      = decode * busy_w * (1 + first_w / budget_w)
-        externality_w = own_w * k * (wait + own_w / 2) + joined_w * nqueued_w
+        externality_w = own_w * k * (wait + own_w / 2)
         k             = delay * lambda * unit_s / (1 - rho)
         rho           = min(most_busy, max(pi * unit_s, L / (1 + L)))
         pressure_w    = reuse * min(c* - c_w, n_w - room_w)   if both > 0, else 0
@@ -165,10 +149,8 @@ class KvrouteV2:
     this one starts), ``c*`` the longest on any worker; ``pending_w`` / ``context_w`` the
     prefill queued there and the context it attends to, ``elapsed_w`` the half of its first
     iteration done on average when a request comes, ``busy_w`` its running sequences,
-    ``budget_w`` its prefill tokens per iteration (0: unknown, one iteration), ``nqueued_w``
-    its queue and ``joined_w`` the part of ``own_w`` admitted in the same iteration as that
-    queue (all of it if it fits the budget's room; the room's worth on a chunking engine),
-    ``room_w`` the tokens of its cache holding no prefix. ``k * wait`` later requests wait
+    ``budget_w`` its prefill tokens per iteration (0: unknown, one iteration), ``room_w``
+    the tokens of its cache holding no prefix. ``k * wait`` later requests wait
     out all of a prefill placed now (those reaching the average worker, ``lambda`` a second,
     before its ``wait`` drains at utilisation ``rho``: the M/G/1 busy period), and the ``k *
     own_w`` arriving while it runs half of it. ``rho`` is the higher of the rates' estimate
@@ -220,7 +202,6 @@ class KvrouteV2:
         return {"wait": queued, "elapsed": done, "own": own,
                 "decode": decode_delay(ld, queued + done + own, self.decode),
                 "arrivals": drain_delay(own, k, wait), "extension": extension_delay(own, k),
-                "joined": joined(ld, n, c, self.attn) * ld.queued,
                 "pressure": cache_pressure(n, top - c, ld, query.block_size, self.reuse)}
 
     def score(self, query: RouteQuery, worker: str, later: tuple[float, float], top: int
@@ -229,7 +210,7 @@ class KvrouteV2:
         :meth:`rank` is checked against."""
         t = self.terms(query, worker, later, top)
         return (t["wait"] + t["elapsed"] + t["own"] + t["decode"]
-                + (t["arrivals"] + t["extension"] + t["joined"]) + t["pressure"])
+                + (t["arrivals"] + t["extension"]) + t["pressure"])
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         """Workers by :meth:`score`, the terms inlined: a decision ranks every worker, and
@@ -239,7 +220,6 @@ class KvrouteV2:
             return []
         p, bs = query.prompt_tokens, query.block_size
         attn, decode, reuse = self.attn, self.decode, self.reuse
-        chunked = PrefillMode.CHUNKED
         # Each worker's queued_wait, once: the averages need them all before any score.
         waits = []
         for ld in loads.values():
@@ -264,15 +244,7 @@ class KvrouteV2:
             cost = first
             if ld.busy:
                 cost += decode * ld.busy * (1.0 + first / budget if budget else 1.0)
-            ext = own * k * wait_avg + own * k * (own / 2.0)
-            nq = ld.queued
-            if nq and budget:
-                room = budget - ld.pending_prefill_tokens
-                if n <= room:
-                    ext += own * nq
-                elif room > 0 and ld.prefill_mode is chunked:
-                    ext += room * (1.0 + attn * (c + room / 2.0)) * nq
-            cost += ext
+            cost += own * k * wait_avg + own * k * (own / 2.0)
             if c < top and ld.capacity_blocks > 0:
                 room = (ld.capacity_blocks - ld.cached_blocks) * bs
                 evicted = n - (room if room > 0 else 0)

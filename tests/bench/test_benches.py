@@ -70,7 +70,7 @@ CASES = {
     "campaign.py": (["{chat}.campaign", *TINY_CAMPAIGN, "--policies", "kvroute,llmd", "--",
                      *TINY_REPLAY], ["[1/1] chat_s1", "as replayed: 1 cells"]),
     "policy_robustness.py": (["ablation", "{chat}", "--jitters", "1", "--workers", "4"],
-                             ["ablation: each term", "chat at 80%:", "  -joined ",
+                             ["ablation: each term", "chat at 80%:", "  -extension ",
                               "  -lookahead ", "  kvroute_v1 "]),
     "replay_speed.py": (["--trace", "{chat}", "--tile", "2", "--policies", "kvroute"],
                         ["400 requests, 16 workers", "kvroute ", "x round_robin"]),

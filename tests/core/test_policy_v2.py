@@ -16,7 +16,6 @@ from kvroute.core.policies.kvroute_v2 import (
     decode_delay,
     elapsed,
     extension_delay,
-    joined,
     later_arrivals,
     longest_cached,
     own_prefill,
@@ -202,26 +201,6 @@ def test_a_hot_prefix_is_copied_when_its_demand_pays_for_it() -> None:
     idle_h = {**loads, "h": WorkerLoad()}
     assert pol.replica(RouteQuery(3000, BS, {"h": 180}, idle_h, 1, 1, prefix_rate=5.0),
                        "h") is None
-
-
-def test_joined_charges_the_queue_whose_iteration_it_joins() -> None:
-    attn = KvrouteV2().attn
-    room = WorkerLoad(queued=3, pending_prefill_tokens=1000, max_batched_tokens=8192)
-    assert joined(room, 4000, 0, attn) == own_prefill(4000, 0, attn)
-    assert joined(room, 9000, 0, attn) == 0.0  # does not fit: the next iteration
-    chunking = WorkerLoad(queued=3, pending_prefill_tokens=1000, max_batched_tokens=8192,
-                          prefill_mode=PrefillMode.CHUNKED)
-    assert joined(chunking, 9000, 0, attn) == own_prefill(7192, 0, attn)
-    assert joined(WorkerLoad(pending_prefill_tokens=10, max_batched_tokens=8192),
-                  4000, 0, attn) == 0.0  # nobody queued there
-    # In the formula: the three queued on ``a`` wait for all of it, none on ``b`` (whose
-    # queue fills its iteration) does.
-    loads = {"a": room, "b": WorkerLoad(queued=3, pending_prefill_tokens=9000,
-                                        max_batched_tokens=8192)}
-    query = q({}, loads, 4000)
-    pol = KvrouteV2(delay=0)
-    assert pol.terms(query, "a", (0.0, 0.0), 0)["joined"] == 3 * own_prefill(4000, 0, attn)
-    assert pol.terms(query, "b", (0.0, 0.0), 0)["joined"] == 0.0
 
 
 def test_cache_pressure_charges_copies_that_evict() -> None:
