@@ -9,7 +9,7 @@ from kvroute.core.index import PrefixIndex
 from kvroute.core.load import prefill_context
 from kvroute.core.policies import KvrouteCost, make_policy
 from kvroute.core.redis_schema import Heartbeat
-from kvroute.router.decide import Decider, rerank_confirmed
+from kvroute.router.decide import Decider, rank_request, rerank_confirmed
 from kvroute.router.registry import WorkerRegistry
 
 BLOCK = 4
@@ -105,3 +105,21 @@ def test_the_query_carries_the_tail_of_the_least_prefills_before_it() -> None:
     for _ in range(10):  # more than 1% of the window: the 99th percentile is this one's
         decider.decide(long, index, reg)
     assert decider.decide(short, index, reg).query.tail_work == want
+
+
+def test_only_live_compatible_workers_count_as_matched() -> None:
+    """A worker the index still lists but the registry no longer has (gone, or not yet
+    heard from) is not a candidate, nor one ``compatible`` refuses."""
+    decider, index, reg = _setup()
+    tokens = list(range(4 * BLOCK))
+    keys = decider.hasher("").keys(tokens)
+    index.add("a", keys[:2])
+    index.add("b", keys[:3])
+    index.add("gone", keys)
+    loads = reg.loads
+    d = rank_request(decider.policy, index, keys, len(tokens), BLOCK, loads, keys[0])
+    assert d.query.matched_blocks == {"a": 2, "b": 3}
+    only_a = rank_request(decider.policy, index, keys, len(tokens), BLOCK, loads, keys[0],
+                          lambda w: w == "a")
+    assert only_a.query.matched_blocks == {"a": 2}
+    assert index.match(keys) == {"a": 2, "b": 3, "gone": 4}  # the index keeps its own
