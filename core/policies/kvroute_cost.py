@@ -654,22 +654,26 @@ class KvrouteCost:
         if not top or query.cached_tokens(worker) < top:
             return None  # the request itself brings the prefix to its worker
         ranked = moving.rank(query)
-        lacking = [s.worker for s in ranked if query.cached_tokens(s.worker) < top]
-        if not lacking:
+        # The cheapest worker lacking it: the first in the ranking (a scan of all of them in
+        # Python was most of a 1,000-worker decision for a prefix in demand).
+        cheapest = next((s.worker for s in ranked if query.cached_tokens(s.worker) < top),
+                        None)
+        if cheapest is None:
             return None  # every worker holds it
-        if lacking[0] == ranked[0].worker:
-            return lacking[0], top  # its demand would have moved the request there
+        if cheapest == ranked[0].worker:
+            return cheapest, top  # its demand would have moved the request there
         # The spread rule: the cheapest worker without it, while each holder would get more
         # than spread_demand of its requests over the horizon.
-        holders = len(ranked) - len(lacking)
+        holders = sum(1 for w in query.matched_blocks
+                      if w in loads and query.cached_tokens(w) >= top)
         if not self.spread_demand or rate * self.demand_horizon_s < self.spread_demand * holders:
             return None
         if sum(ld.queued for ld in loads.values()) >= len(loads):
             return None  # the average worker has a queue: no spare prefill for a copy
-        target = loads[lacking[0]]
+        target = loads[cheapest]
         if target.queued or target.pending_prefill_tokens:
             return None  # a copy runs on idle prefill only, or it delays the target's requests
-        return lacking[0], top
+        return cheapest, top
 
     def transfer(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
         """Where ``worker`` fetches the prompt's longest cached prefix from (only with
