@@ -50,6 +50,8 @@ CASES = {
     "gc_pause.py": (["--entries", "20000", "--workers", "8", "--repeats", "1", "--iters", "50"],
                     ["full-collection pause, baseline/kvroute"]),
     "agent_events.py": (["--batches", "200"], ["agent ingest + publish to Redis"]),
+    "bootstrap.py": (["--workers", "20", "--blocks", "500", "--repeats", "1"],
+                     ["bootstrap / reads only:", "Redis CPU per SMEMBERS:"]),
     "shared_decisions.py": (["--requests", "50", "--keys", "32"],
                             ["apply a shared decision (sent+done)", "publish sent+done"]),
     "controller.py": (["--tokens", "8", "--branches", "2", "--rounds", "1", "--prefix", "100"],
