@@ -26,6 +26,7 @@ import redis
 from scale import BLOCK, redis_cluster
 
 from kvroute.core.config import AT_LEAST_ONE
+from kvroute.core.index import PrefixIndex
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, pack_keys
 from kvroute.router.mirror import IndexMirror
@@ -52,10 +53,10 @@ async def write(url: str, keys: RedisKeys, workers: int, blocks: int) -> None:
     await r.aclose()
 
 
-class _ReadOnly:
-    """An index that parses nothing and stores nothing: the baseline's."""
+class StoresNothing:
+    """An index that takes each snapshot's members and stores none of them."""
 
-    def __init__(self, index: object) -> None:
+    def __init__(self, index: PrefixIndex) -> None:
         self._index = index
 
     def replace_worker_packed(self, worker: str, members: object) -> None:
@@ -65,30 +66,24 @@ class _ReadOnly:
         return getattr(self._index, name)
 
 
+class ReadsOnly(IndexMirror):
+    """The baseline's mirror: the bootstrap as it runs, every snapshot read from Redis and
+    parsed, into an index that stores nothing (whichever index the mirror makes)."""
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self._index
+
+    @index.setter
+    def index(self, value: PrefixIndex) -> None:
+        self._index = StoresNothing(value)  # type: ignore[assignment]
+
+
 async def bootstrap(url: str, keys: RedisKeys, store: bool) -> tuple[float, int]:
     r = connect(url, block_timeout_s=0.5)
-    mirror = IndexMirror(r, keys, WorkerRegistry({}, BLOCK))
+    mirror = (IndexMirror if store else ReadsOnly)(r, keys, WorkerRegistry({}, BLOCK))
     t = time.perf_counter()
-    if store:
-        await mirror._bootstrap()
-    else:
-        # Each snapshot's load sees an index that stores nothing (the mirror makes its
-        # index anew at bootstrap, so it is wrapped per load, not once).
-        real = IndexMirror._load_snapshot
-
-        async def load(self: IndexMirror, worker: str) -> None:
-            index = self.index
-            self.index = _ReadOnly(index)  # type: ignore[assignment]
-            try:
-                await real(self, worker)
-            finally:
-                self.index = index
-
-        IndexMirror._load_snapshot = load  # type: ignore[method-assign]
-        try:
-            await mirror._bootstrap()
-        finally:
-            IndexMirror._load_snapshot = real  # type: ignore[method-assign]
+    await mirror._bootstrap()
     dt = time.perf_counter() - t
     entries = mirror.index.entries()
     await r.aclose()
