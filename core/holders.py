@@ -35,10 +35,13 @@ class HolderMap(Protocol):
     def add(self, keys: Iterable[int], slot: int) -> None:
         """``slot`` really holds every key (a prediction of one becomes real)."""
 
-    def add_packed(self, members: Iterable[bytes], slot: int, replace: bool = False) -> None:
+    def add_packed(self, members: Iterable[bytes] | bytes, slot: int,
+                   replace: bool = False) -> None:
         """``add`` of keys packed as 8 big-endian bytes each (a snapshot's members, as
-        ``redis_schema.pack_keys`` writes them), decoded by the map; ValueError, before any
-        change, for a member of another size. With ``replace``, ``clear_slot`` first."""
+        ``redis_schema.pack_keys`` writes them: a sequence of members, or one ``bytes`` of
+        them end to end), decoded by the map; ValueError, before any change, for a member
+        of another size or a blob not of whole keys. With ``replace``, ``clear_slot``
+        first."""
 
     def remove(self, keys: Iterable[int], slot: int) -> None:
         """``slot`` no longer really holds the keys (its predictions stay); a key left with
@@ -116,14 +119,19 @@ class DictHolders:
             masks[k] = masks.get(k, 0) | bit
             real[k] = None
 
-    def add_packed(self, members: Iterable[bytes], slot: int, replace: bool = False) -> None:
-        members = list(members)
-        bad = next((m for m in members if len(m) != 8), None)
-        if bad is not None:
-            raise ValueError(f"snapshot member of {len(bad)} bytes is not one 8-byte key")
+    def add_packed(self, members: Iterable[bytes] | bytes, slot: int,
+                   replace: bool = False) -> None:
+        if isinstance(members, bytes):
+            keys = unpack_keys(members)  # ValueError for a blob not of whole keys
+        else:
+            members = list(members)
+            bad = next((m for m in members if len(m) != 8), None)
+            if bad is not None:
+                raise ValueError(f"snapshot member of {len(bad)} bytes is not one 8-byte key")
+            keys = unpack_keys(b"".join(members))
         if replace:
             self.clear_slot(slot)
-        self.add(unpack_keys(b"".join(members)), slot)
+        self.add(keys, slot)
 
     def _clear(self, keys: Iterable[int], slot: int) -> None:
         clear = ~(1 << slot)

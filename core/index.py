@@ -184,11 +184,12 @@ class PrefixIndex:
         self.clear_worker(worker)
         self.add(worker, keys)
 
-    def replace_worker_packed(self, worker: str, members: Iterable[bytes]) -> None:
+    def replace_worker_packed(self, worker: str, members: Iterable[bytes] | bytes) -> None:
         """``replace_worker`` with the keys as a snapshot's members read from Redis (8
-        big-endian bytes each, ``redis_schema.pack_keys``), decoded in the map: no int object
-        per key on a bootstrap of millions. ValueError, before any change, for a member of
-        another size."""
+        big-endian bytes each, ``redis_schema.pack_keys``; a sequence of members or one
+        ``bytes`` of them end to end), decoded in the map: no int object per key on a
+        bootstrap of millions. ValueError, before any change, for a member of another size
+        or a blob not of whole keys."""
         slot = self._slot(worker)
         self._holders.add_packed(members, slot, True)
         pred = self._pred_of[worker]

@@ -119,6 +119,44 @@ def unpack_keys(blob: bytes) -> list[int]:
     return list(struct.unpack(f">{len(blob) // 8}Q", blob))
 
 
+# A snapshot as DUMP serialises it (Redis's RDB value format): the type, the member count,
+# each member as its length and bytes, then a 2-byte RDB version and an 8-byte CRC64. Read
+# that way, a snapshot of 10k keys reaches the router as one bytes object instead of 10k.
+_RDB_TYPE_SET = 2  # a set kept as a hash table; small or all-integer sets use other encodings
+_RDB_FOOTER = 10
+_KEY_MEMBER = 8  # an 8-byte member's length byte, RDB's 6-bit length encoding
+
+
+def dumped_keys(payload: bytes | None) -> bytes | None:
+    """The snapshot's members end to end (8 bytes each, as ``pack_keys`` wrote them), from
+    ``DUMP`` of its key; ``b""`` for a key that does not exist. ``None`` when the payload
+    is not a hash-table set of 8-byte members only (Redis keeps a small set, or one of
+    numeric members, in another encoding; a key of another type): read it with SMEMBERS,
+    which also says WRONGTYPE. The CRC is not checked; the layout is, to the byte."""
+    if payload is None:
+        return b""
+    if len(payload) < 2 + _RDB_FOOTER or payload[0] != _RDB_TYPE_SET:
+        return None
+    kind, at = payload[1] >> 6, 2
+    if kind == 0:
+        n = payload[1] & 0x3F
+    elif kind == 1:
+        n, at = (payload[1] & 0x3F) << 8 | payload[2], 3
+    elif payload[1] == 0x80:
+        n, at = int.from_bytes(payload[2:6], "big"), 6
+    elif payload[1] == 0x81:
+        n, at = int.from_bytes(payload[2:10], "big"), 10
+    else:
+        return None
+    end = at + 9 * n
+    if end + _RDB_FOOTER != len(payload) or payload[at:end:9] != bytes((_KEY_MEMBER,)) * n:
+        return None  # a member not of 8 bytes, or stored as an integer
+    import numpy as np  # here: agents, and a router until its first snapshot, never load it
+
+    rows = np.frombuffer(payload, np.uint8, 9 * n, at).reshape(n, 9)
+    return rows[:, 1:].tobytes()
+
+
 # What the router's mirror reads (a member is one of the workers set's), and why it may
 # refuse a record: the labels of kvroute_router_records_rejected_total.
 RECORD_KINDS = ("heartbeat", "feed", "snapshot", "member")
@@ -340,11 +378,12 @@ _ACL_COMMON = ("+multi", "+exec", "+discard", "+select", "+cluster|slots", "+clu
 # placement may send fork children only to a live worker, at its heartbeat's address).
 _ACL_AGENT = ("+set", "+sadd", "+srem", "+del", "+hget", "+hset", "+xadd", "+get")
 # What kvroute.router.mirror sends: feed reads (XREVRANGE, XREAD BLOCK), the heartbeat scan
-# (SMEMBERS, MGET), the snapshot script (EVAL running HGETALL and SMEMBERS) and the pruning of
+# (SMEMBERS, MGET), snapshot reads (HGETALL of the meta and DUMP of the set, SMEMBERS for a
+# set DUMP gives in another encoding; the EVAL running HGETALL and SMEMBERS), the pruning of
 # dead members (SREM of the workers set, DEL of their snapshot and meta), and the shared
 # decisions (XADD MAXLEN ~ to the decisions stream: kvroute.router.shared).
-_ACL_ROUTER = ("+xrevrange", "+xread", "+smembers", "+mget", "+eval", "+hgetall", "+srem",
-               "+del", "+xadd")
+_ACL_ROUTER = ("+xrevrange", "+xread", "+smembers", "+mget", "+eval", "+hgetall", "+dump",
+               "+srem", "+del", "+xadd")
 
 
 def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> list[str]:

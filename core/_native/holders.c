@@ -567,14 +567,50 @@ static PyObject *HolderMap_add(HolderMap *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* add_packed(members, slot): add of keys each packed as 8 bytes, big-endian (a snapshot's
- * members as read from Redis), decoded here rather than into int objects first. */
+/* The keys of one bytes object of whole 8-byte big-endian keys (a snapshot read as one
+ * blob), or NULL with ValueError before any change. */
+static uint64_t *blob_keys(PyObject *blob, Py_ssize_t *n) {
+    Py_ssize_t len = PyBytes_GET_SIZE(blob);
+    if (len % 8) {
+        PyErr_Format(PyExc_ValueError, "snapshot blob of %zd bytes is not whole 8-byte keys",
+                     len);
+        return NULL;
+    }
+    *n = len / 8;
+    uint64_t *ks = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof(uint64_t));
+    if (ks == NULL) return (uint64_t *)PyErr_NoMemory();
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(blob);
+    for (Py_ssize_t i = 0; i < *n; i++, b += 8) {
+        uint64_t k = 0;
+        for (int j = 0; j < 8; j++) k = k << 8 | b[j];
+        ks[i] = k;
+    }
+    return ks;
+}
+
+static PyObject *add_keys_of(HolderMap *m, uint64_t *ks, Py_ssize_t n, uint32_t s,
+                             int replace) {
+    int rc = replace ? clear_slot(m, s) : 0;
+    rc = rc < 0 ? rc : add_keys(m, ks, n, s);
+    PyMem_Free(ks);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* add_packed(members, slot[, replace]): add of keys each packed as 8 bytes, big-endian (a
+ * snapshot's members as read from Redis: a sequence of 8-byte members, or one bytes object
+ * of them end to end), decoded here rather than into int objects first. */
 static PyObject *HolderMap_add_packed(HolderMap *m, PyObject *args) {
     PyObject *members;
     Py_ssize_t s;
     int replace = 0;
     if (!PyArg_ParseTuple(args, "On|p", &members, &s, &replace) || check_slot(s) < 0)
         return NULL;
+    if (PyBytes_Check(members)) {
+        Py_ssize_t n;
+        uint64_t *ks = blob_keys(members, &n);
+        return ks == NULL ? NULL : add_keys_of(m, ks, n, (uint32_t)s, replace);
+    }
     PyObject *seq = PySequence_Fast(members, "members must be an iterable of bytes");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -602,11 +638,7 @@ static PyObject *HolderMap_add_packed(HolderMap *m, PyObject *args) {
         ks[i] = k;
     }
     Py_DECREF(seq);
-    int rc = replace ? clear_slot(m, (uint32_t)s) : 0;
-    rc = rc < 0 ? rc : add_keys(m, ks, n, (uint32_t)s);
-    PyMem_Free(ks);
-    if (rc < 0) return NULL;
-    Py_RETURN_NONE;
+    return add_keys_of(m, ks, n, (uint32_t)s, replace);
 }
 
 static PyObject *drop_method(HolderMap *m, PyObject *args, int want) {

@@ -453,22 +453,40 @@ static PyObject *rank(PyObject *self, PyObject *args) {
             }
         }
         if (tied) {
+            /* The tied holders' names in a set, then the first of ``matched`` in it: one
+             * pass over each. A scan of every worker for each match in turn until one was
+             * tied cost up to (matches x workers): 0.7 ms a decision where 250 idle holders
+             * of 1,000 tied and ``matched`` listed the tied ones last. */
             const double least = holder->cost;
-            Worker *first = NULL;
-            pos = 0;
-            while (first == NULL && PyDict_Next(matched, &pos, &key, &value)) {
-                for (i = 0; i < n; i++) {
-                    if (ws[i].cached != top || ws[i].cost != least) continue;
-                    int same = ws[i].name == key ? 1 : PyObject_RichCompareBool(
-                        ws[i].name, key, Py_EQ);
-                    if (same < 0) goto done;
-                    if (same) {
-                        first = &ws[i];
-                        break;
-                    }
+            PyObject *names = PySet_New(NULL), *first = NULL;
+            if (names == NULL) goto done;
+            for (i = 0; i < n; i++) {
+                if (ws[i].cached == top && ws[i].cost == least
+                        && PySet_Add(names, ws[i].name) < 0) {
+                    Py_DECREF(names);
+                    goto done;
                 }
             }
-            if (first != NULL) holder = first;
+            pos = 0;
+            while (first == NULL && PyDict_Next(matched, &pos, &key, &value)) {
+                int in = PySet_Contains(names, key);
+                if (in < 0) {
+                    Py_DECREF(names);
+                    goto done;
+                }
+                if (in) first = key; /* borrowed from ``matched``, which outlives this */
+            }
+            Py_DECREF(names);
+            for (i = 0; first != NULL && i < n; i++) {
+                if (ws[i].cached != top || ws[i].cost != least) continue;
+                int same = ws[i].name == first ? 1 : PyObject_RichCompareBool(
+                    ws[i].name, first, Py_EQ);
+                if (same < 0) goto done;
+                if (same) {
+                    holder = &ws[i];
+                    break;
+                }
+            }
         }
         /* (a holder exists when c0 < top: ``top`` came from a worker ``matched`` names) */
         int full = holder == NULL || (holder->f[L_MAX_RUNNING]

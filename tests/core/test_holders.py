@@ -244,3 +244,23 @@ def test_packed_members_are_decoded_as_pack_keys_writes_them(native: bool) -> No
     with pytest.raises(ValueError, match="member of 7 bytes"):
         m.add_packed([pack_keys((9,)), b"1234567"], 2, True)
     assert sorted(m.keys_of(2)) == [0, 1] and not m.holds(9, 2)  # refused before any change
+
+
+def test_a_blob_of_packed_keys_is_decoded_as_the_members_would_be(native: bool) -> None:
+    from kvroute.core.redis_schema import pack_keys
+
+    keys = [0, 1, U64, 0x0102030405060708, 77]
+    by_list, by_blob = make_holders(native), make_holders(native)
+    for m in (by_list, by_blob):
+        m.add([5], 3)
+        m.predict([77], 3)
+    by_list.add_packed([pack_keys((k,)) for k in keys], 3, True)
+    by_blob.add_packed(pack_keys(keys), 3, True)  # a snapshot as DUMP gives it, end to end
+    assert sorted(by_blob.keys_of(3)) == sorted(by_list.keys_of(3)) == sorted(keys)
+    assert by_blob.walk([77]) == {3: 1} and by_blob.entries() == by_list.entries()
+    by_blob.add_packed(b"", 3, True)  # an empty snapshot clears the real keys
+    assert by_blob.count(3) == 0
+    by_blob.add_packed(pack_keys([9]), 3)
+    with pytest.raises(ValueError, match="12 bytes"):
+        by_blob.add_packed(pack_keys([1]) + b"1234", 3, True)
+    assert sorted(by_blob.keys_of(3)) == [9]  # refused before any change

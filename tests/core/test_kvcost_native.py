@@ -169,3 +169,22 @@ def test_bad_input_is_refused_not_misread() -> None:
         KvrouteCost().rank(RouteQuery(100, 16, {}, {"a": WorkerLoad(), "b": object()}))
     with pytest.raises(TypeError, match="str"):
         KvrouteCost().rank(RouteQuery(100, 16, {}, {1: WorkerLoad()}))
+
+
+def test_the_hold_rule_breaks_a_tie_of_many_holders_by_matched_order() -> None:
+    # Hundreds of equally busy holders of the prefix and idle workers lacking it: the hold
+    # rule's holder is the first tied one in ``matched``'s order, whose names are equal to
+    # the loads' but other objects (as the index's are), listed in any order.
+    rng = random.Random(11)
+    busy = WorkerLoad(inflight=3, running=2, queued=1, pending_prefill_tokens=3000,
+                      max_running=64, max_batched_tokens=8192)
+    for _ in range(20):
+        n = rng.randint(260, 1000)
+        loads = {f"w{i}": busy if i < n // 4 else WorkerLoad() for i in range(n)}
+        holders = [f"w{i}" for i in range(n // 4)]
+        rng.shuffle(holders)
+        matched = {"".join(reversed(w[::-1])): 40 for w in holders}  # equal, not identical
+        query = RouteQuery(640 + rng.randrange(64), 16, matched, loads, rng.getrandbits(64),
+                           rng.getrandbits(64))
+        for policy in (KvrouteCost(), KvrouteCost(hold=rng.choice((0.5, 2.0, 8.0)))):
+            assert list(policy.rank(query)) == list(policy.rank_python(query))

@@ -31,6 +31,13 @@ def publish(client, ev: FeedEvent, snapshot: set[int] | None = None) -> None:
     pipe.execute()
 
 
+def read_keys(members: list[bytes] | bytes) -> set[int]:
+    """The keys of a snapshot as the mirror read it (DUMP's blob or SMEMBERS' members)."""
+    if isinstance(members, bytes):
+        return set(unpack_keys(members))
+    return {unpack_keys(m)[0] for m in members}
+
+
 def beat(client, worker: str, block_size: int = 16) -> None:
     hb = Heartbeat(worker, "127.0.0.1:1", "e", block_size=block_size, ttl_s=1.0)
     client.set(KEYS.heartbeat(worker), hb.to_json(), px=1000)
@@ -352,6 +359,8 @@ async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis
     """Members and (epoch, seq) read together are of one write, however the reads fall
     between an agent's MULTIs (the equal-meta pipeline, else the script)."""
     def members_of(seq: int) -> set[int]:
+        if seq % 3 == 0:  # numeric members, which Redis keeps as an intset: read by SMEMBERS
+            return {int.from_bytes(b"%d" % (10**7 + seq * 100 + i), "big") for i in range(seq % 40)}
         return {seq * 1000 + i for i in range(seq % 40 + 1)}
 
     stop = threading.Event()
@@ -376,9 +385,46 @@ async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis
             if not meta:
                 continue  # before the first write
             seq = int(meta[b"seq"])
-            assert {unpack_keys(m)[0] for m in members} == members_of(seq)
+            assert read_keys(members) == members_of(seq)
             seen.add(seq)
         assert len(seen) > 10  # the reads did fall between many writes
+        assert mirror.stats.snapshot_smembers > 0  # both kinds of read were made
+        assert {s % 3 for s in seen} == {0, 1, 2}
     finally:
         stop.set()
         writer.join()
+
+
+@pytest.mark.parametrize("dump_allowed", [True, False])
+async def test_a_bootstrap_reads_snapshots_whole_and_falls_back_to_smembers(
+        redis_server, caplog, dump_allowed: bool) -> None:
+    """Snapshots come by DUMP (one reply each); one Redis keeps in another encoding
+    (numeric members: an intset), and every one when the router's ACL refuses DUMP, by
+    SMEMBERS: the index is the same either way."""
+    from kvroute.core.redis_schema import acl_rules
+
+    c = redis_server.client()
+    big = set(range(1 << 40, (1 << 40) + 3000))
+    numeric = {int.from_bytes(b"%d" % (10**7 + i), "big") for i in range(300)}
+    for w, keys in (("big", big), ("numeric", numeric), ("empty", set())):
+        beat(c, w)
+        publish(c, FeedEvent(w, "e1", 1, Op.RESYNC), snapshot=keys)
+    rules = acl_rules("router", "default")
+    if not dump_allowed:  # a router's ACL from before DUMP was read
+        rules = [r for r in rules if r != "+dump"]
+    c.execute_command("ACL", "SETUSER", "router", "reset", "on", ">pw", *rules)
+    url = redis_server.url.replace("redis://", "redis://router:pw@")
+    m = IndexMirror(connect(url, block_timeout_s=0.05), KEYS, WorkerRegistry({}, 16),
+                    poll_interval_s=0.05, retry_s=0.1)
+    task = asyncio.create_task(m.run())
+    try:
+        await asyncio.wait_for(m.ready.wait(), 5)
+        assert m.index.keys_of("big") == big and m.index.keys_of("numeric") == numeric
+        assert m.index.count("empty") == 0 and m.stats.snapshot_loads == 3
+        # Counted: SMEMBERS after a DUMP in another encoding (the intset); without DUMP,
+        # every read is SMEMBERS and none of them is.
+        assert m.stats.snapshot_smembers == (1 if dump_allowed else 0)
+        assert ("refuses DUMP" in caplog.text) is not dump_allowed
+        assert m._dump is dump_allowed
+    finally:
+        await m.stop(task)
