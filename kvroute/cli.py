@@ -23,8 +23,17 @@ from kvroute.core.config import (
 )
 from kvroute.core.logs import setup_logging
 
+_COMMANDS = ("router", "epp", "agent", "demo", "policies", "replay", "tune", "keys",
+             "redis-acl", "gen")
+# Subcommands whose arguments come from the simulator's modules (numpy, the replay): a
+# third of a router's start went to importing them for a parser that did not need them.
+_SIMULATION_COMMANDS = ("replay", "tune", "gen")
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI. ``command``: the subcommand about to be parsed, when known; the simulator's
+    subcommands then get their arguments only if it is one of them (None: all do)."""
+    sim = command is None or command not in _COMMANDS or command in _SIMULATION_COMMANDS
     p = argparse.ArgumentParser(
         prog="kvroute",
         description="Cache-affinity router and scheduler for LLM inference. Every flag can "
@@ -78,16 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "parameters and their defaults, the values `kvroute tune` searches")
     rp = sub.add_parser("replay", help="replay a trace through every policy on a simulated "
                         "cluster", formatter_class=fmt)
-    from kvroute.simulations.cli import add_arguments as add_replay_arguments
-
-    add_replay_arguments(rp)
-    import kvroute.simulations.tune
-    from kvroute.simulations.tune import add_arguments as add_tune_arguments
-
     tp = sub.add_parser("tune", help="search a policy's parameters on a trace for the variant "
-                        "that beats the peers", formatter_class=RawDefaultsFormatter,
-                        description=kvroute.simulations.tune.__doc__)
-    add_tune_arguments(tp)
+                        "that beats the peers", formatter_class=RawDefaultsFormatter)
+    if sim:
+        import kvroute.simulations.tune
+        from kvroute.simulations.cli import add_arguments as add_replay_arguments
+
+        add_replay_arguments(rp)
+        tp.description = kvroute.simulations.tune.__doc__
+        kvroute.simulations.tune.add_arguments(tp)
     kp = sub.add_parser("keys", help="API keys for --api-keys-file: `kvroute keys hash` makes "
                         "a key and prints its record (docs/security.md)", formatter_class=fmt)
     ksub = kp.add_subparsers(dest="keys_command", required=True)
@@ -118,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "holding the password (never an argument: other processes can read those)")
     gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
                         "fork)", formatter_class=RawDefaultsFormatter)
-    from kvroute.simulations.generators import add_arguments as add_gen_arguments
+    if sim:
+        from kvroute.simulations.generators import add_arguments as add_gen_arguments
 
-    add_gen_arguments(gp)
+        add_gen_arguments(gp)
     return p
 
 
@@ -255,12 +264,12 @@ def redis_acl(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(given[0] if given and not given[0].startswith("-") else None)
+    args = parser.parse_args(given)
     if args.command in ("router", "epp"):
-        given = [a for a in (sys.argv[1:] if argv is None else argv)
-                 if a == "--model" or a.startswith("--model=")]
-        if len(given) > 1:
+        models = [a for a in given if a == "--model" or a.startswith("--model=")]
+        if len(models) > 1:
             # The model is part of every block key and Redis key: one router, one model's pool.
             parser.error("--model given more than once: a router serves one model (run a "
                          "router per model)")

@@ -166,3 +166,23 @@ def test_policies_spec_shows_its_overrides_and_an_unknown_name_is_refused() -> N
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert f"unknown policy 'kvrout'; choose one of: {', '.join(sorted(REGISTRY))}" \
         in bad.stderr
+
+
+def test_a_router_or_agent_parses_its_flags_without_the_simulator() -> None:
+    """The simulator's modules (numpy, the replay) were a third of a router's start: a
+    parser for a router or an agent does not import them; one for the replay, or for any
+    command not yet known, has every subcommand's arguments."""
+    from kvroute import cli
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(cli._COMMANDS)
+    code = ("import sys; from kvroute.cli import build_parser; "
+            "a = build_parser('router').parse_args(['router', '--port', '7']); "
+            "b = build_parser('agent').parse_args(['agent']); "
+            "print(a.port, [m for m in sys.modules if m.startswith('kvroute.simulations') "
+            "or m == 'numpy'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split(maxsplit=1)
+    assert out == ["7", "[]\n"]
+    assert build_parser("replay").parse_args(["replay", "t.jsonl"]).trace == "t.jsonl"
+    assert build_parser(None).parse_args(["gen", "chat"]).command == "gen"
