@@ -360,7 +360,8 @@ async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis
     between an agent's MULTIs (the equal-meta pipeline, else the script)."""
     def members_of(seq: int) -> set[int]:
         if seq % 3 == 0:  # numeric members, which Redis keeps as an intset: read by SMEMBERS
-            return {int.from_bytes(b"%d" % (10**7 + seq * 100 + i), "big") for i in range(seq % 40)}
+            return {int.from_bytes(b"%d" % (10**7 + seq * 100 + i), "big")
+                    for i in range(seq % 40 + 1)}
         return {seq * 1000 + i for i in range(seq % 40 + 1)}
 
     stop = threading.Event()
@@ -390,6 +391,7 @@ async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis
         assert len(seen) > 10  # the reads did fall between many writes
         assert mirror.stats.snapshot_smembers > 0  # both kinds of read were made
         assert {s % 3 for s in seen} == {0, 1, 2}
+        assert writer.is_alive()  # it wrote all along (an error would have ended it)
     finally:
         stop.set()
         writer.join()
