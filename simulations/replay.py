@@ -8,7 +8,7 @@ routing decisions see stale state exactly as a real router does. A policy with a
 ``transfer(query, worker)`` method (Mooncake's) may have the chosen worker fetch a longer
 prefix's KV from another worker first: the replay performs that transfer
 (:meth:`SimWorker.receive`, timed by :meth:`CostModel.transfer_s`, one transfer at a time
-through each worker's NIC). With ``predict_ttl_s`` (the router's default, 30 s)
+through each worker's NIC). With ``predict_ttl_s`` (the router's default, 600 s)
 the router predicts that a routed prompt's blocks will be on its worker until its events
 arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``,
 and a request routed there on a prediction is held until that prefill's first token

@@ -41,7 +41,7 @@ def test_help_states_each_default_once_and_not_for_switches(cmd: str) -> None:
     ("gen", "--requests REQUESTS number of requests (default: 1000)"),
     ("gen", "--rate RATE mean arrival rate, requests per second (default: 10.0)"),
     ("replay", "--workers WORKERS simulated workers (default: 16)"),
-    ("replay", "(0 = off; default: the router's, 30000) --coalesce-share"),
+    ("replay", "(0 = off; default: the router's, 600000) --coalesce-share"),
     ("replay", "(0: always wait; default: the router's, 0.8) --programs"),
     ("demo", "--workers WORKERS sim agents to start (default: 4)"),
 ])

@@ -37,9 +37,9 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
     assert {p["policy"] for p in doc["policies"]} == {"kvroute", "round_robin"}
     assert doc["meta"]["load"] == pytest.approx(0.8) and doc["meta"]["jitters"] == []
     # The router's settings are in the results, and said up front: the router's defaults.
-    assert (doc["meta"]["predict_ttl_ms"], doc["meta"]["coalesce_share"]) == (30000, 0.8)
+    assert (doc["meta"]["predict_ttl_ms"], doc["meta"]["coalesce_share"]) == (600000, 0.8)
     assert (doc["meta"]["workers"], doc["meta"]["programs"]) == (4, False)
-    assert "router: coalescing on (predictions until stored, at most 30 s" in ran.stdout
+    assert "router: coalescing on (predictions until stored, at most 600 s" in ran.stdout
     # Chat turns carry the previous reply: said up front, and in the results.
     replies = doc["meta"]["replies"]
     assert 0 < replies < 240 and doc["meta"]["reply_tokens"] > 0
