@@ -205,8 +205,9 @@ class RouterConfig(CommonConfig):
                                "seconds; a request routed there on a prediction waits for "
                                "that prefill, so requests sharing a new prefix prefill it "
                                "once (0 = off; see README)", NON_NEGATIVE)
-    coalesce_wait_s: float = opt(30.0, "longest a request waits for the in-flight prefill a "
-                                 "prediction stands for before it is sent anyway", POSITIVE)
+    coalesce_wait_s: float = opt(PREDICT_TTL_S, "longest a request waits for the in-flight "
+                                 "prefill a prediction stands for before it is sent anyway "
+                                 "(the default: as long as that prediction stands)", POSITIVE)
     coalesce_share: float = opt(COALESCE_SHARE, "a request waits for an in-flight prefill only "
                                 "if it would get at least this fraction of it (else it is "
                                 "routed on what workers really hold; 0: always wait)",

@@ -38,7 +38,7 @@ def test_from_env_with_overrides() -> None:
 def test_coalescing_window_and_wait_are_checked() -> None:
     # Coalescing is on by default: predictions last until stored, at most as long as a wait.
     cfg = RouterConfig()
-    assert cfg.predict_ttl_s == cfg.coalesce_wait_s == 30.0 and cfg.coalesce_share == 0.8
+    assert cfg.predict_ttl_s == cfg.coalesce_wait_s == 600.0 and cfg.coalesce_share == 0.8
     assert RouterConfig(predict_ttl_s=0).predict_ttl_s == 0  # off
     assert RouterConfig(coalesce_share=0).coalesce_share == 0  # always wait
     for kw, flag in (({"predict_ttl_s": -1.0}, "--predict-ttl-s"),
