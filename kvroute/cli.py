@@ -33,7 +33,7 @@ _SIMULATION_COMMANDS = ("replay", "tune", "gen")
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI. ``command``: the subcommand about to be parsed, when known; the simulator's
     subcommands then get their arguments only if it is one of them (None: all do)."""
-    sim = command is None or command not in _COMMANDS or command in _SIMULATION_COMMANDS
+    sim = command not in _COMMANDS or command in _SIMULATION_COMMANDS  # None: not one
     p = argparse.ArgumentParser(
         prog="kvroute",
         description="Cache-affinity router and scheduler for LLM inference. Every flag can "

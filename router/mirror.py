@@ -366,17 +366,12 @@ class IndexMirror:
         SMEMBERS itself (2.8 against 0.9 ms), and a bootstrap reads every worker's
         snapshot from the one node holding the model's slot. (A MULTI would do, but
         redis-py's cluster transactions cannot run SMEMBERS.)"""
-        k = self._keys
         if self._dump:
             # The snapshot as DUMP's one payload (redis_schema.dumped_keys): hiredis then
             # parses one bulk string, not one object per member (0.5 of 1.7 ms a 10k
             # snapshot on this side, the node's own cost the same).
-            pipe = self._r.pipeline(transaction=False)
-            pipe.hgetall(k.meta(worker))
-            pipe.dump(k.snapshot(worker))
-            pipe.hgetall(k.meta(worker))
             try:
-                before, payload, after = await pipe.execute()
+                before, payload, after = await self._bracketed(worker, "dump")
             except NoPermissionError as exc:  # an ACL from before DUMP was needed
                 if self._dump:  # once, not for each read of the batch it refused
                     self._dump = False
@@ -384,21 +379,28 @@ class IndexMirror:
                                 "SMEMBERS (slower: add +dump to its ACL, docs/security.md)",
                                 extra={"kv": {"error": str(exc)}})
                 return await self._read_snapshot(worker)
-            blob = dumped_keys(payload)
-            if before == after and blob is not None:
-                return before, blob
-            if blob is None:
-                self.stats.snapshot_smembers += 1  # another encoding (small, numeric)
-        pipe = self._r.pipeline(transaction=False)
-        pipe.hgetall(k.meta(worker))
-        pipe.smembers(k.snapshot(worker))
-        pipe.hgetall(k.meta(worker))
-        before, members, after = await pipe.execute()
+            members = dumped_keys(payload)
+            if members is None:  # another encoding (small, numeric)
+                self.stats.snapshot_smembers += 1
+                before, members, after = await self._bracketed(worker, "smembers")
+        else:
+            before, members, after = await self._bracketed(worker, "smembers")
         if before == after:
             return before, members
+        k = self._keys
         flat, members = await self._r.eval(_SNAPSHOT_SCRIPT, 2, k.meta(worker),
                                            k.snapshot(worker))
         return dict(zip(flat[::2], flat[1::2], strict=True)), members
+
+    async def _bracketed(self, worker: str, read: str) -> list:
+        """``worker``'s meta, its snapshot read by ``read`` (``dump`` or ``smembers``) and
+        its meta again, in one pipeline (:meth:`_read_snapshot`)."""
+        k = self._keys
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hgetall(k.meta(worker))
+        getattr(pipe, read)(k.snapshot(worker))
+        pipe.hgetall(k.meta(worker))
+        return await pipe.execute()
 
     # -- following -------------------------------------------------------------------------
 
