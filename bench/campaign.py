@@ -54,7 +54,7 @@ from kvroute.simulations.cli import AT_LEAST_ONE, POSITIVE, Warmup, make_policie
 from kvroute.simulations.generators import KINDS, PARAMS, generate, write_jsonl
 
 BENCH = Path(__file__).resolve().parent
-SHARED = BENCH.parents[1] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MOONCAKE = BENCH.parent / "traces" / "mooncake_synthetic_trace.jsonl"  # traces/README.md
 # What a policy_jitter --json record says of how it replayed (older records lack some).
 REPLAY_OPTIONS = ("closed_loop", "warmup", "jitters", "workers", "prefill_budget",
                   "chunked_prefill", "long_prefill_threshold", "programs", "nudge")
@@ -271,7 +271,7 @@ def main() -> None:
     ap.add_argument("--requests", type=AT_LEAST_ONE, default=3000)
     ap.add_argument("--rate", type=POSITIVE, default=20.0,
                     help="the generated traces' request rate (loads are set per cell)")
-    ap.add_argument("--mooncake", type=Path, default=SHARED,
+    ap.add_argument("--mooncake", type=Path, default=MOONCAKE,
                     help="the Mooncake trace, or 'none' (default: %(default)s)")
     ap.add_argument("--policies", default=PEERS,
                     help="the first is the focus (default: %(default)s)")

@@ -19,13 +19,12 @@ from kvroute.simulations.cli import AT_LEAST_ONE, POSITIVE, make_policies
 from kvroute.simulations.replay import ClusterSpec, Replayer
 from kvroute.simulations.trace import load
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / \
-    "mooncake_synthetic_trace.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", type=Path, default=SHARED)
+    ap.add_argument("--trace", type=Path, default=MOONCAKE)
     ap.add_argument("--tile", type=AT_LEAST_ONE, default=3)
     ap.add_argument("--rate-scale", type=POSITIVE, default=2.0)
     ap.add_argument("--policies", default="all",

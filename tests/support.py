@@ -21,6 +21,10 @@ import redis
 
 from kvroute.core.ports import PortPool
 
+ROOT = Path(__file__).resolve().parents[1]
+MOONCAKE_TRACE = ROOT / "traces" / "mooncake_synthetic_trace.jsonl"
+"""The Mooncake trace shipped in the repository (traces/README.md: source and licence)."""
+
 # One pool per pytest process: ports picked but not yet bound must not be handed out twice.
 _PORTS = PortPool()
 

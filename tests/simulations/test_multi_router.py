@@ -9,16 +9,12 @@ import pytest
 from kvroute.core.policies import make_policy
 from kvroute.simulations.replay import ClusterSpec, Replayer, ReplayResult
 from kvroute.simulations.trace import Trace, load
-
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
-    "mooncake_synthetic_trace.jsonl"
+from tests.support import MOONCAKE_TRACE
 
 
 @pytest.fixture(scope="module")
 def trace() -> Trace:
-    if not SHARED.exists():
-        pytest.fail(f"the shared trace is missing at {SHARED}")
-    full = load(SHARED)
+    full = load(MOONCAKE_TRACE)
     return Trace(full.requests[:600], full.block_size, full.source).scaled(2.0)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -21,16 +20,12 @@ from kvroute.simulations.metrics import (
 )
 from kvroute.simulations.replay import ClusterSpec, Replayer
 from kvroute.simulations.trace import Trace, TraceError, TraceRequest, load, parse
-
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
-    "mooncake_synthetic_trace.jsonl"
+from tests.support import MOONCAKE_TRACE
 
 
 @pytest.fixture(scope="module")
 def mooncake() -> Trace:
-    if not SHARED.exists():
-        pytest.fail(f"the shared trace is missing at {SHARED}")
-    return load(SHARED)
+    return load(MOONCAKE_TRACE)
 
 
 def test_shared_trace_known_figures(mooncake: Trace) -> None:
@@ -551,7 +546,7 @@ def test_mooncake_fetches_hot_prefixes_instead_of_recomputing_them() -> None:
     from kvroute.core.policies.cost_model import CostModel
     from kvroute.core.policies.peers import MooncakeConductor
 
-    lines = SHARED.read_text().splitlines()[:600]
+    lines = MOONCAKE_TRACE.read_text().splitlines()[:600]
     part = parse(lines)
     spec = ClusterSpec(workers=8)
     fetch = Replayer(part, MooncakeConductor(), spec).run()
