@@ -110,7 +110,7 @@ async def main(args: argparse.Namespace) -> None:
                           max_prompt_tokens=65536)
             agents = [AgentApp(AgentConfig(**common, port=0, worker_id=f"a{i}",
                                            time_scale=0.0, heartbeat_s=0.2,
-                                           capacity_blocks=65536, vocab_size=tok.vocab_size,
+                                           capacity_blocks=65536, model_source=str(model_dir),
                                            engine_endpoint=f"10.0.0.{i + 1}:8000"))
                       for i in range(args.agents)]
             for a in agents:

@@ -452,7 +452,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             aports = [children.free_port() for _ in workers]
             agents = [children.spawn(w, [*py, "agent", "--redis", url, "--model", MODEL,
                                          "--port", str(port), "--worker-id", w,
-                                         "--engine", "sim", "--tokenizer", "byte",
+                                         "--engine", "sim", "--model-source", str(model_dir),
                                          "--time-scale", "0", "--capacity-blocks", "256",
                                          *limits])
                       for w, port in zip(workers, aports, strict=True)]

@@ -25,6 +25,7 @@ whose files hold the pipeline their transformers class builds, such as Qwen2Toke
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -78,6 +79,21 @@ def _llama_pipeline(spec: dict[str, Any], config: Mapping[str, Any]) -> dict[str
             "decoder": {"type": "Sequence", "decoders": decoders}}
 
 
+TOKEN_CONFIG_KEYS = ("added_tokens_decoder", "additional_special_tokens",
+                     "extra_special_tokens", "tokenizer_class", *SPECIAL_TOKEN_NAMES)
+"""What of ``tokenizer_config.json`` changes token ids (the chat template does not)."""
+
+
+def fingerprint(files: ModelFiles, config: Mapping[str, Any]) -> str:
+    """The identity of a source's token ids: a hash of ``tokenizer.json``'s bytes and of the
+    config entries that add or name tokens. Files, not the parsed tokenizer, so that two
+    releases of the ``tokenizers`` library give the same answer."""
+    h = hashlib.sha256(files.tokenizer_json.read_bytes())
+    h.update(json.dumps({k: config.get(k) for k in TOKEN_CONFIG_KEYS}, sort_keys=True,
+                        default=str).encode())
+    return "tok:" + h.hexdigest()[:16]
+
+
 class ChatTokenizer:
     """One served model's tokenizer (``hf``: a ``tokenizers.Tokenizer``) and chat templates.
 
@@ -86,9 +102,13 @@ class ChatTokenizer:
     """
 
     def __init__(self, name: str, hf: Any, config: Mapping[str, Any],
-                 templates: Mapping[str, str], stop_token_ids: Sequence[int] = ()) -> None:
+                 templates: Mapping[str, str], stop_token_ids: Sequence[int] = (),
+                 fingerprint: str = "") -> None:
         self.name = name
         self.hf = hf
+        self.fingerprint = fingerprint
+        """``tok:`` and 16 hex digits of a hash of the files that decide token ids (see
+        :func:`fingerprint`): a router and its agents loading one source agree on it."""
         self.config = dict(config)
         self.special_tokens: dict[str, str] = {}
         """The named special tokens (``bos_token`` -> its text), as templates see them."""
@@ -204,7 +224,7 @@ class ChatTokenizer:
             eos = _read_json(files.generation_config, origin).get("eos_token_id")
             stops = [eos] if isinstance(eos, int) else [
                 i for i in (eos or []) if isinstance(i, int)]
-        return cls(name or origin, hf, config, templates, stops)
+        return cls(name or origin, hf, config, templates, stops, fingerprint(files, config))
 
     # -- tokens ------------------------------------------------------------------------------
 

@@ -179,7 +179,9 @@ class CommonConfig:
                                 "files); it lists every method to anyone reaching the port")
     log_level: str = opt("info", "log level: debug, info, warning, error")
     log_json: bool = opt(False, "log one JSON object per line")
-    vocab_size: int = opt(50257, "token ids must be below this", AT_LEAST_ONE)
+    vocab_size: int = opt(50257, "token ids must be below this (an agent given "
+                          "--model-source, and a router given --model NAME=SOURCE, take the "
+                          "source's size)", AT_LEAST_ONE)
     max_prompt_tokens: int = opt(131072, "longest prompt accepted, in tokens", AT_LEAST_ONE)
     max_new_tokens: int = opt(32768, "largest max_tokens accepted", AT_LEAST_ONE)
 
@@ -318,7 +320,8 @@ class AgentConfig(CommonConfig):
     tiny_layers: int = opt(2, "tiny engine: transformer layers", AT_LEAST_ONE)
     tiny_dim: int = opt(64, "tiny engine: model width", AT_LEAST_ONE)
     tiny_seed: int = opt(0, "tiny engine: weight initialisation seed")
-    tokenizer: str = opt("byte", "tiny engine tokenizer: byte or gpt2")
+    tokenizer: str = opt("byte", "without --model-source: byte or gpt2, the tiny engine's "
+                         "vocabulary, and programs' on any engine whose --vocab-size is its")
     # -- controller programs (limits checked before any engine work)
     max_program_fanout: int = opt(16, "programs: most branches a program may have at once",
                                   AT_LEAST_ONE)
@@ -347,10 +350,14 @@ class AgentConfig(CommonConfig):
                                            "then counts only the chunks a request would "
                                            "join, not the whole queued prefill",
                                            NON_NEGATIVE)
-    model_source: str = opt("", "vllm engine: the router's SOURCE of this model (--model "
-                            "NAME=SOURCE: a HF model directory, a tokenizer.json or "
-                            "hf:ORG/REPO[@REV]); the agent then checks that vLLM renders a "
-                            "probe chat to the same ids (docs/http.md)")
+    model_source: str = opt("", "the model's tokenizer: the SOURCE the router is given as "
+                            "--model NAME=SOURCE (a HF model directory, a tokenizer.json or "
+                            "hf:ORG/REPO[@REV]; needs kvroute[models]). The agent reports "
+                            "that tokenizer and its size to routers (no --vocab-size to "
+                            "work out), checks ids against it and runs programs' text, "
+                            "constraints and stop strings with it; a vllm agent also checks "
+                            "now and then that vLLM renders a probe chat to the same ids "
+                            "(docs/http.md)")
     vllm_render_check_s: float = opt(300.0, "vllm engine: seconds between those checks",
                                      POSITIVE)
 

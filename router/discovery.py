@@ -375,7 +375,17 @@ def load_api_client() -> Any:
     return client.ApiClient(conf)
 
 
+KUBERNETES_INSTALL_HINT = "pip install 'kvroute[kubernetes]'"
+
+
 def from_config(cfg: RouterConfig, registry: WorkerRegistry) -> KubernetesDiscovery:
+    """The discovery ``cfg`` names. SystemExit in one line when the kubernetes client is not
+    installed (the plain install leaves it out)."""
+    try:
+        import kubernetes  # noqa: F401 - only to name the extra when it is missing
+    except ImportError:
+        raise SystemExit("--discovery kubernetes needs the kubernetes client: "
+                         f"{KUBERNETES_INSTALL_HINT}") from None
     api_client = load_api_client()
     return KubernetesDiscovery(api_client, resolve_namespace(cfg.k8s_namespace),
                                cfg.k8s_selector, cfg.k8s_port, registry)

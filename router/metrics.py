@@ -246,7 +246,7 @@ class _MirrorCollector(Collector):
             "kvroute_router_worker_excluded",
             "1 if the router sends the worker no traffic for this reason: tokenizer = its "
             "heartbeat reports another tokenizer or vocabulary size than the router's "
-            "(--tokenizer, --vocab-size)",
+            "(--model-source against the router's SOURCE, or --tokenizer, --vocab-size)",
             labels=["worker", "reason"])
         for info in m.registry.all():
             w = info.worker_id

@@ -282,8 +282,8 @@ class WorkerRegistry:
             return
         if why:
             log.warning("worker speaks another vocabulary than this router; sending it no "
-                        "traffic (give agents and router the same --tokenizer and "
-                        "--vocab-size)",
+                        "traffic (give each agent the router's model SOURCE as "
+                        "--model-source, or both the same --tokenizer and --vocab-size)",
                         extra={"kv": {"worker": info.worker_id, "its_vocabulary": str(theirs),
                                       "our_vocabulary": str(self.vocabulary)}})
         else:

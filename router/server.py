@@ -669,8 +669,9 @@ def _pool(model: PoolModel, static: Mapping[str, str]) -> ModelPool:
     policies keep per-model state, such as hot-prefix replicas)."""
     cfg, chat, tok = model.cfg, model.chat, model.tokenizer
     # The ids this pool speaks: workers speaking others are left out (and named).
-    # A model's own tokenizer has no name agents report: its vocabulary size is compared.
-    vocabulary = (Vocabulary("", chat.vocab_size) if chat is not None
+    # A model's own tokenizer is named by its fingerprint, as agents given the same
+    # --model-source report it.
+    vocabulary = (Vocabulary(chat.fingerprint, chat.vocab_size) if chat is not None
                   else Vocabulary(tok.name, tok.vocab_size)
                   if tok is not None else Vocabulary("", cfg.vocab_size))
     registry = WorkerRegistry(static, cfg.block_size, vocabulary)

@@ -29,7 +29,6 @@ from kvroute.core.load import ArrivalRate
 from kvroute.core.redis_conn import connect_config
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, check_name
 from kvroute.core.tls import TlsConfig
-from kvroute.core.tokenizer import vocab_size
 from kvroute.core.validate import (
     InvalidRequestError,
     Limits,
@@ -48,6 +47,7 @@ from kvroute.worker_agent.engines.base import (
 )
 from kvroute.worker_agent.metrics import AgentMetrics
 from kvroute.worker_agent.publisher import CachePublisher
+from kvroute.worker_agent.vocabulary import AgentVocabulary, load_vocabulary
 
 log = logging.getLogger("kvroute.agent")
 
@@ -55,37 +55,28 @@ SERVICE = worker_agent_pb2.DESCRIPTOR.services_by_name["WorkerAgent"].full_name
 _FINISH = {"length": common_pb2.FINISH_REASON_LENGTH, "stop": common_pb2.FINISH_REASON_STOP}
 
 
-def make_engine(cfg: AgentConfig) -> Engine:
-    """The engine named by ``--engine``. Each engine module offers ``from_agent_config``."""
+def make_engine(cfg: AgentConfig, vocab: AgentVocabulary | None = None) -> Engine:
+    """The engine named by ``--engine``, speaking ``vocab``'s ids (default: the flags', by
+    :func:`load_vocabulary`). Each engine module offers ``from_agent_config``."""
+    vocab = vocab or load_vocabulary(cfg)
     if cfg.engine == "sim":
         from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
 
         return SimEngine(SimConfig(
             capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size, model=cfg.model,
-            vocab_size=cfg.vocab_size, max_batch=cfg.max_batch, time_scale=cfg.time_scale,
+            vocab_size=vocab.size, max_batch=cfg.max_batch, time_scale=cfg.time_scale,
             prefill_budget=cfg.max_batched_tokens, chunked_prefill=cfg.sim_chunked_prefill,
             long_prefill_threshold=cfg.sim_long_prefill_threshold,
         ))
     if cfg.engine == "tiny":
         from kvroute.worker_agent.engines import tiny
 
-        return tiny.from_agent_config(cfg)
+        return tiny.from_agent_config(cfg, vocab)
     if cfg.engine == "vllm":
         from kvroute.worker_agent.engines import vllm
 
-        return vllm.from_agent_config(cfg)
+        return vllm.from_agent_config(cfg, vocab)
     raise SystemExit(f"unknown engine {cfg.engine!r}; choose sim, tiny or vllm")
-
-
-def reported_tokenizer(name: str, vocab: int) -> str:
-    """The tokenizer an agent reports in its heartbeat: its ``--tokenizer`` if that has the
-    ``vocab`` ids the agent accepts (always so for the tiny engine, whose vocabulary is the
-    tokenizer's), else "" (not known: the sim engine's ids are ``--vocab-size`` wide
-    whatever its ``--tokenizer``, which its programs then do not use either)."""
-    try:
-        return name if vocab_size(name) == vocab else ""
-    except ValueError:
-        return ""
 
 
 class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
@@ -250,7 +241,8 @@ class AgentApp:
 
     def __init__(self, cfg: AgentConfig, engine: Engine | None = None) -> None:
         self.cfg = cfg
-        self.engine = engine if engine is not None else make_engine(cfg)
+        self.vocabulary = load_vocabulary(cfg)
+        self.engine = engine if engine is not None else make_engine(cfg, self.vocabulary)
         self.port = 0
         self.worker_id = cfg.worker_id
         self._server: grpc.aio.Server | None = None
@@ -282,14 +274,16 @@ class AgentApp:
                                            metrics.registry)
         # The engine knows its vocabulary (tiny's byte vocab is 258): ids past it are the
         # caller's mistake (INVALID_ARGUMENT), not an engine failure.
-        vocab = min(cfg.vocab_size, getattr(self.engine, "vocab_size", cfg.vocab_size))
+        words = self.vocabulary
+        vocab = min(words.size, getattr(self.engine, "vocab_size", words.size))
         limits = Limits(vocab, cfg.max_prompt_tokens, cfg.max_new_tokens)
-        tokenizer = reported_tokenizer(cfg.tokenizer, vocab)
+        tokenizer = words.name if vocab == words.size else ""
         programs = ProgramRuntime(self.engine, ProgramLimits(
             max_fanout=cfg.max_program_fanout, max_tokens=cfg.max_program_tokens,
             max_steps=cfg.max_program_steps, max_grammar_bytes=cfg.max_grammar_bytes,
             compile_timeout_s=cfg.grammar_compile_timeout_s,
-            max_new_tokens=cfg.max_new_tokens, vocab_size=vocab), cfg.tokenizer, self.worker_id,
+            max_new_tokens=cfg.max_new_tokens, vocab_size=vocab), words.program_tokenizer,
+            self.worker_id,
             channels=self._channels)
         self.programs = programs
         service = self.service = AgentService(self.worker_id, cfg.model, self.engine, limits,

@@ -166,13 +166,15 @@ async def flush_redis(url: str) -> None:
 
 async def start_cluster(children: Children, policy: str, redis_url: str,
                         opts: DemoOptions, engine: str = "sim", label: str = "",
-                        router_args: Sequence[str] | None = None) -> Cluster:
-    """``label`` names the run in progress lines (default: the policy); ``router_args``
-    replace the engine's router arguments (ENGINE_ARGS)."""
+                        router_args: Sequence[str] | None = None,
+                        agent_args: Sequence[str] | None = None) -> Cluster:
+    """``label`` names the run in progress lines (default: the policy); ``router_args`` and
+    ``agent_args`` replace the engine's arguments (ENGINE_ARGS)."""
     label = label or policy
     progress(f"[{label}] starting {opts.workers} {engine} agents and a router")
-    agent_args, engine_router_args = ENGINE_ARGS[engine]
+    engine_agent_args, engine_router_args = ENGINE_ARGS[engine]
     router_args = engine_router_args if router_args is None else router_args
+    agent_args = engine_agent_args if agent_args is None else agent_args
     kvroute = [sys.executable, "-m", "kvroute"]
     agents: list[Child] = []
     worker_ids: list[str] = []
@@ -301,6 +303,7 @@ async def serve(opts: DemoOptions, children: Children, redis_url: str) -> None:
         write_byte_model(Path(model_dir))
         http = f"127.0.0.1:{children.free_port()}"
         cluster = await start_cluster(children, "kvroute", redis_url, opts, engine="tiny",
+                                      agent_args=("--model-source", model_dir),
                                       router_args=("--model", f"default={model_dir}",
                                                    "--http-port", http.rsplit(":", 1)[1]))
         addr = cluster.router_address

@@ -106,7 +106,8 @@ class Pool:
 async def pool(cluster: Any, kube: FakeKubeApi, model_dir: Path) -> AsyncIterator[Pool]:
     agent_port = free_port()
     for name, ip in PODS.items():
-        await cluster.agent(name, host=ip, port=agent_port, engine="sim", vocab_size=258,
+        await cluster.agent(name, host=ip, port=agent_port, engine="sim",
+                            model_source=str(model_dir),
                             capacity_blocks=512, model=MODEL)
         kube.upsert_pod(name, ip=ip, labels=SELECTOR)
     # A pod of the pool that is not Ready, and a Ready pod outside the selector.

@@ -45,14 +45,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-TINY = dict(engine="tiny", tokenizer="byte", vocab_size=258, capacity_blocks=256, model=MODEL)
-SIM = dict(engine="sim", vocab_size=258, capacity_blocks=512, model=MODEL)
+# Agents take the router's model SOURCE (--model-source): no vocabulary size to work out.
+TINY = dict(engine="tiny", capacity_blocks=256, model=MODEL)
+SIM = dict(engine="sim", capacity_blocks=512, model=MODEL)
 
 
 async def start(cluster: Any, model_dir: Path, agents: dict[str, dict[str, Any]],
                 **router: Any) -> Any:
     for wid, kw in agents.items():
-        await cluster.agent(wid, **kw)
+        await cluster.agent(wid, **{"model_source": str(model_dir), **kw})
     r = await cluster.router(model=f"{MODEL}={model_dir}", http_port=free_port(), **router)
     await wait_for(lambda: len(r.registry.loads) == len(agents), what="workers registered")
     return r
@@ -408,7 +409,8 @@ async def test_an_sse_stream_read_line_by_line_and_with_curl(cluster, model_dir)
 
 async def test_a_client_that_disconnects_mid_stream_frees_the_engine(cluster,
                                                                    model_dir) -> None:
-    a = await cluster.agent("a", **{**SIM, "time_scale": 1.0})
+    a = await cluster.agent("a", **{**SIM, "time_scale": 1.0,
+                                             "model_source": str(model_dir)})
     r = await cluster.router(model=f"{MODEL}={model_dir}", http_port=free_port())
     await wait_for(lambda: len(r.registry.loads) == 1, what="worker registered")
     body = {"model": MODEL, "stream": True, "max_tokens": 5000,
@@ -441,7 +443,8 @@ async def test_a_client_that_disconnects_mid_stream_frees_the_engine(cluster,
 
 async def test_a_worker_failing_mid_stream_ends_the_stream_with_an_error_event(
         cluster, model_dir) -> None:
-    a = await cluster.agent("a", **{**SIM, "time_scale": 1.0})
+    a = await cluster.agent("a", **{**SIM, "time_scale": 1.0,
+                                             "model_source": str(model_dir)})
     r = await cluster.router(model=f"{MODEL}={model_dir}", http_port=free_port())
     await wait_for(lambda: len(r.registry.loads) == 1, what="worker registered")
     stream = await client(r).chat.completions.create(
@@ -494,3 +497,32 @@ async def test_a_router_without_a_model_source_serves_token_id_completions(clust
     code, err, _ = await post(r.http_port, "/v1/completions",
                               {"model": "default", "prompt": [5000]})
     assert code == 400 and err["error"]["param"] == "prompt" and "1000" in err["error"]["message"]
+
+
+async def test_an_agent_given_another_tokenizer_of_the_same_size_gets_no_traffic(
+        cluster, model_dir, tmp_path) -> None:
+    # The byte model with its two special tokens swapped: 258 ids, but not the same ones.
+    other = tmp_path / "other-model"
+    other.mkdir()
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    for tok in spec["added_tokens"]:
+        tok["id"] = 257 if tok["id"] == 256 else 256
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    (other / "tokenizer_config.json").write_text(
+        (model_dir / "tokenizer_config.json").read_text())
+    r = await start(cluster, model_dir, {"same": SIM})
+    await cluster.agent("other", **{**SIM, "model_source": str(other)})
+    ours = ChatTokenizer.load(str(model_dir)).fingerprint
+    theirs = ChatTokenizer.load(str(other)).fingerprint
+    await wait_for(lambda: r.registry._workers.get("other") is not None
+                   and r.registry._workers["other"].excluded == "tokenizer",
+                   what="the other tokenizer's worker excluded")
+    assert r.registry._workers["other"].excluded_why == \
+        f"tokenizer {theirs}/258, router {ours}/258"
+    assert set(r.registry.loads) == {"same"}
+    for _ in range(4):
+        out = await client(r).chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].message.content is not None
+    assert r.metrics.registry.get_sample_value(
+        "kvroute_router_worker_excluded", {"worker": "other", "reason": "tokenizer"}) == 1

@@ -21,7 +21,7 @@ from tests.support import free_port, generate, wait_for
 
 openai = pytest.importorskip("openai")
 
-SIM = dict(engine="sim", vocab_size=258, capacity_blocks=512)
+SIM = dict(engine="sim", capacity_blocks=512)  # and --model-source: the router's SOURCE
 PROMPT = [{"role": "user", "content": "which pool serves me?"}]
 
 
@@ -59,9 +59,9 @@ def test_model_is_a_repeatable_flag_and_names_are_checked(model_dir: Path) -> No
 async def test_each_model_is_a_pool_and_only_its_workers_are_ranked(cluster,
                                                                     model_dir) -> None:
     for wid in ("a1", "a2"):
-        await cluster.agent(wid, model="pa", **SIM)
+        await cluster.agent(wid, model="pa", **SIM, model_source=str(model_dir))
     for wid in ("b1", "b2"):
-        await cluster.agent(wid, model="pb", **SIM)
+        await cluster.agent(wid, model="pb", **SIM, model_source=str(model_dir))
     r = await cluster.router(model=f"pa={model_dir},pb={model_dir}", http_port=free_port())
     pa, pb = r.pools
     await wait_for(lambda: set(pa.registry.loads) == {"a1", "a2"}
@@ -117,7 +117,7 @@ async def test_each_model_is_a_pool_and_only_its_workers_are_ranked(cluster,
 async def test_past_max_inflight_http_gets_429_and_grpc_resource_exhausted(
         cluster, model_dir) -> None:
     # A modelled engine (time_scale 1): a 500-token stream stays in flight for seconds.
-    await cluster.agent("s1", model="shed", **{**SIM, "time_scale": 1.0})
+    await cluster.agent("s1", model="shed", **SIM, time_scale=1.0, model_source=str(model_dir))
     r = await cluster.router(model=f"shed={model_dir}", http_port=free_port(), max_inflight=1)
     await wait_for(lambda: len(r.registry.loads) == 1, what="the worker registered")
     c = client(r)
@@ -148,7 +148,7 @@ async def test_past_max_inflight_http_gets_429_and_grpc_resource_exhausted(
 async def test_lora_adapters_are_models_routed_in_their_base_pool_keyed_apart(
         cluster, model_dir) -> None:
     for wid in ("l1", "l2"):
-        await cluster.agent(wid, model="lb", **SIM)
+        await cluster.agent(wid, model="lb", **SIM, model_source=str(model_dir))
     r = await cluster.router(model=f"lb={model_dir}", lora="lb-ada=lb,lb-adb=lb",
                              http_port=free_port())
     await wait_for(lambda: len(r.registry.loads) == 2, what="the base pool's workers")

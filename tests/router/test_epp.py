@@ -27,7 +27,7 @@ from tests.conftest import router_config
 from tests.support import wait_for
 
 MODEL = "tiny"
-SIM = dict(engine="sim", vocab_size=258, capacity_blocks=512, model=MODEL)
+SIM = dict(engine="sim", capacity_blocks=512, model=MODEL)
 SYSTEM = "You are kvroute's test assistant; answer briefly. " * 4
 
 
@@ -130,7 +130,8 @@ async def picker(cluster: Any, model_dir: Path) -> Any:
 
     async def start(agents: dict[str, str], **kw: Any) -> Any:
         for wid, endpoint in agents.items():
-            await cluster.agent(wid, engine_endpoint=endpoint, **SIM)
+            await cluster.agent(wid, engine_endpoint=endpoint, model_source=str(model_dir),
+                                **SIM)
         cfg = epp.EppConfig(**{**router_config(cluster.redis.url).__dict__,
                                "model": f"{MODEL}={model_dir}", "epp_port": 0, **kw})
         app = epp.EppApp(cfg)

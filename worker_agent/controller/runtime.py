@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvroute.core.agent_client import AgentChannels
+from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.core.liveness import LivenessProbe
 from kvroute.core.redis_conn import REDIS_ERRORS
 from kvroute.core.tokenizer import vocab_size
@@ -63,8 +64,9 @@ class ProgramRuntime:
 
     engine: Engine
     limits: ProgramLimits
-    tokenizer: str
-    """The agent's ``--tokenizer``; used only when its vocabulary equals the engine's."""
+    tokenizer: str | ChatTokenizer
+    """The agent's tokenizer: its ``--model-source``'s, else its ``--tokenizer`` (a name);
+    used only when its vocabulary equals the engine's."""
     worker_id: str
     mask_times: list[float] | None = None
     """When set (benchmarks), every mask_fn call appends its duration in seconds."""
@@ -102,12 +104,19 @@ class ProgramRuntime:
         """The program vocabulary, or None when the tokenizer does not match the engine."""
         if self._vocab is None:
             try:
-                if vocab_size(self.tokenizer) != self.limits.vocab_size:
+                size = (self.tokenizer.vocab_size if isinstance(self.tokenizer, ChatTokenizer)
+                        else vocab_size(self.tokenizer))
+                if size != self.limits.vocab_size:
                     return None
                 self._vocab = await asyncio.to_thread(make_vocab, self.tokenizer)
             except ValueError:
                 return None
         return self._vocab
+
+    @property
+    def _tokenizer_name(self) -> str:
+        t = self.tokenizer
+        return f"{t.name} ({t.fingerprint})" if isinstance(t, ChatTokenizer) else t
 
     async def prepare(self, program: program_pb2.ControllerProgram,
                       placement: program_pb2.Placement | None = None) -> Prepared:
@@ -148,9 +157,9 @@ class ProgramRuntime:
         if vocab is None and (plan.constraints or plan.needs_text):
             raise ProgramError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"program: constraints, text fast-forwards and stop strings "
-                               f"need --tokenizer with the engine's vocabulary "
-                               f"({self.limits.vocab_size} ids; --tokenizer is "
-                               f"{self.tokenizer!r})")
+                               f"need the agent's --model-source (or --tokenizer) with "
+                               f"the engine's vocabulary ({self.limits.vocab_size} ids; the "
+                               f"agent's tokenizer is {self._tokenizer_name!r})")
         templates = {} if vocab is None else await compile_constraints(
             plan.constraints, vocab, self.limits.compile_timeout_s,
             json_whitespace_flexible=json_flexible)

