@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -8,7 +9,13 @@ import pytest
 from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.router.server import RouterApp
 from kvroute.worker_agent.server import AgentApp
-from tests.support import RedisProc
+from tests.support import RedisProc, build_wheel
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kvroute's wheel (:func:`tests.support.build_wheel`), built once per test session."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src"))
 
 
 @pytest.fixture

@@ -224,3 +224,22 @@ def raw_rpc(channel: Any, method: str, response_type: Any, *, stream: bool) -> A
     make = channel.unary_stream if stream else channel.unary_unary
     return make(f"/kvroute.v1.{method}", request_serializer=None,
                 response_deserializer=response_type.FromString)
+
+
+def build_wheel(out: Path, scratch: Path) -> Path:
+    """kvroute's wheel, built into ``out`` as the Dockerfile's build stage builds it (less the
+    dependencies and build isolation: this venv has them), C builds included. From a copy, in
+    ``scratch``, of the files git knows (tracked or new, not ignored): a build/ folder left in
+    the work tree by an earlier build would put modules deleted since into the wheel."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        if (ROOT / rel).is_file():
+            (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, scratch / rel)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(out), str(scratch)],
+                   check=True, cwd=out, timeout=300)
+    (whl,) = out.glob("kvroute-*.whl")
+    return whl

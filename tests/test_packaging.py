@@ -11,40 +11,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tomllib
 import zipfile
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    # From a copy of the files git knows (tracked or new, not ignored): a build/ folder left
-    # in the work tree by an earlier build would put modules deleted since into the wheel.
-    src = tmp_path_factory.mktemp("src")
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
-                             "--exclude-standard"], cwd=ROOT, capture_output=True,
-                            check=True).stdout.decode().split("\0")
-    for rel in filter(None, listed):
-        if (ROOT / rel).is_file():
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, src / rel)
-    # As the Dockerfile's build stage, less the dependencies (the venv has them) and build
-    # isolation (no index needed); the C builds are compiled into the wheel.
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(out), str(src)],
-                   check=True, cwd=out, timeout=300)
-    (whl,) = out.glob("kvroute-*.whl")
-    return whl
 
 
 def test_the_wheel_holds_the_c_builds_the_stubs_and_the_command(wheel: Path) -> None:
