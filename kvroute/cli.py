@@ -267,12 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(given[0] if given and not given[0].startswith("-") else None)
     args = parser.parse_args(given)
-    if args.command in ("router", "epp"):
+    if args.command == "epp":
         models = [a for a in given if a == "--model" or a.startswith("--model=")]
         if len(models) > 1:
-            # The model is part of every block key and Redis key: one router, one model's pool.
-            parser.error("--model given more than once: a router serves one model (run a "
-                         "router per model)")
+            # An InferencePool is one model's pods: one picker per pool. (A router takes
+            # --model once per model, each a pool of its own workers.)
+            parser.error("--model given more than once: an endpoint picker serves one "
+                         "InferencePool's model (run a picker per pool)")
     if args.command == "policies":
         print(describe_policy(args.name) if args.name else list_policies())
         return 0

