@@ -43,17 +43,19 @@ from typing import TYPE_CHECKING
 
 from kvroute.worker_agent.engines.vllm.engine import VllmConfig, VllmEngine
 from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
+from kvroute.worker_agent.vocabulary import AgentVocabulary, load_vocabulary
 
 if TYPE_CHECKING:
     from kvroute.core.config import AgentConfig
-    from kvroute.worker_agent.vocabulary import AgentVocabulary
 
 __all__ = ["SUPPORTED", "VllmConfig", "VllmEngine", "from_agent_config"]
 
 
-def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary) -> VllmEngine:
-    """With ``--model-source``, ``vocab.chat`` is the tokenizer the render check compares
-    vLLM's chat rendering with."""
+def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary | None = None) -> VllmEngine:
+    """``vocab``: the agent's (default: its flags', by ``load_vocabulary``); with
+    ``--model-source``, ``vocab.chat`` is the tokenizer the render check compares vLLM's chat
+    rendering with."""
+    vocab = vocab or load_vocabulary(cfg)
     return VllmEngine(VllmConfig(
         url=cfg.vllm_url,
         model=cfg.model,
