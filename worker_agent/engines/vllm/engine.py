@@ -358,6 +358,9 @@ class VllmEngine(BatchSink):
             ("replayed_batches", "Batches applied from the replay socket", s.replayed_batches),
             ("gaps_healed", "Seq gaps healed from the replay socket", s.gaps_healed),
             ("replay_failures", "Replay requests unanswered or cut short", s.replay_failures),
+            ("silent_recoveries", "Idle replay probes that found batches while the live "
+             "stream never delivered a frame (vLLM's publisher connecting instead of binding)",
+             s.silent_recoveries),
             ("view_resets", "Cache-view resets (CLEAR, then re-learn): new epochs", s.resets),
             ("publisher_restarts", "vLLM event-publisher restarts detected", s.restarts),
             ("metrics_errors", "Failed polls of vLLM's /metrics", m.errors),

@@ -57,6 +57,13 @@ _digest = xxhash.xxh3_64_intdigest
 Replayed = tuple[int, int, Batch]
 
 
+SILENT_STREAM = ("the live kv-event stream has delivered nothing while vLLM's replay socket "
+                 "holds new batches: the cache view follows only by idle replay probes. vLLM's "
+                 "publisher most likely connects instead of binding (its endpoint must be "
+                 "tcp://*:PORT or ipc://..., not tcp://HOST:PORT; the agent's --vllm-events "
+                 "is then tcp://HOST:PORT)")
+
+
 @dataclass
 class SubscriberStats:
     frames: int = 0  # live frames received
@@ -66,6 +73,7 @@ class SubscriberStats:
     duplicates: int = 0  # live batches already applied from a replay
     replayed_batches: int = 0
     gaps_healed: int = 0  # gaps (incl. idle tail probes that found batches) healed by replay
+    silent_recoveries: int = 0  # idle probes that found batches while no live frame ever came
     replay_failures: int = 0  # replay requests unanswered or cut short
     resets: int = 0  # view reset (CLEAR): unhealable gap or publisher restart
     restarts: int = 0  # publisher restarts detected
@@ -318,8 +326,13 @@ class EventSubscriber:
         got = await self._replay_from(self._next)
         if got and got[0][0] == self._next:
             self.stats.gaps_healed += 1
-            log.info("lost kv-event batches recovered while idle",
-                     extra={"kv": {"from": self._next, "replayed": len(got)}})
+            kv = {"from": self._next, "replayed": len(got)}
+            if self.stats.frames:
+                log.info("lost kv-event batches recovered while idle", extra={"kv": kv})
+            else:
+                # vLLM publishes, yet nothing ever came live: the view lags by probe_s.
+                self.stats.silent_recoveries += 1
+                self._warn("silent_stream", SILENT_STREAM, {**kv, "events": self.cfg.events})
             self._apply_run(got)  # should the lost frames still arrive: duplicates
         elif got and got[0][0] > self._next:
             self._reset(f"tail {self._next}..{got[0][0] - 1} not replayable")

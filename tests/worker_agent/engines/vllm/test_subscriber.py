@@ -146,3 +146,36 @@ async def test_old_layout_stream_gap_healed_by_replay_without_topic(tmp_path: Pa
     finally:
         await eng.stop()
         pub.close()
+
+
+async def test_a_publisher_that_connects_instead_of_binding_is_loud(kv_events, tmp_path: Path,
+                                                                     caplog) -> None:
+    # vLLM's publisher given tcp://HOST:PORT connects; the agent's SUB connects too, so no
+    # live frame ever arrives and only the replay socket (tcp://*:PORT binds) has them.
+    kv = kv_events
+    live, replay = free_port(), free_port()
+    pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://127.0.0.1:{live}",
+                               replay_endpoint=f"tcp://*:{replay}", topic="kv")
+    eng = VllmEngine(VllmConfig(
+        url=f"http://127.0.0.1:{free_port()}", events=f"tcp://127.0.0.1:{live}",
+        replay=f"tcp://127.0.0.1:{replay}", topic="kv", block_size=B, model="m",
+        metrics_interval_s=30, probe_s=0.2, replay_timeout_s=0.5))
+    await eng.start()
+    try:
+        await asyncio.wait_for(eng.events.ready.wait(), 5)
+        toks = list(range(1, 9))
+        for i in range(2):
+            pub.publish(kv.KVEventBatch(ts=time.time(), events=[struct(
+                kv.BlockStored, block_hashes=[i + 1], parent_block_hash=i or None,
+                token_ids=toks[i * B:(i + 1) * B], block_size=B, lora_id=None, medium="GPU",
+                lora_name=None)]))
+        await wait_for(lambda: len(eng.cached_keys()) == 2, what="recovered by replay")
+        st = eng.events.stats
+        assert st.frames == 0 and st.silent_recoveries >= 1
+        assert any("connects instead of binding" in r.getMessage() and r.levelname == "WARNING"
+                   for r in caplog.records)
+        assert any(f.name == "kvroute_agent_vllm_silent_recoveries"
+                   and f.samples[0].value >= 1 for f in eng.metric_families())
+    finally:
+        await eng.stop()
+        pub.shutdown()
