@@ -137,6 +137,11 @@ class Job:
     model: FrontModel | None = None
     """The model it is for (None: the front's default)."""
 
+    def restart(self) -> None:
+        """Forget what an attempt produced, to run the request again."""
+        self.served = Served(self.served.request_id, self.served.prompt_tokens)
+        self.choices = [Choice(c.index) for c in self.choices]
+
     def choice_of(self, branch_id: str) -> Choice | None:
         """The choice a program's branch is: "0" for one, fork child "0.k" for choice k."""
         if len(self.choices) == 1:
@@ -535,8 +540,23 @@ class OpenAIFront:
             yield "done", c
 
     async def _collect(self, job: Job) -> None:
-        async for _ in self._run(job):
-            pass
+        """Run a non-streaming ``job`` to its end. Nothing reaches the client before then, so
+        a worker failing after its first tokens costs one more attempt (decided anew, the
+        tokens so far dropped), not the request; the generation path already retries a
+        worker that fails before them."""
+        try:
+            async for _ in self._run(job):
+                pass
+        except RefusedError as exc:
+            if not exc.midstream:
+                raise
+            log.warning("worker failed mid-generation of a non-streaming request; nothing "
+                        "reached the client, so it runs again", extra={"kv": {
+                            "request": job.served.request_id, "worker": job.served.worker,
+                            "tokens_dropped": exc.sent, "error": exc.message}})
+            job.restart()
+            async for _ in self._run(job):
+                pass
 
     async def _respond(self, request: web.Request, g: ChatRequest | CompletionRequest,
                        jobs: list[Job], *, chat: bool) -> web.StreamResponse:

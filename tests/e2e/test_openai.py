@@ -460,6 +460,29 @@ async def test_a_worker_failing_mid_stream_ends_the_stream_with_an_error_event(
     assert http_requests(r, "failed_midstream") == 1
 
 
+async def test_a_non_streaming_request_whose_worker_fails_midway_runs_again(
+        cluster, model_dir) -> None:
+    a = await cluster.agent("a", **{**SIM, "time_scale": 1.0,
+                                             "model_source": str(model_dir)})
+    r = await cluster.router(model=f"{MODEL}={model_dir}", http_port=free_port())
+    await wait_for(lambda: len(r.registry.loads) == 1, what="worker registered")
+    call = asyncio.create_task(client(r).chat.completions.create(
+        model=MODEL, max_tokens=300, messages=[{"role": "user", "content": SYSTEM}]))
+    ttft = "kvroute_router_ttft_seconds_count"
+    await wait_for(lambda: (r.metrics.registry.get_sample_value(ttft) or 0) == 1,
+                   what="a's first tokens at the router")
+    await cluster.agent("b", **{**SIM, "time_scale": 0.0, "model_source": str(model_dir)})
+    await wait_for(lambda: len(r.registry.loads) == 2, what="b registered")
+    await cluster.stop(a)
+    out = await call
+    # Nothing had reached the client: the whole answer comes from b.
+    assert out.usage is not None and out.usage.completion_tokens >= 1
+    assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.content
+    routed = "kvroute_router_routed_total"
+    assert r.metrics.registry.get_sample_value(routed, {"worker": "b"}) == 1
+    assert http_requests(r, "failed_midstream") == 1 and http_requests(r, "ok") == 1
+
+
 async def test_the_printed_curl_line_and_sdk_snippet_work(cluster, model_dir) -> None:
     """What ``kvroute demo --serve`` prints, run as a user would paste it into a shell."""
     r = await start(cluster, model_dir, {"a": TINY})
