@@ -60,7 +60,7 @@ class CachePublisher:
         keys: RedisKeys,
         worker_id: str,
         snapshot: Callable[[], list[int]],
-        heartbeat: Callable[[], Heartbeat],
+        heartbeat: Callable[[], Heartbeat | None],
         *,
         heartbeat_s: float = 1.0,
         heartbeat_ttl_s: float = 3.0,
@@ -196,6 +196,10 @@ class CachePublisher:
 
     async def _beat(self) -> None:
         hb = self._heartbeat()
+        if hb is None:
+            # The engine cannot serve: no heartbeat, so routers forget this worker now.
+            await self._r.delete(self._keys.heartbeat(self._worker))
+            return
         # The epoch we expect Redis to hold; None while a resync is in flight. Compared
         # after the round trip, so a resync completing meanwhile is not mistaken for loss.
         expected = self.epoch if self._synced else None

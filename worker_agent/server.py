@@ -247,6 +247,7 @@ class AgentApp:
         self.worker_id = cfg.worker_id
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
+        self._serving_task: asyncio.Task[None] | None = None  # a health change in flight
         self._metrics_http: Any = None
         self.health_server = HealthPort("", 0)  # --health-port: bound at start
         self.publisher: CachePublisher | None = None
@@ -292,7 +293,20 @@ class AgentApp:
         self._health = add_standard_services(server, [SERVICE], cfg.grpc_reflection)
         engine = self.engine
 
-        def heartbeat() -> Heartbeat:
+        serving = [engine.healthy()]  # what health checks answer: the engine's health
+
+        def heartbeat() -> Heartbeat | None:
+            healthy = engine.healthy()
+            if healthy != serving[0]:
+                serving[0] = healthy
+                self._serving_task = asyncio.create_task(
+                    set_serving(self._health, [SERVICE], healthy), name="agent-serving")
+                log.log(logging.INFO if healthy else logging.WARNING,
+                        "engine %s; %s", "serving" if healthy else "cannot serve",
+                        "heartbeating" if healthy else "no heartbeat until it can",
+                        extra={"kv": {"worker": self.worker_id}})
+            if not healthy:
+                return None
             ld = engine.load()
             now = time.monotonic()
             return Heartbeat(
@@ -321,7 +335,7 @@ class AgentApp:
         await server.start()
         self._server = server
         await self.health_server.start(self._health)
-        await set_serving(self._health, [SERVICE], True)
+        await set_serving(self._health, [SERVICE], serving[0])
         log.info("agent serving", extra={"kv": {
             "worker": self.worker_id, "address": advertise, "engine": cfg.engine,
             "model": cfg.model, "block_size": cfg.block_size, "epoch": pub.epoch,

@@ -107,6 +107,11 @@ class Engine(Protocol):
 
     def load(self) -> EngineLoad: ...
 
+    def healthy(self) -> bool:
+        """Whether the engine can serve now. While it cannot, the agent withholds its
+        heartbeat (routers forget the worker) and answers health checks NOT_SERVING."""
+        ...
+
     def cached_keys(self) -> list[int]:
         """Every block key currently in the prefix cache (for a full snapshot)."""
         ...

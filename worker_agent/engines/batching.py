@@ -190,6 +190,9 @@ class BatchingEngine:
             if not seq.done:
                 self._abort(seq)
 
+    def healthy(self) -> bool:
+        return True  # in-process: it lives as long as the agent
+
     def load(self) -> EngineLoad:
         sched = self.sched
         return EngineLoad(

@@ -32,6 +32,9 @@ What the router can believe, and for how long (the recovery contract):
   reset until vLLM stores (or, with ``kv_cache_report_mode=full``, which the agent requests
   while its view is incomplete, reuses) a block again, the router **under-reports** that
   block. It never reports a block the engine does not hold beyond the propagation delay.
+* vLLM unreachable (``/metrics`` silent for ``down_after_s``): every block is withdrawn at
+  once and :meth:`VllmEngine.healthy` is False, so the agent stops heartbeating until vLLM
+  answers again.
 * Redis restarts and outages are the publisher's (buffer, reconnect, snapshot rewrite under a
   new epoch from :meth:`VllmEngine.cached_keys`); the mirror falls back to load-only routing
   while Redis is away.

@@ -74,6 +74,9 @@ class VllmConfig:
     of a probe chat is checked against the router's (:mod:`.render_check`)."""
     render_check_s: float = 300.0
     """Seconds between those checks."""
+    down_after_s: float = 2.0
+    """vLLM is taken for dead once its ``/metrics`` has not answered for this long (it was
+    answering before): its blocks are withdrawn at once and the agent stops heartbeating."""
     report_reused: str = "auto"
     """Ask vLLM to re-report reused prefix blocks (``kv_cache_report_mode=full``): ``auto``
     while the cache view is incomplete (started late or reset), ``always`` or ``never``."""
@@ -112,7 +115,9 @@ class VllmEngine(BatchSink):
                              replay_timeout_s=config.replay_timeout_s, probe_s=config.probe_s),
             self)
         self.client = CompletionsClient(config.url, self.served_model)
-        self.metrics = MetricsPoller(config.url, config.metrics_interval_s)
+        self.metrics = MetricsPoller(config.url, config.metrics_interval_s,
+                                     on_poll=self._check_alive)
+        self._alive = False
         self._listeners: list[CacheListener] = []
         self._inflight: dict[int, _Inflight] = {}
         self._next_id = 0
@@ -279,6 +284,28 @@ class VllmEngine(BatchSink):
         for ce in out:
             self._emit(ce)
 
+    def healthy(self) -> bool:
+        """Whether vLLM answers (its ``/metrics``, polled in the background); False before it
+        first does and once it has not for ``down_after_s``."""
+        return self._alive
+
+    def _check_alive(self) -> None:
+        st = self.metrics.stats
+        alive = st.up or (st.last_ok > 0
+                          and time.monotonic() - st.last_ok < self.config.down_after_s)
+        if alive == self._alive:
+            return
+        self._alive = alive
+        if alive:
+            log.info("vLLM answers; serving", extra={"kv": {"url": self.config.url}})
+            return
+        # Whatever it held is gone with it: routers must stop matching those blocks now,
+        # not when its restart is noticed.
+        log.warning("vLLM has not answered for %.1f s; withdrawing its blocks and this "
+                    "worker's heartbeat until it answers again", self.config.down_after_s,
+                    extra={"kv": {"url": self.config.url}})
+        self.reset_view("vLLM unreachable")
+
     def reset_view(self, reason: str) -> None:
         log.warning("cache view reset: clearing this worker's published blocks; they are "
                     "re-learned as vLLM stores them again", extra={"kv": {"reason": reason}})
@@ -373,6 +400,8 @@ class VllmEngine(BatchSink):
             ("engine_hashes", "vLLM block hashes tracked", self.blocks.engine_hashes),
             ("cached_keys", "kvroute block keys published as cached", self.blocks.cached_count),
             ("metrics_up", "1 if the last poll of vLLM's /metrics succeeded", int(m.up)),
+            ("up", "1 while vLLM answers; at 0 its blocks are withdrawn and the agent sends "
+             "no heartbeat", int(self._alive)),
             ("metrics_age_seconds", "Seconds since the last good /metrics poll",
              time.monotonic() - m.last_ok if m.last_ok else -1.0),
         ):

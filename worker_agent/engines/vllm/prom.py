@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -66,8 +67,11 @@ class MetricsStats:
 class MetricsPoller:
     """Keeps :attr:`load` fresh by polling ``{base_url}/metrics`` every ``interval_s``."""
 
-    def __init__(self, base_url: str, interval_s: float = 0.5, timeout_s: float = 2.0) -> None:
+    def __init__(self, base_url: str, interval_s: float = 0.5, timeout_s: float = 2.0,
+                 on_poll: Callable[[], None] | None = None) -> None:
+        """``on_poll``: called after every poll, failed or not (the engine's liveness)."""
         self._url = base_url.rstrip("/") + "/metrics"
+        self._on_poll = on_poll
         self._interval = interval_s
         self._http = httpx.AsyncClient(timeout=timeout_s)
         self.load = VllmLoad()
@@ -106,4 +110,6 @@ class MetricsPoller:
     async def _loop(self) -> None:
         while True:
             await self.poll_once()
+            if self._on_poll is not None:
+                self._on_poll()
             await asyncio.sleep(self._interval)

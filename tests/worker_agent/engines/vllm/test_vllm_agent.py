@@ -294,3 +294,32 @@ async def test_vllm_unreachable_is_an_engine_error() -> None:
         await eng.stop()
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
         VllmConfig(long_prefill_token_threshold=-1)
+
+
+async def test_a_dead_vllm_leaves_the_router_at_once_and_rejoins_when_back(
+        cluster, fake_vllm) -> None:
+    fake = fake_vllm("--capacity", "40")
+    agent, router = await start(cluster, fake, heartbeat_s=0.5)
+    system = prompt(160, 1)
+    await generate(router.port, system + prompt(40, 2), max_tokens=2)
+    assert await converged(fake, agent, router, cluster.redis, "first blocks")
+    assert agent.engine.healthy()
+    assert fake.proc is not None
+    fake.proc.kill()  # SIGKILL: no goodbye on any socket
+    fake.proc.wait()
+    t0 = time.monotonic()
+    await wait_for(lambda: not router.mirror.index.keys_of(W) and W not in router.registry.loads,
+                   timeout=5, what="its blocks and the worker gone from the router")
+    gone_s = time.monotonic() - t0
+    assert not snapshot(cluster.redis) and not agent.engine.healthy()
+    assert any(f.name == "kvroute_agent_vllm_up" and f.samples[0].value == 0
+               for f in agent.engine.metric_families())
+    with pytest.raises(Exception, match="no routable workers"):
+        await generate(router.port, system + prompt(40, 3), max_tokens=2)
+    fake.start()  # vLLM back on the same ports, its cache empty
+    await wait_for(lambda: W in router.registry.loads, timeout=10, what="the worker back")
+    await generate(router.port, system + prompt(40, 4), max_tokens=2)
+    await converged(fake, agent, router, cluster.redis, "re-learned after the restart")
+    again = await generate(router.port, system + prompt(40, 5), max_tokens=2)
+    assert again[-1].usage.cached_tokens == 160  # its cache serves the turn again
+    print(f"\ndead vLLM: out of the router's mirror and registry {gone_s:.2f} s after SIGKILL")
