@@ -24,15 +24,16 @@ COPY vendor ./vendor
 COPY router ./router
 COPY worker_agent ./worker_agent
 COPY simulations ./simulations
-# kubernetes: the chart's default worker discovery watches pods.
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[kubernetes]"
+# kubernetes: the chart's default worker discovery watches pods; models: router.modelSource
+# (the router's tokenizer and chat template, and its agents' --model-source).
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[kubernetes,models]"
 
 FROM python:${PYTHON}-slim-bookworm
 COPY --from=build /wheels /wheels
 # pip compiles the bytecode as it installs (the root filesystem is read-only at run time);
 # the check fails the build unless every C build of the routing hot path is in (without
 # them the router logs a warning and runs the slower pure-Python paths).
-RUN pip install --no-cache-dir --no-index --find-links /wheels "kvroute[kubernetes]" \
+RUN pip install --no-cache-dir --no-index --find-links /wheels "kvroute[kubernetes,models]" \
     && rm -rf /wheels \
     && python -c "from kvroute.core.native import native_builds as n; b = n(); assert all(b.values()), b"
 RUN groupadd --gid 10001 kvroute && useradd --uid 10001 --gid 10001 --no-create-home kvroute

@@ -92,10 +92,11 @@ def test_the_dockerfile_runs_the_image_as_the_chart_expects() -> None:
     # The chart's default discovery watches pods: the kubernetes extra must be installed.
     values = yaml.safe_load((ROOT / "helm/kvroute/values.yaml").read_text())
     assert values["router"]["discovery"] == "kubernetes"
-    assert '"kvroute[kubernetes]"' in text and '".[kubernetes]"' in text
+    # ... and router.modelSource (router and agents load the model's tokenizer) the models one.
+    assert '"kvroute[kubernetes,models]"' in text and '".[kubernetes,models]"' in text
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    assert "kubernetes" in extras
+    assert {"kubernetes", "models"} <= set(extras)
     # The ports the chart's containers listen on are the ones the image declares.
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.*)$", text, re.M)
                for p in line.split()}

@@ -295,6 +295,26 @@ def test_the_http_front_takes_the_models_tokenizer_from_a_volume_or_the_hub(
     env = env_of(c)
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     assert {"name": "hf-cache", "mountPath": env["HF_HOME"]} in c["volumeMounts"]
+    # Every agent is given the same SOURCE, its volume or the hub's cache and token: it
+    # reports that tokenizer, so the router routes to it (no vocabulary size worked out).
+    for sets, mount in (
+            (("router.modelSource=/models/qwen",
+              "router.modelVolume.persistentVolumeClaim.claimName=m"),
+             {"name": "models", "mountPath": "/models", "readOnly": True}),
+            (("router.modelSource=hf:Qwen/Qwen2.5-7B-Instruct", "router.hfTokenSecret.name=hf"),
+             {"name": "agent-hf-cache", "mountPath": "/var/cache/huggingface"})):
+        sts = Manifests.parse(template(helm, sets=sets)).one("StatefulSet", "-worker")
+        agent = container(sts, "agent")
+        source = sets[0].split("=", 1)[1]
+        assert build_parser().parse_args(agent["args"]).model_source == source
+        assert mount in agent["volumeMounts"]
+        assert mount["name"] in {v["name"] for v in pod_spec(sts)["volumes"]}
+        if source.startswith("hf:"):
+            env = env_of(agent)
+            assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+            assert env["HF_HOME"] == mount["mountPath"]
+    plain = Manifests.parse(template(helm)).one("StatefulSet", "-worker")
+    assert "--model-source" not in container(plain, "agent")["args"]
     off = Manifests.parse(template(helm, sets=("router.httpPort=0",)))
     c = container(off.one("Deployment", "-router"), "router")
     assert c["livenessProbe"]["grpc"]["port"] == 50051 and env_of(c)["KVROUTE_HTTP_PORT"] == "0"
