@@ -47,6 +47,7 @@ class PublisherStats:
     events_published: int = 0
     entries_written: int = 0
     resyncs: int = 0
+    state_losses: int = 0  # times Redis was found without our epoch or snapshot
     redis_up: bool = False
     pending: int = 0
 
@@ -86,6 +87,10 @@ class CachePublisher:
         self._reported: bool | None = None  # the Redis state last logged (None: not yet)
         self.epoch = new_epoch()
         self.seq = 0
+        self._size = 0  # members our writes left in the snapshot set (SADD/SREM replies)
+        # Held across each write and each heartbeat with its check: a check then compares
+        # Redis with a size that counts every write Redis has applied.
+        self._io = asyncio.Lock()
         self.stats = PublisherStats()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -200,28 +205,45 @@ class CachePublisher:
             # The engine cannot serve: no heartbeat, so routers forget this worker now.
             await self._r.delete(self._keys.heartbeat(self._worker))
             return
-        # The epoch we expect Redis to hold; None while a resync is in flight. Compared
-        # after the round trip, so a resync completing meanwhile is not mistaken for loss.
-        expected = self.epoch if self._synced else None
         k = self._keys
-        pipe = self._r.pipeline(transaction=True)
-        pipe.set(k.heartbeat(self._worker), hb.to_json(), px=self._ttl_ms)
-        pipe.sadd(k.workers, self._worker)
-        pipe.hget(k.meta(self._worker), "epoch")
-        _, _, epoch = await pipe.execute()
-        if (expected is not None and expected == self.epoch and self._synced
-                and (epoch is None or epoch.decode() != expected)):
-            # Redis lost our snapshot (restart, flush, failover): rewrite it whole.
-            log.warning("snapshot missing in redis; resyncing",
-                        extra={"kv": {"worker": self._worker}})
-            self._synced = False
-            self._needs_resync = True
-            self._wake.set()
+        async with self._io:
+            # The epoch and size we expect Redis to hold; None while a resync is pending.
+            expected = (self.epoch, self._size) if self._synced else None
+            pipe = self._r.pipeline(transaction=True)
+            pipe.set(k.heartbeat(self._worker), hb.to_json(), px=self._ttl_ms)
+            pipe.sadd(k.workers, self._worker)
+            pipe.hget(k.meta(self._worker), "epoch")
+            pipe.scard(k.snapshot(self._worker))
+            _, _, epoch, size = await pipe.execute()
+            if expected is not None:
+                self._check_state(expected, epoch, size)
+
+    def _check_state(self, expected: tuple[str, int], epoch: bytes | None,
+                     size: int | None) -> None:
+        """Redis's copy of our state against what we wrote: a missing or other epoch, or a
+        snapshot of another size, means Redis lost data (restart, FLUSHALL, failover with
+        lost writes, an evicted key) or another writer: rewrite it whole, new epoch."""
+        want_epoch, want_size = expected
+        if epoch is not None and epoch.decode() == want_epoch and (
+                size is None or size == want_size):
+            return
+        log.warning("redis lost this worker's state; rewriting its snapshot under a new "
+                    "epoch", extra={"kv": {"worker": self._worker, "epoch": want_epoch,
+                                           "redis_epoch": epoch.decode() if epoch else None,
+                                           "size": want_size, "redis_size": size}})
+        self.stats.state_losses += 1
+        self._synced = False
+        self._needs_resync = True
+        self._wake.set()
 
     # -- writing ---------------------------------------------------------------------------
 
     async def flush(self) -> bool:
         """Write one batch. Returns True if more work remains."""
+        async with self._io:
+            return await self._flush()
+
+    async def _flush(self) -> bool:
         if self._needs_resync:
             await self._resync()
             return bool(self._pending)
@@ -231,21 +253,39 @@ class CachePublisher:
         entries = _coalesce(batch)
         k = self._keys
         pipe = self._r.pipeline(transaction=True)
+        # Before this batch's writes, in its transaction: what Redis held of us.
+        pipe.hget(k.meta(self._worker), "epoch")
+        pipe.scard(k.snapshot(self._worker))
+        expected = (self.epoch, self._size)
+        writes: list[str] = []  # the command of each reply after those two
         seq = self.seq
         for op, keys in entries:
             seq += 1
             ev = FeedEvent(self._worker, self.epoch, seq, op, tuple(keys))
             pipe.xadd(k.feed, ev.to_fields(), maxlen=self._maxlen, approximate=True)
+            writes.append("xadd")
             if op is Op.CLEAR:
                 pipe.delete(k.snapshot(self._worker))
+                writes.append("del")
             elif keys:
                 members = [pack_keys((x,)) for x in keys]
                 if op is Op.STORE:
                     pipe.sadd(k.snapshot(self._worker), *members)
+                    writes.append("sadd")
                 else:
                     pipe.srem(k.snapshot(self._worker), *members)
+                    writes.append("srem")
         pipe.hset(k.meta(self._worker), mapping={"epoch": self.epoch, "seq": seq})
-        await pipe.execute()
+        epoch, size, *replies = await pipe.execute()
+        for command, n in zip(writes, replies, strict=False):  # the HSET's reply is last
+            if command == "sadd":
+                self._size += int(n)
+            elif command == "srem":
+                self._size -= int(n)
+            elif command == "del":
+                self._size = 0
+        if self._synced:
+            self._check_state(expected, epoch, size)
         # Success: only now do the events leave the buffer.
         for _ in batch:
             self._pending.popleft()
@@ -282,6 +322,7 @@ class CachePublisher:
             self._needs_resync = True
             raise
         self.epoch, self.seq = epoch, 1
+        self._size = len(set(keys))
         self._synced = True
         self.stats.resyncs += 1
         self._set_up(True)

@@ -269,3 +269,27 @@ async def test_a_hung_overflow_worker_costs_its_fork_children_nothing(cluster) -
         assert {r.worker_id for r in out if r.token_ids} == {"a"}
         assert a.programs.stats.overflow_fallback == 2
         b.proc.send_signal(signal.SIGCONT)
+
+
+async def test_after_a_flushall_every_mirror_equals_its_engine_within_5_s(cluster) -> None:
+    workers = {w: await cluster.agent(w, engine="sim", capacity_blocks=512, time_scale=0.0,
+                                      heartbeat_s=0.5) for w in ("a", "b")}
+    router = await cluster.router()
+    await wait_for(lambda: set(router.registry.loads) == set(workers), what="registered")
+
+    def truthful() -> bool:
+        return all(router.mirror.index.keys_of(w) == set(app.engine.cached_keys())
+                   for w, app in workers.items())
+
+    for i in range(8):
+        await generate(router.port, prompt(160, i), max_tokens=2)
+    await wait_for(truthful, what="mirror equals the engines")
+    cluster.redis.client().flushall()
+    t0 = asyncio.get_running_loop().time()
+    # Traffic goes on: its writes land in the emptied Redis first.
+    for i in range(8, 12):
+        with contextlib.suppress(grpc.aio.AioRpcError):  # a worker forgotten meanwhile
+            await generate(router.port, prompt(160, i), max_tokens=2)
+    await wait_for(truthful, timeout=5 - (asyncio.get_running_loop().time() - t0),
+                   what="every mirror equal to its engine after the flush")
+    assert all(app.publisher.stats.state_losses >= 1 for app in workers.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 
@@ -112,6 +113,54 @@ async def test_lost_snapshot_is_rewritten_under_a_new_epoch(redis_server) -> Non
                        "snapshot rewritten")
         events = feed(client)
         assert events[0].op is Op.RESYNC and events[0].epoch == pub.epoch
+    finally:
+        await pub.stop()
+        await engine.stop()
+
+
+async def test_a_flush_found_by_the_next_write_is_healed_whole(redis_server) -> None:
+    # The write right after a FLUSHALL recreates the snapshot and meta under the same epoch:
+    # only what it wrote would be left, for good, were it not checked.
+    engine, pub = make(redis_server.url)
+    pub._hb_s = 3600.0  # no heartbeat check: the write itself must notice
+    await engine.start()
+    await pub.start()
+    client = redis_server.client()
+    try:
+        await run(engine, 160, 1)
+        await wait_for(lambda: len(snapshot(client)) == 10 and pub.stats.pending == 0,
+                       what="published")
+        old = pub.epoch
+        client.flushall()
+        await run(engine, 64, 2)  # 4 more blocks, written into the emptied Redis
+        await wait_for(lambda: pub.epoch != old and snapshot(client)
+                       == set(engine.cached_keys()), 5, "the whole snapshot rewritten")
+        assert len(snapshot(client)) == 14 and pub.stats.state_losses == 1
+    finally:
+        await pub.stop()
+        await engine.stop()
+
+
+async def test_an_evicted_snapshot_key_is_rewritten(redis_server) -> None:
+    # maxmemory eviction takes the set alone; the meta and its epoch stay.
+    engine, pub = make(redis_server.url)
+    await engine.start()
+    await pub.start()
+    client = redis_server.client()
+    try:
+        await run(engine, 160, 1)
+        await wait_for(lambda: len(snapshot(client)) == 10 and pub.stats.pending == 0,
+                       what="published")
+        old = pub.epoch
+        client.delete(KEYS.snapshot("w1"))
+        await wait_for(lambda: pub.epoch != old and len(snapshot(client)) == 10, 5,
+                       "snapshot rewritten after the heartbeat saw it gone")
+        assert pub.stats.state_losses == 1
+        await run(engine, 64, 2)  # and the size kept since then matches what Redis holds
+        await wait_for(lambda: snapshot(client) == set(engine.cached_keys()), 5, "followed")
+        await wait_for(lambda: pub.stats.pending == 0, what="flushed")
+        await asyncio.sleep(0.3)  # several heartbeats: no further loss is seen
+        assert pub.stats.state_losses == 1
     finally:
         await pub.stop()
         await engine.stop()
