@@ -372,11 +372,12 @@ def parse_meta(meta: Mapping[bytes, bytes]) -> tuple[str, int]:
 # (AUTH is always allowed; kvroute.core.redis_conn turns redis-py's CLIENT SETINFO off.)
 _ACL_COMMON = ("+multi", "+exec", "+discard", "+select", "+cluster|slots", "+cluster|shards",
                "+command", "+asking")
-# What kvroute.worker_agent.publisher sends: the heartbeat (SET PX, SADD, HGET of its meta),
-# feed batches (XADD MAXLEN ~, SADD/SREM/DEL of its snapshot, HSET of its meta), the resync,
+# What kvroute.worker_agent.publisher sends: the heartbeat (SET PX, SADD, HGET of its meta,
+# SCARD of its snapshot), feed batches (HGET and SCARD first, XADD MAXLEN ~, SADD/SREM/DEL of
+# its snapshot, HSET of its meta), the resync,
 # DEL of its heartbeat on a clean stop, and GET of another worker's heartbeat (a program's
 # placement may send fork children only to a live worker, at its heartbeat's address).
-_ACL_AGENT = ("+set", "+sadd", "+srem", "+del", "+hget", "+hset", "+xadd", "+get")
+_ACL_AGENT = ("+set", "+sadd", "+srem", "+scard", "+del", "+hget", "+hset", "+xadd", "+get")
 # What kvroute.router.mirror sends: feed reads (XREVRANGE, XREAD BLOCK), the heartbeat scan
 # (SMEMBERS, MGET), snapshot reads (HGETALL of the meta and DUMP of the set, SMEMBERS for a
 # set DUMP gives in another encoding; the EVAL running HGETALL and SMEMBERS), the pruning of
