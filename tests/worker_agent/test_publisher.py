@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+from collections.abc import AsyncIterator
+from typing import Any
 
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, unpack_keys
@@ -20,8 +23,8 @@ def make(redis_url: str, capacity: int = 256, **kw: object) -> tuple[SimEngine, 
     engine = SimEngine(SimConfig(capacity_blocks=capacity, model="default", time_scale=0.0))
     pub = CachePublisher(
         connect(redis_url), KEYS, "w1", engine.cached_keys,
-        lambda: Heartbeat("w1", "127.0.0.1:1", pub.epoch), heartbeat_s=0.05,
-        heartbeat_ttl_s=1.0, **kw)  # type: ignore[arg-type]
+        lambda: Heartbeat("w1", "127.0.0.1:1", pub.epoch),
+        **{"heartbeat_s": 0.05, "heartbeat_ttl_s": 1.0, **kw})  # type: ignore[arg-type]
     engine.add_listener(pub.on_event)
     return engine, pub
 
@@ -99,58 +102,50 @@ async def test_overflow_while_redis_is_down_resyncs_with_nothing_lost(redis_serv
         await engine.stop()
 
 
-async def test_lost_snapshot_is_rewritten_under_a_new_epoch(redis_server) -> None:
-    engine, pub = make(redis_server.url)
+@contextlib.asynccontextmanager
+async def ten_blocks_published(redis_server, **kw: object
+                               ) -> AsyncIterator[tuple[SimEngine, CachePublisher, Any]]:
+    """A running engine and publisher whose first 10 blocks Redis holds; stopped after."""
+    engine, pub = make(redis_server.url, **kw)
     await engine.start()
     await pub.start()
     client = redis_server.client()
     try:
         await run(engine, 160, 1)
-        await wait_for(lambda: len(snapshot(client)) == 10, what="published")
+        await wait_for(lambda: len(snapshot(client)) == 10 and pub.stats.pending == 0,
+                       what="published")
+        yield engine, pub, client
+    finally:
+        await pub.stop()
+        await engine.stop()
+
+
+async def test_lost_snapshot_is_rewritten_under_a_new_epoch(redis_server) -> None:
+    async with ten_blocks_published(redis_server) as (_, pub, client):
         old = pub.epoch
         client.flushall()
         await wait_for(lambda: len(snapshot(client)) == 10 and pub.epoch != old, 10,
                        "snapshot rewritten")
         events = feed(client)
         assert events[0].op is Op.RESYNC and events[0].epoch == pub.epoch
-    finally:
-        await pub.stop()
-        await engine.stop()
 
 
 async def test_a_flush_found_by_the_next_write_is_healed_whole(redis_server) -> None:
     # The write right after a FLUSHALL recreates the snapshot and meta under the same epoch:
-    # only what it wrote would be left, for good, were it not checked.
-    engine, pub = make(redis_server.url)
-    pub._hb_s = 3600.0  # no heartbeat check: the write itself must notice
-    await engine.start()
-    await pub.start()
-    client = redis_server.client()
-    try:
-        await run(engine, 160, 1)
-        await wait_for(lambda: len(snapshot(client)) == 10 and pub.stats.pending == 0,
-                       what="published")
+    # only what it wrote would be left, for good, were it not checked. No heartbeat check
+    # here: the write itself must notice.
+    async with ten_blocks_published(redis_server, heartbeat_s=3600.0) as (engine, pub, client):
         old = pub.epoch
         client.flushall()
         await run(engine, 64, 2)  # 4 more blocks, written into the emptied Redis
         await wait_for(lambda: pub.epoch != old and snapshot(client)
                        == set(engine.cached_keys()), 5, "the whole snapshot rewritten")
         assert len(snapshot(client)) == 14 and pub.stats.state_losses == 1
-    finally:
-        await pub.stop()
-        await engine.stop()
 
 
 async def test_an_evicted_snapshot_key_is_rewritten(redis_server) -> None:
     # maxmemory eviction takes the set alone; the meta and its epoch stay.
-    engine, pub = make(redis_server.url)
-    await engine.start()
-    await pub.start()
-    client = redis_server.client()
-    try:
-        await run(engine, 160, 1)
-        await wait_for(lambda: len(snapshot(client)) == 10 and pub.stats.pending == 0,
-                       what="published")
+    async with ten_blocks_published(redis_server) as (engine, pub, client):
         old = pub.epoch
         client.delete(KEYS.snapshot("w1"))
         await wait_for(lambda: pub.epoch != old and len(snapshot(client)) == 10, 5,
@@ -161,9 +156,6 @@ async def test_an_evicted_snapshot_key_is_rewritten(redis_server) -> None:
         await wait_for(lambda: pub.stats.pending == 0, what="flushed")
         await asyncio.sleep(0.3)  # several heartbeats: no further loss is seen
         assert pub.stats.state_losses == 1
-    finally:
-        await pub.stop()
-        await engine.stop()
 
 
 async def test_a_redis_never_reached_is_logged_at_start(caplog) -> None:
