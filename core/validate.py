@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,8 +34,9 @@ def check_sampling(req: common_pb2.GenerateRequest, limits: Limits) -> int:
     if s.max_tokens > limits.max_new_tokens:
         raise InvalidRequestError("sampling.max_tokens",
                              f"{s.max_tokens} exceeds the limit of {limits.max_new_tokens}")
-    if s.temperature < 0:
-        raise InvalidRequestError("sampling.temperature", f"must be >= 0, got {s.temperature}")
+    if not (s.temperature >= 0 and math.isfinite(s.temperature)):  # NaN fails both
+        raise InvalidRequestError("sampling.temperature",
+                                  f"must be finite and >= 0, got {s.temperature}")
     if not 0 <= s.top_p <= 1:
         raise InvalidRequestError("sampling.top_p", f"must be in [0, 1], got {s.top_p}")
     bad = [t for t in s.stop_token_ids if t >= limits.vocab_size]

@@ -299,6 +299,17 @@ async def post(port: int, path: str, body: Any, raw: bytes | None = None
       "chat_template": "{{ 'x' * 10 }}"}, 400, "chat_template"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
       "chat_template_kwargs": {"messages": []}}, 400, "messages"),
+    # A lone surrogate (no UTF-8 for it) in any text field: that field, not a 500.
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi \ud800"}]}, 400,
+     "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "\udfff", "content": "hi"}]}, 400,
+     "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]},
+     400, "stop[0]"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "user": "\ud800"},
+     400, "user"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "cache_salt": "\ud800"},
+     400, "cache_salt"),
 ])
 async def test_each_bad_chat_request_gets_its_status_and_param(cluster, model_dir, body,
                                                               status, param) -> None:

@@ -15,6 +15,7 @@ import pytest
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.load import ARRIVAL_MIN_WINDOW_S, ARRIVAL_TAU_S, PrefillMode
 from kvroute.core.policies import KvrouteCost
+from kvroute.v1 import common_pb2, router_pb2_grpc
 from tests.support import AgentProc, generate, raw_rpc, request_wire, route, wait_for
 
 
@@ -83,6 +84,15 @@ async def test_malformed_requests_get_invalid_argument(cluster) -> None:
             await generate(router.port, kw.pop("tokens", None), **kw)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
         assert needle in err.value.details(), err.value.details()
+    # Floats the JSON front cannot carry but protobuf can: NaN and infinity.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+        for bad in (math.nan, math.inf):
+            req = common_pb2.GenerateRequest(token_ids=[1, 2], sampling=common_pb2.SamplingParams(
+                max_tokens=2, temperature=bad))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [r async for r in router_pb2_grpc.RouterStub(ch).Generate(req)]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling.temperature" in err.value.details(), err.value.details()
 
 
 async def test_a_request_refused_before_its_prefill_leaves_no_prediction(cluster) -> None:
