@@ -62,6 +62,9 @@ class _StateCollector(Collector):
             ("kvroute_agent_cache_events_published", "Cache events written to the feed",
              st.events_published),
             ("kvroute_agent_resyncs", "Full snapshot rewrites (new epochs)", st.resyncs),
+            ("kvroute_agent_redis_state_losses", "Times Redis was found without this worker's "
+             "epoch or with another snapshot size than its writes left (each rewrites it)",
+             st.state_losses),
             ("kvroute_agent_feed_seq", "Last feed seq written in this epoch", self._pub.seq),
         ):
             yield GaugeMetricFamily(name, doc, value=value)

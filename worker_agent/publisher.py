@@ -218,14 +218,12 @@ class CachePublisher:
             if expected is not None:
                 self._check_state(expected, epoch, size)
 
-    def _check_state(self, expected: tuple[str, int], epoch: bytes | None,
-                     size: int | None) -> None:
+    def _check_state(self, expected: tuple[str, int], epoch: bytes | None, size: int) -> None:
         """Redis's copy of our state against what we wrote: a missing or other epoch, or a
         snapshot of another size, means Redis lost data (restart, FLUSHALL, failover with
         lost writes, an evicted key) or another writer: rewrite it whole, new epoch."""
         want_epoch, want_size = expected
-        if epoch is not None and epoch.decode() == want_epoch and (
-                size is None or size == want_size):
+        if epoch is not None and epoch.decode() == want_epoch and size == want_size:
             return
         log.warning("redis lost this worker's state; rewriting its snapshot under a new "
                     "epoch", extra={"kv": {"worker": self._worker, "epoch": want_epoch,

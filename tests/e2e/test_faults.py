@@ -293,3 +293,5 @@ async def test_after_a_flushall_every_mirror_equals_its_engine_within_5_s(cluste
     await wait_for(truthful, timeout=5 - (asyncio.get_running_loop().time() - t0),
                    what="every mirror equal to its engine after the flush")
     assert all(app.publisher.stats.state_losses >= 1 for app in workers.values())
+    assert all((app.metrics.registry.get_sample_value("kvroute_agent_redis_state_losses")
+                or 0) >= 1 for app in workers.values())
