@@ -158,6 +158,26 @@ async def test_backtrack_then_regenerate_equals_a_fresh_run_from_the_truncated_p
     assert res["0"].engine_requests == 2
 
 
+async def test_a_one_gen_program_samples_what_the_plain_request_does_with_its_seed(
+        cluster) -> None:
+    """A request with stop strings runs as a one-gen program: same seed, same text."""
+    a = await cluster.agent("a", **TINY)
+
+    async def plain(seed: int) -> list[int]:
+        req = common_pb2.GenerateRequest(token_ids=PROMPT, sampling=common_pb2.SamplingParams(
+            max_tokens=16, temperature=1.0, seed=seed))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
+            return [t async for r in worker_agent_pb2_grpc.WorkerAgentStub(ch).Generate(req)
+                    for t in r.token_ids]
+
+    req = common_pb2.GenerateRequest(
+        token_ids=PROMPT, sampling=common_pb2.SamplingParams(temperature=1.0, seed=11),
+        program=P.ControllerProgram(steps=[gen(16, stop=["never in the text"])]))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
+        resps = [r async for r in worker_agent_pb2_grpc.WorkerAgentStub(ch).Generate(req)]
+    assert list(results(resps)["0"].token_ids) == await plain(11) != await plain(12)
+
+
 async def test_forks_do_not_disturb_each_others_state(cluster) -> None:
     """Each child of a fork ends exactly as its sub-program does when run alone, including
     an open constraint continued in every child (llguidance deep_copy)."""

@@ -68,6 +68,19 @@ Ev = program_pb2.ProgramEvent
 END = object()
 """The last item a run puts on its queue."""
 
+ROOT_BRANCH = "0"
+
+
+def engine_seed(seed: int, branch: str, n: int) -> int:
+    """The sampling seed of ``branch``'s ``n``-th engine request. The root's first request
+    takes the caller's seed as it is (when set), so a program of one ``gen`` (a request with
+    stop strings) samples the text the plain request would; every other seed is derived from
+    (seed, branch, n), independent of the request id, so reruns repeat and a fork's siblings
+    sample differently."""
+    if seed and branch == ROOT_BRANCH and n == 0:
+        return seed
+    return xxhash.xxh3_64_intdigest(f"{seed}/{branch}/{n}".encode()) & ((1 << 63) - 1) or 1
+
 
 class Host(Protocol):
     """What a run reads of the agent's ``ProgramRuntime``, at each use (a benchmark sets
@@ -182,7 +195,7 @@ class Run:
 
     async def _main(self) -> None:
         prompt = list(self.request.token_ids)
-        root = Branch("0", list(prompt), len(prompt))
+        root = Branch(ROOT_BRANCH, list(prompt), len(prompt))
         try:
             live = await self.program([root], self.prep.plan.program, self.prep.split)
         except BaseExceptionGroup as eg:
@@ -400,10 +413,7 @@ class Run:
         req = self.request
         self.n_requests += 1
         rid = f"{self.request_id}/{b.id}/{self.n_requests}"
-        # Per branch and request, independent of the request id: reruns are reproducible and
-        # siblings of a fork sample differently.
-        seed = xxhash.xxh3_64_intdigest(
-            f"{req.sampling.seed}/{b.id}/{b.engine_requests}".encode()) & ((1 << 63) - 1) or 1
+        seed = engine_seed(req.sampling.seed, b.id, b.engine_requests)
         stop_ids = set(req.sampling.stop_token_ids)
         eos = vocab.eos_token_id if vocab is not None else getattr(self.rt.engine,
                                                                    "eos_token_id", None)
