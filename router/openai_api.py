@@ -35,6 +35,7 @@ from kvroute.core.ports import describe, refuse_port
 from kvroute.core.tls import ServerContext, TlsConfig, TlsError
 from kvroute.core.tokenizer import Tokenizer
 from kvroute.router.openai_schema import (
+    STOP_CAPTURE,
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -109,6 +110,9 @@ class Choice:
     finish_reason: str | None = None
     sent: str = ""
     """The text streamed so far (a UTF-8 character split across tokens waits for its end)."""
+    cut_text: str | None = None
+    """The agent's text before a stop string (:data:`STOP_CAPTURE`): when the stop begins
+    inside a token, the ids leave that token out but this keeps its text before the stop."""
 
 
 @dataclass
@@ -510,10 +514,18 @@ class OpenAIFront:
             return tok.decode(ids, skip_special_tokens=True)  # type: ignore[call-arg]
         return tok.decode(ids)
 
+    def _text(self, c: Choice, m: FrontModel | None) -> str:
+        """``c``'s text: its tokens', or the agent's cut at a stop string where that goes on
+        past them (a stop that begins inside a token)."""
+        text = self._decode(c.token_ids, m)
+        if c.cut_text is not None and c.cut_text.startswith(text):
+            return c.cut_text
+        return text
+
     def _new_text(self, c: Choice, m: FrontModel | None) -> str:
         """The text of ``c``'s tokens not streamed yet, short of a trailing partial
         character."""
-        text = self._decode(c.token_ids, m)
+        text = self._text(c, m)
         if text.endswith("\ufffd") and c.finish_reason is None:
             return ""
         if not text.startswith(c.sent):  # a decoder that rewrites earlier text: resend all
@@ -561,6 +573,8 @@ class OpenAIFront:
                         if c is None or not r.selected:
                             continue
                         c.token_ids = list(r.token_ids)
+                        if STOP_CAPTURE in r.variables:
+                            c.cut_text = r.variables[STOP_CAPTURE].text
                         c.logprobs = list(r.token_logprobs)
                         c.finish_reason = _finish(finish.get(r.branch_id, "stop"))
                         s.completion_tokens += len(r.token_ids)  # forced ones too
@@ -656,7 +670,7 @@ class OpenAIFront:
         choices = []
         for job in jobs:
             for c in job.choices:
-                text = self._decode(c.token_ids, job.model)
+                text = self._text(c, job.model)
                 lp = self._logprobs(c, chat, job.model) if g.logprobs else None
                 if chat:
                     choice: dict[str, Any] = {

