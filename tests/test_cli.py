@@ -43,7 +43,7 @@ def test_help_states_each_default_once_and_not_for_switches(cmd: str) -> None:
     ("replay", "--workers WORKERS simulated workers (default: 16)"),
     ("replay", "(0 = off; default: the router's, 600000) --coalesce-share"),
     ("replay", "(0: always wait; default: the router's, 0.8) --programs"),
-    ("demo", "--workers WORKERS sim agents to start (default: 4)"),
+    ("demo", "2 suit 2 cores) (default: 4)"),
 ])
 def test_help_shows_defaults(cmd: str, expected: str) -> None:
     assert expected in _help(cmd)

@@ -302,7 +302,9 @@ class CachePublisher:
         self.stats.pending = 0  # else the pending gauge keeps the pre-resync count
         self._needs_resync = False  # events from here on queue behind this snapshot
         self._synced = False  # until this snapshot is in Redis
-        epoch = new_epoch()
+        # The first snapshot declares the epoch the agent announced at start; each later one
+        # is a new epoch.
+        epoch = self.epoch if self.stats.resyncs == 0 else new_epoch()
         op = Op.RESYNC if keys else Op.CLEAR
         k = self._keys
         pipe = self._r.pipeline(transaction=True)

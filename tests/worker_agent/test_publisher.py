@@ -45,11 +45,13 @@ def feed(client) -> list[FeedEvent]:
 
 async def test_feed_and_snapshot_follow_the_engine(redis_server) -> None:
     engine, pub = make(redis_server.url, capacity=64)
+    announced = pub.epoch  # what the agent logs and registers at start
     await engine.start()
     await pub.start()
     client = redis_server.client()
     try:
         await wait_for(lambda: pub.seq == 1, what="first epoch declared")
+        assert pub.epoch == announced, "the start-up snapshot is under the announced epoch"
         for i in range(12):  # 12 x 20 blocks through a 64-block cache: evictions happen
             await run(engine, 320, i)
         await wait_for(lambda: pub.stats.pending == 0 and snapshot(client)
