@@ -207,8 +207,11 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
-def refusal_error(exc: RefusedError, prompt_param: str) -> ApiError:
-    """The HTTP error a refusal of the generation path is."""
+def refusal_error(exc: RefusedError, prompt_param: str,
+                  program_params: Sequence[str] = ()) -> ApiError:
+    """The HTTP error a refusal of the generation path is. ``program_params``: the request's
+    fields that made it a program (:attr:`Generation.program_params`); a worker refusing the
+    program names the first."""
     if exc.shed:
         return ApiError(429, exc.message, code="rate_limit_exceeded",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -224,9 +227,7 @@ def refusal_error(exc: RefusedError, prompt_param: str) -> ApiError:
         # The worker refused what the request asks of it (a program limit, a constraint
         # its engine cannot apply): the request's to change.
         low = exc.message.lower()
-        param = ("n" if "fanout" in low else
-                 "response_format" if any(w in low for w in ("constraint", "grammar", "schema"))
-                 else None)
+        param = "n" if "fanout" in low else (program_params[0] if program_params else None)
         return ApiError(400, exc.message, param=param, code=exc.code.name.lower())
     return ApiError(502, exc.message, code=exc.code.name.lower())
 
@@ -623,12 +624,12 @@ class OpenAIFront:
                     for job in jobs:
                         tg.create_task(self._collect(job))
         except RefusedError as exc:
-            raise refusal_error(exc, param) from None
+            raise refusal_error(exc, param, g.program_params) from None
         except ExceptionGroup as group:  # several prompts: the first refusal speaks for all
             refused = [e for e in group.exceptions if isinstance(e, RefusedError)]
             if not refused:
                 raise
-            raise refusal_error(refused[0], param) from None
+            raise refusal_error(refused[0], param, g.program_params) from None
         body = self._completion_body(g, jobs, chat=chat)
         return web.json_response(body, headers=self._headers(jobs))
 
@@ -744,7 +745,7 @@ class OpenAIFront:
                                 await send(chunk(c, text, None, lp=lp))
                             await send(chunk(c, "", c.finish_reason))
             except RefusedError as exc:
-                err = refusal_error(exc, param)
+                err = refusal_error(exc, param, g.program_params)
                 if resp is None:
                     if n == 0:
                         raise err from None

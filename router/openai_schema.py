@@ -18,6 +18,7 @@ from typing import Any
 from kvroute.v1 import common_pb2, program_pb2
 
 MAX_N = 128
+SO = "structured_outputs"
 STOP_CAPTURE = "text"
 """The capture of a request's gen when it has stop strings: the agent's exact text before the
 stop, which may end inside a token its ids leave out."""
@@ -64,6 +65,8 @@ class Constraint:
 
     kind: str
     value: str | tuple[str, ...]
+    param: str = "response_format"
+    """The request field it came from (``response_format`` or ``structured_outputs``)."""
 
 
 @dataclass
@@ -89,7 +92,14 @@ class Generation:
         """Stop strings, several choices, a constraint and log-probabilities are the
         controller's (a program with one gen step, forked ``n`` ways); the rest is a plain
         request."""
-        return bool(self.stop) or self.n > 1 or self.constraint is not None or self.logprobs
+        return bool(self.program_params)
+
+    @property
+    def program_params(self) -> list[str]:
+        """The request fields that make it a program, the constraint's first: a worker's
+        refusal of the program is about them."""
+        return ([self.constraint.param] if self.constraint is not None else []) + \
+            ["stop"] * bool(self.stop) + ["n"] * (self.n > 1) + ["logprobs"] * self.logprobs
 
 
 @dataclass
@@ -248,13 +258,13 @@ def _constraint(body: Mapping[str, Any]) -> Constraint | None:
                           "grammar")
         (kind, v), = given.items()
         if kind == "json" and isinstance(v, (dict, str)):
-            return Constraint("json_schema", v if isinstance(v, str) else json.dumps(v))
+            return Constraint("json_schema", v if isinstance(v, str) else json.dumps(v), SO)
         if kind == "regex" and isinstance(v, str):
-            return Constraint("regex", v)
+            return Constraint("regex", v, SO)
         if kind == "grammar" and isinstance(v, str):
-            return Constraint("lark", v)
+            return Constraint("lark", v, SO)
         if kind == "choice" and isinstance(v, list) and v and all(isinstance(c, str) for c in v):
-            return Constraint("choices", tuple(v))
+            return Constraint("choices", tuple(v), SO)
         raise invalid("structured_outputs", f"{kind}: expected json (an object), regex or "
                       "grammar (a string) or choice (a list of strings)")
     return None
