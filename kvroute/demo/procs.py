@@ -66,6 +66,12 @@ class Children:
     log_dir: Path
     started: list[Child] = field(default_factory=list)
     _ports: PortPool = field(default_factory=PortPool)
+    _on_stop: list[Callable[[], object]] = field(default_factory=list)
+
+    def on_stop(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` in :meth:`stop_all`, after the services (e.g. stop engines started
+        outside :meth:`spawn`)."""
+        self._on_stop.append(fn)
 
     def free_port(self) -> int:
         """A free 127.0.0.1 port, never one handed out before in this demo."""
@@ -104,6 +110,8 @@ class Children:
     def stop_all(self) -> None:
         """Stop everything in two waves: the services, then the infrastructure they use."""
         self.stop([c for c in self.started if not c.stop_last])
+        for fn in self._on_stop:
+            fn()
         self.stop([c for c in self.started if c.stop_last])
 
 

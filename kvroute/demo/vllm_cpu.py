@@ -10,6 +10,7 @@ process group, started and stopped by PID, with the ``kvroute agent`` flags that
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,12 @@ UNUSED_CUDA_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 _HERE = Path(__file__).parent
 
 Say = Callable[[str], None]
+
+
+def core_for(i: int) -> str:
+    """Server ``i``'s own core (``VllmServer.cpus``), as if each had a machine: vLLM alone
+    pins every server's worker to core 0."""
+    return str(i % (os.cpu_count() or 1))
 
 
 def cache_root() -> Path:
@@ -134,6 +142,9 @@ class VllmServer:
     replay_port: int
     log: Path
     kv_cache_gib: int = 1
+    cpus: str = "nobind"
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: ``nobind`` lets the OS place its threads (vLLM's
+    own default pins every server's worker to core 0); ``"1"`` or ``"0-3"`` pins them."""
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -165,26 +176,46 @@ class VllmServer:
     def start(self) -> None:
         # Dev mode serves POST /reset_prefix_cache (reset_cache); loopback only.
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-               "VLLM_SERVER_DEV_MODE": "1",
+               "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": self.cpus,
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                "PYTHONUNBUFFERED": "1"}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
+            # A group of its own (kill() signals vLLM's engine and worker too), in the
+            # caller's session (a closed terminal still reaches it).
             self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+                                         env=env, process_group=0)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Until ``/health`` answers 200; raise with the log's end if vLLM exits or is late."""
+        asyncio.run(self.ready(timeout_s))
+
+    async def ready(self, timeout_s: float = 300.0) -> None:
+        """:meth:`wait_ready` on a running event loop (a Ctrl-C cancels it at once)."""
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
+        async with httpx.AsyncClient(timeout=2) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n"
+                                       f"{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(self.url + "/health")).status_code == 200:
+                        return
+                await asyncio.sleep(0.5)
         raise RuntimeError(f"vLLM not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def warm_up(self) -> None:
+        """A few prompts of several lengths, one at a time and then 8 at once, so that the
+        first measured requests do not pay for vLLM's first passes over new shapes."""
+        def ask(n: int) -> None:
+            body = {"model": SERVED_MODEL, "prompt": [(7 * i) % 50000 for i in range(n)],
+                    "max_tokens": 8, "temperature": 0}
+            httpx.post(self.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+        for n in (16, 256, 1024, MAX_MODEL_LEN - 64):
+            ask(n)
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(ask, [64 + 96 * i for i in range(8)]))
 
     def reset_cache(self) -> None:
         """Empty vLLM's prefix cache (it publishes AllBlocksCleared), for a cold start."""

