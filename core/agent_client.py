@@ -7,6 +7,7 @@ import asyncio
 from typing import NamedTuple
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.core.tls import ClientCredentials, TlsConfig
 from kvroute.v1 import common_pb2, worker_agent_pb2, worker_agent_pb2_grpc
@@ -53,6 +54,17 @@ class AgentChannels:
 
     def stub(self, address: str) -> worker_agent_pb2_grpc.WorkerAgentStub:
         return self._agent(address).stub
+
+    async def serving(self, address: str, timeout_s: float = 1.0) -> bool:
+        """True if the agent at ``address`` answers its gRPC health check SERVING within
+        ``timeout_s`` (an agent whose engine is down answers NOT_SERVING)."""
+        stub = health_pb2_grpc.HealthStub(self._agent(address).channel)
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""),
+                                    timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     def generate_wire(self, address: str) -> grpc.aio.UnaryStreamMultiCallable:
         """WorkerAgent.Generate taking a GenerateRequest already serialized (the bytes a

@@ -181,6 +181,16 @@ class _MirrorCollector(Collector):
             ("kvroute_router_bootstraps", "Full bootstraps from Redis", st.bootstraps),
         ):
             yield GaugeMetricFamily(name, doc, value=v)
+        lost = self._m.lost
+        if lost is not None:
+            outcomes = CounterMetricFamily(
+                "kvroute_router_lost_workers",
+                "Workers Redis lost (no heartbeat and no record) that this router kept because "
+                "their agent answered, or dropped because it did not (router/lost.py)",
+                labels=["outcome"])
+            outcomes.add_metric(["kept"], lost.kept_total)
+            outcomes.add_metric(["dropped"], lost.dropped_total)
+            yield outcomes
         rejected = CounterMetricFamily(
             "kvroute_router_records_rejected",
             "Redis records the mirror refused, by kind (heartbeat, feed, snapshot, member of "

@@ -46,6 +46,7 @@ from kvroute.core.redis_schema import (
     pack_keys,
     parse_meta,
 )
+from kvroute.router.lost import LostWorkers, Probe
 from kvroute.router.registry import Vocabulary, WorkerRegistry
 
 if TYPE_CHECKING:
@@ -113,8 +114,12 @@ class IndexMirror:
         retry_s: float = 1.0,
         prune_after_s: float = 10.0,
         on_change: Callable[[], None] | None = None,
+        probe: Probe | None = None,
     ) -> None:
+        """``probe``: whether an agent answers; with it, workers Redis lost but whose agent
+        answers stay (router/lost.py); without it, they leave when their heartbeat does."""
         self._r = client
+        self.lost = LostWorkers(probe) if probe is not None else None
         self._dump = True  # snapshots read by DUMP (False: its ACL refused it; SMEMBERS)
         # SMEMBERS replies as the list the parser built, not redis-py's set of it: a
         # snapshot read by SMEMBERS (_read_snapshot) has 10k members a worker, and building
@@ -576,8 +581,13 @@ class IndexMirror:
             del self._bad_beats[w]
         for w in self._beat_cache.keys() - beats.keys():
             del self._beat_cache[w]
-        expired = registry.expire_missing(beats.keys(),
-                                          expire=time.monotonic() >= self._expire_from)
+        expire = time.monotonic() >= self._expire_from
+        kept: set[str] = set()
+        if expire and self.lost is not None:
+            missing = [i.worker_id for i in registry.all()
+                       if not i.static and i.worker_id not in beats]
+            kept = await self.lost.keep(self._r, k, registry, missing)
+        expired = registry.expire_missing(beats.keys() | kept, expire=expire)
         for w in added:
             hb = beats[w]
             log.info("worker joined", extra={"kv": {

@@ -52,6 +52,7 @@ from kvroute.router.coalesce import InflightPrefixes, predict_sent
 from kvroute.router.copies import PrefixCopier
 from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_confirmed
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
+from kvroute.router.lost import Probe
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.openai_api import OpenAIFront
@@ -521,7 +522,12 @@ class RouterApp:
             raise SystemExit(str(exc)) from None
         # The default (first) model's config, tokenizer, registry, mirror and decider are
         # the router's own attributes; every model's are its pool's (router/pools.py).
-        self.pools = [_pool(m, static if i == 0 else {}) for i, m in enumerate(models)]
+        try:
+            self.channels = AgentChannels(self.tls)  # --tls-ca: mTLS to agents
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        self.pools = [_pool(m, static if i == 0 else {}, self.channels.serving)
+                      for i, m in enumerate(models)]
         default = self.pools[0]
         cfg = self.cfg = default.model.cfg
         self.chat = default.model.chat
@@ -535,10 +541,6 @@ class RouterApp:
         self.discovery = make_discovery(cfg, self.registry)
         if self.discovery is not None:
             self.metrics.registry.register(DiscoveryCollector(self.discovery))
-        try:
-            self.channels = AgentChannels(self.tls)  # --tls-ca: mTLS to agents
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from None
         self.keys = load_key_ring(cfg.api_keys_file, self.metrics.registry)
         self.port = 0
         self.http_port = 0
@@ -664,9 +666,10 @@ class RouterApp:
         log.info("router stopped")
 
 
-def _pool(model: PoolModel, static: Mapping[str, str]) -> ModelPool:
+def _pool(model: PoolModel, static: Mapping[str, str], probe: Probe) -> ModelPool:
     """One model's registry, mirror of its Redis keys and decider (its own policy object:
-    policies keep per-model state, such as hot-prefix replicas)."""
+    policies keep per-model state, such as hot-prefix replicas). ``probe``: whether an
+    agent answers (router/lost.py)."""
     cfg, chat, tok = model.cfg, model.chat, model.tokenizer
     # The ids this pool speaks: workers speaking others are left out (and named).
     # A model's own tokenizer is named by its fingerprint, as agents given the same
@@ -677,7 +680,8 @@ def _pool(model: PoolModel, static: Mapping[str, str]) -> ModelPool:
     registry = WorkerRegistry(static, cfg.block_size, vocabulary)
     client = connect_config(cfg, block_timeout_s=cfg.poll_interval_s)
     mirror = IndexMirror(client, RedisKeys(cfg.model), registry,
-                         poll_interval_s=cfg.poll_interval_s, retry_s=cfg.redis_retry_s)
+                         poll_interval_s=cfg.poll_interval_s, retry_s=cfg.redis_retry_s,
+                         probe=probe)
     if cfg.share_decisions:
         mirror.shared = SharedDecisions(client, RedisKeys(cfg.model), mirror,
                                         cfg.predict_ttl_s, cfg.share_max_age_s)

@@ -21,7 +21,8 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient, refusal
@@ -210,13 +211,24 @@ class CachePublisher:
             # The epoch and size we expect Redis to hold; None while a resync is pending.
             expected = (self.epoch, self._size) if self._synced else None
             pipe = self._r.pipeline(transaction=True)
-            pipe.set(k.heartbeat(self._worker), hb.to_json(), px=self._ttl_ms)
-            pipe.sadd(k.workers, self._worker)
             pipe.hget(k.meta(self._worker), "epoch")
             pipe.scard(k.snapshot(self._worker))
-            _, _, epoch, size = await pipe.execute()
+            self._beat_in(pipe, self.epoch, hb)
+            epoch, size, *_ = await pipe.execute()
             if expected is not None:
                 self._check_state(expected, epoch, size)
+
+    def _beat_in(self, pipe: Any, epoch: str, hb: Heartbeat | None = None) -> None:
+        """Add the heartbeat (under ``epoch``) and the workers-set entry to ``pipe``, a
+        transaction that writes this worker's record: Redis then never holds the record
+        without the heartbeat, which routers read as the worker gone (router/lost.py). No
+        heartbeat while the engine cannot serve."""
+        hb = hb or self._heartbeat()
+        if hb is None:
+            return
+        k = self._keys
+        pipe.set(k.heartbeat(self._worker), replace(hb, epoch=epoch).to_json(), px=self._ttl_ms)
+        pipe.sadd(k.workers, self._worker)
 
     def _check_state(self, expected: tuple[str, int], epoch: bytes | None, size: int) -> None:
         """Redis's copy of our state against what we wrote: a missing or other epoch, or a
@@ -274,6 +286,7 @@ class CachePublisher:
                     pipe.srem(k.snapshot(self._worker), *members)
                     writes.append("srem")
         pipe.hset(k.meta(self._worker), mapping={"epoch": self.epoch, "seq": seq})
+        self._beat_in(pipe, self.epoch)  # its replies come after the ones read below
         epoch, size, *replies = await pipe.execute()
         for command, n in zip(writes, replies, strict=False):  # the HSET's reply is last
             if command == "sadd":
@@ -314,6 +327,7 @@ class CachePublisher:
             pipe.sadd(k.snapshot(self._worker), *(pack_keys((x,)) for x in chunk))
         pipe.hset(k.meta(self._worker), mapping={"epoch": epoch, "seq": 1})
         pipe.sadd(k.workers, self._worker)
+        self._beat_in(pipe, epoch)
         ev = FeedEvent(self._worker, epoch, 1, op)
         pipe.xadd(k.feed, ev.to_fields(), maxlen=self._maxlen, approximate=True)
         try:

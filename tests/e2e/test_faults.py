@@ -295,3 +295,59 @@ async def test_after_a_flushall_every_mirror_equals_its_engine_within_5_s(cluste
     assert all(app.publisher.stats.state_losses >= 1 for app in workers.values())
     assert all((app.metrics.registry.get_sample_value("kvroute_agent_redis_state_losses")
                 or 0) >= 1 for app in workers.values())
+
+
+async def test_a_flushall_under_load_forgets_no_live_worker_and_fails_no_request(
+        cluster) -> None:
+    workers = {w: await cluster.agent(w, engine="sim", capacity_blocks=512, time_scale=0.0,
+                                      heartbeat_s=1.0, heartbeat_ttl_s=2.5)
+               for w in ("a", "b", "c")}
+    router = await cluster.router()
+    await wait_for(lambda: set(router.registry.loads) == set(workers), what="registered")
+    await asyncio.sleep(2.6)  # past the router's start-up reprieve (one heartbeat TTL)
+    seen: list[set[str]] = []
+    failed: list[str] = []
+    done = asyncio.Event()
+
+    async def load() -> None:
+        i = 0
+        while not done.is_set():
+            i += 1
+            try:
+                await generate(router.port, prompt(64, i), max_tokens=2)
+            except grpc.aio.AioRpcError as exc:
+                failed.append(f"{exc.code().name}: {exc.details()}")
+            seen.append(set(router.registry.loads))
+
+    task = asyncio.create_task(load())
+    await asyncio.sleep(0.3)
+    redis = cluster.redis.client()
+    # Empty, then hold the agents' writes for 1.5 s while the router reads on, as a failover
+    # to a replica that lost the last writes does until the agents write again.
+    redis.flushall()
+    redis.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+    await asyncio.sleep(3.0)
+    done.set()
+    await task
+    assert not failed, failed[:3]
+    assert all(s == set(workers) for s in seen), "a live worker was forgotten"
+    assert router.mirror.lost is not None and router.mirror.lost.kept_total == 3
+    assert not router.mirror.lost.kept  # all three beat again
+
+
+async def test_a_worker_redis_lost_whose_agent_is_gone_is_forgotten(cluster) -> None:
+    await cluster.agent("a", engine="sim", time_scale=0.0, heartbeat_s=1.0,
+                        heartbeat_ttl_s=2.5)
+    b = await cluster.agent("b", engine="sim", time_scale=0.0, heartbeat_s=1.0,
+                            heartbeat_ttl_s=2.5)
+    router = await cluster.router()
+    await wait_for(lambda: set(router.registry.loads) == {"a", "b"}, what="registered")
+    await asyncio.sleep(2.6)  # past the router's start-up reprieve
+    b_address = router.registry.get("b").address
+    await cluster.stop(b)
+    # Its heartbeat went with it; a flush then takes its record too, before any scan.
+    cluster.redis.client().flushall()
+    await wait_for(lambda: set(router.registry.loads) == {"a"}, timeout=2,
+                   what="the gone worker forgotten")
+    assert router.mirror.lost is not None and router.mirror.lost.dropped_total >= 1
+    assert not await router.channels.serving(b_address)
