@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from kvroute.core.load import PrefillMode
 from kvroute.core.redis_schema import RECORD_KINDS, REJECT_REASONS
 from kvroute.router.mirror import PROPAGATION_BOUNDS_S
-from kvroute.router.registry import EXCLUSION_REASONS
+from kvroute.router.registry import EXCLUSION_REASONS, OWNER_FLIP_S
 
 if TYPE_CHECKING:
     from kvroute.core.load import PrefillTail
@@ -258,8 +258,14 @@ class _MirrorCollector(Collector):
             "heartbeat reports another tokenizer or vocabulary size than the router's "
             "(--model-source against the router's SOURCE, or --tokenizer, --vocab-size)",
             labels=["worker", "reason"])
+        conflicts = CounterMetricFamily(
+            "kvroute_router_worker_id_conflicts",
+            "Times the worker's heartbeat came back to an address it had left within "
+            f"{OWNER_FLIP_S:g} s: two live agents beat under one --worker-id",
+            labels=["worker"])
         for info in m.registry.all():
             w = info.worker_id
+            conflicts.add_metric([w], info.id_conflicts)
             for reason in EXCLUSION_REASONS:
                 excluded.add_metric([w, reason], int(info.excluded == reason))
             ld = m.registry.loads.get(w)
@@ -276,4 +282,4 @@ class _MirrorCollector(Collector):
             up.add_metric([w], int(ld is not None))
             incompatible.add_metric([w], int(not info.compatible))
         yield from (inflight, pending, context, blocks, arrivals, prefills, modes, chunk_caps,
-                    up, incompatible, excluded)
+                    up, incompatible, excluded, conflicts)

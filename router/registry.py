@@ -91,6 +91,11 @@ class WorkerInfo:
     pending_prefill: int = 0
     pending_context: int = 0  # prefill_context summed over our pending prefills
     cached_blocks: int = 0
+    # Addresses its heartbeat left -> when: one coming back within OWNER_FLIP_S is a second
+    # live agent under this id (counted, logged).
+    left: dict[str, float] = field(default_factory=dict)
+    id_conflicts: int = 0
+    conflict_logged: float = -1e9
     first_seen: float = field(default_factory=time.monotonic)
     # Our requests, and the tokens they had to prefill there, by monotonic time, counted
     # from when we first saw the worker.
@@ -98,6 +103,29 @@ class WorkerInfo:
 
     def __post_init__(self) -> None:
         self.sent = SentTraffic(start=self.first_seen)
+
+
+OWNER_FLIP_S = 30.0
+"""A heartbeat back at an address it left this recently means two agents share a worker id
+(one agent moving, as a restarted pod does, never comes back to its old address)."""
+
+
+def _moved(info: WorkerInfo, address: str) -> None:
+    """``info``'s heartbeat now names ``address``: note the address it left, and count (and
+    log, at most every OWNER_FLIP_S) a return to one left within OWNER_FLIP_S."""
+    now = time.monotonic()
+    back = now - info.left.get(address, -1e9) <= OWNER_FLIP_S
+    info.left = {a: t for a, t in info.left.items() if now - t <= OWNER_FLIP_S}
+    info.left[info.address] = now
+    if not back:
+        return
+    info.id_conflicts += 1
+    if now - info.conflict_logged >= OWNER_FLIP_S:
+        info.conflict_logged = now
+        log.warning("two live agents beat under one worker id, each overwriting the other's "
+                    "cache state: give each its own --worker-id",
+                    extra={"kv": {"worker": info.worker_id,
+                                  "addresses": sorted({info.address, address})}})
 
 
 def seen_load(own: WorkerLoad, hb: Heartbeat | WorkerLoad) -> WorkerLoad:
@@ -241,6 +269,8 @@ class WorkerRegistry:
             elif info.heartbeat is hb:
                 self._refresh(w)  # its own traffic's rates decay: read them again
                 continue
+            if info.heartbeat is not None and hb.address != info.address:
+                _moved(info, hb.address)
             info.address = hb.address
             info.heartbeat = hb
             ok = hb.block_size == self._block_size and hb.key_scheme == KEY_SCHEME

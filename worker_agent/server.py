@@ -26,7 +26,7 @@ from kvroute.core.grpc_util import (
     wire_keeping_handler,
 )
 from kvroute.core.load import ArrivalRate
-from kvroute.core.redis_conn import connect_config
+from kvroute.core.redis_conn import REDIS_ERRORS, connect_config
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, check_name
 from kvroute.core.tls import TlsConfig
 from kvroute.core.validate import (
@@ -236,6 +236,30 @@ def add_agent_service(service: AgentService, server: grpc.aio.Server) -> None:
     })
 
 
+async def claim_worker_id(pub: CachePublisher, worker: str, address: str,
+                          wait_s: float) -> None:
+    """Refuse ``worker`` (SystemExit) while a live agent at another address holds it: two
+    agents under one id overwrite each other's snapshot for ever. A heartbeat from this
+    agent's own address is a former run (this process holds the port now). One from another
+    address may be a former run elsewhere (a restarted pod's new IP): its heartbeat is given
+    ``wait_s`` (a heartbeat TTL) to expire. Unreadable Redis: nothing to check (the publisher
+    reports Redis)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            owner = await pub.peer_address(worker)
+        except REDIS_ERRORS:
+            return
+        if owner is None or owner == address:
+            return
+        if time.monotonic() >= deadline:
+            raise SystemExit(
+                f"worker id {worker!r} belongs to a live agent at {owner} (its heartbeat in "
+                f"Redis is still renewed); give this agent another --worker-id, or stop that "
+                "one first")
+        await asyncio.sleep(0.25)
+
+
 class AgentApp:
     """One agent: engine + gRPC server + Redis publisher + metrics. Start, then stop."""
 
@@ -327,6 +351,8 @@ class AgentApp:
             max_pending=cfg.publish_buffer, feed_maxlen=cfg.feed_maxlen,
         )
         self.publisher = pub
+        await claim_worker_id(pub, self.worker_id, advertise,
+                              cfg.heartbeat_ttl_s + cfg.heartbeat_s)
         programs.peers = pub.peer_address  # placements go only to live workers
         engine.add_listener(pub.on_event)
         metrics.watch(engine, pub, programs.stats)

@@ -351,3 +351,33 @@ async def test_a_worker_redis_lost_whose_agent_is_gone_is_forgotten(cluster) -> 
                    what="the gone worker forgotten")
     assert router.mirror.lost is not None and router.mirror.lost.dropped_total >= 1
     assert not await router.channels.serving(b_address)
+
+
+async def test_a_second_agent_under_a_live_worker_id_refuses_to_start(cluster) -> None:
+    first = await cluster.agent("w", engine="sim", time_scale=0.0)
+    with pytest.raises(SystemExit, match=r"worker id 'w' belongs to a live agent at "
+                                         rf"127\.0\.0\.1:{first.port}"):
+        await cluster.agent("w", engine="sim", time_scale=0.0)
+    # The first one is untouched: its heartbeat still names it.
+    assert await first.publisher.peer_address("w") == f"127.0.0.1:{first.port}"
+
+
+async def test_an_agent_restarted_elsewhere_waits_out_its_former_runs_heartbeat(
+        redis_server) -> None:
+    old = AgentProc(redis_server.url, "w", extra=["--engine", "sim"])
+    old.start()
+    try:
+        await wait_for(lambda: redis_server.client().get("kvr:{default}:hb:w") is not None,
+                       what="the first run's heartbeat")
+        old.kill()  # SIGKILL: its heartbeat lives on for its TTL (1 s)
+        new = AgentProc(redis_server.url, "w", extra=["--engine", "sim"])
+        new.start()
+        try:
+            await wait_for(lambda: (raw := redis_server.client().get("kvr:{default}:hb:w"))
+                           is not None and f":{new.port}".encode() in raw, timeout=10,
+                           what="the new run's heartbeat")
+            assert new.proc is not None and new.proc.poll() is None
+        finally:
+            new.stop()
+    finally:
+        old.stop()

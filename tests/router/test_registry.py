@@ -286,3 +286,19 @@ def test_a_scan_applied_in_parts_equals_one_applied_whole() -> None:
     assert (added, expired) == (["w10", "w11", "w12", "w13"], ["w0", "w1", "w2"])
     assert parts.loads == whole.loads and set(parts.loads) == {"s", *names}
     assert not parts.compatible("w3") and parts.get("w5").heartbeat is first["w5"]
+
+
+def test_a_heartbeat_back_at_an_address_it_left_is_two_agents_under_one_id(caplog) -> None:
+    reg = WorkerRegistry({}, 16)
+    reg.apply_heartbeats({"w": Heartbeat("w", "10.0.0.1:50061", "e1")})
+    reg.apply_heartbeats({"w": Heartbeat("w", "10.0.0.2:50061", "e2")})  # moved: one agent
+    info = reg.get("w")
+    assert info is not None and info.id_conflicts == 0
+    assert not [r for r in caplog.records if "one worker id" in r.message]
+    for _ in range(3):  # and back, and forth: two agents
+        reg.apply_heartbeats({"w": Heartbeat("w", "10.0.0.1:50061", "e1")})
+        reg.apply_heartbeats({"w": Heartbeat("w", "10.0.0.2:50061", "e2")})
+    assert info.id_conflicts == 6
+    warned = [r for r in caplog.records if "two live agents beat under one worker id" in r.message]
+    assert len(warned) == 1  # at most once per 30 s
+    assert warned[0].kv["addresses"] == ["10.0.0.1:50061", "10.0.0.2:50061"]  # type: ignore[attr-defined]
