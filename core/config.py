@@ -263,6 +263,14 @@ class RouterConfig(CommonConfig):
                                    "bytes (413 beyond)", AT_LEAST_ONE)
     http_max_tokens: int = opt(256, "HTTP front: max_tokens of a request that gives none (at "
                                "most --max-new-tokens)", AT_LEAST_ONE)
+    http_max_generations: int = opt(128, "HTTP front: most generations one request asks for "
+                                    "(a batched completion's prompts times n; 413 beyond); "
+                                    "each counts against its API key's rate", AT_LEAST_ONE)
+    http_max_batch_tokens: int = opt(262144, "HTTP front: most prompt tokens of all prompts "
+                                     "of one batched completion (413 beyond)", AT_LEAST_ONE)
+    http_batch_concurrency: int = opt(8, "HTTP front: prompts of one non-streaming batched "
+                                      "completion generated at once (a stream runs them one "
+                                      "after another)", AT_LEAST_ONE)
     api_keys_file: str = opt("", "require an API key (Authorization: Bearer KEY) on the gRPC "
                              "and HTTP APIs; this file holds the keys' SHA-256 hashes, model "
                              "allowlists and rate limits, re-read on change (docs/security.md; "

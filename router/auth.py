@@ -154,14 +154,14 @@ class TokenBucket:
     tokens: float
     at: float
 
-    def take(self, now: float) -> float:
-        """Take one token: 0 if there was one, else the seconds until there is."""
+    def take(self, now: float, n: float = 1.0) -> float:
+        """Take ``n`` tokens: 0 if there were, else the seconds until there are."""
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
+        if self.tokens >= n:
+            self.tokens -= n
             return 0.0
-        return (1 - self.tokens) / self.rate
+        return (n - self.tokens) / self.rate
 
 
 class AuthMetrics:
@@ -257,18 +257,27 @@ class KeyRing:
             raise AuthError("invalid", "the API key is not valid")
         return key
 
-    def admit(self, key: ApiKey, now: float | None = None) -> None:
-        """Count one request of ``key`` against its rate; AuthError (rate) when over it."""
+    def admit(self, key: ApiKey, now: float | None = None, n: int = 1,
+              whole: int = 0) -> None:
+        """Count ``n`` generations of ``key`` against its rate; AuthError (rate) when over
+        it. ``whole``: the request's generations, ``n`` of them counted now (a request of
+        more than the burst can never pass: said so)."""
         if not key.rate:
             return
         now = time.monotonic() if now is None else now
         bucket = self._buckets.get(key.name)
         if bucket is None:
             bucket = self._buckets[key.name] = TokenBucket(key.rate, key.burst, key.burst, now)
-        wait = bucket.take(now)
+        whole = max(whole, n)
+        wait = bucket.take(now, n) if whole <= key.burst else float("inf")
         if wait:
             if self.metrics is not None:
                 self.metrics.rate_limited.labels(key.name).inc()
+            if wait == float("inf"):
+                raise AuthError("rate", f"this request asks for {whole} generations, more "
+                                        f"than API key {key.name!r}'s burst of "
+                                        f"{key.burst:g} allows at once; send fewer prompts "
+                                        "or a smaller n", retry_after=1.0)
             raise AuthError("rate", f"API key {key.name!r} is over its rate limit of "
                                     f"{key.rate:g} requests/s (burst {key.burst:g}); retry "
                                     f"after {wait:.2f} s", retry_after=wait)
@@ -308,6 +317,20 @@ _HTTP = {"missing": (401, "missing_api_key"), "invalid": (401, "invalid_api_key"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+CHARGE_MORE = web.RequestKey("kvroute_charge_more", Callable[[int], None])
+"""Set on an HTTP request by :func:`http_middleware`, which counted it as one generation:
+``request[CHARGE_MORE](n)`` counts ``n`` more against the same key (a batched completion's
+other prompts, its other choices), raising the 429 ApiError when over the rate."""
+
+
+def _http_error(exc: AuthError) -> ApiError:
+    status, code = _HTTP[exc.reason]
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.reason == "rate" else {}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return ApiError(status, exc.message, code=code, headers=headers)
+
+
 def http_middleware(ring: KeyRing, default_model: str,
                     open_paths: Iterable[str] = ("/health",)) -> Any:
     """An aiohttp middleware checking the key of every request but to ``open_paths``; it
@@ -327,11 +350,14 @@ def http_middleware(ring: KeyRing, default_model: str,
                            await _body_model(request, default_model))
             ring.admit(key)
         except AuthError as exc:
-            status, code = _HTTP[exc.reason]
-            headers = {"Retry-After": str(exc.retry_after_s)} if exc.reason == "rate" else {}
-            if status == 401:
-                headers["WWW-Authenticate"] = "Bearer"
-            raise ApiError(status, exc.message, code=code, headers=headers) from None
+            raise _http_error(exc) from None
+
+        def charge(n: int) -> None:
+            try:
+                ring.admit(key, n=n, whole=n + 1)
+            except AuthError as exc:
+                raise _http_error(exc) from None
+        request[CHARGE_MORE] = charge
         return await handler(request)
 
     return auth

@@ -34,12 +34,14 @@ from kvroute.core.config import RouterConfig
 from kvroute.core.ports import describe, refuse_port
 from kvroute.core.tls import ServerContext, TlsConfig, TlsError
 from kvroute.core.tokenizer import Tokenizer
+from kvroute.router.auth import CHARGE_MORE
 from kvroute.router.openai_schema import (
     STOP_CAPTURE,
     ApiError,
     ChatRequest,
     CompletionRequest,
     Generation,
+    check_generations,
     generate_request,
     parse_chat,
     parse_completion,
@@ -205,6 +207,15 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+def _charge(request: web.Request, jobs: Sequence[Job]) -> None:
+    """Count a request's generations past its first against its API key's rate (the auth
+    middleware, when keys are on, counted the first)."""
+    more = sum(len(j.choices) for j in jobs) - 1
+    charge = request.get(CHARGE_MORE)
+    if charge is not None and more > 0:
+        charge(more)
 
 
 def refusal_error(exc: RefusedError, prompt_param: str,
@@ -418,6 +429,7 @@ class OpenAIFront:
                            code="context_length_exceeded")
 
     def _jobs(self, g: Generation, prompts: Sequence[Sequence[int]]) -> list[Job]:
+        check_generations(len(prompts), g.n, self._cfg.http_max_generations)
         rid = uuid.uuid4().hex
         max_tokens = self._max_tokens(g)
         m = self._check_model(g)
@@ -440,6 +452,7 @@ class OpenAIFront:
             if 400 <= exc.status < 500:
                 service.invalid("Generate", "http")
             raise
+        _charge(request, jobs)
         return await self._respond(request, req, jobs, chat=True)
 
     async def chat_jobs(self, body: Any, size: int) -> tuple[ChatRequest, list[Job]]:
@@ -483,14 +496,17 @@ class OpenAIFront:
             if 400 <= exc.status < 500:
                 service.invalid("Generate", "http")
             raise
+        _charge(request, jobs)
         return await self._respond(request, req, jobs, chat=False)
 
     async def completion_jobs(self, body: Any) -> tuple[CompletionRequest, list[Job]]:
         """A decoded completions body as its jobs (one per prompt), checked and tokenized as
         :meth:`chat_jobs` does."""
-        req = parse_completion(body)
+        cfg = self._cfg
+        req = parse_completion(body, cfg.http_max_generations)
         tok = self._check_model(req).tok
         prompts: list[Sequence[int]] = []
+        total = 0
         for p in req.prompts:
             if isinstance(p, str):
                 if tok is None:
@@ -501,6 +517,11 @@ class OpenAIFront:
             if not p:
                 raise ApiError(400, "prompt: the prompt is empty", param="prompt")
             self._check_length(p, "prompt")
+            total += len(p)
+            if total > cfg.http_max_batch_tokens:
+                raise ApiError(413, f"prompt: the prompts hold more than "
+                               f"{cfg.http_max_batch_tokens} tokens together "
+                               "(--http-max-batch-tokens)", param="prompt")
             prompts.append(p)
         return req, self._jobs(req, prompts)
 
@@ -620,9 +641,14 @@ class OpenAIFront:
             if len(jobs) == 1:
                 await self._collect(jobs[0])
             else:
+                pool = asyncio.Semaphore(self._cfg.http_batch_concurrency)
+
+                async def bounded(job: Job) -> None:
+                    async with pool:
+                        await self._collect(job)
                 async with asyncio.TaskGroup() as tg:
                     for job in jobs:
-                        tg.create_task(self._collect(job))
+                        tg.create_task(bounded(job))
         except RefusedError as exc:
             raise refusal_error(exc, param, g.program_params) from None
         except ExceptionGroup as group:  # several prompts: the first refusal speaks for all

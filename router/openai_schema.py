@@ -359,13 +359,16 @@ def parse_chat(body: Any) -> ChatRequest:
                        documents=_objects(body, "documents"))
 
 
-def parse_completion(body: Any) -> CompletionRequest:
-    """A ``/v1/completions`` body; ApiError (400) names the first bad field."""
+def parse_completion(body: Any, max_generations: int = MAX_N) -> CompletionRequest:
+    """A ``/v1/completions`` body; ApiError (400) names the first bad field, 413 a batch of
+    more than ``max_generations`` prompts times ``n`` (counted before any prompt is read)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS)
     common = _generation(body, ("max_tokens",))
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
+        check_generations(len(prompt), common.get("n") or 1, max_generations)
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -384,6 +387,16 @@ def parse_completion(body: Any) -> CompletionRequest:
     if lp is not None:
         common["logprobs"] = True
     return CompletionRequest(**common, prompts=prompts)
+
+
+def check_generations(prompts: int, n: int, limit: int) -> None:
+    """413 (param ``prompt``, or ``n`` for one prompt) when ``prompts * n`` exceeds ``limit``
+    (the router's --http-max-generations)."""
+    if prompts * n > limit:
+        what = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
+        raise ApiError(413, f"{what} asks for {prompts * n} generations; this router takes "
+                       f"at most {limit} per request (--http-max-generations)",
+                       param="prompt" if prompts > 1 else "n")
 
 
 # -- the internal request ---------------------------------------------------------------------

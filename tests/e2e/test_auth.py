@@ -160,6 +160,20 @@ async def test_http_keys_models_and_quotas(guarded) -> None:
             assert "kvroute_router_auth_failures_total" in await resp.text()
 
 
+async def test_each_generation_counts_against_the_keys_rate(guarded) -> None:
+    base = f"http://127.0.0.1:{guarded.http_port}/v1"
+    slow = openai.AsyncOpenAI(base_url=base, api_key=KEYS["slow"], max_retries=0)  # burst 2
+    with pytest.raises(openai.RateLimitError) as over:
+        await slow.completions.create(model="default", prompt=["a", "b", "c"], max_tokens=1)
+    assert "asks for 3 generations, more than API key 'slow''s burst of 2" in \
+        over.value.message
+    await asyncio.sleep(5.1)  # the refused request took one token; 0.2 per second refill it
+    two = await slow.completions.create(model="default", prompt=["a", "b"], max_tokens=1)
+    assert len(two.choices) == 2
+    with pytest.raises(openai.RateLimitError):  # both generations took the bucket
+        await slow.completions.create(model="default", prompt="hi", max_tokens=1)
+
+
 async def test_keys_file_reloads_and_a_bad_version_keeps_the_old_keys(guarded) -> None:
     r = guarded
     new = "kvr-new-key-777"

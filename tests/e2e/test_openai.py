@@ -324,6 +324,38 @@ async def test_each_bad_chat_request_gets_its_status_and_param(cluster, model_di
         assert err["error"]["code"] == "model_not_found"
 
 
+async def test_a_batch_past_its_bounds_is_a_413_and_its_prompts_run_a_few_at_a_time(
+        cluster, model_dir) -> None:
+    r = await start(cluster, model_dir, {"a": SIM}, http_max_generations=16,
+                    http_max_batch_tokens=1000, http_batch_concurrency=2)
+    port = r.http_port
+    # 100,000 prompts: refused on their count, before any is read or tokenized.
+    code, err, _ = await post(port, "/v1/completions",
+                              {"model": MODEL, "prompt": ["hello"] * 100_000})
+    assert code == 413 and err["error"]["param"] == "prompt"
+    assert "100000 prompts x n=1 asks for 100000 generations" in err["error"]["message"]
+    code, err, _ = await post(port, "/v1/completions",
+                              {"model": MODEL, "prompt": ["a", "b"], "n": 9,
+                               "temperature": 1.0})
+    assert code == 413 and "18 generations" in err["error"]["message"]
+    code, err, _ = await post(port, "/v1/completions",
+                              {"model": MODEL, "prompt": [[1] * 400] * 3})
+    assert code == 413 and "--http-max-batch-tokens" in err["error"]["message"]
+    # Within bounds: all prompts served, at most 2 in flight at once.
+    peak, seen = [0], []
+    original = r.registry.begin
+
+    def begin(worker: str, *a: Any, **kw: Any) -> Any:
+        seen.append(1)
+        peak[0] = max(peak[0], sum(i.inflight for i in r.registry.all()) + 1)
+        return original(worker, *a, **kw)
+    r.registry.begin = begin  # type: ignore[method-assign]
+    code, body, _ = await post(port, "/v1/completions",
+                               {"model": MODEL, "prompt": [[1, 2, 3]] * 12, "max_tokens": 4})
+    assert code == 200 and len(body["choices"]) == 12
+    assert len(seen) == 12 and peak[0] <= 2
+
+
 async def test_malformed_bodies_oversized_bodies_and_bad_prompts_are_4xx(cluster,
                                                                        model_dir) -> None:
     r = await start(cluster, model_dir, {"a": SIM}, http_max_body_bytes=4096,
