@@ -268,6 +268,13 @@ class RouterConfig(CommonConfig):
                                     "each counts against its API key's rate", AT_LEAST_ONE)
     http_max_batch_tokens: int = opt(262144, "HTTP front: most prompt tokens of all prompts "
                                      "of one batched completion (413 beyond)", AT_LEAST_ONE)
+    http_header_timeout_s: float = opt(10.0, "HTTP front: a connection whose request headers "
+                                       "are not in this long after it opened is closed",
+                                       POSITIVE)
+    http_max_connections_per_client: int = opt(512, "HTTP front: most open connections from "
+                                               "one client address (behind a proxy: the "
+                                               "proxy's); more are closed as they open",
+                                               AT_LEAST_ONE)
     http_batch_concurrency: int = opt(8, "HTTP front: prompts of one non-streaming batched "
                                       "completion generated at once (a stream runs them one "
                                       "after another)", AT_LEAST_ONE)

@@ -35,6 +35,7 @@ from kvroute.core.ports import describe, refuse_port
 from kvroute.core.tls import ServerContext, TlsConfig, TlsError
 from kvroute.core.tokenizer import Tokenizer
 from kvroute.router.auth import CHARGE_MORE
+from kvroute.router.http_guard import ConnectionGuard
 from kvroute.router.openai_schema import (
     STOP_CAPTURE,
     ApiError,
@@ -266,6 +267,8 @@ class OpenAIFront:
         self._service: Generator | None = None
         self._workers: Workers | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.guard: ConnectionGuard | None = None  # set at bind
         self._created = int(time.time())
         self._pool: ThreadPoolExecutor | None = None  # made at bind, shut at stop
 
@@ -296,16 +299,20 @@ class OpenAIFront:
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_S)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_ctx)
+        assert runner.server is not None
+        # Listening ourselves (not a TCPSite): every connection passes the guard first.
+        self.guard = ConnectionGuard(runner.server, self._cfg.http_header_timeout_s,
+                                     self._cfg.http_max_connections_per_client)
         try:
-            await site.start()
+            listener = await asyncio.get_running_loop().create_server(
+                self.guard, host, port, ssl=ssl_ctx, reuse_address=True)
         except OSError as exc:
             await runner.cleanup()
             raise refuse_port("http_port", host, port, describe(exc)) from None
-        self._runner = runner
+        self._runner, self._listener = runner, listener
         if ssl_ctx is not None:
             self._tls_watch = asyncio.create_task(served.watch(), name="http-tls-watch")
-        port = int(runner.addresses[0][1])  # the port picked, for 0
+        port = int(listener.sockets[0].getsockname()[1])  # the port picked, for 0
         self._pool = ThreadPoolExecutor(TOKENIZE_THREADS,
                                         thread_name_prefix=f"kvroute-tokenize-{port}")
         return port
@@ -319,10 +326,15 @@ class OpenAIFront:
         if self._tls_watch is not None:
             self._tls_watch.cancel()
             self._tls_watch = None
+        if self._listener is not None:
+            self._listener.close()  # no new connections; open ones drain below
         if self._runner is not None:
             await self._runner.shutdown()
             await self._runner.cleanup()
             self._runner = None
+        if self._listener is not None:
+            await self._listener.wait_closed()
+            self._listener = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -52,6 +52,7 @@ from kvroute.router.coalesce import InflightPrefixes, predict_sent
 from kvroute.router.copies import PrefixCopier
 from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_confirmed
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
+from kvroute.router.http_guard import GuardCollector
 from kvroute.router.lost import Probe
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
@@ -566,6 +567,8 @@ class RouterApp:
                                     models={p.name: p.model.tokenizer for p in self.pools},
                                     adapters=self.adapters)
             self.http_port = await self.http.bind(cfg.host, cfg.http_port, tls=self.tls)
+            assert self.http.guard is not None
+            self.metrics.registry.register(GuardCollector(self.http.guard))
         try:
             self._metrics_http = start_metrics(cfg.metrics_port, cfg.metrics_host or cfg.host,
                                                self.metrics.registry,
