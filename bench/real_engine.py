@@ -43,6 +43,8 @@ class Sample:
 
 
 def pct(xs: list[float], q: int) -> float:
+    if not xs:
+        return float("nan")
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
@@ -149,15 +151,16 @@ async def measure(args: argparse.Namespace, direct_url: str, routed_url: str) ->
     print(row("time to first token p99", pct(d.ttft, 99), pct(r.ttft, 99), "ms", 1e3))
     print(row("inter-token latency p50", pct(d.gaps, 50), pct(r.gaps, 50), "ms", 1e3))
     print(row("inter-token latency p99", pct(d.gaps, 99), pct(r.gaps, 99), "ms", 1e3))
-    print(row("decode tokens/s (mean)", statistics.fmean(d.rates), statistics.fmean(r.rates),
-              "tok/s"))
-    per_token = (1 / statistics.fmean(r.rates) - 1 / statistics.fmean(d.rates)) * 1e3
-    print(f"kvroute's hops cost {per_token:.2f} ms per streamed token at most: they hide behind "
-          "an engine slower than that per token (vLLM may also send several tokens per chunk)")
     added = (pct(r.ttft, 50) - pct(d.ttft, 50)) * 1e3
-    print(f"\nkvroute adds {added:+.2f} ms to TTFT p50 (aim: <= 2 ms); decode rate "
-          f"{statistics.fmean(r.rates) / statistics.fmean(d.rates):.3f}x direct "
-          "(aim: >= 0.97x)")
+    print(f"\nkvroute adds {added:+.2f} ms to TTFT p50 (aim: <= 2 ms)")
+    if not (d.rates and r.rates):
+        print("decode tokens/s: no reply streamed two chunks apart (raise --max-tokens)")
+        return
+    rd, rk = statistics.fmean(d.rates), statistics.fmean(r.rates)
+    print(row("decode tokens/s (mean)", rd, rk, "tok/s"))
+    print(f"decode rate {rk / rd:.3f}x direct (aim: >= 0.97x); kvroute's hops cost "
+          f"{(1 / rk - 1 / rd) * 1e3:.2f} ms per streamed token at most: an engine slower "
+          "than that per token hides them (vLLM may also send several tokens per chunk)")
 
 
 def parse() -> argparse.Namespace:
