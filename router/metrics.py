@@ -185,8 +185,9 @@ class _MirrorCollector(Collector):
         if lost is not None:
             outcomes = CounterMetricFamily(
                 "kvroute_router_lost_workers",
-                "Workers Redis lost (no heartbeat and no record) that this router kept because "
-                "their agent answered, or dropped because it did not (router/lost.py)",
+                "Workers whose heartbeat was gone from Redis that this router kept because "
+                "their agent answered its health check, or dropped because it did not "
+                "(router/lost.py)",
                 labels=["outcome"])
             outcomes.add_metric(["kept"], lost.kept_total)
             outcomes.add_metric(["dropped"], lost.dropped_total)

@@ -116,8 +116,9 @@ class IndexMirror:
         on_change: Callable[[], None] | None = None,
         probe: Probe | None = None,
     ) -> None:
-        """``probe``: whether an agent answers; with it, workers Redis lost but whose agent
-        answers stay (router/lost.py); without it, they leave when their heartbeat does."""
+        """``probe``: whether an agent answers; with it, a worker whose heartbeat is gone
+        stays while its agent answers (router/lost.py); without it, it leaves with its
+        heartbeat."""
         self._r = client
         self.lost = LostWorkers(probe) if probe is not None else None
         self._dump = True  # snapshots read by DUMP (False: its ACL refused it; SMEMBERS)
@@ -586,7 +587,7 @@ class IndexMirror:
         if expire and self.lost is not None:
             missing = [i.worker_id for i in registry.all()
                        if not i.static and i.worker_id not in beats]
-            kept = await self.lost.keep(self._r, k, registry, missing)
+            kept = await self.lost.keep(registry, missing)
         expired = registry.expire_missing(beats.keys() | kept, expire=expire)
         for w in added:
             hb = beats[w]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import shutil
 import subprocess
@@ -36,31 +38,43 @@ def redis_cli() -> str:
 cluster_port = free_cluster_port  # tests/e2e/test_redis_tls.py imports it by this name
 
 
-@pytest.fixture
-def redis_cluster() -> Iterator[list[int]]:
-    """Three cluster-enabled redis-servers joined with `redis-cli --cluster create`."""
+@contextlib.contextmanager
+def cluster_of(masters: int, replicas: int, *extra: str) -> Iterator[list[RedisProc]]:
+    """Cluster-enabled redis-servers joined with `redis-cli --cluster create`."""
     with tempfile.TemporaryDirectory() as tmp:
-        nodes = [RedisProc(port=cluster_port()) for _ in range(3)]
+        nodes = [RedisProc(port=cluster_port()) for _ in range(masters * (1 + replicas))]
         for n in nodes:
             n.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
-                       f"nodes-{n.port}.conf", "--dir", tmp]
+                       f"nodes-{n.port}.conf", "--dir", tmp, *extra]
         try:
             for n in nodes:
                 n.start()
             subprocess.run([redis_cli(), "--cluster", "create",
-                            *(f"127.0.0.1:{n.port}" for n in nodes), "--cluster-replicas", "0",
-                            "--cluster-yes"], check=True, capture_output=True, timeout=60)
-            rc = redis.RedisCluster(host="127.0.0.1", port=nodes[0].port)
-            deadline = time.monotonic() + 20
-            while rc.cluster_info().get("cluster_state") != "ok":
-                if time.monotonic() > deadline:
-                    pytest.fail("the redis cluster never reached state ok")
-                time.sleep(0.05)
-            rc.close()
-            yield [n.port for n in nodes]
+                            *(f"127.0.0.1:{n.port}" for n in nodes), "--cluster-replicas",
+                            str(replicas), "--cluster-yes"], check=True, capture_output=True,
+                           timeout=60)
+            wait_cluster_ok(nodes[0].port)
+            yield nodes
         finally:
             for n in nodes:
                 n.stop()
+
+
+def wait_cluster_ok(port: int, timeout_s: float = 20) -> None:
+    rc = redis.Redis(port=port)
+    deadline = time.monotonic() + timeout_s
+    while rc.cluster("INFO").get("cluster_state") != "ok":
+        if time.monotonic() > deadline:
+            pytest.fail("the redis cluster never reached state ok")
+        time.sleep(0.05)
+    rc.close()
+
+
+@pytest.fixture
+def redis_cluster() -> Iterator[list[int]]:
+    """Three masters, no replicas."""
+    with cluster_of(3, 0) as nodes:
+        yield [n.port for n in nodes]
 
 
 async def test_routing_over_a_redis_cluster(redis_cluster: list[int]) -> None:
@@ -91,3 +105,56 @@ async def test_routing_over_a_redis_cluster(redis_cluster: list[int]) -> None:
         await router.stop(grace_s=0.5)
         for a in agents:
             await a.stop(grace_s=0.5)
+
+
+async def test_a_failover_to_a_replica_forgets_no_live_worker_and_fails_no_request() -> None:
+    """The model's slot master SIGKILLed under load: its replica takes over after the
+    cluster's node timeout (1 s here), by when every heartbeat (1 s TTL) has expired."""
+    with cluster_of(3, 1, "--cluster-node-timeout", "1000") as nodes:
+        url = f"redis+cluster://127.0.0.1:{nodes[0].port}"
+        agents = [AgentApp(agent_config(url, f"w{i}")) for i in range(3)]
+        router = RouterApp(router_config(url))
+        try:
+            for a in agents:
+                await a.start()
+            await router.start(wait_for_redis_s=10)
+            workers = {f"w{i}" for i in range(3)}
+            await wait_for(lambda: set(router.registry.loads) == workers, 15, "registered")
+            await asyncio.sleep(1.5)  # past the router's start-up reprieve
+            rc = redis.RedisCluster(host="127.0.0.1", port=nodes[0].port)
+            master = rc.get_node_from_key(RedisKeys("default").feed)
+            rc.close()
+            victim = next(n for n in nodes if n.port == master.port)
+            failed: list[str] = []
+            seen: list[set[str]] = []
+            done = asyncio.Event()
+
+            async def load() -> None:
+                i = 0
+                while not done.is_set():
+                    i += 1
+                    try:
+                        await generate(router.port, [i % 50000, *range(1, 64)], max_tokens=2)
+                    except Exception as exc:  # every failure counts
+                        failed.append(repr(exc)[:200])
+                    seen.append(set(router.registry.loads))
+
+            task = asyncio.create_task(load())
+            await asyncio.sleep(0.5)
+            assert victim.proc is not None
+            victim.proc.kill()
+            victim.proc.wait()
+            others = [n for n in nodes if n is not victim]
+            await asyncio.to_thread(wait_cluster_ok, others[0].port, 30)
+            await wait_for(lambda: not router.mirror.lost or not router.mirror.lost.kept,
+                           15, "every worker beating again")
+            await asyncio.sleep(1.0)
+            done.set()
+            await task
+            assert not failed, failed[:3]
+            assert seen and all(s == workers for s in seen), "a live worker was forgotten"
+            assert router.mirror.available
+        finally:
+            await router.stop(grace_s=0.5)
+            for a in agents:
+                await a.stop(grace_s=0.5)
