@@ -625,10 +625,10 @@ class IndexMirror:
                 self._missing_since.pop(w, None)
             else:
                 self._missing_since.setdefault(w, now)
-        # A member without a heartbeat for a while is dead; one that only just registered
-        # may not have sent its first heartbeat yet.
-        gone = [w for w in members
-                if w not in beats and now - self._missing_since[w] >= self._prune_after_s]
+        # A member without a heartbeat for a while is dead, unless its agent answers (kept);
+        # one that only just registered may not have sent its first heartbeat yet.
+        gone = [w for w in members if w not in beats and w not in kept
+                and now - self._missing_since[w] >= self._prune_after_s]
         if expired:
             async with self._apply_lock:
                 for w in expired:

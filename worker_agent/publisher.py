@@ -220,8 +220,9 @@ class CachePublisher:
 
     def _beat_in(self, pipe: Any, epoch: str, hb: Heartbeat | None = None) -> None:
         """Add the heartbeat (under ``epoch``) and the workers-set entry to ``pipe``, a
-        transaction that writes this worker's record: Redis then never holds the record
-        without the heartbeat, which routers read as the worker gone (router/lost.py). No
+        transaction that writes this worker's record: after Redis lost them, the first
+        write brings back the record and the heartbeat together, so routers keep the
+        worker on its agent's health check no longer than that (router/lost.py). No
         heartbeat while the engine cannot serve."""
         hb = hb or self._heartbeat()
         if hb is None:
