@@ -37,6 +37,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from kvroute.core.grpc_util import Received
+from kvroute.core.program_bounds import ProgramBoundsError, program_bounds
 from kvroute.core.tls import CheckingInterceptor
 from kvroute.router.openai_schema import ApiError
 
@@ -291,10 +292,24 @@ _GRPC_CODES = {"missing": grpc.StatusCode.UNAUTHENTICATED,
                "rate": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+def generations(request: Any) -> int:
+    """The generations a kvroute.v1 request runs at once: its program's widest fork (1 for
+    a plain request, bytes that did not parse, or a program its limits will refuse)."""
+    msg = request.msg if isinstance(request, Received) else request
+    program = getattr(msg, "program", None)
+    if program is None or not msg.HasField("program"):
+        return 1
+    try:
+        return max(1, program_bounds(program).fanout)
+    except ProgramBoundsError:
+        return 1
+
+
 def grpc_interceptor(ring: KeyRing, services: Iterable[str],
                      model_of: Callable[[Any], str | None]) -> grpc.aio.ServerInterceptor:
-    """Checks the key of every call to ``services`` (full names); ``model_of(request)``:
-    the model a request asks for (None: unknown)."""
+    """Checks the key of every call to ``services`` (full names) and counts its generations
+    (:func:`generations`) against the key's rate; ``model_of(request)``: the model a request
+    asks for (None: unknown)."""
     prefixes = tuple(f"/{s}/" for s in services)
 
     async def check(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -302,7 +317,8 @@ def grpc_interceptor(ring: KeyRing, services: Iterable[str],
         try:
             key = ring.check(md.get("authorization"),
                              model_of(request) if request is not None else None)
-            ring.admit(key)
+            n = generations(request) if request is not None else 1
+            ring.admit(key, n=n)
         except AuthError as exc:
             trailer = (("retry-after", str(exc.retry_after_s)),) if exc.reason == "rate" else ()
             await context.abort(_GRPC_CODES[exc.reason], exc.message, trailing_metadata=trailer)

@@ -237,3 +237,21 @@ async def test_a_wrong_redis_password_is_said_at_start(caplog) -> None:
     finally:
         await app.stop(grace_s=0.1)
         redis.stop()
+
+
+async def test_a_programs_fork_counts_against_the_keys_rate_over_grpc(guarded) -> None:
+    from kvroute.v1 import program_pb2 as P  # noqa: N812 - short name for step builders
+
+    def forked(n: int) -> Any:
+        gen = P.Step(gen=P.Gen(max_tokens=2))
+        return P.ControllerProgram(steps=[P.Step(fork=P.Fork(
+            branches=[P.ControllerProgram(steps=[gen])], n=n))])
+
+    r = guarded  # "slow": burst 2, then 0.2/s
+    err = await grpc_refusal(r.port, KEYS["slow"], program=forked(3))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "asks for 3 generations, more than API key 'slow''s burst of 2" in err.details()
+    out = await grpc_generate(r.port, KEYS["slow"], program=forked(2))  # the whole burst
+    assert len(out[-1].results) == 2
+    err = await grpc_refusal(r.port, KEYS["slow"])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in err.details()
