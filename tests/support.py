@@ -178,6 +178,38 @@ async def generate(port: int, tokens: list[int] | None = None, *, text: str = ""
         return [r async for r in router_pb2_grpc.RouterStub(ch).Generate(req)]
 
 
+@dataclass
+class LoadLoop:
+    """Router.Generate calls one after another on 127.0.0.1:``port`` until :meth:`stop`;
+    every failure is kept, and the workers ``router``'s registry holds after each call."""
+
+    port: int
+    router: Any
+    failed: list[str] = field(default_factory=list)
+    seen: list[set[str]] = field(default_factory=list)
+    _done: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> LoadLoop:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        i = 0
+        while not self._done.is_set():
+            i += 1
+            try:
+                await generate(self.port, [i % 50000, *range(1, 64)], max_tokens=2)
+            except Exception as exc:  # every failure counts
+                self.failed.append(repr(exc)[:200])
+            self.seen.append(set(self.router.registry.loads))
+
+    async def stop(self) -> None:
+        self._done.set()
+        if self._task is not None:
+            await self._task
+
+
 async def route(port: int, tokens: list[int]) -> object:
     import grpc
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvroute.router.refusal import OUTPUT_SENT
 from kvroute.v1 import common_pb2, router_pb2_grpc
-from tests.support import AgentProc, generate, wait_for
+from tests.support import AgentProc, LoadLoop, generate, wait_for
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -305,21 +305,7 @@ async def test_a_flushall_under_load_forgets_no_live_worker_and_fails_no_request
     router = await cluster.router()
     await wait_for(lambda: set(router.registry.loads) == set(workers), what="registered")
     await asyncio.sleep(2.6)  # past the router's start-up reprieve (one heartbeat TTL)
-    seen: list[set[str]] = []
-    failed: list[str] = []
-    done = asyncio.Event()
-
-    async def load() -> None:
-        i = 0
-        while not done.is_set():
-            i += 1
-            try:
-                await generate(router.port, prompt(64, i), max_tokens=2)
-            except grpc.aio.AioRpcError as exc:
-                failed.append(f"{exc.code().name}: {exc.details()}")
-            seen.append(set(router.registry.loads))
-
-    task = asyncio.create_task(load())
+    load = LoadLoop(router.port, router).start()
     await asyncio.sleep(0.3)
     redis = cluster.redis.client()
     # Empty, then hold the agents' writes for 1.5 s while the router reads on, as a failover
@@ -327,10 +313,9 @@ async def test_a_flushall_under_load_forgets_no_live_worker_and_fails_no_request
     redis.flushall()
     redis.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
     await asyncio.sleep(3.0)
-    done.set()
-    await task
-    assert not failed, failed[:3]
-    assert all(s == set(workers) for s in seen), "a live worker was forgotten"
+    await load.stop()
+    assert not load.failed, load.failed[:3]
+    assert all(s == set(workers) for s in load.seen), "a live worker was forgotten"
     assert router.mirror.lost is not None and router.mirror.lost.kept_total == 3
     assert not router.mirror.lost.kept  # all three beat again
 

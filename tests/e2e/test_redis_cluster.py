@@ -20,6 +20,7 @@ from kvroute.router.server import RouterApp
 from kvroute.worker_agent.server import AgentApp
 from tests.conftest import agent_config, router_config
 from tests.support import (
+    LoadLoop,
     RedisProc,
     free_cluster_port,
     generate,
@@ -125,21 +126,7 @@ async def test_a_failover_to_a_replica_forgets_no_live_worker_and_fails_no_reque
             master = rc.get_node_from_key(RedisKeys("default").feed)
             rc.close()
             victim = next(n for n in nodes if n.port == master.port)
-            failed: list[str] = []
-            seen: list[set[str]] = []
-            done = asyncio.Event()
-
-            async def load() -> None:
-                i = 0
-                while not done.is_set():
-                    i += 1
-                    try:
-                        await generate(router.port, [i % 50000, *range(1, 64)], max_tokens=2)
-                    except Exception as exc:  # every failure counts
-                        failed.append(repr(exc)[:200])
-                    seen.append(set(router.registry.loads))
-
-            task = asyncio.create_task(load())
+            load = LoadLoop(router.port, router).start()
             await asyncio.sleep(0.5)
             assert victim.proc is not None
             victim.proc.kill()
@@ -149,10 +136,10 @@ async def test_a_failover_to_a_replica_forgets_no_live_worker_and_fails_no_reque
             await wait_for(lambda: not router.mirror.lost or not router.mirror.lost.kept,
                            15, "every worker beating again")
             await asyncio.sleep(1.0)
-            done.set()
-            await task
-            assert not failed, failed[:3]
-            assert seen and all(s == workers for s in seen), "a live worker was forgotten"
+            await load.stop()
+            assert not load.failed, load.failed[:3]
+            assert load.seen and all(s == workers for s in load.seen), \
+                "a live worker was forgotten"
             assert router.mirror.available
         finally:
             await router.stop(grace_s=0.5)
