@@ -10,7 +10,10 @@ whose router is down, or refuses with nothing sent, sends it to the other one
 * Redis is SIGKILLed and, ``--redis-down-s`` later, started again on the same port (empty);
 * an agent is SIGKILLed mid-stream and started again 2 s later (same id and port);
 * an agent is SIGSTOPped for 5 s (hung, not dead; its heartbeat lives 3 s), then SIGCONTed;
-* a router is SIGTERMed and started again on the same port.
+* a router is SIGTERMed and started again on the same port;
+* Redis is FLUSHALLed (everything lost while it answers: the agents must notice and rewrite
+  their state, the routers must keep every live worker);
+* a second agent is started under a live worker's id (it must refuse to start, exit 1).
 
 Not done: dropping 1% of feed events. No real way exists without a hook in the agent's
 publisher (test-only logic in production code): routers read the feed as it is written, so
@@ -117,6 +120,7 @@ class Cluster:
     routers: list[Child]
     args: argparse.Namespace
     up: list[bool] = field(default_factory=lambda: [True] * ROUTERS)
+    duplicate_refused: bool = False
 
     @property
     def url(self) -> str:
@@ -128,12 +132,16 @@ class Cluster:
             "--save", "", "--appendonly", "no", "--protected-mode", "no"], stop_last=True)
         return self.redis
 
-    def spawn_agent(self, i: int) -> Child:
-        child = self.children.spawn(f"agent-a{i}", [
+    def spawn_agent(self, i: int, duplicate: bool = False) -> Child:
+        """Agent a{i}; ``duplicate``: a second one under that id, on a port of its own."""
+        port = self.children.free_port() if duplicate else self.agent_ports[i]
+        child = self.children.spawn(f"agent-a{i}{'-duplicate' if duplicate else ''}", [
             sys.executable, "-m", "kvroute", "agent", "--redis", self.url,
-            "--port", str(self.agent_ports[i]), "--worker-id", f"a{i}", "--engine", "sim",
+            "--port", str(port), "--worker-id", f"a{i}", "--engine", "sim",
             "--time-scale", str(self.args.time_scale), "--capacity-blocks", "512",
             "--heartbeat-s", "0.5", "--heartbeat-ttl-s", "3"])
+        if duplicate:
+            return child
         if i < len(self.agents):
             self.agents[i] = child
         else:
@@ -284,12 +292,15 @@ async def wait_router(cl: Cluster, i: int, timeout_s: float = 30.0) -> None:
 def schedule(args: argparse.Namespace) -> list[Fault]:
     d = args.duration
     down = args.redis_down_s
+    restart = max(0.78 * d, 0.5 * d + 7)
     return [Fault("redis killed", 0.08 * d, 0.08 * d + down, 5.0),
             Fault("agent killed mid-stream", 0.38 * d, 0.38 * d + 2.0, 2.0),
             Fault("agent stopped 5 s", 0.5 * d, 0.5 * d + 5.0, 2.0),
             # 2 s after the SIGCONT at least: each fault's recovery measured on its own.
-            Fault("router restarted", max(0.78 * d, 0.5 * d + 7), max(0.78 * d, 0.5 * d + 7),
-                  2.0)]
+            Fault("router restarted", restart, restart, 2.0),
+            # After the restart has healed (its stop and start take ~3 s).
+            Fault("redis flushed", restart + 5, restart + 5, 5.0),
+            Fault("duplicate worker id", restart + 6, restart + 6, 2.0)]
 
 
 async def sleep_until(t0: float, t: float) -> None:
@@ -298,7 +309,7 @@ async def sleep_until(t0: float, t: float) -> None:
 
 async def faults(cl: Cluster, plan: list[Fault], t0: float, outcomes: list[Outcome]) -> None:
     rel = lambda: time.monotonic() - t0  # noqa: E731
-    redis_f, kill_f, stop_f, router_f = plan
+    redis_f, kill_f, stop_f, router_f, flush_f, dup_f = plan
     await sleep_until(t0, redis_f.at)
     cl.redis.proc.send_signal(signal.SIGKILL)
     cl.redis.proc.wait()
@@ -339,6 +350,23 @@ async def faults(cl: Cluster, plan: list[Fault], t0: float, outcomes: list[Outco
     await wait_router(cl, 1)
     router_f.healed_at = rel()
     router_f.note = f"down {router_f.healed_at - router_f.done_at:.1f} s (stop + start)"
+
+    await sleep_until(t0, flush_f.at)
+    client = aioredis.Redis.from_url(cl.url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    flush_f.done_at = flush_f.healed_at = rel()
+
+    await sleep_until(t0, dup_f.at)
+    dup = cl.spawn_agent(0, duplicate=True)
+    dup_f.done_at = rel()
+    code = await asyncio.get_running_loop().run_in_executor(None, dup.proc.wait)
+    dup_f.healed_at = rel()
+    cl.duplicate_refused = code == 1 and "belongs to a live agent" in dup.log_tail(5)
+    dup_f.note = (f"{'refused' if cl.duplicate_refused else 'NOT refused'}: exit {code} after "
+                  f"{dup_f.healed_at - dup_f.done_at:.1f} s")
 
 
 def parse_blocks(text: str) -> dict[str, int]:
@@ -479,7 +507,8 @@ async def load(cl: Cluster, stubs: list[Any], args: argparse.Namespace,
     kill.note = f"{past_first} streams were past their first token on it"
     died = [c.name for c in cl.children.started
             if c.exited() not in (None, 0) and c.exited() != -signal.SIGKILL
-            and c.exited() != -signal.SIGTERM]
+            and c.exited() != -signal.SIGTERM
+            and not (c.name.endswith("-duplicate") and c.exited() == 1)]  # refused: its job
     for c in cl.children.started:
         if c.name in died:
             print(f"--- {c.name} exited {c.exited()}:\n{c.log_tail(40)}", file=sys.stderr)
@@ -494,7 +523,8 @@ async def load(cl: Cluster, stubs: list[Any], args: argparse.Namespace,
             "left_to_hang": left,
             "stop_s": round(plan[2].healed_at - plan[2].done_at, 1),
             "faults": [asdict(f) for f in plan], "divergence": diff, "truth": truth,
-            "heal_s": round(heal_s, 1), "died": died, "logs": str(tmp)}
+            "heal_s": round(heal_s, 1), "died": died,
+            "duplicate_refused": cl.duplicate_refused, "logs": str(tmp)}
 
 
 def ok(res: dict[str, Any]) -> bool:
@@ -503,7 +533,7 @@ def ok(res: dict[str, Any]) -> bool:
             and res["truth"] > 0
             and all(f["resume_s"] is not None for f in res["faults"])
             and res["hang_wait_s"] < res["stop_s"] and res["left_to_hang"] == 0
-            and not res["died"])
+            and not res["died"] and res["duplicate_refused"])
 
 
 def report(res: dict[str, Any]) -> None:
@@ -530,6 +560,7 @@ def report(res: dict[str, Any]) -> None:
         f"{k} {v}" for k, v in res["divergence"].items())
         + f" blocks ({res['heal_s']} s to heal; agents' snapshots hold {res['truth']} blocks)")
     print(f"processes died:         {len(res['died'])} {res['died'] or ''}")
+    print(f"duplicate worker id:    {'refused' if res['duplicate_refused'] else 'NOT refused'}")
     print(f"invariants: {'ok' if ok(res) else 'FAILED'} (logs: {res['logs']})")
 
 
@@ -546,7 +577,8 @@ def main() -> None:
                     help="more flags for both routers, e.g. '--connect-timeout-s 20' to see "
                     "the hung-agent invariant fail")
     ap.add_argument("--quick", action="store_true",
-                    help="the suite's bounded run: 18 s, 6 clients, Redis down 3 s")
+                    help="the suite's bounded run: 18 s, 6 clients, Redis down 3 s (the last "
+                    "faults end ~10 s later)")
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args()
     if args.quick:
