@@ -100,7 +100,8 @@ CASES = {
                 ["processes died:            0 ", "bad (INTERNAL/UNKNOWN/5xx): 0 ",
                  "hung past deadline:        0 ", "afterwards:  grpc ok, http ok"]),
     # The bounded chaos run (~30 s): Redis killed, an agent killed mid-stream, one stopped
-    # 5 s, a router restarted, Redis flushed, a duplicate worker id, all under load. It exits 1 when an invariant fails: a failure
+    # 5 s, a router restarted, Redis flushed, a duplicate worker id, all under load. It
+    # exits 1 when an invariant fails: a failure
     # other than a stream past its first token on the killed agent, a request hung past its
     # deadline, a fault after which routing never turned cache-aware again, a request left
     # waiting on the stopped agent for its whole stop, a mirror diverging from the snapshots.
