@@ -342,10 +342,7 @@ async def start_vllms(children: Children, n: int) -> VllmEngines:
     children.on_stop(lambda: [s.stop() for s in servers])
     progress(f"starting {n} vLLM servers (about a minute on 2 cores; logs in "
              f"{children.log_dir})")
-    for s in servers:
-        s.start()
-    for s in servers:
-        await s.ready()
+    await asyncio.gather(*(s.up() for s in servers))
     progress("warming vLLM up (first passes over new shapes are slow)")
     for s in servers:
         await asyncio.to_thread(s.warm_up)

@@ -190,6 +190,19 @@ class VllmServer:
         """Until ``/health`` answers 200; raise with the log's end if vLLM exits or is late."""
         asyncio.run(self.ready(timeout_s))
 
+    async def up(self, attempts: int = 2) -> None:
+        """:meth:`start` and :meth:`ready`, starting again when vLLM exits during its start
+        (its engine core's start-up has failed now and then on this 2-core machine)."""
+        for attempt in range(attempts):
+            self.start()
+            try:
+                await self.ready()
+                return
+            except RuntimeError:
+                self.kill()
+                if attempt + 1 == attempts:
+                    raise
+
     async def ready(self, timeout_s: float = 300.0) -> None:
         """:meth:`wait_ready` on a running event loop (a Ctrl-C cancels it at once)."""
         assert self.proc is not None, "start() first"

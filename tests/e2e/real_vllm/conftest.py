@@ -5,10 +5,10 @@ front, on a fresh Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +44,9 @@ def vllms() -> Iterator[Vllms]:
     servers = {w: VllmServer(cpu, free_port(), free_port(), free_port(), logs / f"{w}.log",
                              cpus=core_for(i)) for i, w in enumerate(WORKERS)}
     try:
-        for s in servers.values():
-            s.start()
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda s: s.wait_ready(), servers.values()))
+        async def up() -> None:
+            await asyncio.gather(*(s.up() for s in servers.values()))
+        asyncio.run(up())
         yield Vllms(cpu, servers)
     finally:
         for s in servers.values():
