@@ -25,13 +25,5 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
-        Extension(
-            "kvroute.core._kvcost",  # kvroute's default policy (policies/kvroute_cost.py)
-            sources=["core/_native/kvcost.c"],
-            include_dirs=["vendor/xxhash"],
-            # no fused multiply-add: the costs must round exactly as the Python path's
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-            optional=True,
-        ),
     ]
 )

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from routing_decision import BLOCK, MODEL, build, pct, registry
 
 from kvroute.core.index import PrefixIndex
-from kvroute.core.policies import KvrouteCost
+from kvroute.core.policies import Kvroute
 from kvroute.router.decide import Decider
 from kvroute.router.registry import WorkerRegistry
 
@@ -152,7 +152,7 @@ def main() -> None:
     reg = registry(names, 0, rng)
     print(f"(index of {index.entries():,} entries over {args.workers} workers built in"
           f" {time.perf_counter() - t0:.1f}s; full gc before building it: {floor:.1f}ms)")
-    decider = Decider(MODEL, BLOCK, KvrouteCost())
+    decider = Decider(MODEL, BLOCK, Kvroute())
 
     def decide(p: list[int], reg: WorkerRegistry = reg) -> object:
         return decider.decide(p, index, reg)

@@ -75,7 +75,7 @@ from kvroute.simulations.trace import TraceError, load
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
-    ap.add_argument("--policies", default="kvroute,llmd,preble,chwbl,dynamo,mooncake")
+    ap.add_argument("--policies", default="kvroute,llmd,preble,chwbl,dynamo,mooncake_local")
     ap.add_argument("--loads", type=parse_loads, default=",".join(map(str, SWEEP_LOADS)))
     ap.add_argument("--jitters", default=",".join(map(str, DEFAULT_JITTERS)))
     ap.add_argument("--focus", default=None,

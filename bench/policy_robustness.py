@@ -1,25 +1,25 @@
-"""What each term of kvroute_v2 is worth, and how the policies fare when the router's picture
+"""What each term of kvroute's policy is worth, and how the policies fare when the router's picture
 of the cluster is wrong: the ablation and robustness tables of docs/policy.md.
 
     python bench/policy_robustness.py ablation TRACE [TRACE ...] [--loads 0.5,0.8,0.95]
     python bench/policy_robustness.py robustness TRACE [TRACE ...] [--loads 0.8]
 
-``ablation`` replays kvroute_v2 whole and with each term of its formula removed (the term
+``ablation`` replays kvroute whole and with each term of its formula removed (the term
 set to 0 in every worker's score; ``lookahead``: the router's block predictions off, so
 queued requests' prefixes are not counted; ``copies``: no background copies of hot
-prefixes), beside kvroute_v1 and Mooncake-local.
-``robustness`` replays kvroute_v2, kvroute_v1 and the peers named by ``--peers`` with the
+prefixes), beside Mooncake-local.
+``robustness`` replays kvroute and the peers named by ``--peers`` with the
 simulated GPU other than the router's cost model says (attention or decode 0.5x and 2x:
 the policies keep their defaults), with cache events reaching the router after 5 and 500
 ms instead of 50, and prints each policy's change against its own nominal replay; under a
-wrong GPU model, kvroute_v2's change is against itself told the true constants (``v2
-told``): what the error costs, apart from what the other GPU does to every policy. (Output
+wrong GPU model, kvroute's change is against itself told the true constants
+(``told``): what the error costs, apart from what the other GPU does to every policy. (Output
 lengths: no policy reads them, the load view carries none, so there is nothing to remove.)
 
 Every figure is the mean over ``--jitters`` of the rate, as ``bench/policy_jitter.py``
 averages; loads are fractions of the capacity under the simulated GPU (the same traffic
-share, not the same rate, so a slower GPU is not simply an overload). kvroute's policies
-run with the router's coalescing on, the peers without it, as in ``bench/campaign.py``.
+share, not the same rate, so a slower GPU is not simply an overload). kvroute's policy
+runs with the router's coalescing on, the peers without it, as in ``bench/campaign.py``.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ import argparse
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
-from kvroute.core.policies import KvrouteV2, Policy, RouteQuery, Scored, make_policy
+from kvroute.core.policies import Kvroute, Policy, RanksOnly, RouteQuery, Scored
 from kvroute.core.policies.base import rank_by_cost
 from kvroute.core.policies.cost_model import CostModel
-from kvroute.core.policies.kvroute_v2 import longest_cached
+from kvroute.core.policies.kvroute import longest_cached
 from kvroute.simulations.cli import parse_loads
 from kvroute.simulations.compare import DEFAULT_JITTERS, at_rate, parse_jitters
 from kvroute.simulations.metrics import PolicyMetrics, capacity_rps, measure
+from kvroute.simulations.policies import make_replay_policy as make_policy
 from kvroute.simulations.replay import ClusterSpec, Replayer
 from kvroute.simulations.trace import Trace, TraceError, load
 
@@ -47,15 +49,16 @@ WITH = {"wait": ("elapsed",)}
 
 @dataclass
 class WithoutTerm:
-    """kvroute_v2 with one term of its formula left out (``KvrouteV2.terms``), ranked from
-    the term-by-term formula (slower than its inlined ranking, the same order otherwise)."""
+    """kvroute with one term of its formula left out (``Kvroute.terms``), ranked from the
+    term-by-term formula (slower than its inlined ranking, the same order otherwise)."""
 
     term: str
-    base: KvrouteV2
+    base: Kvroute
     name: str = ""
+    places_replicas: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        self.name = f"kvroute_v2 -{self.term}"
+        self.name = f"kvroute -{self.term}"
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         later, top = self.base.later(query), longest_cached(query)
@@ -72,11 +75,11 @@ class WithoutTerm:
 
 
 @dataclass
-class WithoutCopies:
-    """kvroute_v2 ranking as it does, but making no background copies of hot prefixes."""
+class WithoutCopies(RanksOnly):
+    """kvroute ranking as it does, but making no background copies of hot prefixes."""
 
-    base: KvrouteV2
-    name: str = "kvroute_v2 -copies"
+    base: Kvroute
+    name: str = "kvroute -copies"
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         return self.base.rank(query)
@@ -116,16 +119,15 @@ def row(m: PolicyMetrics, ref: PolicyMetrics | None) -> str:
 
 def ablation(traces: list[tuple[str, Trace]], spec: ClusterSpec, loads: Sequence[float],
              jitters: Sequence[float]) -> None:
-    v2 = KvrouteV2()
-    entries = [Entry("kvroute_v2", KvrouteV2, True),
-               *(Entry(f"-{t}", lambda t=t: WithoutTerm(t, v2), True) for t in TERMS),
-               Entry("-copies", lambda: WithoutCopies(KvrouteV2()), True),
-               Entry("-attention", lambda: make_policy("kvroute_v2:attn=0"), True),
-               Entry("-lookahead", KvrouteV2, False),
-               Entry("kvroute_v1", lambda: make_policy("kvroute"), True),
+    whole = Kvroute()
+    entries = [Entry("kvroute", Kvroute, True),
+               *(Entry(f"-{t}", lambda t=t: WithoutTerm(t, whole), True) for t in TERMS),
+               Entry("-copies", lambda: WithoutCopies(Kvroute()), True),
+               Entry("-attention", lambda: make_policy("kvroute:attn=0"), True),
+               Entry("-lookahead", Kvroute, False),
                Entry("mooncake_local", lambda: make_policy("mooncake_local"), False)]
-    print("ablation: each term of kvroute_v2 removed; mean / p99 TTFT (s), hit ratio, then "
-          "the change against kvroute_v2 whole (TTFT in %, hit ratio in points)")
+    print("ablation: each term of kvroute removed; mean / p99 TTFT (s), hit ratio, then "
+          "the change against kvroute whole (TTFT in %, hit ratio in points)")
     for name, trace in traces:
         for ld in loads:
             print(f"{name} at {ld:.0%}:", flush=True)
@@ -138,26 +140,25 @@ def ablation(traces: list[tuple[str, Trace]], spec: ClusterSpec, loads: Sequence
 
 def robustness(traces: list[tuple[str, Trace]], spec: ClusterSpec, loads: Sequence[float],
                jitters: Sequence[float], peers: list[str]) -> None:
-    m0, v2 = spec.cost, KvrouteV2()
-    # Each condition: the simulated cluster, and kvroute_v2 told the truth about it (the
+    m0, nominal_policy = spec.cost, Kvroute()
+    # Each condition: the simulated cluster, and kvroute told the truth about it (the
     # constants its defaults would have been derived from), to tell what the error costs.
     conditions: dict[str, tuple[ClusterSpec, str | None]] = {"nominal": (spec, None)}
     for f in (0.5, 2.0):
         conditions[f"attention {f:g}x"] = (
             replace(spec, cost=replace(m0, attn_s_per_token_pair=m0.attn_s_per_token_pair * f)),
-            f"kvroute_v2:attn={v2.attn * f!r}")
+            f"kvroute:attn={nominal_policy.attn * f!r}")
         conditions[f"decode {f:g}x"] = (
             replace(spec, cost=replace(m0, decode_base_s=m0.decode_base_s * f,
                                        decode_per_seq_s=m0.decode_per_seq_s * f)),
-            f"kvroute_v2:decode={v2.decode * f!r}")
+            f"kvroute:decode={nominal_policy.decode * f!r}")
     for ms in (5, 500):
         conditions[f"propagation {ms} ms"] = (replace(spec, propagation_s=ms / 1000), None)
-    entries = [Entry("kvroute_v2", KvrouteV2, True),
-               Entry("kvroute_v1", lambda: make_policy("kvroute"), True),
+    entries = [Entry("kvroute", Kvroute, True),
                *(Entry(p, lambda p=p: make_policy(p), False) for p in peers)]
     print("robustness: the simulated GPU or the event path other than the router's model; "
           "mean / p99 TTFT (s), hit ratio, then the change against the policy's own nominal "
-          "replay (TTFT in %, hit ratio in points), kvroute_v2's against 'v2 told': itself "
+          "replay (TTFT in %, hit ratio in points), kvroute's against 'told': itself "
           "with the true constants")
     for name, trace in traces:
         for ld in loads:
@@ -167,12 +168,12 @@ def robustness(traces: list[tuple[str, Trace]], spec: ClusterSpec, loads: Sequen
                 print(f"  {cond}:", flush=True)
                 told_m = None
                 if told is not None:
-                    told_m = replay(trace, Entry("v2 told", lambda t=told: make_policy(t), True),
+                    told_m = replay(trace, Entry("told", lambda t=told: make_policy(t), True),
                                     cspec, ld, jitters)
-                    print(f"    {'v2 told':16s} {row(told_m, None)}", flush=True)
+                    print(f"    {'told':16s} {row(told_m, None)}", flush=True)
                 for e in entries:
                     m = replay(trace, e, cspec, ld, jitters)
-                    ref = told_m if told_m is not None and e.label == "kvroute_v2" \
+                    ref = told_m if told_m is not None and e.label == "kvroute" \
                         else nominal.get(e.label)
                     if cond == "nominal":
                         nominal[e.label] = m

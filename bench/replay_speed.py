@@ -14,8 +14,8 @@ import argparse
 import time
 from pathlib import Path
 
-from kvroute.core.policies import REGISTRY
 from kvroute.simulations.cli import AT_LEAST_ONE, POSITIVE, make_policies
+from kvroute.simulations.policies import REPLAY_REGISTRY as REGISTRY
 from kvroute.simulations.replay import ClusterSpec, Replayer
 from kvroute.simulations.trace import load
 

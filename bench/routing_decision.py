@@ -5,7 +5,7 @@ over an index of at least 1M (block, worker) entries, time what the router runs 
 once gRPC has parsed it: the prompt's ids out of the request's wire bytes and checked
 (``request_token_ids``, ``check_tokens``), then ``Decider.decide`` (key hashing, index walk,
 policy). Each case runs on a quiet cluster (nothing queued) and a loaded one (0-4 requests
-queued per worker, so the policy's batch and affinity terms run). The baseline,
+queued per worker, so the policy's queue and decode terms run). The baseline,
 measured in the same run, is the straightforward design: the ids read from the protobuf
 container, every block hashed in Python, each worker's key set walked until its first miss,
 then the same policy in Python.
@@ -21,11 +21,10 @@ over 1,000 key sets is then timed on a fifth of the iterations, as always).
 
 Prints p50/p99 in microseconds and the baseline/kvroute ratio (higher is better), then the
 p50 of each stage of kvroute's decision, with the index walk also timed on the pure-Python
-holder map (``PrefixIndex(native=False)``) and the policy on its Python path
-(``KvrouteCost.rank_python``), each interleaved with its C build in the same loop; and what
-the router adds for a request whose prefix is in demand (``replica``: where the policy would
-copy it, a second ranking). Last, the same decision with the derived policy
-(``kvroute_v2``, all Python; ``v2 p50``/``p99``), timed in the same loop as the default's.
+holder map (``PrefixIndex(native=False)``),
+interleaved with its C build in the same loop; the policy's ranking (``kvroute``, Python);
+and what the router adds for a request whose prefix is in demand (``replica``: where the
+policy would copy it).
 """
 
 from __future__ import annotations
@@ -43,11 +42,11 @@ from kvroute.core.blocks import BlockHasher
 from kvroute.core.config import AT_LEAST_ONE
 from kvroute.core.grpc_util import Received
 from kvroute.core.index import PrefixIndex
-from kvroute.core.policies import KvrouteCost, KvrouteV2, RouteQuery
+from kvroute.core.policies import Kvroute, Policy, RouteQuery
 from kvroute.core.redis_schema import Heartbeat
 from kvroute.core.validate import Limits, check_tokens
 from kvroute.core.wire import request_token_ids
-from kvroute.router.decide import Decider, prefix_family, rank_request
+from kvroute.router.decide import Decider, rank_request
 from kvroute.router.registry import WorkerRegistry
 from kvroute.v1 import common_pb2
 
@@ -107,7 +106,7 @@ def kvroute_decide(req: Received, decider: Decider, index: PrefixIndex,
 
 
 def naive_decide(req: Received, naive: dict[str, set[int]],
-                 reg: WorkerRegistry, hasher: BlockHasher, policy: KvrouteCost) -> str:
+                 reg: WorkerRegistry, hasher: BlockHasher, policy: Policy) -> str:
     tokens = list(req.msg.token_ids)
     check_tokens(tokens, LIMITS)
     keys = hasher.keys(tokens)
@@ -121,9 +120,7 @@ def naive_decide(req: Received, naive: dict[str, set[int]],
         if n:
             matched[w] = n
     affinity = keys[0] if keys else 0
-    q = RouteQuery(len(tokens), BLOCK, matched, reg.loads, affinity,
-                   prefix_family(keys, max(matched.values(), default=0), affinity))
-    return policy.rank_python(q)[0].worker
+    return policy.rank(RouteQuery(len(tokens), BLOCK, matched, reg.loads, affinity))[0].worker
 
 
 def timeit(fn: Callable[[Received], object], prompts: list[Received], iters: int
@@ -145,12 +142,11 @@ def pct(xs: list[float], q: float) -> float:
 
 def stages(reqs: list[Received], decider: Decider, index: PrefixIndex,
            dict_index: PrefixIndex, reg: WorkerRegistry, iters: int) -> dict[str, float]:
-    """p50 of each stage of kvroute's decision (and of the walk on the dict holder map and
-    the policy's Python path, each interleaved with its C build), in microseconds."""
+    """p50 of each stage of kvroute's decision (and of the walk on the dict holder map,
+    interleaved with its C build), in microseconds."""
     times: dict[str, list[float]] = {"ids": [], "hash": [], "walk": [], "walk_dict": [],
-                                     "policy": [], "policy_py": [], "replica": []}
+                                     "policy": [], "replica": []}
     policy = decider.policy
-    assert isinstance(policy, KvrouteCost)
     hasher = decider.hasher("")
     clock = time.perf_counter_ns
     for i in range(iters):
@@ -168,11 +164,9 @@ def stages(reqs: list[Received], decider: Decider, index: PrefixIndex,
             times[name].append((clock() - t) / 1000)
         query = rank_request(policy, index, keys, len(tokens), BLOCK, reg.loads,
                              keys[0]).query
-        ranks = [(policy.rank, "policy"), (policy.rank_python, "policy_py")]
-        for rank, name in ranks if i % 2 else ranks[::-1]:
-            t = clock()
-            rank(query)
-            times[name].append((clock() - t) / 1000)
+        t = clock()
+        policy.rank(query)
+        times["policy"].append((clock() - t) / 1000)
         # The same request for a prefix in demand: where to copy it (a second ranking).
         hot = replace(query, prefix_rate=1.0)
         best = policy.rank(hot)[0].worker
@@ -198,7 +192,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'prompt':>7} {'workers':>7} {'queued':>6} | {'kvroute p50':>11} {'p99':>8} |"
           f" {'baseline p50':>12} {'p99':>8} | {'p99 ratio':>9} | p50 of: ids  hash  walk"
-          f" (dict map)  policy (python)  replica | v2 p50   p99")
+          f" (dict map)  policy  replica")
     for workers in args.workers:
         rng = random.Random(args.seed)
         lengths = tuple(args.prompts)
@@ -212,10 +206,9 @@ def main() -> None:
         dict_index = PrefixIndex(native=False)
         for w, held in naive.items():
             dict_index.add(w, held)
-        decider = Decider(MODEL, BLOCK, KvrouteCost())
-        derived = Decider(MODEL, BLOCK, KvrouteV2())
+        decider = Decider(MODEL, BLOCK, Kvroute())
         hasher = BlockHasher(BLOCK, MODEL, native=False)  # the baseline is all Python
-        policy = KvrouteCost()
+        policy = Kvroute()
         for n, queued in itertools.product(lengths, (0, 2)):
             reg = registry(names, queued, rng)
             reqs = [received(p) for p in prompts[n]]
@@ -228,16 +221,12 @@ def main() -> None:
             base = timeit(functools.partial(naive_decide, naive=naive, reg=reg, hasher=hasher,
                                             policy=policy), reqs, max(30, args.iters // 5))
             st = stages(reqs, decider, index, dict_index, reg, args.iters)
-            v2 = timeit(functools.partial(kvroute_decide, decider=derived, index=index,
-                                          reg=reg), reqs, args.iters)
             print(f"{n:>7} {workers:>7} {'0' if not queued else f'0-{2 * queued}':>6} |"
                   f" {pct(ours, 50):>9.0f}us"
                   f" {pct(ours, 99):>6.0f}us | {pct(base, 50):>10.0f}us {pct(base, 99):>6.0f}us"
                   f" | {pct(base, 99) / pct(ours, 99):>8.1f}x | {st['ids']:>11.0f} "
                   f"{st['hash']:>5.0f} {st['walk']:>5.0f} ({st['walk_dict']:>6.0f})"
-                  f" {st['policy']:>7.0f} ({st['policy_py']:>6.0f}) {st['replica']:>8.0f}"
-                  f" | {pct(v2, 50):>4.0f}us {pct(v2, 99):>4.0f}us",
-                  flush=True)
+                  f" {st['policy']:>7.0f} {st['replica']:>8.0f}", flush=True)
         print(f"        (index of {index.entries():,} entries built in {build_s:.1f}s)")
 
 

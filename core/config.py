@@ -30,7 +30,7 @@ ENV_PREFIX = "KVROUTE_"
 # router never learns, and an early expiry costs more than a late one (every sibling
 # arriving after it redoes the prefix, against one at most that finds it gone). So: as long
 # as a client waits for a first token, the OpenAI SDK's default timeout. At 30 s, waits
-# past it at 95% load cost kvroute_v2 6.6 points of hit ratio (docs/coalescing.md).
+# past it at 95% load cost kvroute's policy 6.6 points of hit ratio (docs/coalescing.md).
 PREDICT_TTL_S = 600.0
 # The least fraction of an in-flight prefill a request must get from it to wait for it
 # (kvroute.router.coalesce).
@@ -229,7 +229,7 @@ class RouterConfig(CommonConfig):
                                  "before the router weighs it", AT_LEAST_ONE)
     max_copies: int = opt(4, "most background copies of hot prefixes in flight at once: the "
                           "kvroute policy copies a prefix in demand to a second worker instead "
-                          "of moving a request off its holder (its replicate; 0: no copies)",
+                          "of moving a request off its holder (0: no copies)",
                           NON_NEGATIVE)
     copy_timeout_s: float = opt(30.0, "deadline of a background copy's call to its worker: a "
                                 "hung worker cannot hold a copy (and its load and predicted "
@@ -356,14 +356,11 @@ class AgentConfig(CommonConfig):
     vllm_topic: str = opt("", "vllm engine: KV-events topic to subscribe to ('' = all)")
     vllm_chunked_prefill: bool = opt(True, "vllm engine: whether it chunks long prefills "
                                      "(vLLM V1's default; --no-vllm-chunked-prefill when vLLM "
-                                     "runs with --no-enable-chunked-prefill), reported to routers, "
-                                     "whose policy charges a queue for a prompt's first chunk "
-                                     "or for the whole prompt accordingly")
+                                     "runs with --no-enable-chunked-prefill), reported to routers "
+                                     "(kvroute_router_worker_prefill_mode)")
     vllm_long_prefill_threshold: int = opt(0, "vllm engine: its --long-prefill-token-threshold "
                                            "(the most tokens of one prefill per iteration; "
-                                           "0: none), reported to routers, whose hold rule "
-                                           "then counts only the chunks a request would "
-                                           "join, not the whole queued prefill",
+                                           "0: none), reported to routers",
                                            NON_NEGATIVE)
     model_source: str = opt("", "the model's tokenizer: the SOURCE the router is given as "
                             "--model NAME=SOURCE (a HF model directory, a tokenizer.json or "

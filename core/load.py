@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import bisect
 import math
-import struct
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -22,19 +20,18 @@ def prefill_context(uncached: int, cached: int) -> int:
     """The context the ``uncached`` new tokens of a prefill attend to, in token pairs:
     ``n * (c + n / 2)`` after ``c`` cached tokens (each new token sees the cached ones and,
     on average, half of the new ones). A prefill's work is its tokens plus ``attn`` times
-    this (``kvroute.core.policies.kvroute_cost.work``): a 190k-token prompt takes 4x its
+    this (``kvroute.core.policies.kvroute.own_prefill``): a 190k-token prompt takes 4x its
     tokens' linear time, which a count of tokens alone does not show."""
     return uncached * cached + uncached * uncached // 2
 
 
 class PrefillMode(StrEnum):
     """How an engine admits a prompt longer than the room left in an iteration's prefill
-    budget: what the batch term of kvroute's policy charges the requests queued there for
-    it (``kvroute.core.policies.kvroute_cost``). An agent reports its engine's in its
-    heartbeat; the replay simulator its cluster's."""
+    budget. An agent reports its engine's in its heartbeat; the replay simulator's workers
+    admit prompts so."""
 
     code: int
-    """As ``WorkerLoad.packed`` carries it to the C ranking (kvcost.c's ``L_MODE``)."""
+    """Its number in the gRPC API's ``kvroute.v1.PrefillMode`` enum."""
 
     def __new__(cls, value: str, code: int) -> PrefillMode:
         member = str.__new__(cls, value)
@@ -43,7 +40,7 @@ class PrefillMode(StrEnum):
         return member
 
     UNKNOWN = "", 0
-    """Not reported (an older agent): the policy assumes its ``chunked_prefill``."""
+    """Not reported (an older agent)."""
     WHOLE = "whole", 1
     """Whole or not at all: it waits for the next iteration (the sim and tiny engines, and
     vLLM with ``--no-enable-chunked-prefill``)."""
@@ -65,23 +62,6 @@ class PrefillMode(StrEnum):
                 if value == mode.value:
                     return mode
         raise ValueError(f"{what} must be one of {[m.value for m in cls]}, got {value!r}")
-
-
-PACKED_FORMAT = "=11q3d"
-"""``WorkerLoad.packed``'s layout: 11 int64 then 3 doubles, native order, no padding (what
-kvcost.c's ``read_load`` copies)."""
-
-
-def pack_load(fields: tuple[int | float, ...]) -> bytes | tuple[int | float, ...]:
-    """``fields`` (``WorkerLoad.packed``'s, in order) as PACKED_FORMAT bytes, or the tuple
-    itself when one does not fit: an int field that is not an integer (the C ranking then
-    raises its TypeError, as before) or past 64 bits (its OverflowError). ``struct``
-    converts as the C ranking's PyLong_AsLongLong and PyFloat_AsDouble do (``__index__``,
-    ``__float__``), so both forms rank alike."""
-    try:
-        return struct.pack(PACKED_FORMAT, *fields)
-    except struct.error:
-        return fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,15 +112,6 @@ class WorkerLoad:
     used_blocks: int = field(init=False, repr=False, compare=False)
     cache_fill: float = field(init=False, repr=False, compare=False)
     waiting: int = field(init=False, repr=False, compare=False)
-    # What the C build of kvroute's policy reads, one attribute per worker instead of nine
-    # (kvroute/core/_native/kvcost.c): pending_prefill_tokens, busy, used_blocks, queued,
-    # max_batched_tokens, max_running, occupied, pending_prefill_context, prefill_mode
-    # (the mode's code), max_prefill_chunk, waiting (ints), cache_fill, arrival_rate,
-    # prefill_rate (floats). Packed as PACKED_FORMAT, so the C ranking copies each
-    # worker's fields instead of converting 14 Python numbers (1,000 workers: ~40 us a
-    # ranking); the tuple of them when a field does not fit (not an int, or past 64 bits),
-    # which the C ranking converts, failing as it did before.
-    packed: bytes | tuple[int | float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # A plain string from a caller becomes the enum; anything else is refused here.
@@ -158,14 +129,6 @@ class WorkerLoad:
         # waiting: requests sent there and not running yet: the engine's queue, or the
         # router's own count when it is higher (a request in transit, a heartbeat behind).
         object.__setattr__(self, "waiting", self.occupied - self.running)
-        fields = (
-            self.pending_prefill_tokens, self.busy, self.used_blocks, self.queued,
-            self.max_batched_tokens, self.max_running, self.occupied,
-            self.pending_prefill_context, self.prefill_mode.code, self.max_prefill_chunk,
-            self.waiting, self.cache_fill,
-            float(self.arrival_rate),
-            float(self.prefill_rate))
-        object.__setattr__(self, "packed", pack_load(fields))
 
     @property
     def occupied(self) -> int:
@@ -298,67 +261,3 @@ class PrefixDemand:
     def __len__(self) -> int:
         return len(self._rates)
 
-
-# A tail is read over the last requests: ~100 s of traffic at 20 requests per second, long
-# enough for a 1% quantile to rest on 20 of them, short enough to follow a change of traffic.
-TAIL_WINDOW = 2000
-# Below this many requests a high quantile is a guess: no tail is read (inf) until then.
-TAIL_MIN_SAMPLES = 200
-
-
-class PrefillTail:
-    """The high quantile of the least prefill requests lately needed: how long a prefill
-    is, in work units, at the tail of what the traffic costs anyway (``RouteQuery.tail_work``).
-
-    Each request is counted by the prefill it needs at best: its tokens past the longest
-    prefix any worker caches (``uncached``) after ``cached`` ones, weighed as kvroute's
-    policy weighs work, ``uncached + attn * prefill_context(uncached, cached)``. That floor
-    is the same whichever worker a policy picks, so the tail does not move with the
-    policy's choices. A request whose first token comes later than this tail is the tail:
-    the p99 of time-to-first-token is made of such requests, and of the prompts long enough
-    to be there on their own.
-
-    ``quantile`` in (0, 1) is read over the last ``window`` requests (the oldest forgotten),
-    and is ``inf`` until ``min_samples`` were counted. The router's decider and the replay
-    simulator keep one each for a policy that reads it (kvroute with ``tail_hold``).
-
-    Invariant: ``_sorted`` holds the values of ``_recent``, ascending; both hold at most
-    ``window``.
-    """
-
-    def __init__(self, quantile: float = 0.99, window: int = TAIL_WINDOW,
-                 min_samples: int = TAIL_MIN_SAMPLES, attn: float = 0.0) -> None:
-        if not 0.0 < quantile < 1.0:
-            raise ValueError(f"quantile must be in (0, 1), got {quantile}")
-        if not 1 <= min_samples <= window:
-            raise ValueError(f"need 1 <= min_samples <= window, got {min_samples}, {window}")
-        if not attn >= 0:
-            raise ValueError(f"attn must be >= 0, got {attn}")
-        self.quantile = quantile
-        self.window = window
-        self.min_samples = min_samples
-        self.attn = attn
-        self._recent: deque[float] = deque()
-        self._sorted: list[float] = []
-
-    def current(self) -> float:
-        """The tail of the requests counted so far (``inf`` under ``min_samples``)."""
-        vals = self._sorted
-        n = len(vals)
-        return vals[min(n - 1, int(self.quantile * n))] if n >= self.min_samples else math.inf
-
-    def observe(self, uncached: int, cached: int) -> float:
-        """The tail of the requests seen before this one; then counts this one's least
-        prefill (``uncached`` tokens after ``cached``)."""
-        tail = self.current()
-        vals = self._sorted
-        w = uncached + self.attn * prefill_context(uncached, cached)
-        if len(vals) >= self.window:
-            old = self._recent.popleft()
-            del vals[bisect.bisect_left(vals, old)]
-        self._recent.append(w)
-        bisect.insort(vals, w)
-        return tail
-
-    def __len__(self) -> int:
-        return len(self._recent)

@@ -4,11 +4,10 @@ when a compiler is there; each has a pure-Python fallback with the same results)
 from __future__ import annotations
 
 from kvroute.core import blocks, holders, wire
-from kvroute.core.policies import kvroute_cost
 
 
 def native_builds() -> dict[str, bool]:
-    """``{"chainhash": ..., "holders": ..., "wire": ..., "kvcost": ...}``: key hashing, the
-    index's holder map, token ids off the wire, kvroute's policy."""
+    """``{"chainhash": ..., "holders": ..., "wire": ...}``: key hashing, the index's holder
+    map, token ids off the wire."""
     return {"chainhash": blocks.NATIVE_AVAILABLE, "holders": holders.NATIVE_AVAILABLE,
-            "wire": wire.NATIVE_AVAILABLE, "kvcost": kvroute_cost.NATIVE_AVAILABLE}
+            "wire": wire.NATIVE_AVAILABLE}

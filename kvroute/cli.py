@@ -1,5 +1,5 @@
 """The ``kvroute`` command: ``router``, ``epp``, ``agent``, ``demo``, ``policies``,
-``replay``, ``tune``, ``keys``, ``redis-acl``, ``gen``."""
+``replay``, ``keys``, ``redis-acl``, ``gen``."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from kvroute.core.config import (
 )
 from kvroute.core.logs import setup_logging
 
-_COMMANDS = ("router", "epp", "agent", "demo", "policies", "replay", "tune", "keys",
-             "redis-acl", "gen")
+_COMMANDS = ("router", "epp", "agent", "demo", "policies", "replay", "keys", "redis-acl",
+             "gen")
 # Subcommands whose arguments come from the simulator's modules (numpy, the replay): a
 # third of a router's start went to importing them for a parser that did not need them.
-_SIMULATION_COMMANDS = ("replay", "tune", "gen")
+_SIMULATION_COMMANDS = ("replay", "gen")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -88,18 +88,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "parameters with `kvroute policies NAME`")
     pol.add_argument("name", nargs="?", metavar="NAME",
                      help="a policy (or spec, NAME:PARAM=VALUE) to show in full: its formula, "
-                          "parameters and their defaults, the values `kvroute tune` searches")
+                          "parameters and their defaults")
     rp = sub.add_parser("replay", help="replay a trace through every policy on a simulated "
                         "cluster", formatter_class=fmt)
-    tp = sub.add_parser("tune", help="search a policy's parameters on a trace for the variant "
-                        "that beats the peers", formatter_class=RawDefaultsFormatter)
     if sim:
-        import kvroute.simulations.tune
         from kvroute.simulations.cli import add_arguments as add_replay_arguments
 
         add_replay_arguments(rp)
-        tp.description = kvroute.simulations.tune.__doc__
-        kvroute.simulations.tune.add_arguments(tp)
     kp = sub.add_parser("keys", help="API keys for --api-keys-file: `kvroute keys hash` makes "
                         "a key and prints its record (docs/security.md)", formatter_class=fmt)
     ksub = kp.add_subparsers(dest="keys_command", required=True)
@@ -138,48 +133,43 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def list_policies() -> str:
-    """``kvroute policies``: a line per registered policy, its name and its docstring's first
-    line (a variant registered with other parameter values says which), the default marked."""
-    from kvroute.core.policies import DEFAULT_POLICY, REGISTRY, parameters
+    """``kvroute policies``: a line per policy, its name and its docstring's first line: the
+    router's (the default marked), then the peers' that only ``kvroute replay`` runs."""
+    from kvroute.core.policies import DEFAULT_POLICY, REGISTRY
+    from kvroute.simulations.policies import PEERS
 
     def label(name: str) -> str:
         return f"{name} (default)" if name == DEFAULT_POLICY else name
 
-    # A class registered under its own name with its defaults: what variants are told from.
-    plain = {factory: name for name, factory in REGISTRY.items() if isinstance(factory, type)}
-    width = max(len(label(name)) for name in REGISTRY)
-    lines = ["routing policies (`kvroute policies NAME` shows one's formula and parameters):"]
-    for name, factory in sorted(REGISTRY.items()):
-        policy = factory()
-        first = (type(policy).__doc__ or "").strip().splitlines()
-        summary = first[0].rstrip(",;:.") if first else ""
-        base = type(policy)
-        if plain.get(base, name) != name:
-            defaults = parameters(base())
-            changed = ", ".join(f"{k}={v}" for k, v in parameters(policy).items()
-                                if defaults.get(k) != v)
-            summary += f" ({plain[base]} with {changed or 'its defaults'})"
-        lines.append(f"  {label(name):<{width}}  {summary}")
+    width = max(len(label(name)) for name in (*REGISTRY, *PEERS))
+    lines = []
+    for head, registry in (("routing policies (`kvroute policies NAME` shows one's formula "
+                            "and parameters):", REGISTRY),
+                           ("the peers' policies, for `kvroute replay` only:", PEERS)):
+        lines.append(head)
+        for name, factory in sorted(registry.items()):
+            first = (type(factory()).__doc__ or "").strip().splitlines()
+            summary = first[0].rstrip(",;:.") if first else ""
+            lines.append(f"  {label(name):<{width}}  {summary}")
     return "\n".join(lines)
 
 
 def describe_policy(spec: str) -> str:
     """``kvroute policies NAME``: the policy's docstring (its formula), then a line per
-    parameter: its value (the default, or the spec's override beside the default) and the
-    values ``kvroute tune`` searches. An unknown name ends the process naming the known
-    ones."""
+    parameter: its value (the default, or the spec's override beside the default). An
+    unknown name ends the process naming the known ones."""
     import inspect
     import textwrap
 
-    from kvroute.core.policies import REGISTRY, make_policy, parameters
+    from kvroute.core.policies import parameters
+    from kvroute.simulations.policies import REPLAY_REGISTRY, make_replay_policy
 
     try:
-        policy = make_policy(spec)
+        policy = make_replay_policy(spec)
     except ValueError as exc:
         raise SystemExit(f"kvroute policies: {exc}") from None
     head = spec.partition(":")[0].strip()
-    defaults = parameters(REGISTRY[head]())
-    grid = getattr(type(policy), "TUNING", {})
+    defaults = parameters(REPLAY_REGISTRY[head]())
     doc = "\n".join(line.rstrip() for line in inspect.cleandoc(type(policy).__doc__ or "")
                     .splitlines())
     lines = [policy.name, textwrap.indent(doc, "    "), ""]
@@ -187,14 +177,11 @@ def describe_policy(spec: str) -> str:
     if not params:
         lines.append("    parameters: none")
         return "\n".join(lines)
-    lines.append(f"    parameters (override as {head}:PARAM=VALUE; `kvroute tune --policy "
-                 f"{head}` searches the values listed):")
+    lines.append(f"    parameters (override as {head}:PARAM=VALUE):")
     width = max(map(len, params))
     for k, v in params.items():
         value = f"{v}" if v == defaults.get(k) else f"{v} (default {defaults.get(k)})"
-        searched = ", ".join(f"{x:g}" for x in grid.get(k, ()))
-        line = f"      {k:<{width}}  {value:<8}" + (f"  searched: {searched}" if searched else "")
-        lines.append(line.rstrip())
+        lines.append(f"      {k:<{width}}  {value}")
     return "\n".join(lines)
 
 
@@ -293,10 +280,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvroute.simulations.cli import run as run_replay
 
         return run_replay(args)
-    if args.command == "tune":
-        from kvroute.simulations.tune import run as run_tune
-
-        return run_tune(args)
     if args.command == "demo":
         from kvroute.demo.run import run_demo
 

@@ -1,7 +1,7 @@
 """Background copies of hot prefixes: the router prefills a prefix in demand on a second
 worker while the request that showed the demand stays on the prefix's holder.
 
-The policy decides (``replica(query, worker)``, kvroute's ``replicate``): a request for a
+The policy decides (``replica(query, worker)``, for a policy that places replicas): a request for a
 prefix many requests want lately goes to the worker holding it, and where the policy would
 otherwise have moved that request to make a second copy, the router sends the copy itself: a
 one-token request of the prefix's whole blocks, with the request's model and cache salt (so

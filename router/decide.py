@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ import xxhash
 
 from kvroute.core.blocks import BlockHasher, tokens_to_bytes
 from kvroute.core.index import PrefixIndex
-from kvroute.core.load import PrefillTail, PrefixDemand, WorkerLoad, prefill_context
+from kvroute.core.load import PrefixDemand, WorkerLoad, prefill_context
 from kvroute.core.policies import Policy, RouteQuery, Scored
 from kvroute.router.registry import WorkerRegistry
 
@@ -52,9 +51,9 @@ class Decider:
         self.model = model
         self.block_size = block_size
         self.policy = policy
-        # How hot each cached prefix is (RouteQuery.prefix_rate), counted from now.
-        self.demand = PrefixDemand(start=time.monotonic())
-        self.tail = prefill_tail(policy)  # RouteQuery.tail_work, if the policy reads it
+        # How hot each cached prefix is (RouteQuery.prefix_rate), counted from now for a
+        # policy that places replicas: nobody else reads it.
+        self.demand = PrefixDemand(start=time.monotonic()) if policy.places_replicas else None
         self._hashers: dict[str, BlockHasher] = {}
 
     def hasher(self, salt: str) -> BlockHasher:
@@ -86,17 +85,8 @@ class Decider:
             # Shorter than a block: spread by content rather than piling on one worker.
             affinity = keys[0] if keys else xxhash.xxh3_64_intdigest(tokens_to_bytes(tokens))
         return rank_request(self.policy, index, keys, len(tokens), self.block_size, loads,
-                            affinity, registry.match_filter, session=bool(session_id),
-                            demand=self.demand, tail=self.tail, now=time.monotonic())
-
-
-def prefill_tail(policy: Policy) -> PrefillTail | None:
-    """A :class:`PrefillTail` weighing work as ``policy`` does (its ``attn``), for a policy
-    that reads the tail (a positive ``tail_hold``, kvroute's tail rule); else None: no
-    decision pays for a tail nobody reads."""
-    if not getattr(policy, "tail_hold", 0.0) > 0:
-        return None
-    return PrefillTail(attn=float(getattr(policy, "attn", 0.0)))
+                            affinity, registry.match_filter, demand=self.demand,
+                            now=time.monotonic())
 
 
 def rank_request(
@@ -109,18 +99,14 @@ def rank_request(
     affinity: int,
     compatible: Callable[[str], bool] | None = None,
     *,
-    session: bool = False,
     demand: PrefixDemand | None = None,
-    tail: PrefillTail | None = None,
     now: float = 0.0,
 ) -> Decision:
     """Index lookup + policy: the part of a decision the router and the replay simulator
     share. Matches of workers not in ``loads`` (or not ``compatible``) are dropped.
-    ``affinity`` is the session's hash when ``session``, else the first block's key; the
-    query's ``family`` is derived here (see :class:`RouteQuery`), and with ``demand`` its
-    ``prefix_rate``: the requests lately whose longest cached prefix ended at the same block
-    (this one counted, at ``now``, for the next); with ``tail`` its ``tail_work`` (this one's
-    least prefill counted for the next)."""
+    ``affinity`` is the session's hash, else the first block's key. With ``demand`` the
+    query's ``prefix_rate`` is counted: the requests lately whose longest cached prefix ended
+    at the same block (this one counted, at ``now``, for the next)."""
     matched: dict[str, int] = {}
     if index is not None:
         matched = index.match(keys)  # a new dict: ours to trim
@@ -132,14 +118,8 @@ def rank_request(
             for w in matched.keys() - loads.keys():
                 del matched[w]
     top = max(matched.values(), default=0)  # blocks of the longest prefix cached anywhere
-    family = affinity if session else prefix_family(keys, top, affinity)
     rate = demand.observe(keys[top - 1], now) if demand is not None and top else 0.0
-    tail_work = math.inf
-    if tail is not None:
-        c = min(top * block_size, prompt_tokens)
-        tail_work = tail.observe(prompt_tokens - c, c)
-    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, family, rate,
-                       tail_work)
+    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, rate)
     return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())
 
 
@@ -148,15 +128,9 @@ def rerank_confirmed(policy: Policy, index: PrefixIndex, d: Decision,
     """``d`` decided again on the blocks workers really hold, predictions left out: for a
     request that will not wait for the in-flight prefill a prediction stands for
     (:meth:`~kvroute.router.coalesce.InflightPrefixes.worth_waiting`). ``keys`` are the
-    prompt's block keys; the loads, affinity and family stay ``d``'s."""
+    prompt's block keys; the loads, affinity and prefix rate stay ``d``'s."""
     q = d.query
     matched = {w: n for w, m in q.matched_blocks.items() if (n := index.confirmed(w, keys, m))}
     query = dataclasses.replace(q, matched_blocks=matched)
     return Decision(policy.rank(query), query, d.keys)
 
-
-def prefix_family(keys: Sequence[int], top: int, default: int) -> int:
-    """A session-less request's family (:class:`RouteQuery`): the key of the first block no
-    worker caches (``top``: the most blocks any worker matched), else ``default`` (the whole
-    prompt is cached somewhere)."""
-    return keys[top] if top < len(keys) else default

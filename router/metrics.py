@@ -21,7 +21,6 @@ from kvroute.router.mirror import PROPAGATION_BOUNDS_S
 from kvroute.router.registry import EXCLUSION_REASONS, OWNER_FLIP_S
 
 if TYPE_CHECKING:
-    from kvroute.core.load import PrefillTail
     from kvroute.router.mirror import IndexMirror
 
 DECISION_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2.5e-3, 5e-3,
@@ -102,26 +101,6 @@ class RouterMetrics:
         with its ``model``."""
         self.registry.register(_ModelsCollector(
             {name: _MirrorCollector(m) for name, m in mirrors.items()}))
-
-    def watch_tail(self, tail: PrefillTail) -> None:
-        """Report the decider's tail (read at scrape time: nothing is added per request)."""
-        self.registry.register(_TailCollector(tail))
-
-
-class _TailCollector(Collector):
-    def __init__(self, tail: PrefillTail) -> None:
-        self._t = tail
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        t = self._t.current()
-        yield GaugeMetricFamily(
-            "kvroute_router_prefill_tail_work",
-            f"The {self._t.quantile:.0%} quantile of the least prefill the last "
-            f"{self._t.window} requests needed (tokens past the longest prefix cached "
-            f"anywhere, plus their attention, in the policy's work units): the tail "
-            f"kvroute:tail_hold compares a held request's first token with; 0 until "
-            f"{self._t.min_samples} requests were seen",
-            value=t if t < float("inf") else 0.0)
 
 
 class _ModelsCollector(Collector):

@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvroute.core.load import SentTraffic, WorkerLoad
+from kvroute.core.load_table import LoadTable
 from kvroute.core.redis_schema import KEY_SCHEME, Heartbeat
 
 log = logging.getLogger("kvroute.router.registry")
@@ -185,7 +186,7 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerInfo] = {
             w: WorkerInfo(w, a, static=True) for w, a in static.items()
         }
-        self.loads: dict[str, WorkerLoad] = {}
+        self.loads = LoadTable()
         self._down: set[str] = set()  # marked down after a failed forward
         self._gate: dict[str, str] | None = None  # worker id -> address; None = no gate
         self._gate_known: frozenset[str] = frozenset()

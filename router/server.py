@@ -119,8 +119,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(cfg.coalesce_share)
         if mirror.shared is not None:
             mirror.shared.inflight = self._inflight  # others' prefills are waited for too
-        # The policy's background copies of hot prefixes (kvroute's replicate), if it makes any.
-        self.copier = PrefixCopier(getattr(decider.policy, "replica", None), registry,
+        # The policy's background copies of hot prefixes, if it places any.
+        policy = decider.policy
+        self.copier = PrefixCopier(policy.replica if policy.places_replicas else None, registry,
                                    channels, mirror, self._inflight, self.release, metrics,
                                    decider.block_size, cfg.predict_ttl_s, cfg.max_copies,
                                    cfg.copy_timeout_s)
@@ -581,8 +582,6 @@ class RouterApp:
             self.metrics.watch(self.mirror)
         else:  # each pool's index and workers, labelled with its model
             self.metrics.watch_pools({p.name: p.mirror for p in self.pools})
-        if self.decider.tail is not None:
-            self.metrics.watch_tail(self.decider.tail)
         if self.discovery is not None:
             await self.discovery.start()  # closes the gate before the first heartbeat scan
         self._mirror_tasks = [asyncio.create_task(p.mirror.run(), name=f"index-mirror-{p.name}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvroute.core import config
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
-from kvroute.core.policies import REGISTRY, Policy, make_policy
+from kvroute.core.policies import Policy
 from kvroute.core.policies.cost_model import CostModel
 from kvroute.simulations.compare import (
     Jittered,
@@ -34,11 +34,12 @@ from kvroute.simulations.metrics import (
     measure,
     ttft_floor,
 )
+from kvroute.simulations.policies import REPLAY_REGISTRY, make_replay_policy
 from kvroute.simulations.replay import ClusterSpec, Replayer, ReplayResult
 from kvroute.simulations.trace import Trace, TraceError, load
 
 # The loads a sweep replays at, light to saturated, as fractions of the cluster's capacity
-# (``kvroute replay --sweep``, ``kvroute tune --loads``, ``bench/policy_jitter.py``).
+# (``kvroute replay --sweep``, ``bench/policy_jitter.py``).
 SWEEP_LOADS = (0.5, 0.65, 0.8, 0.95)
 
 
@@ -101,7 +102,7 @@ class Warmup:
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    """The trace and the simulated cluster: shared by ``kvroute replay`` and ``kvroute tune``."""
+    """The trace and the simulated cluster: ``kvroute replay``'s and the benches'."""
     p.add_argument("trace", help="trace file: Mooncake JSONL (hash_ids) or JSONL with token_ids")
     p.add_argument("--workers", type=AT_LEAST_ONE, default=16, help="simulated workers")
     p.add_argument("--capacity-blocks", type=COUNT, default=0,
@@ -129,6 +130,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="a request waits for an in-flight prefill only if it would get at "
                         "least this fraction of it; else it is routed on what workers really "
                         f"hold (0: always wait; default: the router's, {COALESCE_SHARE:g})")
+    p.add_argument("--no-copies", action="store_true",
+                   help="no background copies of hot prefixes, as a router with --max-copies 0 "
+                        "(kvroute's policy places them)")
     p.add_argument("--programs", action="store_true",
                    help="run requests sharing a `program` id as one controller program: placed "
                         "once, shared prefix prefilled once, branches beside it")
@@ -172,8 +176,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p)
     p.add_argument("--policies", default="all",
-                   help=f"comma-separated, or 'all': {', '.join(sorted(REGISTRY))}; each may "
-                        "override parameters, e.g. kvroute:hold=2:batch_weight=1 (`kvroute "
+                   help=f"comma-separated, or 'all': {', '.join(sorted(REPLAY_REGISTRY))}; each "
+                        "may override parameters, e.g. kvroute:delay=2 (`kvroute "
                         "policies` lists them), to compare variants side by side")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate-scale", type=POSITIVE, default=1.0,
@@ -216,22 +220,23 @@ def add_nudge_argument(p: argparse.ArgumentParser) -> None:
 
 def make_policies(specs: str, seed: int) -> list[Callable[[], Policy]]:
     """A factory per comma-separated policy spec (``all``: every registered policy); each
-    spec is a registry name with optional overrides, ``kvroute:hold=2`` (see
-    :func:`kvroute.core.policies.make_policy`). Exits with the reason on a bad spec."""
-    chosen = sorted(REGISTRY) if specs == "all" else [n.strip() for n in specs.split(",")
+    spec is a name in :data:`~kvroute.simulations.policies.REPLAY_REGISTRY` with optional
+    overrides, ``kvroute:delay=2`` (see :func:`kvroute.core.policies.make_policy`). Exits
+    with the reason on a bad spec."""
+    chosen = sorted(REPLAY_REGISTRY) if specs == "all" else [n.strip() for n in specs.split(",")
                                                       if n.strip()]
     if not chosen:
         raise SystemExit(f"--policies names no policy; choose from: "
-                         f"{', '.join(sorted(REGISTRY))} or all")
+                         f"{', '.join(sorted(REPLAY_REGISTRY))} or all")
     names = []
     for spec in chosen:
         try:
-            names.append(make_policy(spec, seed).name)
+            names.append(make_replay_policy(spec, seed).name)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
     if len(set(names)) != len(names):
         raise SystemExit(f"--policies lists a policy twice: {specs}")
-    return [functools.partial(make_policy, spec, seed) for spec in chosen]
+    return [functools.partial(make_replay_policy, spec, seed) for spec in chosen]
 
 
 def progress_bar(label: str, total: int, enabled: bool, unit: str = "req"
@@ -289,7 +294,8 @@ class Setup:
                 "chunked_prefill": sp.chunked_prefill,
                 "long_prefill_threshold": sp.long_prefill_threshold, "programs": sp.programs,
                 "closed_loop": sp.closed_loop,
-                "overflow": sp.overflow, "propagation_ms": sp.propagation_s * 1000,
+                "copies": sp.copies, "overflow": sp.overflow,
+                "propagation_ms": sp.propagation_s * 1000,
                 "predict_ttl_ms": sp.predict_ttl_s * 1000, "coalesce_share": sp.coalesce_share,
                 "replies": self.replies, "reply_tokens": self.reply_tokens}
 
@@ -325,7 +331,8 @@ def prepare(args: argparse.Namespace) -> Setup | None:
                            propagation_s=args.propagation_ms / 1000, cost=cost,
                            predict_ttl_s=args.predict_ttl_ms / 1000,
                            coalesce_share=args.coalesce_share, programs=args.programs,
-                           overflow=not args.no_overflow, max_batch=args.max_batch,
+                           copies=not args.no_copies, overflow=not args.no_overflow,
+                           max_batch=args.max_batch,
                            prefill_budget=args.prefill_budget,
                            chunked_prefill=args.chunked_prefill,
                            long_prefill_threshold=args.long_prefill_threshold,

@@ -28,11 +28,6 @@ preemption):
    (``watched``) is reported in ``ended`` when it finishes, and ``advance(...,
    stop_at_end=True)`` stops there, so that continuation is sent on time.
 
-A request may come with KV fetched from another worker (:meth:`SimWorker.receive`, Mooncake's
-transfer): the blocks are cached on arrival and the request's first token comes no earlier
-than the transfer's end (``ready_s``); its prefill of the rest may overlap the transfer, as
-Mooncake's layer-wise pipelining does.
-
 A request may wait for another's prefill (``after``): the branches of a controller-program
 fork, and siblings the router coalesces, reach the queue (its tail) only once the agent or
 router sees that prefill's first token, so they hit its prefix. Until then they are
@@ -90,8 +85,6 @@ class SimRequest:
     blocks: list[int] = field(default_factory=list)
     done_step: int = 0  # its worker's decode-step count when its last token is out
     after: SimRequest | None = None  # not admitted before this one's prefill has finished
-    ready_s: float = 0.0  # no first token before (a KV transfer it waits for)
-    received_tokens: int = 0  # of its prefix, fetched from another worker before admission
     moved_tokens: int = 0  # cached on another worker but not on its own, when it was routed
     prefill_left: int = 0  # uncached tokens not computed yet (the scheduler's)
     stored_blocks: int = 0  # leading blocks stored so far (the scheduler's)
@@ -142,8 +135,6 @@ class SimWorker:
         self.pending_prefill = 0  # router-side estimate of uncached tokens not yet prefilled
         self.pending_context = 0  # ... and the context they attend to (prefill_context)
         self.prefill_tokens = 0  # uncached tokens actually prefilled
-        self.received_tokens = 0  # tokens of KV fetched from other workers (Mooncake)
-        self.nic_free_s = 0.0  # when its network link is next free for a KV transfer
         self.busy_s = 0.0
         self.finished: list[SimRequest] = []
         self._version = 0  # bumped on every state change, to reuse the load view
@@ -246,23 +237,6 @@ class SimWorker:
                    else r.done_step - steps for r in watched.values())
         return self.t + max(0, left) * self.cost.decode_step_s(1)
 
-    def receive(self, keys: tuple[int, ...], now: float) -> int:
-        """Cache the KV of ``keys`` (a prompt's leading block keys) fetched from another
-        worker (Mooncake's transfer; stored events as for computed blocks). Returns the
-        tokens received: those not cached here yet, 0 if the pool cannot take them now."""
-        pool = self.pool
-        have = len(pool.lookup(keys))
-        n = len(keys) - have
-        if n <= 0 or not pool.can_allocate(n):
-            return 0
-        self._version += 1
-        self._now = now
-        blocks = pool.allocate(n)
-        pool.commit(blocks, keys[have:])
-        pool.free(blocks)  # cached, evictable: they are the request's hits at admission
-        self.received_tokens += n * self.block_size
-        return n * self.block_size
-
     def advance(self, until: float, stop_at_end: bool = False) -> None:
         """Run every iteration that starts before ``until``; with ``stop_at_end``, stop after
         one in which a watched request ends (it is then in ``ended``)."""
@@ -270,9 +244,8 @@ class SimWorker:
                 and not (stop_at_end and self.ended):
             self._version += 1
             if not self._busy():
-                # Only held requests: idle until the first is released (its parent's first
-                # token may come after that parent finished here, when a KV transfer it
-                # waited for ends late); none known yet: stop.
+                # Only held requests: idle until the first is released; none known yet:
+                # stop.
                 parents = [r.after.first_token_s for r in self.held if r.after is not None]
                 nxt = min((t for t in parents if not math.isnan(t)), default=math.inf)
                 if not nxt < until:
@@ -312,7 +285,7 @@ class SimWorker:
         self._admitted = first
         self._admitted_end = end
         for r in first:
-            r.first_token_s = max(end, r.ready_s)
+            r.first_token_s = end
         self._finish_step(start, end, 1)
         for r in first:
             left = r.output_tokens - 1

@@ -381,6 +381,8 @@ def jittered_from_json(data: object, where: str) -> list[Jittered]:
     names = {f.name for f in fields(PolicyMetrics)}
     required = {f.name for f in fields(PolicyMetrics) if f.default is MISSING}
     rows = []
+    # Written before a field was dropped: KV fetched from other workers, replays no more.
+    retired = {"fetched_ratio"}
     for policy, runs in data.items():
         if not isinstance(runs, list) or not runs:
             raise ValueError(f"{where}: {policy}: expected a non-empty list of metrics rows")
@@ -388,6 +390,7 @@ def jittered_from_json(data: object, where: str) -> list[Jittered]:
         for i, row in enumerate(runs):
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: {policy}: row {i} is not an object")
+            row = {k: v for k, v in row.items() if k not in retired}
             if bad := set(row) - names:
                 raise ValueError(f"{where}: {policy}: row {i}: unknown fields "
                                  f"{', '.join(sorted(bad))}")

@@ -31,14 +31,13 @@ class PolicyMetrics:
     throughput_rps: float  # completed requests per second of simulated time
     imbalance: float  # max / mean of per-worker prefilled tokens
     wall_s: float  # how long the replay took on this machine
-    fetched_ratio: float = 0.0  # prompt tokens whose KV came from another worker (Mooncake)
     moved_ratio: float = 0.0  # prompt tokens cached elsewhere, not where the policy sent them
     # prompt tokens the router could not see yet (see ``missed_hits``): still being
     # prefilled when the request arrived, or prefilled but their event not yet arrived
     inflight_ratio: float = 0.0
     stale_ratio: float = 0.0
     # prompt tokens an infinite cache would have hit that no worker held any more: with
-    # hit, fetched, moved, in-flight and stale, the infinite cache's hit ratio
+    # hit, moved, in-flight and stale, the infinite cache's hit ratio
     evicted_ratio: float = 0.0
     # requests sent after their trace time, because the reply they carry had not ended yet
     # (closed-loop replay), and how much later on average
@@ -76,8 +75,7 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     if np.isnan(ttft).any() or np.isnan(e2e).any():
         raise RuntimeError(f"{res.policy}: some requests never completed")
     prompt = sum(r.prompt_tokens for r in reqs)
-    fetched = sum(min(r.received_tokens, r.cached_tokens) for r in reqs)
-    cached = sum(r.cached_tokens for r in reqs) - fetched
+    cached = sum(r.cached_tokens for r in reqs)
     first = min(r.arrival_s for r in reqs)
     span = max(r.finished_s for r in reqs) - first
     sending = max(r.arrival_s for r in reqs) - first
@@ -98,7 +96,7 @@ def measure(res: ReplayResult) -> PolicyMetrics:
         e2e_p99_s=float(np.percentile(e2e, 99)),
         throughput_rps=len(reqs) / span if span > 0 else math.inf,
         imbalance=float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0,
-        wall_s=res.wall_s, fetched_ratio=fetched / prompt,
+        wall_s=res.wall_s,
         moved_ratio=sum(r.moved_tokens for r in reqs) / prompt,
         inflight_ratio=sum(m.flight for m in missed) / prompt,
         stale_ratio=sum(m.stale for m in missed) / prompt,
@@ -175,7 +173,7 @@ def missed_hits(res: ReplayResult) -> list[Missed]:
     * evicted: the rest: no worker's cache held them any more (a finite cache's LRU made room
       for other blocks), or the router saw them nowhere.
 
-    So per request, hits + fetched + moved + in flight + stale + evicted = the infinite
+    So per request, hits + moved + in flight + stale + evicted = the infinite
     cache's hits, that cache fed in the order the requests were sent (in a closed loop not
     always the trace's order, which ``infinite_cache_hits`` follows). A prefill ends at its
     request's first token (with ``--chunked-prefill`` its early chunks are stored sooner,
@@ -214,9 +212,8 @@ def missed_hits(res: ReplayResult) -> list[Missed]:
 
 # requests.csv: one row per request and policy (see :func:`request_rows`)
 REQUEST_COLUMNS = ("policy", "request", "warmup", "worker", "sent_s", "waited_s",
-                   "prompt_tokens", "output_tokens", "cached_tokens", "fetched_tokens",
-                   "moved_tokens", "flight_tokens", "stale_tokens", "evicted_tokens",
-                   "held_for", "floor_s",
+                   "prompt_tokens", "output_tokens", "cached_tokens", "moved_tokens",
+                   "flight_tokens", "stale_tokens", "evicted_tokens", "held_for", "floor_s",
                    "ttft_s", "e2e_s")
 
 
@@ -224,8 +221,8 @@ def request_rows(res: ReplayResult, floor: np.ndarray) -> list[dict[str, object]
     """One row per request of a replay, in trace order (``request``: its position among the
     trace's valid requests; ``warmup``: 1 if it is in the trace's warm-up, which the figures
     leave out): the worker it was sent to and when (``waited_s``: how long after
-    its trace time, closed loop), what it found cached there (``cached_tokens``, hits;
-    ``fetched_tokens``, KV fetched from another worker), the prompt tokens it missed that
+    its trace time, closed loop), what it found cached there (``cached_tokens``, hits), the
+    prompt tokens it missed that
     another worker held (``moved_tokens``), that were still in flight or whose event was
     still on its way, or that no worker held any more (``flight_tokens``, ``stale_tokens``,
     ``evicted_tokens``; see :func:`missed_hits`), the
@@ -235,12 +232,11 @@ def request_rows(res: ReplayResult, floor: np.ndarray) -> list[dict[str, object]
     ``ttft_s - floor_s`` finds what a policy's tail is made of."""
     rows: list[dict[str, object]] = []
     for r, (flight, stale, evicted) in zip(res.requests, missed_hits(res), strict=True):
-        fetched = min(r.received_tokens, r.cached_tokens)
         # A request held for a background copy of its prefix: the copy is no trace request.
         held = "" if r.after is None else "copy" if r.after.idx < 0 else r.after.idx
         rows.append(dict(zip(REQUEST_COLUMNS, (
             res.policy, r.idx, int(r.idx < res.warmup), r.worker, r.arrival_s, r.waited_s,
-            r.prompt_tokens, r.output_tokens, r.cached_tokens - fetched, fetched,
+            r.prompt_tokens, r.output_tokens, r.cached_tokens,
             r.moved_tokens, flight, stale, evicted, held, float(floor[r.idx]),
             r.first_token_s - r.arrival_s,
             r.finished_s - r.arrival_s), strict=True)))

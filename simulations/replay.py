@@ -2,20 +2,16 @@
 
 The router side is production code: :class:`kvroute.core.index.PrefixIndex` fed by the
 workers' cache events, and :func:`kvroute.router.decide.rank_request` with a policy object
-from :data:`kvroute.core.policies.REGISTRY`. Cache events reach the router's index
-``propagation_s`` after the engine emitted them (the agent -> Redis -> router path), so
-routing decisions see stale state exactly as a real router does. A policy with a
-``transfer(query, worker)`` method (Mooncake's) may have the chosen worker fetch a longer
-prefix's KV from another worker first: the replay performs that transfer
-(:meth:`SimWorker.receive`, timed by :meth:`CostModel.transfer_s`, one transfer at a time
-through each worker's NIC). With ``predict_ttl_s`` (the router's default, 600 s)
-the router predicts that a routed prompt's blocks will be on its worker until its events
-arrive (``PrefixIndex.predict``), as the production router does with ``--predict-ttl-s``,
-and a request routed there on a prediction is held until that prefill's first token
-(:class:`kvroute.router.coalesce.InflightPrefixes`): the worker queues it only then
-(``SimWorker.held``), as it would receive it from the router. A request that would get less
-than ``coalesce_share`` of that prefill is decided again on what workers really hold instead
-(:func:`kvroute.router.decide.rerank_confirmed`), as the router does.
+from :data:`kvroute.simulations.policies.REPLAY_REGISTRY`. Cache events reach the router's
+index ``propagation_s`` after the engine emitted them (the agent -> Redis -> router path), so
+routing decisions see stale state exactly as a real router does. With ``predict_ttl_s`` (the
+router's default, 600 s) the router predicts that a routed prompt's blocks will be on its
+worker until its events arrive (``PrefixIndex.predict``), as the production router does with
+``--predict-ttl-s``, and a request routed there on a prediction is held until that
+prefill's first token (:class:`kvroute.router.coalesce.InflightPrefixes`): the worker queues
+it only then (``SimWorker.held``), as it would receive it from the router. A request that
+would get less than ``coalesce_share`` of that prefill is decided again on what workers
+really hold instead (:func:`kvroute.router.decide.rerank_confirmed`), as the router does.
 Workers cache replies as engines do: each full block a request's reply fills is stored at
 the decode step that fills it (:meth:`Trace.reply_keys` reads their keys from the request
 that continues it), so a chat turn or agent call hits the previous reply where it was
@@ -32,8 +28,8 @@ The load view is the router's own accounting (requests outstanding, its estimate
 uncached tokens not yet prefilled, released at each request's first token as the production
 router releases it) plus the engine's queue and batch, as an agent's heartbeat reports them.
 
-A policy with a ``replica(query, worker)`` method (kvroute's, with ``replicate``) may name a
-worker to copy the request's longest cached prefix to: the replay sends that copy as the
+A policy that places replicas (``Policy.places_replicas``, kvroute's) may name a worker to
+copy the request's longest cached prefix to: the replay sends that copy as the
 router does (:class:`kvroute.router.copies.PrefixCopier`): a one-token request of the
 prefix's whole blocks, at most one per prefix and worker before its first token, counted on
 that worker's load and coalesced on like any prefill, but not among the trace's requests
@@ -73,7 +69,7 @@ from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.redis_schema import Op
 from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.copies import copy_blocks
-from kvroute.router.decide import prefill_tail, rank_request, rerank_confirmed
+from kvroute.router.decide import rank_request, rerank_confirmed
 from kvroute.router.registry import seen_load
 from kvroute.simulations.cluster import SimRequest, SimWorker
 from kvroute.simulations.trace import Trace
@@ -115,6 +111,7 @@ class ClusterSpec:
     predict_ttl_s: float = PREDICT_TTL_S
     coalesce_share: float = COALESCE_SHARE  # see kvroute.router.coalesce
     programs: bool = False  # run forks as controller programs (see Replayer)
+    copies: bool = True  # False: no background copies, as a router with --max-copies 0
     # True: a continuation (a chat turn, an agent call) is sent no earlier than the reply it
     # carries has ended (see Replayer); False: every request at its trace time.
     closed_loop: bool = False
@@ -145,7 +142,7 @@ class ClusterSpec:
 
 class _Router:
     """One router replica's own state: what the production router keeps per process (its
-    mirror's index with its predictions, in-flight prefixes, demand, tail, copies) and, with
+    mirror's index with its predictions, in-flight prefixes, demand, copies) and, with
     several replicas, its own counts of what it sent each worker. Alone, its counts are all
     the traffic there is, and a worker's load is read from the worker as it is."""
 
@@ -154,8 +151,8 @@ class _Router:
         self.index = PrefixIndex()
         self.inflight: InflightPrefixes[SimRequest] = InflightPrefixes(coalesce_share)
         self.producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
-        self.demand = PrefixDemand(start=start)  # as the router's decider keeps it
-        self.tail = prefill_tail(policy)  # ... and its tail
+        # As the router's decider keeps it: for a policy that places replicas.
+        self.demand = PrefixDemand(start=start) if policy.places_replicas else None
         self.copying: dict[tuple[str, int], SimRequest] = {}  # (worker, last key) -> copy
         self.alone = alone
         # Several replicas: what this one sent each worker (rates, and its requests not
@@ -346,8 +343,8 @@ class Replayer:
         arrivals = [(r.arrival_s, r.idx) for r in reqs if not blocked[r.idx]]
         heapq.heapify(arrivals)
         programs = self._programs() if self.spec.programs else {}
-        transfer = getattr(self.policy, "transfer", None)  # policies that move KV
-        replica = getattr(self.policy, "replica", None)  # policies that copy hot prefixes
+        replica = self.policy.replica \
+            if self.policy.places_replicas and self.spec.copies else None
         copies: list[SimRequest] = []
         # Program id -> where each branch (by arrival order) runs, after which prefill.
         placed: dict[str, list[tuple[SimWorker, _ForkGroup]]] = {}
@@ -408,7 +405,7 @@ class Replayer:
                 next_beat = (math.floor(now / self.spec.heartbeat_s) + 1) * self.spec.heartbeat_s
             loads = rt.loads(self.workers, now, beats)
             d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
-                             treq.affinity, demand=rt.demand, tail=rt.tail, now=now)
+                             treq.affinity, demand=rt.demand, now=now)
             held = False
             if ttl > 0 and not n_branches:
                 # Routed there on a prediction: held until that prefill's first token, if
@@ -424,18 +421,6 @@ class Replayer:
                         d = rerank_confirmed(self.policy, index, d, req.keys)
             chosen = by_name[d.best]
             req.routed_uncached = req.prompt_tokens - d.cached_tokens(d.best)
-            if transfer is not None and (plan := transfer(d.query, d.best)) is not None:
-                # The policy fetches a longer prefix's KV from another worker (Mooncake).
-                got = chosen.receive(req.keys[: plan[1] // bs], now)
-                if got:
-                    # One NIC per worker: transfers out of a hot holder, or into a busy
-                    # receiver, queue behind each other.
-                    src = by_name[plan[0]]
-                    start = max(now, src.nic_free_s, chosen.nic_free_s)
-                    src.nic_free_s = chosen.nic_free_s = req.ready_s = \
-                        start + self.spec.cost.transfer_s(got)
-                    req.received_tokens = got
-                    req.routed_uncached = max(0, req.routed_uncached - got)
             if n_branches:
                 # On each worker the program runs on, its first branch prefills the shared
                 # prefix with its own suffix and the others follow once that prefill is
@@ -455,11 +440,10 @@ class Replayer:
                 chosen, group = branches.pop(0)
                 group.join(req)
                 placed[treq.program] = branches
-            # The policy's move: prefix it walked away from (its hits lost to balance), but
-            # for what it fetched instead (Mooncake's transfer: not lost, reported apart).
+            # The policy's move: prefix it walked away from (its hits lost to balance).
             q = d.query
             req.moved_tokens = max(0, max(map(q.cached_tokens, q.matched_blocks), default=0)
-                                   - q.cached_tokens(chosen.name) - req.received_tokens)
+                                   - q.cached_tokens(chosen.name))
             rt.send(chosen.name, req, now)  # as the router counts what it sends
             if n_routers > 1:
                 chosen.sent.add(now, req.routed_uncached)  # the agent counts all routers'

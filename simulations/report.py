@@ -45,14 +45,12 @@ def table(rows: Sequence[PolicyMetrics], bounds: dict[str, float],
                  "(--predict-ttl-ms coalesces prefills); "
                  "stale: prefilled, but their cache event not yet at the router "
                  "(--propagation-ms); evict: held by no worker any more (--capacity-blocks); "
-                 "hit + moved + flight + stale + evict (+ fetched) = the infinite cache's")
+                 "hit + moved + flight + stale + evict = the infinite cache's")
     waits = [r for r in rows if r.waited_ratio]
     if waits:
         lines.append("sent when the reply they carry ended, after their trace time: " + ", ".join(
             f"{r.policy} {r.waited_ratio:.1%} of requests, {r.waited_mean_s:.2f}s later on "
             f"average" for r in waits))
-    lines += [f"{r.policy} also fetched {r.fetched_ratio:.1%} of prompt tokens' KV from other "
-              "workers (not counted as hits)" for r in rows if r.fetched_ratio]
     lines += [f"{r.policy} also copied hot prefixes to other workers in the background: "
               f"{r.copies} {'copy' if r.copies == 1 else 'copies'} prefilled "
               f"{r.copied_ratio:.2%} of prompt tokens again (the requests that set them "

@@ -14,7 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.cli import build_parser
-from kvroute.core.policies import DEFAULT_POLICY, REGISTRY, KvrouteCost, parameters
+from kvroute.core.policies import DEFAULT_POLICY, REGISTRY, Kvroute, parameters
+from kvroute.simulations.policies import PEERS, REPLAY_REGISTRY
 from tests.support import RedisProc, free_port, stop_process
 
 
@@ -25,7 +26,7 @@ def _help(cmd: str) -> str:
     return " ".join(sub.choices[cmd].format_help().split())
 
 
-@pytest.mark.parametrize("cmd", ["router", "epp", "agent", "demo", "replay", "tune", "gen"])
+@pytest.mark.parametrize("cmd", ["router", "epp", "agent", "demo", "replay", "gen"])
 def test_help_states_each_default_once_and_not_for_switches(cmd: str) -> None:
     text = _help(cmd)
     # One entry runs from its flag to the next. argparse appends "(default: X)" at its end;
@@ -42,7 +43,7 @@ def test_help_states_each_default_once_and_not_for_switches(cmd: str) -> None:
     ("gen", "--rate RATE mean arrival rate, requests per second (default: 10.0)"),
     ("replay", "--workers WORKERS simulated workers (default: 16)"),
     ("replay", "(0 = off; default: the router's, 600000) --coalesce-share"),
-    ("replay", "(0: always wait; default: the router's, 0.8) --programs"),
+    ("replay", "(0: always wait; default: the router's, 0.8) --no-copies"),
     ("demo", "2 suit 2 cores) (default: 4)"),
 ])
 def test_help_shows_defaults(cmd: str, expected: str) -> None:
@@ -118,53 +119,47 @@ def _parameter_rows(out: str) -> dict[str, str]:
     return {line.split()[0]: line for line in lines[start + 1:]}
 
 
-def test_policies_lists_a_line_per_policy_the_default_marked() -> None:
+def test_policies_lists_the_routers_then_the_peers_the_default_marked() -> None:
     ran = _policies()
     assert ran.returncode == 0, ran.stderr
-    header, *lines = ran.stdout.splitlines()
-    assert "kvroute policies NAME" in header
-    names = [line.split()[0] for line in lines]
-    assert names == sorted(REGISTRY)
+    lines = ran.stdout.splitlines()
+    (router_head,) = [i for i, x in enumerate(lines) if "kvroute policies NAME" in x]
+    (peers_head,) = [i for i, x in enumerate(lines) if "for `kvroute replay` only" in x]
+    assert router_head == 0
+    router, peers = lines[1:peers_head], lines[peers_head + 1:]
+    assert [x.split()[0] for x in router] == sorted(REGISTRY)
+    assert [x.split()[0] for x in peers] == sorted(PEERS)
     marked = [line.split()[0] for line in lines if "(default)" in line]
     assert marked == [DEFAULT_POLICY]
-    for name, line in zip(names, lines, strict=True):
+    for line in router + peers:
+        name = line.split()[0]
         summary = line.split("  ", 2)[-1].strip()
-        first = (type(REGISTRY[name]()).__doc__ or "").strip().splitlines()[0]
+        first = (type(REPLAY_REGISTRY[name]()).__doc__ or "").strip().splitlines()[0]
         assert summary.startswith(first.rstrip(",;:.")), line
         assert "Formula" not in line
-    # A variant says what it changes of the policy it is a variant of.
-    fetch = lines[names.index("kvroute_fetch")]
-    cost = REGISTRY["kvroute_fetch"]().transfer_cost  # type: ignore[attr-defined]
-    assert cost != KvrouteCost().transfer_cost
-    assert fetch.endswith(f"(kvroute with transfer_cost={cost})"), fetch
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(REPLAY_REGISTRY))
 def test_policies_name_shows_its_formula_and_every_parameter(name: str) -> None:
     ran = _policies(name)
     assert ran.returncode == 0, ran.stderr
-    policy = REGISTRY[name]()
+    policy = REPLAY_REGISTRY[name]()
     assert ran.stdout.splitlines()[0] == name and "Formula" in ran.stdout
     rows = _parameter_rows(ran.stdout)
     assert set(rows) == set(parameters(policy))
-    grid = getattr(type(policy), "TUNING", {})
     for k, v in parameters(policy).items():
         assert rows[k].split()[1] == str(v), rows[k]
-        if k in grid:
-            assert rows[k].endswith("searched: " + ", ".join(f"{x:g}" for x in grid[k]))
-        else:
-            assert "searched" not in rows[k]
     assert ("parameters: none" in ran.stdout) == (not parameters(policy))
 
 
 def test_policies_spec_shows_its_overrides_and_an_unknown_name_is_refused() -> None:
-    ran = _policies("kvroute:hold=2")
+    ran = _policies("kvroute:delay=2")
     assert ran.returncode == 0, ran.stderr
-    hold = _parameter_rows(ran.stdout)["hold"]
-    assert f"2.0 (default {KvrouteCost().hold})" in hold
+    delay = _parameter_rows(ran.stdout)["delay"]
+    assert f"2.0 (default {Kvroute().delay})" in delay
     bad = _policies("kvrout")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    assert f"unknown policy 'kvrout'; choose one of: {', '.join(sorted(REGISTRY))}" \
+    assert f"unknown policy 'kvrout'; choose one of: {', '.join(sorted(REPLAY_REGISTRY))}" \
         in bad.stderr
 
 

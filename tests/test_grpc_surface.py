@@ -100,10 +100,10 @@ def test_bad_configuration_is_a_clear_error() -> None:
     assert res.returncode != 0
     assert "unknown policy 'nope'" in res.stderr
     res = subprocess.run([sys.executable, "-m", "kvroute", "router", "--policy",
-                          "kvroute:hold=lots", "--port", "0"], capture_output=True, text=True,
+                          "kvroute:delay=lots", "--port", "0"], capture_output=True, text=True,
                          timeout=30)
     assert res.returncode != 0
-    assert "policy 'kvroute:hold=lots': hold takes a number, got 'lots'" in res.stderr
+    assert "policy 'kvroute:delay=lots': delay takes a number, got 'lots'" in res.stderr
 
 
 def test_committed_envoy_stubs_match_the_vendored_protos() -> None:

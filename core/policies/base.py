@@ -2,17 +2,17 @@
 
 A policy sees the world only through :class:`RouteQuery`: per-worker prefix-match lengths and
 per-worker load. The router and the replay simulator build the same query, so they run the
-very same policy objects.
+very same policy objects. A policy declares what it does beyond ranking (:class:`Policy`), so
+no caller probes it for attributes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, count, islice
 from operator import eq
-from typing import NamedTuple, Protocol, overload
+from typing import ClassVar, NamedTuple, Protocol, overload
 
 import xxhash
 
@@ -29,14 +29,9 @@ class RouteQuery:
     ``matched_blocks`` lists only workers holding at least the first block; every candidate
     worker appears in ``loads``. ``affinity`` is a stable 64-bit hash of what should stick
     together when nothing else decides (the session id, else the first block's key).
-    ``family`` (kvroute's placement key) is the session id's hash, else the key of the
-    prompt's first block that no worker caches yet: below a system prompt every worker
-    holds, requests diverge into families that the first block would lump together.
     ``prefix_rate`` is how many requests per second lately had the same longest cached
     prefix (:class:`~kvroute.core.load.PrefixDemand`): a hot shared document's is high, a
-    session's ~0. ``tail_work`` is the prefill at the tail of what requests lately needed at
-    best, in work units (:class:`~kvroute.core.load.PrefillTail`; ``inf``: no tail known
-    yet, or none kept because the policy does not read it).
+    session's ~0. It is counted only for a policy that places replicas (0 otherwise).
     """
 
     prompt_tokens: int
@@ -44,9 +39,7 @@ class RouteQuery:
     matched_blocks: Mapping[str, int]
     loads: Mapping[str, WorkerLoad]
     affinity: int = 0
-    family: int = 0
     prefix_rate: float = 0.0
-    tail_work: float = math.inf
 
     def cached_tokens(self, worker: str) -> int:
         return min(self.matched_blocks.get(worker, 0) * self.block_size, self.prompt_tokens)
@@ -92,11 +85,33 @@ class Ranking(Sequence[Scored]):
 
 
 class Policy(Protocol):
-    """Ranks candidate workers, best first. Must rank every worker in ``query.loads``."""
+    """Ranks candidate workers, best first, and may name a background copy of a hot prefix.
+
+    ``rank`` must rank every worker in ``query.loads``. ``places_replicas`` declares that
+    ``replica`` may return a copy: the router and the replay then count each cached prefix's
+    demand (``RouteQuery.prefix_rate``) for it, and make the copies it names. A policy that
+    only ranks inherits :class:`RanksOnly`."""
 
     name: str
+    places_replicas: ClassVar[bool]
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]: ...
+
+    def replica(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
+        """Where to copy the prompt's longest cached prefix, and its tokens, when the
+        request goes to ``worker``; None for no copy."""
+        ...
+
+
+class RanksOnly:
+    """The :class:`Policy` declarations of a policy that only ranks: no replicas, so no
+    prefix demand is counted for it."""
+
+    __slots__ = ()
+    places_replicas: ClassVar[bool] = False
+
+    def replica(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
+        return None
 
 
 def tie_break(affinity: int, worker: str) -> int:
@@ -124,10 +139,18 @@ def rank_by_cost(query: RouteQuery, costs: Mapping[str, float]) -> Ranking:
     neighbours in the sorted costs), so no Python loop runs over all the workers.
     """
     order = sorted(costs, key=costs.__getitem__)
-    vals = list(map(costs.__getitem__, order))
-    if len(set(vals)) != len(vals):  # cheaper than finding the ties when there are none
-        aff = query.affinity
+    return ranking_of(query, order, list(map(costs.__getitem__, order)))
+
+
+def ranking_of(query: RouteQuery, order: list[str], vals: list[float],
+               tied: list[int] | None = None) -> Ranking:
+    """``order`` (workers sorted by their ``vals``, stably) with each run of equal costs put
+    in :func:`tie_break` order: :func:`rank_by_cost` once sorted. ``tied``, when the caller
+    found them: every position whose cost equals the next one's, ascending."""
+    if tied is None and len(set(vals)) != len(vals):  # cheaper than finding no ties
         tied = list(compress(count(), map(eq, vals, islice(vals, 1, None))))
+    if tied:
+        aff = query.affinity
         for i, j in _runs(tied):
             order[i:j] = rendezvous_order(aff, order[i:j])
     return Ranking(order, vals)
@@ -145,19 +168,3 @@ def _runs(tied: list[int]) -> Iterator[tuple[int, int]]:
             start = i
         prev = i
     yield start, prev + 2
-
-
-def fetch_plan(query: RouteQuery, worker: str, transfer_cost: float
-               ) -> tuple[str, int] | None:
-    """For policies that may fetch KV from another worker (Mooncake's transfer): the worker
-    holding the longest cached prefix of the prompt and that prefix's length in tokens, when
-    it is longer than ``worker``'s own and fetching a token (``transfer_cost``, in units of
-    prefilling one) is cheaper than computing it; else None. The replay simulator performs
-    the fetch (``simulations/replay.py``); the production router has no KV transfer."""
-    if transfer_cost >= 1 or not query.matched_blocks:
-        return None
-    best, src = max((query.cached_tokens(w), w) for w in query.matched_blocks)
-    if best <= query.cached_tokens(worker):
-        return None
-    return src, best
-

@@ -1,7 +1,7 @@
 """The engine cost model: how long an iteration of continuous batching takes.
 
 The one source of these constants: the replay simulator times its workers with it and
-kvroute's policy derives its defaults from it (``kvroute.core.policies.kvroute_v2``), so the
+kvroute's policy derives its defaults from it (``kvroute.core.policies.kvroute``), so the
 router and the simulated GPU agree unless a replay says otherwise.
 
 One iteration prefills the requests admitted in it and decodes one token for each running
@@ -25,10 +25,6 @@ Default constants: Llama-3.1-8B, BF16, vLLM, one NVIDIA A100 40GB.
   peak gives ``linear_s_per_token = 16e9 / 187e12 = 8.6e-5`` (~11.7k tokens/s, in line with
   published vLLM prefill rates for 8B models on A100); attention adds 4 * d_model * layers =
   4 * 4096 * 32 FLOPs per token pair: ``attn_s_per_token_pair = 524288 / 187e12 = 2.8e-9``.
-* KV transfer between workers (Mooncake's policy only): 128 KiB per token (below) over one
-  100 Gb/s RDMA NIC, ``kv_transfer_s_per_token = 131072 * 8 / 100e9 = 10.5e-6``. An
-  assumption (Mooncake's nodes have several such NICs; its paper gives no per-transfer
-  figure), not a measurement.
 * KV capacity, for the 80 GB part (same compute): 80 GB - 16 GB of weights, ~60 GB of it
   for KV; Llama-3.1-8B's KV is 128 KiB per token (2 x 32 layers x 8 KV heads x 128 x 2
   bytes), so ~480k tokens: 937 blocks of 512 tokens. (The 40 GB part holds ~160k tokens,
@@ -48,15 +44,11 @@ class CostModel:
     attn_s_per_token_pair: float = 2.8e-9
     decode_base_s: float = 13.3e-3
     decode_per_seq_s: float = 0.41e-3
-    kv_transfer_s_per_token: float = 10.5e-6
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         n = new_tokens
         return n * self.linear_s_per_token + n * (cached_tokens + n / 2) * \
             self.attn_s_per_token_pair
-
-    def transfer_s(self, tokens: int) -> float:
-        return tokens * self.kv_transfer_s_per_token
 
     def decode_step_s(self, batch: int) -> float:
         return self.decode_base_s + batch * self.decode_per_seq_s if batch else 0.0

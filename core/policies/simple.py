@@ -1,15 +1,16 @@
-"""Baseline policies that ignore the cache: round-robin and least-loaded."""
+"""Baseline policies that ignore the cache: round-robin and least-loaded (what a cache-blind
+load balancer does; the demo measures kvroute against them)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost
+from kvroute.core.policies.base import RanksOnly, RouteQuery, Scored, rank_by_cost
 
 
 @dataclass(slots=True)
-class RoundRobin:
+class RoundRobin(RanksOnly):
     """Cycle through workers in sorted-name order; ignores cache and load.
 
     Formula: the n-th request goes to ``sorted(workers)[n mod len(workers)]``; the rest of the
@@ -30,7 +31,7 @@ class RoundRobin:
 
 
 @dataclass(slots=True)
-class LeastLoaded:
+class LeastLoaded(RanksOnly):
     """Send to the worker with the least outstanding work; ignores the cache.
 
     Formula: ``cost_w = inflight_w + running_w + queued_w``; ties by rendezvous hash of the

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import math
-import struct
 
 import pytest
 
 from kvroute.core.load import (
     ARRIVAL_MIN_WINDOW_S,
-    PACKED_FORMAT,
     ArrivalRate,
-    PrefillMode,
-    PrefillTail,
     PrefixDemand,
-    WorkerLoad,
     prefill_context,
 )
-from kvroute.core.policies.kvroute_cost import work
+from kvroute.core.policies.kvroute import own_prefill
 
 
 def test_a_steady_stream_reads_its_rate_and_silence_fades() -> None:
@@ -68,45 +63,13 @@ def test_a_rate_counted_from_a_start_reads_a_stream_from_its_first_seconds() -> 
             ArrivalRate(start=bad)
 
 
-def test_packed_carries_what_the_c_ranking_reads() -> None:
-    ld = WorkerLoad(inflight=3, running=2, queued=1, free_blocks=60, capacity_blocks=100,
-                    pending_prefill_tokens=500, cached_blocks=25, max_running=8,
-                    max_batched_tokens=2048, arrival_rate=1.5, pending_prefill_context=9000,
-                    prefill_rate=750.0, prefill_mode="chunked", max_prefill_chunk=512)
-    assert unpacked(ld) == (500, 3, 40, 1, 2048, 8, 3, 9000, 2, 512, 1, 0.25, 1.5, 750.0)
-    # Waiting: the engine's queue, or the router's own count a heartbeat behind.
-    assert WorkerLoad(inflight=9, running=2, queued=1).waiting == 7
-    assert ld.prefill_mode is PrefillMode.CHUNKED  # a plain string becomes the enum
-    assert [unpacked(WorkerLoad(prefill_mode=m))[8] for m in ("", "whole")] == [0, 1]
-    with pytest.raises(ValueError, match="prefill_mode must be one of"):
-        WorkerLoad(prefill_mode="partial")
-    assert WorkerLoad(cached_blocks=130, capacity_blocks=100).cache_fill == 1.0  # index ahead
-    assert WorkerLoad(cached_blocks=130).cache_fill == 0.0  # capacity unknown
-    assert isinstance(unpacked(WorkerLoad(arrival_rate=2))[-2], float)
-    assert isinstance(unpacked(WorkerLoad(prefill_rate=2))[-1], float)
-
-
-def unpacked(ld: WorkerLoad) -> tuple[int | float, ...]:
-    """``ld.packed``'s fields (its bytes unpacked)."""
-    assert isinstance(ld.packed, bytes)
-    return struct.unpack(PACKED_FORMAT, ld.packed)
-
-
-def test_packed_falls_back_to_the_fields_when_they_do_not_fit() -> None:
-    # An int field that is not an int, or past 64 bits: the tuple, which the C ranking
-    # converts (and refuses) as it always did.
-    assert WorkerLoad(queued=1.5).packed[3] == 1.5
-    assert WorkerLoad(pending_prefill_tokens=1 << 70).packed[0] == 1 << 70
-    # What struct converts as the C ranking does (a bool, an object with __index__): bytes.
-    assert unpacked(WorkerLoad(queued=True))[3] == 1
-
-
 def test_prefill_context_is_what_new_tokens_attend_to() -> None:
     assert prefill_context(0, 5000) == 0
     assert prefill_context(10, 0) == 50  # each new token sees half the others on average
     assert prefill_context(10, 100) == 1050
-    # A prefill's work is its tokens plus attn x this: kvroute_cost.work, to rounding.
-    assert 100 + 3.3e-5 * prefill_context(100, 7000) == pytest.approx(work(100, 7000, 3.3e-5))
+    # A prefill's work is its tokens plus attn x this: kvroute's own_prefill, to rounding.
+    assert 100 + 3.3e-5 * prefill_context(100, 7000) == pytest.approx(
+        own_prefill(100, 7000, 3.3e-5))
 
 
 def test_prefix_demand_counts_the_requests_before_and_forgets_the_oldest_keys() -> None:
@@ -128,21 +91,3 @@ def test_prefix_demand_counts_the_requests_before_and_forgets_the_oldest_keys() 
     assert fresh.observe(1, 2.0) == pytest.approx(2.0, rel=0.1)  # 4 in 2 s, not 4 / 30
     fresh.observe(2, 600.0)
     assert fresh.observe(2, 600.0) == pytest.approx(1 / 30.0, rel=0.01)
-
-
-def test_prefill_tail_reads_the_quantile_of_the_requests_before_over_its_window() -> None:
-    tail = PrefillTail(quantile=0.9, window=100, min_samples=10)
-    assert [tail.observe(n, 0) for n in range(1, 11)] == [math.inf] * 10  # too few yet
-    assert tail.observe(1000, 0) == 10  # 10 values 1..10: the 90th percentile is 10
-    # 100 more of 5 tokens push the 1..10 and the 1000 out of the window
-    for _ in range(100):
-        tail.observe(5, 0)
-    assert len(tail) == 100 and tail.observe(0, 0) == 5
-    # The work counts its attention as kvroute's policy does: n + attn * n * (c + n / 2)
-    weighed = PrefillTail(min_samples=1, attn=1e-3)
-    weighed.observe(100, 1000)
-    assert weighed.observe(0, 0) == pytest.approx(100 + 1e-3 * prefill_context(100, 1000)) == 205
-    for bad in ({"quantile": 1.0}, {"quantile": 0.0}, {"window": 5, "min_samples": 6},
-                {"min_samples": 0}, {"attn": -1.0}):
-        with pytest.raises(ValueError):
-            PrefillTail(**bad)

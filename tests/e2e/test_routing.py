@@ -14,7 +14,7 @@ import pytest
 
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.load import ARRIVAL_MIN_WINDOW_S, ARRIVAL_TAU_S, PrefillMode
-from kvroute.core.policies import KvrouteCost
+from kvroute.core.policies import Kvroute
 from kvroute.v1 import common_pb2, router_pb2_grpc
 from tests.support import AgentProc, generate, raw_rpc, request_wire, route, wait_for
 
@@ -44,9 +44,6 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cache_hits(cluster) -
     assert second[0].cached_tokens >= 2048
     assert second[-1].usage.cached_tokens == second[0].cached_tokens
     assert all(r.worker_id == w for r in second)
-    # The default policy reads no tail: the router keeps and reports none.
-    assert router.decider.tail is None
-    assert router.metrics.registry.get_sample_value("kvroute_router_prefill_tail_work") is None
 
 
 async def test_router_started_after_agents_routes_by_cache_at_once(cluster) -> None:
@@ -119,9 +116,7 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
 
     for w in ("a", "b"):
         await cluster.agent(w)
-    # (with the tail rule on: its tail is scraped below; under 200 requests it reads none,
-    # so the routing is the default's)
-    router = await cluster.router(policy="kvroute:tail_hold=1")
+    router = await cluster.router()
     await wait_for(lambda: len(router.registry.loads) == 2, what="2 workers registered")
     system = prompt(1024, 11)
     first = await generate(router.port, system + prompt(50, 12))
@@ -151,9 +146,6 @@ async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
     invalid = router.metrics.registry.get_sample_value(
         "kvroute_router_requests_total", {"api": "grpc", "rpc": "Route", "outcome": "invalid"})
     assert invalid == 4  # three bad ids (one per encoding), one malformed message
-    # The decider's tail is scraped too, for a policy that reads it: none yet, far fewer
-    # than 200 requests were routed.
-    assert router.metrics.registry.get_sample_value("kvroute_router_prefill_tail_work") == 0
 
 
 async def test_text_prompts_with_a_tokenizer(cluster) -> None:
@@ -422,19 +414,19 @@ async def test_policy_parameters_set_on_the_command_line_take_effect(cluster) ->
     await cluster.agent("a")
     await cluster.agent("b")
     default = await cluster.router()
-    tuned = await cluster.router(policy="kvroute:miss_weight=4")
+    tuned = await cluster.router(policy="kvroute:attn=0")
     for r in (default, tuned):
         await wait_for(lambda r=r: len(r.registry.loads) == 2, what="2 workers registered")
     tokens = prompt(300, 77)
-    plain, doubled = await route(default.port, tokens), await route(tuned.port, tokens)
-    assert (plain.policy, doubled.policy) == ("kvroute", "kvroute:miss_weight=4")
-    # Idle workers, a cold prompt: every cost is the miss term (miss_weight x the prompt's
-    # prefill work) plus load terms both routers see alike; doubling the weight adds it again.
-    work = 300 * (1 + KvrouteCost().attn * 300 / 2)
+    plain, linear = await route(default.port, tokens), await route(tuned.port, tokens)
+    assert (plain.policy, linear.policy) == ("kvroute", "kvroute:attn=0")
+    # Idle workers, nothing sent yet, a cold prompt: every cost is the prompt's own prefill,
+    # 300 tokens plus, by default, their attention to each other.
     costs = {c.worker_id: c.cost for c in plain.candidates}
-    assert {c.worker_id for c in doubled.candidates} == set(costs) == {"a", "b"}
-    for c in doubled.candidates:
-        assert c.cost - costs[c.worker_id] == pytest.approx(2.0 * work, rel=1e-6)
+    assert {c.worker_id for c in linear.candidates} == set(costs) == {"a", "b"}
+    for c in linear.candidates:
+        assert c.cost == 300
+        assert costs[c.worker_id] == pytest.approx(300 * (1 + Kvroute().attn * 300 / 2))
 
 
 async def test_route_candidates_caps_the_list_best_first(cluster) -> None:
@@ -460,8 +452,7 @@ async def test_the_router_says_which_c_builds_run(cluster, caplog, monkeypatch) 
     caplog.set_level(logging.INFO, "kvroute.router")
     await cluster.router()
     serving = [r for r in caplog.records if r.getMessage() == "router serving"]
-    assert serving[-1].kv["native"] == {"chainhash": True, "holders": True, "wire": True,
-                                        "kvcost": True}
+    assert serving[-1].kv["native"] == {"chainhash": True, "holders": True, "wire": True}
     assert not [r for r in caplog.records if "C builds missing" in r.getMessage()]
     monkeypatch.setattr(holders, "NATIVE_AVAILABLE", False)  # as a build without a compiler
     await cluster.router()

@@ -334,11 +334,11 @@ def test_the_router_serves_several_models_and_lora_adapters(helm: Path) -> None:
 
 
 def test_router_policy_takes_a_spec_with_parameter_overrides(helm: Path) -> None:
-    m = Manifests.parse(template(helm, sets=("router.policy=kvroute:hold=2:batch_weight=1",)))
+    m = Manifests.parse(template(helm, sets=("router.policy=kvroute:delay=2:reuse=0.25",)))
     env = env_of(container(m.one("Deployment", "-router"), "router"))
-    assert env["KVROUTE_POLICY"] == "kvroute:hold=2:batch_weight=1"
+    assert env["KVROUTE_POLICY"] == "kvroute:delay=2:reuse=0.25"
     policy = make_policy(env["KVROUTE_POLICY"])  # what the router builds at start
-    assert (policy.hold, policy.batch_weight) == (2.0, 1.0)
+    assert (policy.delay, policy.reuse) == (2.0, 0.25)  # type: ignore[attr-defined]
 
 
 def test_agent_only_sim_engine(helm: Path) -> None:

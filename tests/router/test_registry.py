@@ -143,14 +143,14 @@ def test_a_program_weighs_as_its_fanout() -> None:
 
 def test_matches_of_workers_whose_keys_cannot_match_are_dropped() -> None:
     from kvroute.core.index import PrefixIndex
-    from kvroute.core.policies import KvrouteCost
+    from kvroute.core.policies import Kvroute
     from kvroute.router.decide import Decider
 
     reg = WorkerRegistry({}, 16)
     good = {w: Heartbeat(w, f"127.0.0.1:{i}", "e") for i, w in enumerate(("a", "b"))}
     reg.apply_heartbeats(good)
     assert reg.match_filter is None  # all compatible: no call per matched worker
-    decider = Decider("m", 16, KvrouteCost())
+    decider = Decider("m", 16, Kvroute())
     tokens = list(range(64))
     index = PrefixIndex()
     index.add("b", decider.hasher("").keys(tokens))

@@ -77,8 +77,8 @@ def test_replay_writes_results_and_plots(chat: Path, tmp_path: Path) -> None:
                            ("stale_tokens", "stale_ratio"), ("evicted_tokens", "evicted_ratio")):
             assert tokens[col] / tokens["prompt_tokens"] == pytest.approx(p[ratio]), col
         # Every token the infinite cache hits is got or missed for one reason.
-        assert sum(p[k] for k in ("hit_ratio", "fetched_ratio", "moved_ratio", "inflight_ratio",
-                                  "stale_ratio", "evicted_ratio")) == pytest.approx(
+        assert sum(p[k] for k in ("hit_ratio", "moved_ratio", "inflight_ratio", "stale_ratio",
+                                  "evicted_ratio")) == pytest.approx(
             doc["bounds"]["infinite cache"]), p["policy"]
         assert tokens["flight_tokens"] > 0  # open loop: turns overtake their replies
         assert statistics.mean(float(r["ttft_s"]) for r in mine) == pytest.approx(
@@ -296,33 +296,41 @@ def test_a_sweep_over_loads_of_ones_own(chat: Path, tmp_path: Path) -> None:
 
 
 def test_variants_of_one_policy_replay_side_by_side(chat: Path, tmp_path: Path) -> None:
-    ran = replay(chat, "--workers", "4", "--policies", "kvroute,kvroute:miss_weight=0:hold=0",
+    ran = replay(chat, "--workers", "4", "--policies", "kvroute,kvroute:decode=1000",
                  "--load", "0.9", "--out", tmp_path)
     assert ran.returncode == 0, ran.stderr
-    assert "kvroute:miss_weight=0:hold=0 " in ran.stdout  # the table names the variant
+    assert "kvroute:decode=1000 " in ran.stdout  # the table names the variant
     rows = {p["policy"]: p for p in json.loads((tmp_path / "results.json").read_text())
             ["policies"]}
-    assert set(rows) == {"kvroute", "kvroute:miss_weight=0:hold=0"}
-    # Without the miss term nothing draws a request to its cache.
-    assert rows["kvroute:miss_weight=0:hold=0"]["hit_ratio"] < rows["kvroute"]["hit_ratio"]
+    assert set(rows) == {"kvroute", "kvroute:decode=1000"}
+    # Running sequences 200x dearer: requests leave their caches for smaller batches.
+    variant, default = rows["kvroute:decode=1000"], rows["kvroute"]
+    assert variant["hit_ratio"] < default["hit_ratio"]
+    assert variant["moved_ratio"] > default["moved_ratio"]
 
 
 def test_background_copies_are_reported_apart_from_the_hit_ratio(tmp_path: Path) -> None:
     rag = tmp_path / "rag.jsonl"
     write_jsonl(generate("rag", 600, 20.0, seed=1, block_size=64), rag)
-    ran = replay(rag, "--workers", "4", "--policies", "kvroute,kvroute:replicate=0",
-                 "--load", "0.6", "--out", tmp_path / "out")
-    assert ran.returncode == 0, ran.stderr
-    rows = {p["policy"]: p for p in json.loads((tmp_path / "out" / "results.json")
-                                               .read_text())["policies"]}
-    copied, moved = rows["kvroute"], rows["kvroute:replicate=0"]
+
+    def run(*extra: str) -> tuple[dict, str]:  # type: ignore[type-arg]
+        out = tmp_path / f"out{len(extra)}"
+        ran = replay(rag, "--workers", "4", "--policies", "kvroute", "--load", "0.6",
+                     "--out", out, *extra)
+        assert ran.returncode == 0, ran.stderr
+        doc = json.loads((out / "results.json").read_text())
+        return doc, ran.stdout
+
+    (copying, stdout), (moving, moving_out) = run(), run("--no-copies")
+    assert copying["meta"]["copies"] is True and moving["meta"]["copies"] is False
+    copied, moved = copying["policies"][0], moving["policies"][0]
     assert copied["copies"] > 0 and copied["copied_ratio"] > 0
     assert moved["copies"] == 0 and moved["copied_ratio"] == 0
-    line = next(x for x in ran.stdout.splitlines() if x.startswith("kvroute also copied"))
+    line = next(x for x in stdout.splitlines() if x.startswith("kvroute also copied"))
     noun = "copy" if copied["copies"] == 1 else "copies"
     assert f"{copied['copies']} {noun} prefilled {copied['copied_ratio']:.2%}" in line
     assert f"the hit ratio would be {copied['hit_ratio'] - copied['copied_ratio']:.1%}" in line
-    assert "kvroute:replicate=0 also copied" not in ran.stdout
+    assert "also copied" not in moving_out
 
 
 def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> None:
@@ -330,8 +338,8 @@ def test_bad_input_is_refused_with_a_clear_error(chat: Path, tmp_path: Path) -> 
     assert ran.returncode != 0 and "--jitter factors must differ" in ran.stderr
     ran = replay(chat, "--policies", "kvroute,nope")
     assert ran.returncode != 0 and "unknown policy 'nope'" in ran.stderr
-    ran = replay(chat, "--policies", "kvroute:hold=x")
-    assert ran.returncode != 0 and "hold takes a number, got 'x'" in ran.stderr
+    ran = replay(chat, "--policies", "kvroute:delay=x")
+    assert ran.returncode != 0 and "delay takes a number, got 'x'" in ran.stderr
     ran = replay(chat, "--policies", "kvroute,llmd", "--jitter", "1,1.02", "--focus", "preble")
     assert ran.returncode != 0 and "--focus needs --jitter and one of --policies" in ran.stderr
     ran = replay(chat, "--policies", "kvroute, kvroute")

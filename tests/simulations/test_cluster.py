@@ -37,12 +37,11 @@ def test_a_held_request_joins_the_queue_at_its_parents_first_token_and_hits() ->
 
 
 def test_only_held_requests_left_idle_until_their_release() -> None:
-    """The parent's first token can come after it finished here (a KV transfer it waited
-    for ends late): the worker waits for that, it does not give up."""
+    """A held request's parent may run elsewhere and get its first token later than
+    anything here: the worker idles until then, it does not give up."""
     w = worker()
     parent = SimRequest(0, 0.0, 160, 1, tuple(range(10)))
-    parent.ready_s = 5.0
-    w.submit(parent, 0.0)
+    parent.first_token_s = 5.0  # on another worker
     child = SimRequest(1, 0.001, 160, 2, tuple(range(10)))
     child.after = parent
     w.submit(child, 0.001)

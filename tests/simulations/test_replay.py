@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from kvroute.core.policies import REGISTRY, make_policy
 from kvroute.simulations.cluster import SimRequest
 from kvroute.simulations.generators import generate
 from kvroute.simulations.metrics import (
@@ -18,6 +17,8 @@ from kvroute.simulations.metrics import (
     measure,
     ttft_floor,
 )
+from kvroute.simulations.policies import REPLAY_REGISTRY as REGISTRY
+from kvroute.simulations.policies import make_replay_policy as make_policy
 from kvroute.simulations.replay import ClusterSpec, Replayer
 from kvroute.simulations.trace import Trace, TraceError, TraceRequest, load, parse
 from tests.support import MOONCAKE_TRACE
@@ -330,11 +331,11 @@ def test_a_prefix_no_worker_holds_any_more_is_counted_evicted() -> None:
     assert missed_hits(roomy) == [(0, 0, 0)] * 3
 
 
-@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "mooncake"])
+@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "mooncake_local"])
 def test_every_token_the_infinite_cache_hits_is_got_or_missed_for_one_reason(
         mooncake: Trace, policy: str) -> None:
-    """Per request: hits + fetched + moved + in flight + stale + evicted = the infinite
-    cache's hits (a small cache, so all of them occur; Mooncake's transfer fetches)."""
+    """Per request: hits + moved + in flight + stale + evicted = the infinite cache's hits
+    (a small cache, so all of them occur)."""
     from kvroute.simulations.metrics import missed_hits
 
     tr = head(mooncake, 600, 2.0)
@@ -345,7 +346,7 @@ def test_every_token_the_infinite_cache_hits_is_got_or_missed_for_one_reason(
         assert r.cached_tokens + r.moved_tokens + sum(m) == inf[r.idx], r.idx
     assert sum(m.evicted for m in missed) > 0
     got = measure(res)
-    assert (got.hit_ratio + got.fetched_ratio + got.moved_ratio + got.inflight_ratio
+    assert (got.hit_ratio + got.moved_ratio + got.inflight_ratio
             + got.stale_ratio + got.evicted_ratio) == pytest.approx(hit_ratio(tr, inf))
 
 
@@ -539,44 +540,23 @@ def test_hash_ids_expand_to_tokens_that_share_exactly_the_shared_ids() -> None:
     assert max(a) < 50257
 
 
-def test_mooncake_fetches_hot_prefixes_instead_of_recomputing_them() -> None:
-    """Mooncake's transfer branch, performed by the replay: the KV arrives over the network
-    (timed), is cached on the fetching worker (a replica of the hot prefix), and is not
-    counted as a cache hit."""
-    from kvroute.core.policies.cost_model import CostModel
-    from kvroute.core.policies.peers import MooncakeConductor
-
-    lines = MOONCAKE_TRACE.read_text().splitlines()[:600]
-    part = parse(lines)
-    spec = ClusterSpec(workers=8)
-    fetch = Replayer(part, MooncakeConductor(), spec).run()
-    local = Replayer(part, MooncakeConductor(transfer_cost=1.0), spec).run()
-    moved = [r for r in fetch.requests if r.received_tokens]
-    assert moved and all(r.received_tokens == 0 for r in local.requests)
-    cost = CostModel()
-    for r in moved:
-        assert r.first_token_s >= r.arrival_s + cost.transfer_s(r.received_tokens) - 1e-9
-    m_fetch, m_local = measure(fetch), measure(local)
-    assert m_fetch.fetched_ratio > 0 and m_local.fetched_ratio == 0
-    bound = hit_ratio(part, infinite_cache_hits(part))
-    assert m_fetch.hit_ratio + m_fetch.fetched_ratio <= bound + 1e-9
-    assert sum(w.received_tokens for w in fetch.workers) == \
-        sum(r.received_tokens for r in moved)
-
-
 @pytest.mark.parametrize("load", [0.6, 0.9])
 def test_hot_prefixes_are_copied_while_their_requests_stay(load: float) -> None:
-    """kvroute's replicate: where a prefix's demand would have moved a request off its busy
+    """kvroute's replicas: where a prefix's demand would have moved a request off its busy
     holder, the request stays and the router copies the prefix to the worker it would have
     moved to; the copy is a one-token request of the prefix's whole blocks, measured apart."""
+    from kvroute.core.policies import Kvroute
     from kvroute.simulations.metrics import capacity_rps
+
+    class NoCopies(Kvroute):
+        places_replicas = False
 
     tr = parse([json.dumps(r) for r in generate("rag", 600, 20.0, seed=1, block_size=64)])
     spec = ClusterSpec(workers=4)
     tr = tr.scaled(load * capacity_rps(tr, 4, spec.capacity_blocks, spec.cost)
                    / (len(tr.requests) / tr.duration_s))
     copying = Replayer(tr, make_policy("kvroute"), spec).run()
-    moving = Replayer(tr, make_policy("kvroute:replicate=0"), spec).run()
+    moving = Replayer(tr, NoCopies(), spec).run()
     assert copying.copies and not moving.copies
     for c in copying.copies:
         made_by = copying.requests[c.copy_of]
@@ -628,31 +608,3 @@ def test_the_router_sees_each_workers_arrival_rate() -> None:
     # A request every 2 s on each worker for 39 s: 0.5/s, not the 0.36 of an uncorrected
     # sum (0.5/s x (1 - e^(-39/30))), less a little for the count's steps.
     assert 0.45 < min(seen[-1].values()) <= max(seen[-1].values()) < 0.55
-
-
-def test_the_policy_reads_the_tail_the_router_would() -> None:
-    """The replay keeps the router's PrefillTail: once 200 requests are counted, each query's
-    ``tail_work`` is the 99th percentile of the least prefills before it (each request's
-    tokens past the longest prefix cached anywhere when it was routed)."""
-    from kvroute.core.load import PrefillTail
-    from kvroute.core.policies import RoundRobin
-
-    seen: list[tuple[float, int]] = []
-
-    class Recording(RoundRobin):
-        tail_hold = 1.0  # it reads the tail, as kvroute with tail_hold does
-
-        def rank(self, query):  # type: ignore[no-untyped-def]
-            top = max((query.cached_tokens(w) for w in query.matched_blocks), default=0)
-            seen.append((query.tail_work, query.prompt_tokens - top))
-            return super().rank(query)
-
-    # 300 prompts of 1-3 blocks, each a new prefix except the few that repeat one
-    tr = parse([json.dumps({"timestamp": 100 * i, "input_length": 512 * (1 + i % 3),
-                            "output_length": 2, "hash_ids": [i % 250 + 1000 * k
-                                                             for k in range(1 + i % 3)]})
-                for i in range(300)])
-    Replayer(tr, Recording(), ClusterSpec(workers=2)).run()
-    want = PrefillTail()  # RoundRobin has no attn: tokens alone
-    assert all(tail == want.observe(n, 0) for tail, n in seen)
-    assert seen[199][0] == math.inf and seen[-1][0] == 1536

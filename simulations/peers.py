@@ -1,8 +1,9 @@
-"""The peers' routing policies, rebuilt on kvroute's two views (prefix matches, load).
+"""The peers' routing policies, rebuilt on kvroute's two views (prefix matches, load): the
+replay's yardsticks, never the router's policy.
 
 Each class reproduces one published router with its published default constants, so the
 replay simulator can put kvroute's policy side by side with them. Where a peer sees something
-our views do not carry (SGLang's text tree, Mooncake's KV transfers), the docstring says what
+our views do not carry (SGLang's text tree), the docstring says what
 stands in for it. ``Scored.cost`` is always "lower is better"; score-based peers report the
 negated score.
 """
@@ -14,15 +15,14 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import xxhash
 
 from kvroute.core.load import WorkerLoad
 from kvroute.core.policies.base import (
+    RanksOnly,
     RouteQuery,
     Scored,
-    fetch_plan,
     rank_by_cost,
     tie_break,
 )
@@ -61,7 +61,7 @@ def rank_by_key(query: RouteQuery, keys: Mapping[str, tuple[float, ...]],
 
 
 @dataclass(slots=True)
-class RandomChoice:
+class RandomChoice(RanksOnly):
     """Uniformly random order; ignores cache and load. The baseline every paper reports.
 
     Formula: a uniformly random permutation of the workers (sorted by name first, so the
@@ -89,7 +89,7 @@ class RandomChoice:
 
 
 @dataclass(slots=True)
-class ConsistentHashBoundedLoads:
+class ConsistentHashBoundedLoads(RanksOnly):
     """KubeAI's PrefixHash strategy: consistent hashing with bounded loads (CHWBL).
 
     Formula: every worker ``w`` has ``replication`` virtual nodes on a 64-bit ring at
@@ -124,11 +124,6 @@ class ConsistentHashBoundedLoads:
     load_factor: float = 1.25
     replication: int = 256
     name: str = "chwbl"
-    # ``kvroute tune --policy chwbl``: the bound around KubeAI's default (the ring's size
-    # only smooths the spread).
-    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
-        "load_factor": (1.1, 1.25, 1.5, 2.0, 3.0),
-    }
     # The ring depends only on the worker set; rebuilt when it changes.
     _ring_for: tuple[str, ...] = field(default=(), init=False, repr=False)
     _ring_hashes: list[int] = field(default_factory=list, init=False, repr=False)
@@ -182,7 +177,7 @@ class ConsistentHashBoundedLoads:
 
 
 @dataclass(slots=True)
-class SglangCacheAware:
+class SglangCacheAware(RanksOnly):
     """SGLang router's ``cache_aware`` policy: cache affinity unless load is imbalanced.
 
     Formula, with ``load_w`` the worker's outstanding requests (:func:`outstanding`; SGLang
@@ -224,12 +219,6 @@ class SglangCacheAware:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     name: str = "sglang"
-    # ``kvroute tune --policy sglang``: each threshold either side of the router's default.
-    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
-        "cache_threshold": (0.1, 0.3, 0.5, 0.7),
-        "balance_abs_threshold": (16, 32, 64, 128, 256),
-        "balance_rel_threshold": (1.1, 1.25, 1.5, 2.0, 3.0),
-    }
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         loads = {w: outstanding(ld) for w, ld in query.loads.items()}
@@ -250,7 +239,7 @@ class SglangCacheAware:
 
 
 @dataclass(slots=True)
-class LlmdPrecisePrefix:
+class LlmdPrecisePrefix(RanksOnly):
     """llm-d inference scheduler, precise prefix-cache profile: weighted scorers, max wins.
 
     Formula, for each worker ``w`` (each scorer in [0, 1])::
@@ -291,12 +280,6 @@ class LlmdPrecisePrefix:
     queue_weight: float = 1.0
     seed: int = 0
     name: str = "llmd"
-    # ``kvroute tune --policy llmd``: the scorer weights (only their ratios matter).
-    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
-        "prefix_weight": (0.5, 1.0, 2.0, 3.0, 4.0, 8.0),
-        "kv_util_weight": (0.0, 0.5, 1.0, 2.0),
-        "queue_weight": (0.5, 1.0, 2.0),
-    }
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -334,7 +317,7 @@ class LlmdPrecisePrefix:
 
 
 @dataclass(slots=True)
-class DynamoKvRouter:
+class DynamoKvRouter(RanksOnly):
     """NVIDIA Dynamo's KV router: prefill blocks to compute plus decode blocks held.
 
     Formula, for each worker ``w``, in blocks of ``block_size`` tokens::
@@ -380,12 +363,6 @@ class DynamoKvRouter:
     temperature: float = 0.0
     seed: int = 0
     name: str = "dynamo"
-    # ``kvroute tune --policy dynamo``: the prefill weight (large: least queued plus own
-    # prefill, KV held only breaking near-ties) and the sampling temperature.
-    TUNING: ClassVar[Mapping[str, tuple[float, ...]]] = {
-        "prefill_load_scale": (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
-        "temperature": (0.0, 0.1, 0.5, 1.0),
-    }
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -417,7 +394,7 @@ class DynamoKvRouter:
 
 
 @dataclass(slots=True)
-class PrebleE2:
+class PrebleE2(RanksOnly):
     """Preble's E2 global scheduler: exploit a long cached prefix, else explore by load.
 
     Formula, with ``cached_w`` the prompt tokens cached on ``w`` and ``best = max cached_w``::
@@ -464,38 +441,23 @@ class PrebleE2:
 
 
 @dataclass(slots=True)
-class MooncakeConductor:
-    """Mooncake's Conductor, prefill-instance choice: least estimated time to first token,
-    fetching a longer cached prefix from another instance when that is quicker.
+class MooncakeConductor(RanksOnly):
+    """Mooncake's Conductor, prefill-instance choice on a cluster that moves no KV (as
+    kvroute's): least estimated time to first token.
 
     Formula, for each worker ``w`` (time in prefill-token units: one token = one unit)::
 
-        local_w    = pending_prefill_tokens_w + (P - c_w)
-        transfer_w = pending_prefill_tokens_w + transfer_cost * (c* - c_w) + (P - c*)
-        TTFT_w     = min(local_w, transfer_w)       (transfer_w only when c* > c_w)
+        TTFT_w = pending_prefill_tokens_w + (P - c_w)
 
-    lowest wins, ties by the affinity rendezvous hash. ``c_w`` is ``w``'s own prefix match and
-    ``c*`` the longest match on any worker (kvroute's index plays the Conductor's global
-    prefix index). When the winner's ``transfer_w`` is the lower, the request fetches the
-    ``c* - c_w`` tokens of KV from the worker holding ``c*`` before its prefill
-    (:meth:`transfer`): the Conductor's KVCache transfer, which leaves a copy of the hot
-    prefix on the chosen worker too -- the paper's "global cache-aware" scheduler with hot
-    block replication. This is the instance loop of the paper's Algorithm 1.
-
-    A ranking cannot move KV: the replay simulator performs the transfer :meth:`transfer`
-    asks for (``simulations/replay.py``). The production router has no KV transfer between
-    workers, so there the transfer branch only ranks; use it in the simulator.
+    lowest wins, ties by the affinity rendezvous hash. ``c_w`` is ``w``'s own prefix match
+    (kvroute's index plays the Conductor's global prefix index). This is the instance loop of
+    the paper's Algorithm 1 without its KVCache transfer (the "local cache-aware"
+    scheduler): a cluster whose workers cannot fetch KV from each other.
 
     Not modelled: prefill/decode disaggregation (Mooncake picks the decode instance
     separately, by TBT, so decode load does not enter the prefill choice -- nor here, though
     our workers do both), prediction-based early rejection and the SLO checks, and the
-    profiled non-linear prefill time (taken as linear in tokens here).
-
-    Parameters:
-        transfer_cost: time to fetch one token's KV relative to prefilling one token. The
-            paper publishes no constant; default ``0.122`` = 10.5 us per token (Llama-3.1-8B:
-            128 KiB of KV per token at 100 Gb/s, one RDMA NIC) / 86 us per prefilled token
-            (``core/policies/cost_model.py``), so a transfer pays off for any longer match.
+    profiled non-linear prefill time (taken as linear in tokens here). No parameters.
 
     Source: Qin et al., "Mooncake: A KVCache-centric Disaggregated Architecture for LLM
     Serving", USENIX FAST 2025 (arXiv:2407.00079), Algorithm 1 and the scheduling
@@ -503,24 +465,10 @@ class MooncakeConductor:
     cache-aware 3.58 s, global cache-aware 3.07 s mean TTFT).
     """
 
-    transfer_cost: float = 0.122
-    name: str = "mooncake"
+    name: str = "mooncake_local"
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         p = query.prompt_tokens
-        best = max((query.cached_tokens(w) for w in query.matched_blocks), default=0)
-        tc = self.transfer_cost
-        costs = {}
-        for w, ld in query.loads.items():
-            c = query.cached_tokens(w)
-            local = p - c
-            if best > c:
-                local = min(local, tc * (best - c) + p - best)
-            costs[w] = float(ld.pending_prefill_tokens + local)
+        costs = {w: float(ld.pending_prefill_tokens + p - query.cached_tokens(w))
+                 for w, ld in query.loads.items()}
         return rank_by_cost(query, costs)
-
-    def transfer(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
-        """Where ``worker`` (the chosen one) fetches the prompt's prefix KV from, and how
-        many tokens of it: the worker with the longest match, when fetching beats computing
-        (see the formula); else None."""
-        return fetch_plan(query, worker, self.transfer_cost)

@@ -1,4 +1,4 @@
-"""kvroute_v2, the derived policy: each term's behaviour, and the inlined ranking against the
+"""kvroute's policy: each term's behaviour, and the inlined ranking against the
 term-by-term formula on random loads."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 
 from kvroute.core.index import PrefixIndex
 from kvroute.core.load import PrefillMode, WorkerLoad
-from kvroute.core.policies import REGISTRY, KvrouteV2, RouteQuery, make_policy
+from kvroute.core.load_table import LoadTable
+from kvroute.core.policies import REGISTRY, Kvroute, RouteQuery, make_policy
 from kvroute.core.policies.cost_model import CostModel
-from kvroute.core.policies.kvroute_v2 import (
+from kvroute.core.policies.kvroute import (
+    COLUMNS_FROM,
     cache_pressure,
     decode_delay,
     elapsed,
@@ -30,37 +32,37 @@ BS = 16
 
 def q(matched: dict[str, int], loads: dict[str, WorkerLoad], prompt: int = 1024,
       affinity: int = 1) -> RouteQuery:
-    return RouteQuery(prompt, BS, matched, loads, affinity, affinity)
+    return RouteQuery(prompt, BS, matched, loads, affinity)
 
 
-def best(pol: KvrouteV2, query: RouteQuery) -> str:
+def best(pol: Kvroute, query: RouteQuery) -> str:
     return pol.rank(query)[0].worker
 
 
 def waits(loads: dict[str, WorkerLoad]) -> list[float]:
-    return [queued_wait(ld, KvrouteV2().attn) for ld in loads.values()]
+    return [queued_wait(ld, Kvroute().attn) for ld in loads.values()]
 
 
 def test_defaults_come_from_the_cost_model() -> None:
-    m, pol = CostModel(), KvrouteV2()
+    m, pol = CostModel(), Kvroute()
     assert pol.attn == pytest.approx(m.attn_s_per_token_pair / m.linear_s_per_token)
     assert pol.decode == pytest.approx(m.decode_per_seq_s / m.linear_s_per_token)
     assert pol.unit_s == m.linear_s_per_token
-    assert "kvroute_v2" in REGISTRY
+    assert REGISTRY["kvroute"] is Kvroute
 
 
 def test_parameters_are_range_checked_with_their_meaning() -> None:
     with pytest.raises(ValueError, match=r"reuse must be a finite number in \[0, 1\].*evicted"):
-        KvrouteV2(reuse=1.5)
+        Kvroute(reuse=1.5)
     with pytest.raises(ValueError, match="most_busy"):
-        make_policy("kvroute_v2:most_busy=1")
-    assert make_policy("kvroute_v2:delay=2").delay == 2.0  # type: ignore[attr-defined]
+        make_policy("kvroute:most_busy=1")
+    assert make_policy("kvroute:delay=2").delay == 2.0  # type: ignore[attr-defined]
 
 
 def test_wait_prefers_the_idle_worker_when_prefixes_tie() -> None:
     loads = {"a": WorkerLoad(pending_prefill_tokens=3000, queued=1), "b": WorkerLoad()}
-    assert best(KvrouteV2(), q({"a": 20, "b": 20}, loads)) == "b"
-    assert best(KvrouteV2(), q({}, loads)) == "b"
+    assert best(Kvroute(), q({"a": 20, "b": 20}, loads)) == "b"
+    assert best(Kvroute(), q({}, loads)) == "b"
 
 
 def test_wait_counts_the_attention_of_the_queued_prefill() -> None:
@@ -68,12 +70,12 @@ def test_wait_counts_the_attention_of_the_queued_prefill() -> None:
     longer, so the request goes to the other."""
     long_ctx = WorkerLoad(pending_prefill_tokens=4000, pending_prefill_context=10**9)
     short_ctx = WorkerLoad(pending_prefill_tokens=4000, pending_prefill_context=0)
-    assert queued_wait(long_ctx, KvrouteV2().attn) > queued_wait(short_ctx, KvrouteV2().attn)
-    assert best(KvrouteV2(), q({}, {"a": long_ctx, "b": short_ctx})) == "b"
+    assert queued_wait(long_ctx, Kvroute().attn) > queued_wait(short_ctx, Kvroute().attn)
+    assert best(Kvroute(), q({}, {"a": long_ctx, "b": short_ctx})) == "b"
 
 
 def test_attention_term_grows_with_context() -> None:
-    attn = KvrouteV2().attn
+    attn = Kvroute().attn
     # The same 1000 new tokens cost more after a longer cached context ...
     assert own_prefill(1000, 30_000, attn) > own_prefill(1000, 1000, attn) > \
         own_prefill(1000, 0, attn) == pytest.approx(1000 * (1 + attn * 500))
@@ -91,15 +93,15 @@ def test_lookahead_counts_a_queued_request_sharing_the_prefix() -> None:
     loads = {"a": WorkerLoad(pending_prefill_tokens=7680, queued=1, inflight=1),
              "b": WorkerLoad()}
     index = PrefixIndex()
-    assert rank_request(KvrouteV2(), index, keys, 8192, BS, loads, 1).best == "b"
+    assert rank_request(Kvroute(), index, keys, 8192, BS, loads, 1).best == "b"
     index.predict("a", keys[:480], deadline=1e9)  # the queued sibling's prompt
-    d = rank_request(KvrouteV2(), index, keys, 8192, BS, loads, 1)
+    d = rank_request(Kvroute(), index, keys, 8192, BS, loads, 1)
     assert d.query.matched_blocks == {"a": 480}
     assert d.best == "a"
 
 
 def test_decode_term_prefers_the_smaller_batch_and_counts_iterations() -> None:
-    pol = KvrouteV2()
+    pol = Kvroute()
     small, big = WorkerLoad(running=2), WorkerLoad(running=40)
     assert best(pol, q({}, {"a": big, "b": small})) == "b"
     budgeted = WorkerLoad(running=10, max_batched_tokens=1000)
@@ -112,7 +114,7 @@ def test_decode_term_prefers_the_smaller_batch_and_counts_iterations() -> None:
 def test_a_running_prefill_is_counted_half_done() -> None:
     """The router counts a prefill whole until its first token; a request arriving while the
     worker runs it finds half of its first iteration done on average."""
-    attn = KvrouteV2().attn
+    attn = Kvroute().attn
     one = WorkerLoad(pending_prefill_tokens=6000, max_batched_tokens=16384)
     assert queued_prefill(one, attn) == 6000
     assert elapsed(one, 6000) == 3000 and queued_wait(one, attn) == 3000
@@ -127,7 +129,7 @@ def test_later_arrivals_grow_with_the_cluster_queue_and_make_misses_dearer() -> 
     """With no queue a holder with a short backlog loses to an idle worker (its own first
     token comes sooner there); once the cluster queues, the miss's redo delays the later
     arrivals too, and the request stays on its prefix."""
-    pol = KvrouteV2()
+    pol = Kvroute()
     calm = {"a": WorkerLoad(pending_prefill_tokens=12_000), "b": WorkerLoad()}
     assert best(pol, q({"a": 20}, calm)) == "b"  # 320 of 1024 tokens cached on a
     crowd = {f"x{i}": WorkerLoad(pending_prefill_tokens=400_000, arrival_rate=2.0,
@@ -137,12 +139,12 @@ def test_later_arrivals_grow_with_the_cluster_queue_and_make_misses_dearer() -> 
     k_calm, _ = later_arrivals(calm, waits(calm), pol.unit_s, pol.most_busy)
     assert k_busy * wait_busy > 0.0 == k_calm  # nobody arrives at the calm cluster
     assert best(pol, q({"a": 20}, busy)) == "a"
-    assert best(KvrouteV2(delay=0), q({"a": 20}, busy)) == "b"  # the term removed
+    assert best(Kvroute(delay=0), q({"a": 20}, busy)) == "b"  # the term removed
 
 
 def test_utilisation_reads_a_burst_from_the_queue_before_the_rates() -> None:
     """Rates lag a burst; requests waiting show it at once (M/M/1: L = rho / (1 - rho))."""
-    pol = KvrouteV2()
+    pol = Kvroute()
     assert utilisation(0.2, 0.0, 0.9) == 0.2  # no queue: the rates' estimate
     assert utilisation(0.2, 3.0, 0.99) == pytest.approx(0.75)  # L = 3
     assert utilisation(0.2, 3.0, 0.5) == 0.5  # capped
@@ -160,7 +162,7 @@ def test_later_arrivals_busy_period_is_capped() -> None:
     or infinite one."""
     sat = {"a": WorkerLoad(pending_prefill_tokens=1000, arrival_rate=1.0,
                            prefill_rate=1e6)}
-    pol = KvrouteV2()
+    pol = Kvroute()
     k, wait = later_arrivals(sat, waits(sat), pol.unit_s, pol.most_busy)
     assert k == pytest.approx(1.0 * pol.unit_s / (1 - pol.most_busy))
     assert wait == queued_wait(sat["a"], pol.attn)
@@ -170,36 +172,36 @@ def test_the_requests_arriving_meanwhile_make_a_long_redo_dear() -> None:
     """The requests arriving while a prefill runs wait half of it (quadratic in its length),
     and those arriving before the queue ahead drains all of it: with arrivals, a long redo
     loses to a wait on the holder that it would beat without them."""
-    k = 2.0 * KvrouteV2().unit_s  # 2 requests a second, idle
+    k = 2.0 * Kvroute().unit_s  # 2 requests a second, idle
     assert extension_delay(2000, k) == pytest.approx(2000 * k * 1000)
     assert extension_delay(8000, k) == pytest.approx(16 * extension_delay(2000, k))
     loads = {"h": WorkerLoad(pending_prefill_tokens=60_000, arrival_rate=8.0),
              "m": WorkerLoad(arrival_rate=8.0)}
     # 16k tokens, 15k of them cached on h: the redo on m (16k) costs more than h's wait
-    assert best(KvrouteV2(), q({"h": 940}, loads, 16_000)) == "h"
+    assert best(Kvroute(), q({"h": 940}, loads, 16_000)) == "h"
     # without arrivals the redo is only its own prefill, and m's first token comes sooner
     still = {w: WorkerLoad(pending_prefill_tokens=ld.pending_prefill_tokens)
              for w, ld in loads.items()}
-    assert best(KvrouteV2(), q({"h": 940}, still, 16_000)) == "m"
+    assert best(Kvroute(), q({"h": 940}, still, 16_000)) == "m"
 
 
 def test_a_hot_prefix_is_copied_when_its_demand_pays_for_it() -> None:
-    pol = KvrouteV2()
+    pol = Kvroute()
     loads = {"h": WorkerLoad(pending_prefill_tokens=20_000), "m": WorkerLoad(),
              "n": WorkerLoad(pending_prefill_tokens=5000)}
-    hot = RouteQuery(3000, BS, {"h": 180}, loads, 1, 1, prefix_rate=5.0)
+    hot = RouteQuery(3000, BS, {"h": 180}, loads, 1, prefix_rate=5.0)
     assert pol.replica(hot, "h") == ("m", 2880)  # the idle worker gets the 180 blocks
     # no demand, or a request that goes elsewhere (it brings the prefix there itself)
-    assert pol.replica(RouteQuery(3000, BS, {"h": 180}, loads, 1, 1), "h") is None
+    assert pol.replica(RouteQuery(3000, BS, {"h": 180}, loads, 1), "h") is None
     assert pol.replica(hot, "m") is None
     # a trickle of demand does not pay for a copy
-    cold = RouteQuery(3000, BS, {"h": 180}, loads, 1, 1, prefix_rate=0.01)
+    cold = RouteQuery(3000, BS, {"h": 180}, loads, 1, prefix_rate=0.01)
     assert pol.replica(cold, "h") is None
     # every worker holds it, or the others are busier than the holder
-    assert pol.replica(RouteQuery(3000, BS, dict.fromkeys(loads, 180), loads, 1, 1,
+    assert pol.replica(RouteQuery(3000, BS, dict.fromkeys(loads, 180), loads, 1,
                                   prefix_rate=5.0), "h") is None
     idle_h = {**loads, "h": WorkerLoad()}
-    assert pol.replica(RouteQuery(3000, BS, {"h": 180}, idle_h, 1, 1, prefix_rate=5.0),
+    assert pol.replica(RouteQuery(3000, BS, {"h": 180}, idle_h, 1, prefix_rate=5.0),
                        "h") is None
 
 
@@ -217,7 +219,7 @@ def test_cache_pressure_charges_copies_that_evict() -> None:
              "f": full_copy(), "r": roomy_copy()}
     query = q({"h": 60}, loads, 1024)
     assert longest_cached(query) == 960
-    costs = KvrouteV2().costs_by_terms(query)
+    costs = Kvroute().costs_by_terms(query)
     assert costs["f"] > costs["r"]
 
 
@@ -232,8 +234,8 @@ def roomy_copy() -> WorkerLoad:
 def test_ranks_every_worker_and_empty_loads() -> None:
     loads = {f"w{i}": WorkerLoad(queued=i % 3, pending_prefill_tokens=100 * i)
              for i in range(9)}
-    assert sorted(s.worker for s in KvrouteV2().rank(q({"w3": 5}, loads))) == sorted(loads)
-    assert list(KvrouteV2().rank(q({}, {}))) == []
+    assert sorted(s.worker for s in Kvroute().rank(q({"w3": 5}, loads))) == sorted(loads)
+    assert list(Kvroute().rank(q({}, {}))) == []
 
 
 loads_st = st.builds(
@@ -258,9 +260,46 @@ def test_inlined_ranking_equals_the_term_by_term_oracle(
     named = {f"w{i}": ld for i, ld in enumerate(loads)}
     matched = {w: m for w, m in zip(named, matches, strict=False) if m}
     query = q(matched, named, prompt, affinity=prompt)
-    pol = KvrouteV2(delay=delay, reuse=reuse)
+    pol = Kvroute(delay=delay, reuse=reuse)
     oracle = pol.costs_by_terms(query)
     ranked = pol.rank(query)
     assert {s.worker: s.cost for s in ranked} == oracle  # the very same floats
     costs = [s.cost for s in ranked]
     assert costs == sorted(costs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=st.lists(loads_st, min_size=1, max_size=80),
+       matches=st.lists(st.integers(0, 700), min_size=80, max_size=80),
+       prompt=st.integers(1, 12_000), delay=st.sampled_from([0.0, 1.0, 3.0]),
+       reuse=st.sampled_from([0.0, 0.5, 1.0]), removed=st.integers(0, 79))
+def test_the_columns_rank_as_the_loop(loads: list[WorkerLoad], matches: list[int], prompt: int,
+                                      delay: float, reuse: float, removed: int) -> None:
+    """Over a LoadTable (the router's loads, kept in columns) the ranking is the loop's: the
+    same workers in the same order, the same costs but for the averages' last bits; rows
+    stay in step with the dict as workers come, change and go."""
+    table = LoadTable()
+    for i, ld in enumerate(loads):
+        table[f"w{i}"] = ld
+    table.pop(f"w{removed}", None)  # a worker gone: the rows after it move up
+    table.pop("w0", None)
+    if loads:
+        table["w0"] = loads[-1]  # back, last
+    if not table:
+        return
+    matched = {w: m for w, m in zip(table, matches, strict=False) if m}
+    query = q(matched, table, prompt, affinity=prompt)
+    pol = Kvroute(delay=delay, reuse=reuse)
+    columns = pol.rank_columns(query, table)
+    loop = pol.rank(q(matched, dict(table), prompt, affinity=prompt))
+    assert [s.worker for s in columns] == [s.worker for s in loop]
+    assert [s.cost for s in columns] == pytest.approx([s.cost for s in loop], rel=1e-12)
+
+
+def test_the_routers_rankings_over_many_workers_take_the_columns() -> None:
+    many = LoadTable()
+    for i in range(COLUMNS_FROM):
+        many[f"w{i}"] = WorkerLoad(pending_prefill_tokens=10 * i)
+    assert Kvroute().rank(q({}, many))[0].worker == "w0"
+    assert [s.worker for s in Kvroute().rank(q({}, many))] == \
+        [s.worker for s in Kvroute().rank_columns(q({}, many), many)]

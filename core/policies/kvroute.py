@@ -1,18 +1,26 @@
-"""kvroute's derived policy: the request's first token on each worker, plus what placing it
-there costs the requests after it. The formula, each term's reason and what removing it does
-are in docs/policy.md."""
+"""kvroute's policy: the request's first token on each worker, plus what placing it there
+costs the requests after it, and a background copy of a hot prefix when its demand pays for
+one. Every term is derived from the cost model; the formula is in :class:`Kvroute`, each
+term's reason and what removing it does in docs/policy.md."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
+
+import numpy as np
 
 from kvroute.core.config import Range
 from kvroute.core.load import ARRIVAL_TAU_S, WorkerLoad
-from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost
+from kvroute.core.load_table import Column, LoadTable
+from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost, ranking_of
 from kvroute.core.policies.cost_model import CostModel
 
 _MODEL = CostModel()
+# From this many workers a ranking reads a LoadTable's columns with numpy: below it, numpy's
+# fixed cost per array operation is more than the Python loop over the workers.
+COLUMNS_FROM = 64
 
 
 def param(default: float, range_: Range, meaning: str) -> float:
@@ -123,7 +131,7 @@ def longest_cached(query: RouteQuery) -> int:
 
 
 @dataclass(slots=True)
-class KvrouteV2:
+class Kvroute:
     """Least first-token time plus what the choice costs the requests after it, and a
     background copy of a hot prefix when its demand pays for one.
 
@@ -178,7 +186,8 @@ class KvrouteV2:
     reuse: float = param(0.5, Range(0, 1),
                          "chance an evicted cache block is asked for again (0.5: LRU "
                          "victims are as likely to come back as not)")
-    name: str = "kvroute_v2"
+    name: str = "kvroute"
+    places_replicas: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -214,10 +223,14 @@ class KvrouteV2:
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         """Workers by :meth:`score`, the terms inlined: a decision ranks every worker, and
-        five calls per worker were half of its time at 128 workers."""
+        five calls per worker were half of its time at 128 workers. Over many workers held
+        in a :class:`LoadTable` (the router's), the same sums over its columns
+        (:meth:`rank_columns`)."""
         loads = query.loads
         if not loads:
             return []
+        if len(loads) >= COLUMNS_FROM and isinstance(loads, LoadTable):
+            return self.rank_columns(query, loads)
         p, bs = query.prompt_tokens, query.block_size
         attn, decode, reuse = self.attn, self.decode, self.reuse
         # Each worker's queued_wait, once: the averages need them all before any score.
@@ -253,6 +266,55 @@ class KvrouteV2:
                     cost += reuse * (dup if dup < evicted else evicted)
             costs[w] = cost
         return rank_by_cost(query, costs)
+
+    def rank_columns(self, query: RouteQuery, loads: LoadTable) -> Sequence[Scored]:
+        """:meth:`rank` over ``loads``' columns: each worker's sums as the loop's, operation
+        for operation, so the costs are the loop's but for the averages' last bits (numpy
+        sums pairwise, Python in order)."""
+        names, rows, d = loads.columns()
+        p, bs = query.prompt_tokens, query.block_size
+        attn = self.attn
+        pending, budget = d[Column.PENDING], d[Column.BUDGET]
+        queued = pending + attn * d[Column.CONTEXT]
+        # elapsed: half the first iteration, a budget's worth of a longer queue
+        part = np.ones(len(names))
+        np.divide(budget, pending, out=part, where=(budget > 0) & (budget < pending))
+        queued = np.where(pending > 0, queued - 0.5 * queued * part, queued)
+        n_workers = len(names)
+        arrivals, prefill, waiting = d[Column.ARRIVAL_RATE:Column.WAITING + 1].sum(axis=1)
+        rho = utilisation(prefill * self.unit_s / n_workers, waiting / n_workers,
+                          self.most_busy)
+        k = self.delay * (arrivals / n_workers * self.unit_s / (1.0 - rho))
+        wait_avg = queued.sum() / n_workers
+        c = np.zeros(n_workers)
+        matched = query.matched_blocks
+        at = list(map(rows.get, matched))
+        if None in at:  # a match of a worker with no load: not a candidate
+            kept = [(i, m) for i, m in zip(at, matched.values(), strict=True) if i is not None]
+            at, blocks = [i for i, _ in kept], [m for _, m in kept]
+        else:
+            blocks = matched.values()
+        if at:
+            c[at] = np.minimum(np.fromiter(blocks, float, len(at)) * bs, p)
+        top = c.max()
+        n = p - c
+        own = n * (1.0 + attn * (c + n / 2.0))
+        first = queued + own
+        busy = d[Column.BUSY]
+        iterations = np.ones(n_workers)
+        np.divide(first, budget, out=iterations, where=budget != 0)
+        iterations = np.where(budget != 0, 1.0 + iterations, 1.0)
+        cost = np.where(busy > 0, first + self.decode * busy * iterations, first)
+        cost = cost + (own * k * wait_avg + own * k * (own / 2.0))
+        capacity = d[Column.CAPACITY]
+        evicted = n - np.maximum((capacity - d[Column.CACHED]) * bs, 0.0)
+        pressure = (c < top) & (capacity > 0) & (evicted > 0)
+        cost = np.where(pressure, cost + self.reuse * np.minimum(top - c, evicted), cost)
+        # Not a stable sort, and need not be: equal costs go in rendezvous order after.
+        idx = np.argsort(cost)
+        ranked = cost[idx]
+        tied = np.flatnonzero(ranked[1:] == ranked[:-1]).tolist()
+        return ranking_of(query, names[idx].tolist(), ranked.tolist(), tied)
 
     def costs_by_terms(self, query: RouteQuery) -> dict[str, float]:
         """Every worker's :meth:`score` (the oracle, for tests and docs)."""
