@@ -7,7 +7,7 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "kvroute.core._chainhash",  # block-key hashing (kvroute/core/blocks.py)
+            "kvroute.core._chainhash",  # block-key hashing (core/blocks.py)
             sources=["core/_native/chainhash.c"],
             include_dirs=["vendor/xxhash"],
             extra_compile_args=["-O3"],

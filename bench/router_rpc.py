@@ -12,7 +12,7 @@ A client on loopback then times, interleaved call by call on one channel:
   and a RouteResponse listing every worker;
 * **Route, generated registration** -- the same servicer registered with the generated
   ``add_RouterServicer_to_server`` on a second port: the request's wire bytes are not kept,
-  so its token ids are read from the request re-serialized (``kvroute/core/wire.py``).
+  so its token ids are read from the request re-serialized (``core/wire.py``).
 
 Then the main path: ``Generate`` (one token) through a router in front of ``--agents`` real
 agents (``sim`` engine, no modelled latency), against the same request sent straight to the

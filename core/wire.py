@@ -4,7 +4,7 @@ upb's repeated-field container makes one Python int per element it hands out, at
 each: for an 8k-token prompt ``list(req.token_ids)`` took ~450 µs and ``max()`` ~650 µs,
 several times the whole routing decision. Here the field is read as the bytes of its packed
 encoding (the request's wire bytes parsed by a one-field view message, in C) and its varints
-decoded in C (``kvroute/core/_native/wire.c``) into an ``array('I')``: 4 bytes per id and no
+decoded in C (``core/_native/wire.c``) into an ``array('I')``: 4 bytes per id and no
 objects, which the C block hasher reads in place. The wire bytes are the ones gRPC received
 (the router and the agent keep them: ``kvroute.core.grpc_util.Received``), else the parsed
 request re-serialized (~70 µs for 8k ids), which upb always writes packed.

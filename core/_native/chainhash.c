@@ -1,10 +1,10 @@
-/* kvroute block-key chain in C: the same keys as kvroute/core/blocks.py, ~10x faster.
+/* kvroute block-key chain in C: the same keys as core/blocks.py, ~10x faster.
  *
  *   key_i = XXH3_64(le64(key_{i-1}) || le32(t_{iB}) .. le32(t_{iB+B-1})),  key_{-1} = seed
  *
  * chain_keys(tokens, block_size, seed) -> list[int]
  *   tokens: any sequence of ints in [0, 2**32) (a list, a protobuf repeated field), or a
- *   buffer of native uint32 (array('I'), as kvroute/core/wire.py decodes a request's
+ *   buffer of native uint32 (array('I'), as core/wire.py decodes a request's
  *   token_ids), which is read in place without a Python int per token. Only full blocks
  *   are keyed. Raises OverflowError / TypeError like the pure-Python path. The xxHash header is vendored from xxHash 0.8 (BSD-2-Clause, see
  *   LICENSE.xxhash).
@@ -119,7 +119,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvroute.core._chainhash",
-    "Block-key chain hashing in C (see kvroute/core/blocks.py).", -1, methods,
+    "Block-key chain hashing in C (see core/blocks.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__chainhash(void) { return PyModule_Create(&module); }

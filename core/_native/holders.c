@@ -1,6 +1,6 @@
 /* kvroute holder map in C: block key -> the worker slots holding it, real or predicted.
  *
- * The same map as kvroute/core/holders.py's DictHolders. Its memory is proportional to
+ * The same map as core/holders.py's DictHolders. Its memory is proportional to
  * (key, holder) pairs, not to keys x workers: one open-addressing table (linear probing,
  * backward-shift deletion, load <= 3/4) of 32-byte entries: the 64-bit key, its holder
  * count, and up to INLINE holders inline. A key with more holders points to a heap list of
@@ -1007,7 +1007,7 @@ static PyTypeObject HolderMapType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_holders",
-    "C holder map for kvroute.core.index (see kvroute/core/holders.py).", -1, NULL,
+    "C holder map for kvroute.core.index (see core/holders.py).", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__holders(void) {

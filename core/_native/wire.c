@@ -64,7 +64,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvroute.core._wire",
-    "Protobuf packed-varint decoding in C (see kvroute/core/wire.py).", -1, methods,
+    "Protobuf packed-varint decoding in C (see core/wire.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__wire(void) { return PyModule_Create(&module); }

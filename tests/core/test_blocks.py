@@ -126,7 +126,7 @@ def test_bad_tokens_raise_on_both_paths(native: bool) -> None:
 
 @pytest.mark.parametrize("native", [False, True])
 def test_a_uint32_buffer_hashes_like_its_list(native: bool) -> None:
-    # The router hands the hasher an array('I') decoded off the wire (kvroute/core/wire.py);
+    # The router hands the hasher an array('I') decoded off the wire (core/wire.py);
     # the C path reads it in place, and any other buffer as a sequence of ints.
     import random
     from array import array

@@ -110,7 +110,7 @@ async def test_a_request_refused_before_its_prefill_leaves_no_prediction(cluster
 
 
 async def test_every_encoding_of_token_ids_routes_alike(cluster) -> None:
-    # The router reads the ids from the bytes gRPC received (kvroute/core/wire.py); a client
+    # The router reads the ids from the bytes gRPC received (core/wire.py); a client
     # may write them unpacked or in several packed records, and must get the same answer.
     from kvroute.v1 import common_pb2, router_pb2
 
