@@ -105,6 +105,10 @@ def _with_routes(metrics_app: Any, routes: Mapping[str, DebugRoute]) -> Any:
 # port would start and take half its calls.
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
+REFUSED_FIELD = "kvroute-refused-field"
+"""Trailing metadata of a refusal: the request field it is about (``program.fanout``), so a
+caller reports it by field, not by reading the message."""
+
 
 def new_server(tls: TlsConfig | None = None,
                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:

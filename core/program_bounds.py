@@ -36,11 +36,13 @@ UNLIMITED = math.inf
 
 
 class ProgramBoundsError(Exception):
-    """A program over a limit or malformed in its shape: reported with ``code``."""
+    """A program over a limit or malformed in its shape: reported with ``code``; ``field``
+    the request field it is about (``program.fanout`` for its width, else ``program``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str = "program") -> None:
         super().__init__(message)
         self.code = code
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,8 @@ class _Walk:
         if fanout > lim.max_fanout:
             raise ProgramBoundsError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      f"max_program_fanout: the program can run {fanout} "
-                                     f"branches at once, over the limit of {lim.max_fanout}")
+                                     f"branches at once, over the limit of {lim.max_fanout}",
+                                     field="program.fanout")
         if self.tokens > lim.max_tokens:
             raise ProgramBoundsError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      f"max_program_tokens: the program can produce "

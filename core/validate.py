@@ -10,11 +10,13 @@ from kvroute.v1 import common_pb2
 
 
 class InvalidRequestError(ValueError):
-    """Reported to gRPC callers as INVALID_ARGUMENT with this message."""
+    """Reported to gRPC callers as INVALID_ARGUMENT with this message. ``too_large``: the
+    request is over a size limit (HTTP says 413)."""
 
-    def __init__(self, field: str, problem: str) -> None:
+    def __init__(self, field: str, problem: str, too_large: bool = False) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
+        self.too_large = too_large
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,7 @@ def check_tokens(tokens: Sequence[int], limits: Limits, field: str = "token_ids"
         raise InvalidRequestError(field, "the prompt is empty")
     if len(tokens) > limits.max_prompt_tokens:
         raise InvalidRequestError(field, f"prompt of {len(tokens)} tokens exceeds the limit of "
-                                    f"{limits.max_prompt_tokens}")
+                                         f"{limits.max_prompt_tokens}", too_large=True)
     if top is None:
         top = max(tokens)
     if top >= limits.vocab_size:

@@ -65,9 +65,9 @@ from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
 from kvroute.envoy_api.envoy.type.v3 import http_status_pb2
 from kvroute.router.coalesce import Predicted, predict_sent
 from kvroute.router.decide import Decision
-from kvroute.router.openai_api import OpenAIFront, decode_body
+from kvroute.router.openai_api import OpenAIFront, decode_body, refusal_error
 from kvroute.router.openai_schema import ApiError
-from kvroute.router.refusal import RefusedError
+from kvroute.router.refusal import RefusedError, UnavailableError
 from kvroute.router.registry import WorkerInfo
 from kvroute.router.server import RouterApp, RouterService
 
@@ -174,11 +174,12 @@ def immediate(exc: ApiError) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(immediate_response=resp)
 
 
-def _refusal(exc: RefusedError) -> ApiError:
-    if exc.code == grpc.StatusCode.UNAVAILABLE:
-        return ApiError(503, f"no ready endpoint: {exc.message}", headers={"Retry-After": "1"})
-    status = 413 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else 400
-    return ApiError(status, exc.message, param=exc.field or None)
+def _refusal(exc: RefusedError, prompt_param: str) -> ApiError:
+    """The OpenAI front's error for ``exc``; no ready pod said so."""
+    err = refusal_error(exc, prompt_param)
+    if isinstance(exc, UnavailableError):
+        err.message = f"no ready endpoint: {exc.message}"
+    return err
 
 
 class UsageReader:
@@ -378,9 +379,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                     ) -> tuple[_Routed, list[str]] | ApiError:
         t0 = time.perf_counter()
         path = headers.get(":path", CHAT_PATH).split("?", 1)[0]
+        completions = path.endswith(COMPLETIONS_PATH) and not path.endswith(CHAT_PATH)
         try:
             body = decode_body(raw)
-            if path.endswith(COMPLETIONS_PATH) and not path.endswith(CHAT_PATH):
+            if completions:
                 _, jobs = await self._front.completion_jobs(body)
             else:
                 _, jobs = await self._front.chat_jobs(body, len(raw))
@@ -394,7 +396,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         try:
             _, d = self._service.decide_request(request, api=API, rpc=RPC, t0=t0)
         except RefusedError as exc:
-            return _refusal(exc)
+            return _refusal(exc, "prompt" if completions else "messages")
         rid = request.request_id or uuid.uuid4().hex
         app = self._app
         predicting = (self._cfg.predict_ttl_s > 0 and app.mirror.available and bool(d.keys))

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import grpc
 from aiohttp import web
 
 from kvroute.core.chat_template import ChatTemplateError
@@ -47,12 +46,11 @@ from kvroute.router.openai_schema import (
     parse_chat,
     parse_completion,
 )
-from kvroute.router.refusal import RefusedError
+from kvroute.router.refusal import InvalidError, RefusedError, UnsupportedError
 from kvroute.v1 import common_pb2, program_pb2
 
 log = logging.getLogger("kvroute.router.http")
 
-RETRY_AFTER_S = 1
 """``Retry-After`` of a 503: workers come back within a heartbeat or two."""
 SHUTDOWN_S = 2.0
 """How long a stopping router lets open HTTP streams finish before it cancels them."""
@@ -66,7 +64,7 @@ INLINE_BODY_BYTES = 4096
 # GenerateRequest fields (core/validate.py names them) as the request's fields.
 _PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
            "sampling.top_p": "top_p", "sampling.stop_token_ids": "stop", "model": "model",
-           "cache_salt": "cache_salt", "request_id": None}
+           "cache_salt": "cache_salt", "request_id": None, "program.fanout": "n"}
 
 
 class Generator(Protocol):
@@ -221,27 +219,19 @@ def _charge(request: web.Request, jobs: Sequence[Job]) -> None:
 
 def refusal_error(exc: RefusedError, prompt_param: str,
                   program_params: Sequence[str] = ()) -> ApiError:
-    """The HTTP error a refusal of the generation path is. ``program_params``: the request's
-    fields that made it a program (:attr:`Generation.program_params`); a worker refusing the
-    program names the first."""
-    if exc.shed:
-        return ApiError(429, exc.message, code="rate_limit_exceeded",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+    """The HTTP error a refusal of the generation path is: its type's status and code, the
+    parameter its field is. ``program_params``: the request's fields that made it a program
+    (:attr:`Generation.program_params`); a refused program not about one field names the
+    first."""
+    param: str | None = None
+    if isinstance(exc, InvalidError):
         param = _PARAMS.get(exc.field, prompt_param) if exc.field else None
-        status = 413 if param == prompt_param and "exceeds the limit" in exc.message else 400
-        return ApiError(status, exc.message, param=param)
-    if exc.code == grpc.StatusCode.UNAVAILABLE:
-        return ApiError(503, exc.message, code="no_worker_available",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
-                    grpc.StatusCode.UNIMPLEMENTED):
-        # The worker refused what the request asks of it (a program limit, a constraint
-        # its engine cannot apply): the request's to change.
-        low = exc.message.lower()
-        param = "n" if "fanout" in low else (program_params[0] if program_params else None)
-        return ApiError(400, exc.message, param=param, code=exc.code.name.lower())
-    return ApiError(502, exc.message, code=exc.code.name.lower())
+    elif isinstance(exc, UnsupportedError):
+        param = _PARAMS[exc.field] if exc.field in _PARAMS else \
+            (program_params[0] if program_params else None)
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
+    return ApiError(exc.http_status, exc.message, param=param, code=exc.error_code,
+                    headers=headers)
 
 
 class OpenAIFront:

@@ -28,7 +28,7 @@ from kvroute.core.config import RouterConfig
 from kvroute.core.model_source import ModelSourceError, parse_model_option
 from kvroute.core.tokenizer import Tokenizer, make_tokenizer
 from kvroute.core.validate import InvalidRequestError
-from kvroute.router.refusal import RefusedError
+from kvroute.router.refusal import RefusedError, ShedError, UnavailableError, invalid_request
 from kvroute.v1 import common_pb2, router_pb2
 
 log = logging.getLogger("kvroute.router.pools")
@@ -172,9 +172,6 @@ class Shedder:
             self.inflight -= 1
 
 
-SHED_RETRY_AFTER_S = 1
-"""``Retry-After`` of a request shed past ``--max-inflight``."""
-
 
 class PooledService:
     """The router's RPCs and generation path over its pools (gRPC and HTTP both enter here):
@@ -217,14 +214,14 @@ class PooledService:
 
     def _service(self, pool: ModelPool) -> PoolService:
         if pool.service is None:
-            raise RefusedError(grpc.StatusCode.UNAVAILABLE, "the router is starting")
+            raise UnavailableError("the router is starting")
         return pool.service
 
     def invalid(self, method: str, api: str = "grpc") -> None:
         self._requests.labels(api, method, "invalid").inc()
 
     def admit(self, api: str) -> None:
-        """Shed now (RefusedError, counted) if the router is at ``--max-inflight``: the HTTP
+        """Shed now (a ShedError, counted) if the router is at ``--max-inflight``: the HTTP
         front asks before it reads and tokenizes a body."""
         if self.shedder.full:
             raise self.shed_error(api)
@@ -232,10 +229,8 @@ class PooledService:
     def shed_error(self, api: str) -> RefusedError:
         """Count a request shed and say why (RESOURCE_EXHAUSTED; HTTP 429)."""
         self._requests.labels(api, "Generate", "shed").inc()
-        return RefusedError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"the router is serving its most requests at once "
-                            f"({self.shedder.limit}, --max-inflight); retry shortly",
-                            shed=True)
+        return ShedError(f"the router is serving its most requests at once "
+                         f"({self.shedder.limit}, --max-inflight); retry shortly")
 
     async def generate(self, request: common_pb2.GenerateRequest, wire: bytes | None = None,
                        api: str = "grpc", deadline: float | None = None,
@@ -247,7 +242,7 @@ class PooledService:
             pool = self._admit_request(request)
         except InvalidRequestError as exc:
             self.invalid("Generate", api)
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
+            raise invalid_request(exc) from None
         if request.model != model:
             wire = None  # rewritten (an adapter's): its wire bytes are not what goes on
         self.admit(api)

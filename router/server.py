@@ -64,7 +64,13 @@ from kvroute.router.pools import (
     load_models,
     parse_adapters,
 )
-from kvroute.router.refusal import RefusedError
+from kvroute.router.refusal import (
+    RefusedError,
+    UnavailableError,
+    UnsupportedError,
+    invalid_request,
+    refused_field,
+)
 from kvroute.router.registry import Vocabulary, WorkerRegistry, parse_static
 from kvroute.router.shared import SharedDecisions
 from kvroute.router.trust import ClaimAudit, promised_tokens
@@ -224,13 +230,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return tokens, self._decide(tokens, request, t0)
         except InvalidRequestError as exc:
             self.invalid(rpc, api)
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
+            raise invalid_request(exc) from None
         except ProgramBoundsError as exc:
             self.invalid(rpc, api)
-            raise RefusedError(exc.code, str(exc), "program") from None
+            raise UnsupportedError(exc.code, str(exc), exc.field) from None
         except NoWorkersError as exc:
             self._m.requests.labels(api, rpc, "unavailable").inc()
-            raise RefusedError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            raise UnavailableError(str(exc)) from None
 
     async def generate(
         self, request: common_pb2.GenerateRequest, wire: bytes | None = None,
@@ -385,13 +391,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if started:
                 # Tokens already reached the client: a retry would repeat them.
                 self._m.requests.labels(api, "Generate", "failed_midstream").inc()
-                raise RefusedError(grpc.StatusCode.UNAVAILABLE,
-                                   f"worker {w} failed mid-stream after {tokens_out} tokens "
-                                   f"were sent (retrying repeats them): {failure.details()}",
-                                   midstream=True, sent=tokens_out)
+                raise UnavailableError(f"worker {w} failed mid-stream after {tokens_out} tokens "
+                                  f"were sent (retrying repeats them): {failure.details()}",
+                                  midstream=True, sent=tokens_out)
             if failure.code() in _REQUEST_CAUSED:
                 self._m.requests.labels(api, "Generate", "rejected").inc()
-                raise RefusedError(failure.code(), f"worker {w}: {failure.details()}")
+                raise UnsupportedError(failure.code(), f"worker {w}: {failure.details()}",
+                                  refused_field(failure))
             if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None \
                     and time.monotonic() >= deadline - 0.05:
                 # The client's own deadline (the call's), not the worker's fault.
@@ -405,8 +411,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                       "details": failure.details()}})
             self._registry.mark_down(w, _DOWN_S, f"{failure.code().name}: {failure.details()}")
         self._m.requests.labels(api, "Generate", "unavailable").inc()
-        raise RefusedError(grpc.StatusCode.UNAVAILABLE,
-                           "no worker could serve the request: " + "; ".join(errors))
+        raise UnavailableError("no worker could serve the request: " + "; ".join(errors))
 
     async def coalesce(self, d: Decision, rid: str, api: str) -> tuple[Decision, bool]:
         """Coalescing: when the chosen worker matched the prompt's prefix only by a

@@ -15,6 +15,7 @@ import grpc
 from kvroute.core.agent_client import AgentChannels
 from kvroute.core.config import AgentConfig
 from kvroute.core.grpc_util import (
+    REFUSED_FIELD,
     HealthPort,
     add_handlers,
     add_standard_services,
@@ -168,7 +169,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
                 request.program, request.placement if request.HasField("placement") else None)
         except ProgramError as exc:
             self._m.requests.labels("invalid").inc()
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc), ((REFUSED_FIELD, exc.field),))
         except Exception as exc:  # a bug of the checks': said, not an opaque UNKNOWN
             log.exception("program check failed unexpectedly")
             self._m.requests.labels("invalid").inc()
@@ -192,7 +193,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
             yield
         except ProgramError as exc:
             self._m.requests.labels("invalid").inc()
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc), ((REFUSED_FIELD, exc.field),))
         except RequestRefusedError as exc:
             self._m.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode[exc.code], f"engine: {exc}")

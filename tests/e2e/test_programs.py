@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvroute.router.refusal import refused_field
 from kvroute.v1 import common_pb2, program_pb2, router_pb2_grpc, worker_agent_pb2_grpc
 from kvroute.v1 import program_pb2 as P  # noqa: N812 - short name for step builders
 from tests.support import wait_for
@@ -300,6 +301,9 @@ async def test_every_limit_is_enforced_before_any_engine_work(cluster, steps, co
             await run(router.port if via_router else a.port, steps, router=via_router)
         assert err.value.code() == code
         assert limit in err.value.details()
+        if not via_router:  # the field it is about travels with it, for the router's fronts
+            fanout = limit == "max_program_fanout"
+            assert refused_field(err.value) == ("program.fanout" if fanout else "program")
     assert a.engine.stats.admitted == 0
 
 

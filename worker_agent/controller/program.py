@@ -48,11 +48,13 @@ class SelectMode(IntEnum):
 
 
 class ProgramError(Exception):
-    """A program the agent will not run (or that failed): reported with ``code``."""
+    """A program the agent will not run (or that failed): reported with ``code``, and the
+    request field it is about (``field``) in the status's trailing metadata."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str = "program") -> None:
         super().__init__(message)
         self.code = code
+        self.field = field
 
 
 def _invalid(where: str, problem: str) -> ProgramError:
@@ -312,7 +314,7 @@ def check_program(p: program_pb2.ControllerProgram, limits: ProgramLimits) -> Pl
                                                max_tokens=limits.max_tokens,
                                                max_steps=limits.max_steps))
     except ProgramBoundsError as exc:
-        raise ProgramError(exc.code, str(exc)) from None
+        raise ProgramError(exc.code, str(exc), exc.field) from None
     walk = _Walk(limits, constraints={})
     program = walk.program(p, "program")
     assert walk.constraints is not None
