@@ -39,7 +39,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -63,8 +63,8 @@ from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as ep_grpc,
 )
 from kvroute.envoy_api.envoy.type.v3 import http_status_pb2
-from kvroute.router.coalesce import Predicted, predict_sent
 from kvroute.router.decide import Decision
+from kvroute.router.lifecycle import Stay
 from kvroute.router.openai_api import OpenAIFront, decode_body, refusal_error
 from kvroute.router.openai_schema import ApiError
 from kvroute.router.refusal import RefusedError, UnavailableError
@@ -237,18 +237,13 @@ def _count(v: Any) -> bool:
 
 @dataclass
 class _Routed:
-    """What the decision added to the registry and the index, undone as the response goes."""
+    """A request sent to ``endpoint``: its stay on the worker behind it (router/lifecycle.py),
+    undone as the response goes."""
 
-    worker: str
+    stay: Stay
     endpoint: str
-    uncached: int
-    attended: int
-    stored: asyncio.Event = field(default_factory=asyncio.Event)
-    predicted: Predicted | None = None
     t0: float = 0.0  # when the request's body was complete (perf_counter)
-    started: bool = False  # the response's first bytes seen: the prefill is done
     status_ok: bool = True  # the upstream answered 2xx
-    ended: bool = False
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -345,7 +340,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
                 elif kind == "response_body":
                     chunk = msg.response_body
-                    if routed is not None and not routed.started:
+                    if routed is not None and not routed.stay.started:
                         # The first bytes: a streamed response's first token (an engine
                         # sends its headers before it), a whole response's end.
                         self._first_token(routed, ok=routed.status_ok)
@@ -369,8 +364,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         finally:
             # However the stream ended (the client gone, the gateway's timeout), the load
             # and the predictions this request added are undone.
-            if routed is not None and not routed.ended:
-                self._first_token(routed, ok=routed.started)
+            if routed is not None and not routed.stay.ended:
+                self._first_token(routed, ok=routed.stay.started)
                 self._finish(routed, "cancelled")
 
     # -- deciding --------------------------------------------------------------------------
@@ -409,13 +404,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                             if subset is not None else "no ready endpoint",
                             headers={"Retry-After": "1"})
         (w, endpoint), rest = chosen[0], chosen[1:]
-        uncached, attended = d.prefill(w)
-        routed = _Routed(w, endpoint, uncached, attended, t0=t0)
-        app.registry.begin(w, uncached, context=attended)
-        if predicting:
-            routed.predicted = predict_sent(app.mirror.index, self._service.inflight,
-                                            routed.stored, w, d.keys, uncached,
-                                            self._cfg.predict_ttl_s)
+        stay = self._service.lifecycle.begin(rid, w, *d.prefill(w), d.keys, predict=predicting)
+        routed = _Routed(stay, endpoint, t0=t0)
         app.metrics.routed.labels(w).inc()
         log.debug("picked", extra={"kv": {"request": rid, "worker": w, "endpoint": endpoint,
                                           "cached_tokens": d.cached_tokens(w)}})
@@ -457,31 +447,20 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return
         for info in self._app.registry.all():
             if engine_endpoint(info, self._cfg.epp_target_port) == served:
-                reg = self._app.registry
-                reg.first_token(r.worker, r.uncached, r.attended)
-                reg.end(r.worker)
-                self._withdraw(r)
-                r.worker, r.endpoint, r.attended = info.worker_id, served, 0
-                reg.begin(r.worker, r.uncached)
+                self._service.lifecycle.move(r.stay, info.worker_id)
+                r.endpoint = served
                 return
 
     def _first_token(self, r: _Routed, ok: bool) -> None:
-        if r.started:
+        if r.stay.started:
             return
-        r.started = True
-        self._app.registry.first_token(r.worker, r.uncached, r.attended)
+        life = self._service.lifecycle
+        life.first_token(r.stay)
         if not ok:
-            self._withdraw(r)  # an error response stored nothing
-        self._service.release(r.stored)
-
-    def _withdraw(self, r: _Routed) -> None:
-        if r.predicted is not None:
-            self._app.metrics.withdrawn.inc(r.predicted.withdraw(self._app.mirror.index))
-            r.predicted = None
-        self._service.release(r.stored)
+            life.withdraw(r.stay)  # an error response stored nothing
 
     def _end(self, r: _Routed, usage: UsageReader | None) -> None:
-        if r.ended:
+        if r.stay.ended:
             return
         self._first_token(r, ok=True)
         if usage is not None:
@@ -491,11 +470,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self._finish(r, "ok" if r.status_ok else "upstream_error")
 
     def _finish(self, r: _Routed, outcome: str) -> None:
-        r.ended = True
-        if outcome != "ok" and not r.started:
-            self._withdraw(r)
-        self._service.release(r.stored)
-        self._app.registry.end(r.worker)
+        life = self._service.lifecycle
+        if outcome != "ok" and not r.stay.started:
+            life.withdraw(r.stay)
+        life.end(r.stay)
         self._app.metrics.requests.labels(API, RPC, outcome).inc()
 
 

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -48,11 +49,12 @@ from kvroute.core.validate import (
 )
 from kvroute.core.wire import request_token_ids, with_string_field
 from kvroute.router.auth import api_interceptors, api_middlewares, load_key_ring
-from kvroute.router.coalesce import InflightPrefixes, predict_sent
+from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.copies import PrefixCopier
 from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_confirmed
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
 from kvroute.router.http_guard import GuardCollector
+from kvroute.router.lifecycle import Lifecycle, Stay
 from kvroute.router.lost import Probe
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
@@ -74,7 +76,7 @@ from kvroute.router.refusal import (
 from kvroute.router.registry import Vocabulary, WorkerRegistry, parse_static
 from kvroute.router.shared import SharedDecisions
 from kvroute.router.trust import ClaimAudit, promised_tokens
-from kvroute.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvroute.v1 import common_pb2, program_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("kvroute.router")
 
@@ -103,6 +105,35 @@ def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
     })
 
 
+@dataclass(slots=True, eq=False)
+class _Outgoing:
+    """A request as it goes to workers: the bytes it came in (``payload``) or a rewritten
+    message (``fwd``), and what a program weighs: ``fanout`` sequences and ``extra``
+    prefill tokens on its worker, its fork segment (``seg``, ``weights``) for overflow."""
+
+    rid: str
+    decode_text: bool = False
+    payload: bytes | None = None
+    fwd: common_pb2.GenerateRequest = field(default_factory=common_pb2.GenerateRequest)
+    program: program_pb2.ControllerProgram | None = None
+    fanout: int = 1
+    extra: int = 0
+    seg: ForkSegment | None = None
+    weights: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Attempt:
+    """One worker's try: its stay, the tokens it sent, how it failed (None: it did not)."""
+
+    worker: str
+    address: str
+    timeout: float | None
+    stay: Stay | None = None
+    tokens_out: int = 0
+    failure: grpc.aio.AioRpcError | HungWorkerError | None = None
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, cfg: RouterConfig, decider: Decider, mirror: IndexMirror,
                  registry: WorkerRegistry, channels: AgentChannels, metrics: RouterMetrics,
@@ -125,10 +156,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(cfg.coalesce_share)
         if mirror.shared is not None:
             mirror.shared.inflight = self._inflight  # others' prefills are waited for too
+        # Every request's stay on a worker, begun and ended alike (the endpoint picker's too).
+        self.lifecycle = self._life = Lifecycle(registry, mirror, self._inflight, metrics,
+                                                cfg.predict_ttl_s)
         # The policy's background copies of hot prefixes, if it places any.
         policy = decider.policy
         self.copier = PrefixCopier(policy.replica if policy.places_replicas else None, registry,
-                                   channels, mirror, self._inflight, self.release, metrics,
+                                   channels, mirror, self._inflight, self._life.release, metrics,
                                    decider.block_size, cfg.predict_ttl_s, cfg.max_copies,
                                    cfg.copy_timeout_s)
 
@@ -251,167 +285,160 @@ class RouterService(router_pb2_grpc.RouterServicer):
         probed and left for the next-best when hung (core/liveness.py)."""
         t0 = time.perf_counter()
         tokens, d = self.decide_request(request, wire, api=api, t0=t0)
-
-        rid = request.request_id or uuid.uuid4().hex
-        # A plain request goes on as the bytes it came in, with the router's request id
-        # appended when it had none: serializing an 8k-token prompt again costs ~0.2 ms (32k:
-        # ~0.8 ms). A text prompt, a program or a client's placement is rewritten instead.
-        payload = None
-        if wire is not None and not request.text and not request.HasField("program") \
-                and not request.HasField("placement"):
-            payload = wire if request.request_id else with_string_field(wire, "request_id", rid)
-        relay = payload is not None
-        fwd = common_pb2.GenerateRequest()
-        if not relay:
-            fwd.CopyFrom(request)
-            fwd.request_id = rid
-            if request.text:
-                fwd.ClearField("text")
-                fwd.token_ids.extend(tokens)
-        decode_text = bool(request.text) and self._tok is not None
-        errors: list[str] = []
-        # A program's branches run on the chosen worker (they weigh on its load as that many
-        # sequences until it finishes), except fork children it has no room for.
-        program = request.program if request.HasField("program") else None
-        # Its fast-forwards are prefill work too, pending until the program ends.
-        fanout, extra = program_load(program) if program is not None else (1, 0)
-        seg = fork_segment(program) if program is not None and self._cfg.program_overflow \
-            else None
-        weights = seg.weights() if seg is not None else []
+        out = self._outgoing(request, wire, tokens)
         predicting = self._cfg.predict_ttl_s > 0 and self._mirror.available and bool(d.keys)
         waited = False
         if predicting:
-            d, waited = await self.coalesce(d, rid, api)
-        if program is None:
-            self.copier.maybe_copy(d, tokens, request, rid)
-        sent = 0
-        tokens_out = 0
-        for cand in d.ranked:
-            if sent >= _MAX_ATTEMPTS:
-                break
-            w = cand.worker
-            info = self._registry.get(w)
-            if info is None or (waited and w not in self._registry.loads):
-                # Gone, or marked down while this request waited (its producer's): skipped,
-                # it does not use up the retry on the next-best.
-                continue
-            if sent:
-                self._m.retries.inc()  # a worker skipped above is not a retry
-            sent += 1
+            d, waited = await self.coalesce(d, out.rid, api)
+        if out.program is None:
+            self.copier.maybe_copy(d, tokens, request, out.rid)
+        errors: list[str] = []
+        for w, address in self._candidates(d, waited):
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 self._m.requests.labels(api, "Generate", "deadline").inc()
                 raise RefusedError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    "the request's deadline passed before a worker answered")
-            overflow = () if relay else self._place(fwd, seg, weights, w, d)
-            self._m.overflow.inc(sum(len(o.children) for o in overflow))
-            if overflow:
-                log.info("program fork split across workers", extra={"kv": {
-                    "request": rid, "worker": w,
-                    "overflow": {o.worker: list(o.children) for o in overflow}}})
-            uncached, attended = d.prefill(w)
-            promised = self._promised(d, w, len(tokens)) if program is None else 0
-            local = max(1, fanout - sum(o.weight for o in overflow))
-            self._registry.begin(w, uncached + extra, local, context=attended)
-            # Overflow workers' prefill is pending until their first chunk comes back.
-            away = {o.worker: d.prefill(o.worker) for o in overflow}  # tokens, context
-            for o in overflow:
-                n, attends = away[o.worker]
-                self._registry.begin(o.worker, n, o.weight, context=attends)
-            started = False
-            done = False
-            failure: grpc.aio.AioRpcError | HungWorkerError | None = None
-            call = (self._channels.generate_wire(info.address)(payload, timeout=timeout)
-                    if payload is not None
-                    else self._channels.stub(info.address).Generate(fwd, timeout=timeout))
-            stored = asyncio.Event()  # set at this attempt's first token, or when it ends
-            predicted = None
-            if predicting:
-                # Siblings arriving before this request's store events find it here, and
-                # wait for its first token (see _await_producer). Added just before the
-                # try whose finally releases it, so no path leaves it behind.
-                # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
-                predicted = predict_sent(self._mirror.index, self._inflight, stored, w,
-                                         d.keys, uncached, self._cfg.predict_ttl_s)
-            shared = self._mirror.shared
-            # The other routers count this prefill until its first token (router/shared.py).
-            share_id = (shared.sent(rid, w, uncached + extra, attended,
-                                    predicted.keys if predicted is not None else ())
-                        if shared is not None else None)
-            try:
-                async for resp in watched(call, self._probe, info.address,
-                                          self._cfg.connect_timeout_s / 2):
-                    if not started:
-                        started = True
-                        if shared is not None and share_id is not None:
-                            shared.done(share_id)
-                            share_id = None
-                        self.release(stored)
-                        self._registry.first_token(w, uncached, attended)
-                        self._m.ttft.observe(time.perf_counter() - t0)
-                        self._m.routed.labels(w).inc()
-                        resp.ttft_ms = (time.perf_counter() - t0) * 1000
-                    if away and resp.worker_id in away:
-                        self._registry.first_token(resp.worker_id, *away.pop(resp.worker_id))
-                    if decode_text and resp.token_ids:
-                        resp.text = self._tok.decode(resp.token_ids)  # type: ignore[union-attr]
-                    if resp.HasField("usage"):
-                        self._m.prompt_tokens.inc(resp.usage.prompt_tokens)
-                        self._m.cached_tokens.inc(resp.usage.cached_tokens)
-                        if promised:
-                            self._audit(w, promised, resp.usage.cached_tokens)
-                    tokens_out += len(resp.token_ids)
-                    yield resp
-                done = True
-            except (grpc.aio.AioRpcError, HungWorkerError) as exc:
-                failure = exc
-            finally:
-                # Every begin() gets its end(), however the attempt ended (the client may
-                # cancel or close the stream at any await or yield).
-                self.release(stored)
-                if shared is not None and share_id is not None:
-                    shared.done(share_id)
-                self._registry.first_token(w, (0 if started else uncached) + extra,
-                                           0 if started else attended)
-                self._registry.end(w, local)
-                for o in overflow:
-                    if o.worker in away:
-                        self._registry.first_token(o.worker, *away.pop(o.worker))
-                    self._registry.end(o.worker, o.weight)
-                if not done and failure is None:
-                    call.cancel()
-                    self._m.requests.labels(api, "Generate", "cancelled").inc()
-            if done:
+            attempt = _Attempt(w, address, timeout)
+            async for resp in self._attempt(attempt, out, d, len(tokens), predicting, t0, api):
+                yield resp
+            if attempt.failure is None:
                 self._m.requests.labels(api, "Generate", "ok").inc()
                 return
-            assert failure is not None
-            if predicted is not None and not started:
-                # Refused or failed before its prefill: nothing will store those blocks.
-                self._m.withdrawn.inc(predicted.withdraw(self._mirror.index))
-            if started:
-                # Tokens already reached the client: a retry would repeat them.
-                self._m.requests.labels(api, "Generate", "failed_midstream").inc()
-                raise UnavailableError(f"worker {w} failed mid-stream after {tokens_out} tokens "
-                                  f"were sent (retrying repeats them): {failure.details()}",
-                                  midstream=True, sent=tokens_out)
-            if failure.code() in _REQUEST_CAUSED:
-                self._m.requests.labels(api, "Generate", "rejected").inc()
-                raise UnsupportedError(failure.code(), f"worker {w}: {failure.details()}",
-                                  refused_field(failure))
-            if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None \
-                    and time.monotonic() >= deadline - 0.05:
-                # The client's own deadline (the call's), not the worker's fault.
-                self._m.requests.labels(api, "Generate", "deadline").inc()
-                raise RefusedError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"worker {w}: the request's deadline passed")
-            errors.append(f"{w}: {failure.code().name} {failure.details()}")
-            log.warning("agent failed before first token; trying next-best",
-                        extra={"kv": {"worker": w, "request": rid,
-                                      "code": failure.code().name,
-                                      "details": failure.details()}})
-            self._registry.mark_down(w, _DOWN_S, f"{failure.code().name}: {failure.details()}")
+            errors.append(self._failed(attempt, out.rid, api, deadline))
         self._m.requests.labels(api, "Generate", "unavailable").inc()
         raise UnavailableError("no worker could serve the request: " + "; ".join(errors))
+
+    def _outgoing(self, request: common_pb2.GenerateRequest, wire: bytes | None,
+                  tokens: Sequence[int]) -> _Outgoing:
+        """What goes to a worker. A plain request goes on as the bytes it came in, with the
+        router's request id appended when it had none: serializing an 8k-token prompt again
+        costs ~0.2 ms (32k: ~0.8 ms). A text prompt, a program or a client's placement is
+        rewritten instead."""
+        rid = request.request_id or uuid.uuid4().hex
+        out = _Outgoing(rid, decode_text=bool(request.text) and self._tok is not None)
+        if wire is not None and not request.text and not request.HasField("program") \
+                and not request.HasField("placement"):
+            out.payload = wire if request.request_id else with_string_field(wire, "request_id",
+                                                                            rid)
+            return out
+        out.fwd.CopyFrom(request)
+        out.fwd.request_id = rid
+        if request.text:
+            out.fwd.ClearField("text")
+            out.fwd.token_ids.extend(tokens)
+        if request.HasField("program"):
+            # A program's branches run on the chosen worker (they weigh on its load as that
+            # many sequences until it finishes), except fork children it has no room for;
+            # its fast-forwards are prefill work too, pending until the program ends.
+            out.program = request.program
+            out.fanout, out.extra = program_load(out.program)
+            if self._cfg.program_overflow:
+                out.seg = fork_segment(out.program)
+                out.weights = out.seg.weights() if out.seg is not None else []
+        return out
+
+    def _candidates(self, d: Decision, waited: bool) -> Iterator[tuple[str, str]]:
+        """(worker, address) to try, best first: the chosen one and the next-best once.
+        A worker gone, or marked down while this request waited (its producer's), is
+        skipped and does not use up the retry."""
+        sent = 0
+        for cand in d.ranked:
+            if sent >= _MAX_ATTEMPTS:
+                return
+            info = self._registry.get(cand.worker)
+            if info is None or (waited and cand.worker not in self._registry.loads):
+                continue
+            if sent:
+                self._m.retries.inc()
+            sent += 1
+            yield cand.worker, info.address
+
+    async def _attempt(self, a: _Attempt, out: _Outgoing, d: Decision, prompt_tokens: int,
+                       predicting: bool, t0: float, api: str
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """One worker's try: its stay (and its overflow workers') begun, its responses
+        streamed, the stay ended however it ends; ``a.failure`` says how it failed."""
+        w = a.worker
+        overflow = () if out.payload is not None else \
+            self._place(out.fwd, out.seg, out.weights, w, d)
+        self._m.overflow.inc(sum(len(o.children) for o in overflow))
+        if overflow:
+            log.info("program fork split across workers", extra={"kv": {
+                "request": out.rid, "worker": w,
+                "overflow": {o.worker: list(o.children) for o in overflow}}})
+        promised = self._promised(d, w, prompt_tokens) if out.program is None else 0
+        a.stay = stay = self._life.begin(
+            out.rid, w, *d.prefill(w), d.keys, extra=out.extra,
+            weight=max(1, out.fanout - sum(o.weight for o in overflow)), predict=predicting)
+        # Overflow workers' prefill is pending until their first chunk comes back.
+        away = {o.worker: self._life.begin(out.rid, o.worker, *d.prefill(o.worker),
+                                           weight=o.weight) for o in overflow}
+        call = (self._channels.generate_wire(a.address)(out.payload, timeout=a.timeout)
+                if out.payload is not None
+                else self._channels.stub(a.address).Generate(out.fwd, timeout=a.timeout))
+        done = False
+        try:
+            async for resp in watched(call, self._probe, a.address,
+                                      self._cfg.connect_timeout_s / 2):
+                if not stay.started:
+                    self._life.first_token(stay)
+                    self._m.ttft.observe(time.perf_counter() - t0)
+                    self._m.routed.labels(w).inc()
+                    resp.ttft_ms = (time.perf_counter() - t0) * 1000
+                if resp.worker_id in away:
+                    self._life.first_token(away[resp.worker_id])
+                if out.decode_text and resp.token_ids:
+                    resp.text = self._tok.decode(resp.token_ids)  # type: ignore[union-attr]
+                if resp.HasField("usage"):
+                    self._m.prompt_tokens.inc(resp.usage.prompt_tokens)
+                    self._m.cached_tokens.inc(resp.usage.cached_tokens)
+                    if promised:
+                        self._audit(w, promised, resp.usage.cached_tokens)
+                a.tokens_out += len(resp.token_ids)
+                yield resp
+            done = True
+        except (grpc.aio.AioRpcError, HungWorkerError) as exc:
+            a.failure = exc
+        finally:
+            # However the attempt ended (the client may cancel or close the stream at any
+            # await or yield), what it added is undone.
+            self._life.end(stay)
+            for other in away.values():
+                self._life.end(other)
+            if not done and a.failure is None:
+                call.cancel()
+                self._m.requests.labels(api, "Generate", "cancelled").inc()
+
+    def _failed(self, a: _Attempt, rid: str, api: str, deadline: float | None) -> str:
+        """After a failed attempt: the refusal to raise when a retry cannot help (output
+        sent, the request's own fault, its deadline passed); else the worker is marked down
+        and the error returned for the next-best's turn."""
+        failure, w = a.failure, a.worker
+        assert failure is not None and a.stay is not None
+        if a.stay.started:
+            # Tokens already reached the client: a retry would repeat them.
+            self._m.requests.labels(api, "Generate", "failed_midstream").inc()
+            raise UnavailableError(f"worker {w} failed mid-stream after {a.tokens_out} "
+                                   f"tokens were sent (retrying repeats them): "
+                                   f"{failure.details()}", midstream=True, sent=a.tokens_out)
+        self._life.withdraw(a.stay)  # refused or failed before its prefill
+        if failure.code() in _REQUEST_CAUSED:
+            self._m.requests.labels(api, "Generate", "rejected").inc()
+            assert isinstance(failure, grpc.aio.AioRpcError)
+            raise UnsupportedError(failure.code(), f"worker {w}: {failure.details()}",
+                                   refused_field(failure))
+        if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None \
+                and time.monotonic() >= deadline - 0.05:
+            # The client's own deadline (the call's), not the worker's fault.
+            self._m.requests.labels(api, "Generate", "deadline").inc()
+            raise RefusedError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"worker {w}: the request's deadline passed")
+        log.warning("agent failed before first token; trying next-best",
+                    extra={"kv": {"worker": w, "request": rid, "code": failure.code().name,
+                                  "details": failure.details()}})
+        self._registry.mark_down(w, _DOWN_S, f"{failure.code().name}: {failure.details()}")
+        return f"{w}: {failure.code().name} {failure.details()}"
 
     async def coalesce(self, d: Decision, rid: str, api: str) -> tuple[Decision, bool]:
         """Coalescing: when the chosen worker matched the prompt's prefix only by a
@@ -476,20 +503,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         "for a while", extra={"kv": {
                             "worker": worker, "shortfall": round(shortfall, 2),
                             "demoted_s": DEMOTE_S}})
-
-    def release(self, stored: asyncio.Event) -> None:
-        """This request's prefix is stored (first token) or it ended: wake its siblings."""
-        if not stored.is_set():
-            stored.set()
-            self._inflight.drop(stored)
-
-    # -- kvroute epp (router/epp.py), whose gateway carries the request, calls inflight,
-    # coalesce() and release() itself: the same coalescing and predictions as generate().
-
-    @property
-    def inflight(self) -> InflightPrefixes[asyncio.Event]:
-        """Requests sent on with predicted entries whose first token has not come back."""
-        return self._inflight
 
     def _place(self, fwd: common_pb2.GenerateRequest, seg: ForkSegment | None,
                weights: list[int], worker: str, d: Decision) -> tuple[Overflow, ...]:
