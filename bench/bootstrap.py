@@ -68,25 +68,28 @@ class StoresNothing:
         return getattr(self._index, name)
 
 
-class ReadsOnly(IndexMirror):
+def reads_only(mirror: IndexMirror) -> IndexMirror:
     """The baseline's mirror: the bootstrap as it runs, every snapshot read from Redis and
-    parsed, into an index that stores nothing (whichever index the mirror makes)."""
+    parsed, into an index that stores nothing (whichever index the cache makes)."""
+    cache = mirror.cache
+    reset = cache.reset
 
-    @property
-    def index(self) -> PrefixIndex:
-        return self._index
+    def storing_nothing() -> None:
+        reset()
+        cache.index = StoresNothing(cache.index)  # type: ignore[assignment]
 
-    @index.setter
-    def index(self, value: PrefixIndex) -> None:
-        self._index = StoresNothing(value)  # type: ignore[assignment]
+    cache.reset = storing_nothing  # type: ignore[method-assign]
+    return mirror
 
 
 async def bootstrap(url: str, keys: RedisKeys, mode: str) -> tuple[float, int]:
     """One bootstrap's seconds and entries: ``mode`` "dump" (the mirror as it runs),
     "smembers" (its fallback read for every snapshot) or "reads" (the baseline)."""
     r = connect(url, block_timeout_s=0.5)
-    mirror = (ReadsOnly if mode == "reads" else IndexMirror)(r, keys, WorkerRegistry({}, BLOCK))
-    mirror._dump = mode != "smembers"
+    mirror = IndexMirror(r, keys, WorkerRegistry({}, BLOCK))
+    if mode == "reads":
+        reads_only(mirror)
+    mirror.snapshots.dump = mode != "smembers"
     t = time.perf_counter()
     await mirror._bootstrap()
     dt = time.perf_counter() - t

@@ -382,7 +382,7 @@ async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis
     try:
         seen = set()
         for _ in range(300):
-            meta, members = await mirror._read_snapshot("w")
+            meta, members = await mirror.snapshots.read("w")
             if not meta:
                 continue  # before the first write
             seq = int(meta[b"seq"])
@@ -427,6 +427,6 @@ async def test_a_bootstrap_reads_snapshots_whole_and_falls_back_to_smembers(
         # every read is SMEMBERS and none of them is.
         assert m.stats.snapshot_smembers == (1 if dump_allowed else 0)
         assert ("refuses DUMP" in caplog.text) is not dump_allowed
-        assert m._dump is dump_allowed
+        assert m.snapshots.dump is dump_allowed
     finally:
         await m.stop(task)

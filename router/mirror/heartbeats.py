@@ -1,0 +1,245 @@
+"""Scanning workers' heartbeats: who joins the registry, who leaves it and the index.
+
+A scan reads the model's workers set and every member's heartbeat: a new worker joins the
+registry and its snapshot is read; a worker whose heartbeat expired leaves the registry and
+the index (unless its agent still answers: router/lost.py); a member without a heartbeat for
+``prune_after_s`` is pruned from Redis. It runs beside the feed, in parts
+(:data:`SCAN_CHUNK` heartbeats each), and changes the cache only holding the mirror's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from kvroute.core.redis_conn import RedisClient
+from kvroute.core.redis_schema import Heartbeat, RecordError, RedisKeys, check_name
+from kvroute.router.lost import LostWorkers
+from kvroute.router.mirror.cache import MirroredCache
+from kvroute.router.mirror.snapshots import LOAD_CONCURRENCY, SnapshotReader
+from kvroute.router.mirror.stats import Rejects
+from kvroute.router.registry import Vocabulary, WorkerRegistry
+
+log = logging.getLogger("kvroute.router.mirror")
+
+# Heartbeats one scan reads (one MGET) and applies at a time before the feed gets its turn:
+# a whole scan of 1,000 workers in one go (~15-40 ms of CPU on a quiet core, 50-100 ms on a
+# loaded machine) made every feed entry that arrived meanwhile wait for all of it.
+SCAN_CHUNK = 100
+# How long before a live worker whose snapshot held no readable state (none written yet, or
+# malformed) is read again: at every scan, a malformed one would be logged and counted twice
+# a second.
+_SNAPSHOT_RETRY_S = 5.0
+
+
+class HeartbeatScan:
+    """One instance for the mirror's life; :meth:`reset` before each bootstrap."""
+
+    def __init__(self, client: RedisClient, keys: RedisKeys, cache: MirroredCache,
+                 snapshots: SnapshotReader, registry: WorkerRegistry, reject: Rejects,
+                 lock: asyncio.Lock, lost: LostWorkers | None, *, poll_s: float,
+                 prune_after_s: float, on_change: Callable[[], None]) -> None:
+        self._r = client
+        self._keys = keys
+        self._cache = cache
+        self._snapshots = snapshots
+        self._registry = registry
+        self._reject = reject
+        self._lock = lock
+        self._lost = lost
+        self._poll_s = poll_s
+        self._prune_after_s = prune_after_s
+        self._on_change = on_change
+        self._expire_from = 0.0
+        self._missing_since: dict[str, float] = {}
+        # When a live worker whose snapshot held no readable state may be read again.
+        self._snapshot_due: dict[str, float] = {}
+        self._bad_beats: dict[str, bytes] = {}  # worker -> its rejected heartbeat, counted once
+        self._bad_members: set[bytes] = set()  # invalid workers-set members, to remove
+        # worker -> (its heartbeat as last read, parsed): an unchanged record is not parsed
+        # again at the next scan (agents beat every second, routers scan twice as often).
+        self._beat_cache: dict[str, tuple[bytes, Heartbeat]] = {}
+
+    def reset(self) -> None:
+        """Before a bootstrap: Redis may have restarted empty, and then shows no heartbeats
+        until agents beat again, so silence is not death for one TTL; every worker's
+        snapshot is read afresh."""
+        self._expire_from = time.monotonic() + self._registry.max_ttl_s() + self._poll_s
+        self._snapshot_due.clear()
+
+    async def members(self) -> list[str]:
+        """The workers set's members that are valid worker names; others are rejected and
+        removed at the scan's end."""
+        out = []
+        for m in await self._r.smembers(self._keys.workers):
+            try:
+                out.append(check_name("worker", m.decode()))
+            except ValueError as exc:  # also bad UTF-8
+                self._bad_members.add(m)
+                self._reject("member", "bad_name", repr(m)[:80], exc)
+        return out
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Scan every ``poll_s``, start to start, until ``stopping`` (the bootstrap has
+        just scanned)."""
+        due = time.monotonic() + self._poll_s
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), max(0.0, due - time.monotonic()))
+            if stopping.is_set():
+                return
+            due = time.monotonic() + self._poll_s
+            await self.scan()
+
+    async def scan(self, load: bool = True) -> None:
+        """One scan of every worker's heartbeat (``load`` False: no snapshot is read; the
+        bootstrap reads them all after it)."""
+        members = await self.members()
+        self._registry.revive_due()
+        beats, added = await self._read_beats(members)
+        expire = time.monotonic() >= self._expire_from
+        kept: set[str] = set()
+        if expire and self._lost is not None:
+            missing = [i.worker_id for i in self._registry.all()
+                       if not i.static and i.worker_id not in beats]
+            kept = await self._lost.keep(self._registry, missing)
+        expired = self._registry.expire_missing(beats.keys() | kept, expire=expire)
+        self._joined(added, beats)
+        loaded = await self._load_new(beats, set(expired)) if load else []
+        gone = self._long_missing(members, beats, kept)
+        await self._forget(expired)
+        await self._prune(gone, set(expired))
+        if added or expired or any(self._cache.holds(w) for w in loaded):
+            self._on_change()
+
+    async def _read_beats(self, members: list[str]) -> tuple[dict[str, Heartbeat], list[str]]:
+        """Every member's valid heartbeat, read, parsed and given to the registry a part at
+        a time; and the workers that joined it."""
+        k = self._keys
+        beats: dict[str, Heartbeat] = {}
+        added: list[str] = []
+        for i in range(0, len(members), SCAN_CHUNK):
+            part = members[i:i + SCAN_CHUNK]
+            got = self._parse_beats(part, await self._r.mget([k.heartbeat(w) for w in part]))
+            beats.update(got)
+            added += self._registry.update_heartbeats(got)
+        for w in self._bad_beats.keys() - set(members):
+            del self._bad_beats[w]
+        for w in self._beat_cache.keys() - beats.keys():
+            del self._beat_cache[w]
+        return beats, added
+
+    def _joined(self, added: list[str], beats: dict[str, Heartbeat]) -> None:
+        for w in added:
+            hb = beats[w]
+            log.info("worker joined", extra={"kv": {
+                "worker": w, "address": hb.address,
+                "vocabulary": str(Vocabulary(hb.tokenizer, hb.vocab_size))}})
+            # The feed may have indexed its blocks before its first heartbeat came.
+            self._registry.set_cached_blocks(w, self._cache.index.count(w))
+
+    async def _load_new(self, beats: dict[str, Heartbeat], dead: set[str]) -> list[str]:
+        """Read the snapshot of each live worker the cache holds nothing of: it registered
+        after the bootstrap (as after a Redis restart, when its heartbeat may come back
+        after it) and may send no event for a long while. One with none to read yet (or a
+        malformed one) is read again after a while. Returns the workers read."""
+        now = time.monotonic()
+        due = self._snapshot_due
+        cache = self._cache
+        wanted = [w for w in beats if not cache.holds(w) and w not in dead
+                  and due.get(w, 0.0) <= now]
+        loaded: list[str] = []
+        for i in range(0, len(wanted), LOAD_CONCURRENCY):
+            # A group at a time, the feed applying between them (many may be due at once,
+            # after a Redis restart); checked again under the lock: the feed may have
+            # loaded a worker meanwhile, and its snapshot is then at least as fresh.
+            async with self._lock:
+                group = [w for w in wanted[i:i + LOAD_CONCURRENCY] if not cache.holds(w)]
+                await self._snapshots.load_many(group)
+            for w in group:
+                self._registry.set_cached_blocks(w, cache.index.count(w))
+                if cache.holds(w):
+                    due.pop(w, None)
+                else:
+                    due[w] = now + _SNAPSHOT_RETRY_S
+            loaded += group
+        return loaded
+
+    def _long_missing(self, members: list[str], beats: dict[str, Heartbeat],
+                      kept: set[str]) -> list[str]:
+        """Members without a heartbeat for ``prune_after_s``: dead, unless their agent
+        answers (``kept``); one that only just registered may not have beaten yet."""
+        now = time.monotonic()
+        for w in members:
+            if w in beats:
+                self._missing_since.pop(w, None)
+            else:
+                self._missing_since.setdefault(w, now)
+        return [w for w in members if w not in beats and w not in kept
+                and now - self._missing_since[w] >= self._prune_after_s]
+
+    async def _forget(self, expired: list[str]) -> None:
+        if not expired:
+            return
+        async with self._lock:
+            for w in expired:
+                dropped = self._cache.remove(w)
+                self._snapshot_due.pop(w, None)
+                log.warning("worker heartbeat expired; forgetting it",
+                            extra={"kv": {"worker": w, "blocks_dropped": dropped}})
+
+    async def _prune(self, gone: list[str], dead: set[str]) -> None:
+        """Remove dead members (and their keys) so the scan stays small, and members that
+        are no worker name. A worker restarting under the same id re-adds itself on its
+        next heartbeat and resyncs if its snapshot went away."""
+        k = self._keys
+        if self._bad_members:
+            await self._r.srem(k.workers, *self._bad_members)
+            self._bad_members.clear()
+        if not gone:
+            return
+        pipe = self._r.pipeline(transaction=True)
+        pipe.srem(k.workers, *gone)
+        for w in gone:
+            pipe.delete(k.snapshot(w), k.meta(w))
+        await pipe.execute()
+        async with self._lock:
+            for w in gone:
+                self._missing_since.pop(w, None)
+                self._snapshot_due.pop(w, None)
+                if w not in dead:
+                    self._cache.remove(w)
+
+    def _parse_beats(self, workers: list[str], raws: list[bytes | None]
+                     ) -> dict[str, Heartbeat]:
+        """The valid heartbeats of ``workers`` (``raws``: their records as read, None: no
+        record). A record read unchanged is not parsed again; a malformed one is rejected,
+        counted once while it stays the same."""
+        beats: dict[str, Heartbeat] = {}
+        cache = self._beat_cache
+        for w, raw in zip(workers, raws, strict=True):
+            if raw is None:
+                continue
+            seen = cache.get(w)
+            if seen is not None and seen[0] == raw:
+                beats[w] = seen[1]  # the very record already checked (Heartbeat is frozen)
+                continue
+            try:
+                hb = Heartbeat.from_json(raw)
+                if hb.worker_id != w:
+                    raise RecordError(f"heartbeat of {w!r} names worker {hb.worker_id!r}",
+                                      "mismatch")
+            except RecordError as exc:
+                cache.pop(w, None)
+                # A record read again unchanged at the next scan is not counted again.
+                if self._bad_beats.get(w) != raw:
+                    self._bad_beats[w] = raw
+                    self._reject("heartbeat", exc.reason, w, exc)
+                continue
+            self._bad_beats.pop(w, None)
+            cache[w] = (raw, hb)
+            beats[w] = hb
+        return beats
