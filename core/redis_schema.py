@@ -10,11 +10,14 @@ key                                type    content
 ``kvr:{M}:feed``                   stream  change feed of cache events for model M, one entry
                                            per batch: ``w`` worker, ``e`` epoch, ``s`` seq,
                                            ``op`` (store | evict | clear | resync), ``k`` keys
-``kvr:{M}:snap:<worker>``          set     the worker's cached block keys (8-byte big-endian)
-``kvr:{M}:meta:<worker>``          hash    ``epoch``, ``seq`` of the last event in the snapshot
+``kvr:{M}:snap:<worker>``          set     the worker's cached block keys (8-byte big-endian);
+                                           TTL :data:`STATE_TTL_S` from its agent's last write
+``kvr:{M}:meta:<worker>``          hash    ``epoch``, ``seq`` of the last event in the snapshot;
+                                           TTL as the snapshot's
 ``kvr:{M}:hb:<worker>``            string  heartbeat JSON (address, load, block size,
                                            tokenizer and vocabulary size); has TTL
-``kvr:{M}:workers``                set     worker ids that have published (pruned on expiry)
+``kvr:{M}:workers``                set     worker ids that have published; agents remove
+                                           those with neither heartbeat nor meta left
 ``kvr:{M}:decisions``              stream  routers' shared decisions (``--share-decisions``):
                                            ``r`` router, ``op`` (sent | done), ``q`` request,
                                            ``t`` wall ms; sent: ``w`` worker, ``u`` uncached
@@ -25,6 +28,10 @@ Feed semantics: per worker, ``seq`` counts 1, 2, 3... within an ``epoch``. A new
 with ``op=clear, seq=1`` (a fresh, empty cache) or ``op=resync, seq=1`` (the snapshot was
 rewritten whole: reload it). Snapshot and meta are updated in the same transaction as the feed
 entry, so a snapshot read with its meta is always consistent with some feed position.
+
+Ownership: an agent writes its own snapshot, meta and heartbeat, appends to the feed and adds
+itself to the workers set; its keys expire on their own once it stops writing, and agents prune
+the set (worker_agent/members.py). A router writes nothing but the decisions stream.
 """
 
 from __future__ import annotations
@@ -190,6 +197,10 @@ INT64_MAX = (1 << 63) - 1
 MAX_EPOCH_CHARS = 200
 MAX_HEARTBEAT_BYTES = 64 * 1024
 MAX_TTL_S = 3600.0
+STATE_TTL_S = 60.0
+"""How long a worker's snapshot and meta outlive its agent's last write (each write and
+heartbeat sets it again): long past any heartbeat TTL, so only a dead agent's state expires;
+one that stalled this long finds it gone and rewrites it under a new epoch."""
 # The most each numeric heartbeat field may claim: far above any real engine, and small
 # enough that the policy's products of them (tokens times context, squared) stay finite
 # floats. A record outside them is refused whole, never clamped: its other numbers are suspect.
@@ -373,18 +384,20 @@ def parse_meta(meta: Mapping[bytes, bytes]) -> tuple[str, int]:
 _ACL_COMMON = ("+multi", "+exec", "+discard", "+select", "+cluster|slots", "+cluster|shards",
                "+command", "+asking")
 # What kvroute.worker_agent.publisher sends: the heartbeat (SET PX, SADD, HGET of its meta,
-# SCARD of its snapshot), feed batches (HGET and SCARD first, XADD MAXLEN ~, SADD/SREM/DEL of
-# its snapshot, HSET of its meta), the resync,
-# DEL of its heartbeat on a clean stop, and GET of another worker's heartbeat (a program's
-# placement may send fork children only to a live worker, at its heartbeat's address).
-_ACL_AGENT = ("+set", "+sadd", "+srem", "+scard", "+del", "+hget", "+hset", "+xadd", "+get")
+# SCARD of its snapshot, PEXPIRE of its snapshot and meta), feed batches (HGET and SCARD
+# first, XADD MAXLEN ~, SADD/SREM/DEL of its snapshot, HSET of its meta), the resync, DEL of
+# its keys and SREM of itself on a clean stop, GET of another worker's heartbeat (a program's
+# placement may send fork children only to a live worker, at its heartbeat's address), and
+# the pruning of dead members (SMEMBERS, MGET of heartbeats, EXISTS of metas, SREM:
+# kvroute.worker_agent.members).
+_ACL_AGENT = ("+set", "+sadd", "+srem", "+scard", "+del", "+hget", "+hset", "+xadd", "+get",
+              "+pexpire", "+smembers", "+mget", "+exists")
 # What kvroute.router.mirror sends: feed reads (XREVRANGE, XREAD BLOCK), the heartbeat scan
 # (SMEMBERS, MGET), snapshot reads (HGETALL of the meta and DUMP of the set, SMEMBERS for a
-# set DUMP gives in another encoding; the EVAL running HGETALL and SMEMBERS), the pruning of
-# dead members (SREM of the workers set, DEL of their snapshot and meta), and the shared
-# decisions (XADD MAXLEN ~ to the decisions stream: kvroute.router.shared).
-_ACL_ROUTER = ("+xrevrange", "+xread", "+smembers", "+mget", "+eval", "+hgetall", "+dump",
-               "+srem", "+del", "+xadd")
+# set DUMP gives in another encoding; the EVAL_RO running HGETALL and SMEMBERS), and the
+# shared decisions (XADD MAXLEN ~ to the decisions stream: kvroute.router.shared).
+_ACL_ROUTER = ("+xrevrange", "+xread", "+smembers", "+mget", "+eval_ro", "+hgetall", "+dump",
+               "+xadd")
 
 
 def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> list[str]:
@@ -395,21 +408,20 @@ def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> l
     An agent given its ``worker`` id may write only its own snapshot, meta and heartbeat;
     the feed stream and the workers set are one key per model that every agent appends to,
     so an ACL cannot stop one agent from writing an entry in another's name (see
-    docs/security.md). A router reads the model's keys and writes only what pruning
-    deletes, and appends to the decisions stream: never the feed or a heartbeat. Needs
-    Redis >= 7.0 (``%R~`` read-only keys)."""
+    docs/security.md); it reads the others' heartbeats and metas (to prune dead members).
+    A router reads the model's keys and appends to the decisions stream: it writes nothing
+    else. Needs Redis >= 7.0 (``%R~`` read-only keys, EVAL_RO)."""
     k = RedisKeys(model, prefix)
     base = f"{prefix}:{{{model}}}"
     head = ["resetkeys", "resetchannels", "-@all", *_ACL_COMMON]
     if role == "agent":
         own = ([k.snapshot(check_name("worker", worker)), k.meta(worker), k.heartbeat(worker)]
                if worker else [f"{base}:snap:*", f"{base}:meta:*", f"{base}:hb:*"])
-        peers = [f"%R~{base}:hb:*"] if worker else []  # others' heartbeats, read-only
+        # Others' heartbeats and metas, read-only: placement and pruning read them.
+        peers = [f"%R~{base}:hb:*", f"%R~{base}:meta:*"] if worker else []
         return [*head, *_ACL_AGENT, *(f"~{key}" for key in (k.feed, k.workers, *own)),
                 *peers]
     if role == "router":
-        # Read-write (~), not write-only (%W~): SREM reads the set it changes, and Redis
-        # checks an EVAL's declared keys (the snapshot script's meta and set) as read-write.
-        written = (k.workers, f"{base}:snap:*", f"{base}:meta:*", k.decisions)
-        return [*head, *_ACL_ROUTER, f"%R~{base}:*", *(f"~{key}" for key in written)]
+        # Everything read-only but the one key it writes.
+        return [*head, *_ACL_ROUTER, f"%R~{base}:*", f"~{k.decisions}"]
     raise ValueError(f"ACL role {role!r} is not one of: agent, router")

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,7 +27,16 @@ from typing import Any
 
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_conn import REDIS_ERRORS, RedisClient, refusal
-from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RecordError, RedisKeys, pack_keys
+from kvroute.core.redis_schema import (
+    STATE_TTL_S,
+    FeedEvent,
+    Heartbeat,
+    Op,
+    RecordError,
+    RedisKeys,
+    pack_keys,
+)
+from kvroute.worker_agent.members import PRUNE_EVERY_S, prune_dead_members
 
 log = logging.getLogger("kvroute.agent.publisher")
 
@@ -49,6 +59,7 @@ class PublisherStats:
     entries_written: int = 0
     resyncs: int = 0
     state_losses: int = 0  # times Redis was found without our epoch or snapshot
+    members_pruned: int = 0  # dead workers this agent removed from the workers set
     redis_up: bool = False
     pending: int = 0
 
@@ -69,7 +80,12 @@ class CachePublisher:
         max_pending: int = 100_000,
         feed_maxlen: int = 1_000_000,
         max_batch_events: int = 512,
+        state_ttl_s: float = STATE_TTL_S,
+        prune_every_s: float = PRUNE_EVERY_S,
     ) -> None:
+        """``state_ttl_s``: how long our snapshot and meta outlive our last write;
+        ``prune_every_s``: how often the model's agents together prune its workers set
+        (worker_agent/members.py)."""
         self._r = client
         self._keys = keys
         self._worker = worker_id
@@ -77,6 +93,8 @@ class CachePublisher:
         self._heartbeat = heartbeat
         self._hb_s = heartbeat_s
         self._ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
+        self._state_ttl_ms = max(1, int(state_ttl_s * 1000))
+        self._prune_s = prune_every_s
         self._max_pending = max_pending
         self._maxlen = feed_maxlen
         self._max_batch = max_batch_events
@@ -129,11 +147,13 @@ class CachePublisher:
         self._tasks = [
             asyncio.create_task(self._feed_loop(), name="publisher-feed"),
             asyncio.create_task(self._heartbeat_loop(), name="publisher-heartbeat"),
+            asyncio.create_task(self._prune_loop(), name="publisher-prune"),
         ]
 
     async def stop(self, *, deregister: bool = True) -> None:
-        """Flush what is pending (best effort), then stop. A clean stop removes our
-        heartbeat so routers forget us at once instead of after the TTL.
+        """Flush what is pending (best effort), then stop. A clean stop (``deregister``)
+        removes our heartbeat, snapshot, meta and membership, so routers forget us at once
+        instead of after the TTL.
 
         The loops are asked to stop between Redis commands (cancelling redis-py mid-command
         can leave a connection waiting out its socket timeout) and cancelled only if they
@@ -148,7 +168,7 @@ class CachePublisher:
         try:
             await asyncio.wait_for(self.flush(), timeout=2.0)
             if deregister:
-                await self._r.delete(self._keys.heartbeat(self._worker))
+                await self._deregister()
         except (TimeoutError, *REDIS_ERRORS):
             pass
         # Closing is best effort; redis-py's cluster client can fail to close a connection
@@ -185,6 +205,35 @@ class CachePublisher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self._hb_s)
 
+    async def _deregister(self) -> None:
+        k = self._keys
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(k.heartbeat(self._worker), k.snapshot(self._worker), k.meta(self._worker))
+        pipe.srem(k.workers, self._worker)
+        await pipe.execute()
+
+    async def _prune_loop(self) -> None:
+        """Prune the workers set (worker_agent/members.py) after ``prune_every_s`` times
+        the members last seen, jittered: the model's agents together scan it about once
+        per ``prune_every_s``."""
+        members = 1
+        while not self._stopping.is_set():
+            wait = self._prune_s * max(1, members) * random.uniform(0.5, 1.5)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), wait)
+            if self._stopping.is_set():
+                return
+            try:
+                pruned = await prune_dead_members(self._r, self._keys)
+            except _LOOP_ERRORS:
+                continue  # the heartbeat loop reports Redis's state
+            members = pruned.members
+            if pruned.removed:
+                self.stats.members_pruned += len(pruned.removed)
+                log.info("pruned dead workers from the workers set", extra={"kv": {
+                    "worker": self._worker, "removed": list(pruned.removed[:20]),
+                    "count": len(pruned.removed)}})
+
     def _set_up(self, up: bool, exc: BaseException | None = None) -> None:
         # Logged on each change, and the first time either way: a Redis never reached (a
         # wrong address or password) is said at start, not only a Redis lost later.
@@ -219,15 +268,18 @@ class CachePublisher:
                 self._check_state(expected, epoch, size)
 
     def _beat_in(self, pipe: Any, epoch: str, hb: Heartbeat | None = None) -> None:
-        """Add the heartbeat (under ``epoch``) and the workers-set entry to ``pipe``, a
-        transaction that writes this worker's record: after Redis lost them, the first
-        write brings back the record and the heartbeat together, so routers keep the
-        worker on its agent's health check no longer than that (router/lost.py). No
-        heartbeat while the engine cannot serve."""
+        """Add the heartbeat (under ``epoch``), the workers-set entry and our state's new
+        TTL to ``pipe``, a transaction that writes this worker's record (after the
+        snapshot's writes: a key a DEL recreated needs its TTL again): after Redis lost
+        them, the first write brings back the record and the heartbeat together, so
+        routers keep the worker on its agent's health check no longer than that
+        (router/lost.py). No heartbeat while the engine cannot serve."""
+        k = self._keys
+        pipe.pexpire(k.snapshot(self._worker), self._state_ttl_ms)
+        pipe.pexpire(k.meta(self._worker), self._state_ttl_ms)
         hb = hb or self._heartbeat()
         if hb is None:
             return
-        k = self._keys
         pipe.set(k.heartbeat(self._worker), replace(hb, epoch=epoch).to_json(), px=self._ttl_ms)
         pipe.sadd(k.workers, self._worker)
 

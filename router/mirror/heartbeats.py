@@ -2,9 +2,10 @@
 
 A scan reads the model's workers set and every member's heartbeat: a new worker joins the
 registry and its snapshot is read; a worker whose heartbeat expired leaves the registry and
-the index (unless its agent still answers: router/lost.py); a member without a heartbeat for
-``prune_after_s`` is pruned from Redis. It runs beside the feed, in parts
-(:data:`SCAN_CHUNK` heartbeats each), and changes the cache only holding the mirror's lock.
+the index (unless its agent still answers: router/lost.py). It only reads Redis: dead members
+and their keys are the agents' to remove (worker_agent/members.py). It runs beside the feed,
+in parts (:data:`SCAN_CHUNK` heartbeats each), and changes the cache only holding the
+mirror's lock.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class HeartbeatScan:
     def __init__(self, client: RedisClient, keys: RedisKeys, cache: MirroredCache,
                  snapshots: SnapshotReader, registry: WorkerRegistry, reject: Rejects,
                  lock: asyncio.Lock, lost: LostWorkers | None, *, poll_s: float,
-                 prune_after_s: float, on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None]) -> None:
         self._r = client
         self._keys = keys
         self._cache = cache
@@ -51,14 +52,14 @@ class HeartbeatScan:
         self._lock = lock
         self._lost = lost
         self._poll_s = poll_s
-        self._prune_after_s = prune_after_s
         self._on_change = on_change
         self._expire_from = 0.0
-        self._missing_since: dict[str, float] = {}
         # When a live worker whose snapshot held no readable state may be read again.
         self._snapshot_due: dict[str, float] = {}
         self._bad_beats: dict[str, bytes] = {}  # worker -> its rejected heartbeat, counted once
-        self._bad_members: set[bytes] = set()  # invalid workers-set members, to remove
+        self._bad_members: set[bytes] = set()  # invalid members seen, each counted once
+        # Workers the cache held that the last scan's members lacked (see _unlisted).
+        self._unlisted: set[str] = set()
         # worker -> (its heartbeat as last read, parsed): an unchanged record is not parsed
         # again at the next scan (agents beat every second, routers scan twice as often).
         self._beat_cache: dict[str, tuple[bytes, Heartbeat]] = {}
@@ -71,15 +72,18 @@ class HeartbeatScan:
         self._snapshot_due.clear()
 
     async def members(self) -> list[str]:
-        """The workers set's members that are valid worker names; others are rejected and
-        removed at the scan's end."""
+        """The workers set's members that are valid worker names; another is rejected,
+        counted once while it stays in the set (agents remove it)."""
         out = []
+        bad: set[bytes] = set()
         for m in await self._r.smembers(self._keys.workers):
             try:
                 out.append(check_name("worker", m.decode()))
             except ValueError as exc:  # also bad UTF-8
-                self._bad_members.add(m)
-                self._reject("member", "bad_name", repr(m)[:80], exc)
+                bad.add(m)
+                if m not in self._bad_members:
+                    self._reject("member", "bad_name", repr(m)[:80], exc)
+        self._bad_members = bad
         return out
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -109,9 +113,7 @@ class HeartbeatScan:
         expired = self._registry.expire_missing(beats.keys() | kept, expire=expire)
         self._joined(added, beats)
         loaded = await self._load_new(beats, set(expired)) if load else []
-        gone = self._long_missing(members, beats, kept)
-        await self._forget(expired)
-        await self._prune(gone, set(expired))
+        await self._forget(expired, self._unlisted_twice(members))
         if added or expired or any(self._cache.holds(w) for w in loaded):
             self._on_change()
 
@@ -168,21 +170,18 @@ class HeartbeatScan:
             loaded += group
         return loaded
 
-    def _long_missing(self, members: list[str], beats: dict[str, Heartbeat],
-                      kept: set[str]) -> list[str]:
-        """Members without a heartbeat for ``prune_after_s``: dead, unless their agent
-        answers (``kept``); one that only just registered may not have beaten yet."""
-        now = time.monotonic()
-        for w in members:
-            if w in beats:
-                self._missing_since.pop(w, None)
-            else:
-                self._missing_since.setdefault(w, now)
-        return [w for w in members if w not in beats and w not in kept
-                and now - self._missing_since[w] >= self._prune_after_s]
+    def _unlisted_twice(self, members: list[str]) -> list[str]:
+        """Workers the cache holds that neither this scan's members nor the last one's
+        include: their agents pruned them (dead, never registered). Twice, because a
+        worker's first feed entry and its membership are one write, which may fall
+        between this scan's read of the set and the feed's applying that entry."""
+        listed = set(members)
+        unlisted = {w for w in self._cache.positions if w not in listed}
+        twice, self._unlisted = unlisted & self._unlisted, unlisted
+        return sorted(twice)
 
-    async def _forget(self, expired: list[str]) -> None:
-        if not expired:
+    async def _forget(self, expired: list[str], unlisted: list[str]) -> None:
+        if not expired and not unlisted:
             return
         async with self._lock:
             for w in expired:
@@ -190,27 +189,8 @@ class HeartbeatScan:
                 self._snapshot_due.pop(w, None)
                 log.warning("worker heartbeat expired; forgetting it",
                             extra={"kv": {"worker": w, "blocks_dropped": dropped}})
-
-    async def _prune(self, gone: list[str], dead: set[str]) -> None:
-        """Remove dead members (and their keys) so the scan stays small, and members that
-        are no worker name. A worker restarting under the same id re-adds itself on its
-        next heartbeat and resyncs if its snapshot went away."""
-        k = self._keys
-        if self._bad_members:
-            await self._r.srem(k.workers, *self._bad_members)
-            self._bad_members.clear()
-        if not gone:
-            return
-        pipe = self._r.pipeline(transaction=True)
-        pipe.srem(k.workers, *gone)
-        for w in gone:
-            pipe.delete(k.snapshot(w), k.meta(w))
-        await pipe.execute()
-        async with self._lock:
-            for w in gone:
-                self._missing_since.pop(w, None)
-                self._snapshot_due.pop(w, None)
-                if w not in dead:
+            for w in unlisted:
+                if w not in self._registry.loads:  # a static worker's may be unlisted
                     self._cache.remove(w)
 
     def _parse_beats(self, workers: list[str], raws: list[bytes | None]

@@ -48,7 +48,6 @@ class IndexMirror:
         *,
         poll_interval_s: float = 0.5,
         retry_s: float = 1.0,
-        prune_after_s: float = 10.0,
         on_change: Callable[[], None] | None = None,
         probe: Probe | None = None,
     ) -> None:
@@ -80,7 +79,7 @@ class IndexMirror:
                                  on_change=self._on_change)
         self.heartbeats = HeartbeatScan(client, keys, self.cache, self.snapshots, registry,
                                         reject, lock, self.lost, poll_s=poll_interval_s,
-                                        prune_after_s=prune_after_s, on_change=self._on_change)
+                                        on_change=self._on_change)
 
     @property
     def index(self) -> PrefixIndex:

@@ -153,35 +153,53 @@ async def test_a_stream_failing_after_its_first_token_says_output_was_sent(clust
             assert int(trailer[OUTPUT_SENT]) == got
 
 
-async def test_keys_of_a_worker_that_never_heartbeats_are_pruned(redis_server) -> None:
-    """A worker's snapshot, meta and membership with no heartbeat beside them (an agent that
-    died before its first beat, or garbage) are deleted by the routers after their grace
-    period; a worker that does heartbeat keeps its keys."""
+async def test_a_dead_agents_state_expires_and_live_agents_prune_it(redis_server) -> None:
+    """Agents that die (no clean stop) leave their snapshot and meta to expire on their own,
+    a state TTL after their last write, and a live agent then prunes them from the workers
+    set; the router, which writes nothing, forgets their blocks: one that beat when its
+    heartbeat expires, one that never beat (its engine never could serve) once the set no
+    longer lists it. The live worker keeps its keys, and its TTL moves on."""
     from kvroute.core.redis_conn import connect
-    from kvroute.core.redis_schema import Heartbeat, RedisKeys, pack_keys
+    from kvroute.core.redis_schema import Heartbeat, RedisKeys
     from kvroute.router.mirror import IndexMirror
     from kvroute.router.registry import WorkerRegistry
+    from kvroute.worker_agent.engines.base import EngineRequest
+    from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
+    from kvroute.worker_agent.publisher import CachePublisher
 
     keys = RedisKeys("default")
     r = redis_server.client()
-    for w in ("ghost", "live"):
-        r.sadd(keys.snapshot(w), pack_keys([1, 2, 3]))
-        r.hset(keys.meta(w), mapping={"epoch": "e", "seq": 1})
-        r.sadd(keys.workers, w)
+    pubs: dict[str, CachePublisher] = {}
+    for i, w in enumerate(("live", "dead", "mute")):
+        engine = SimEngine(SimConfig(capacity_blocks=64, model="default", time_scale=0.0))
+        await engine.start()
+        [c async for c in engine.generate(EngineRequest(w, [i] * 64, 1))]
+        beat = ((lambda w=w: None) if w == "mute" else
+                (lambda w=w: Heartbeat(w, "127.0.0.1:1", pubs[w].epoch, ttl_s=0.5)))
+        pubs[w] = CachePublisher(connect(redis_server.url), keys, w, engine.cached_keys, beat,
+                                 heartbeat_s=0.1, heartbeat_ttl_s=0.5, state_ttl_s=1.5,
+                                 prune_every_s=0.2 if w == "live" else 3600)
     m = IndexMirror(connect(redis_server.url, block_timeout_s=0.05), keys,
-                    WorkerRegistry({}, 16), poll_interval_s=0.05, retry_s=0.1,
-                    prune_after_s=0.5)
+                    WorkerRegistry({}, 16), poll_interval_s=0.05, retry_s=0.1)
     task = asyncio.create_task(m.run())
     try:
-        for _ in range(30):  # the live one beats throughout (TTL 1 s)
-            r.set(keys.heartbeat("live"), Heartbeat("live", "127.0.0.1:1", "e",
-                                                    ttl_s=1.0).to_json(), px=1000)
-            await asyncio.sleep(0.05)
-        await wait_for(lambda: not r.exists(keys.snapshot("ghost"), keys.meta("ghost")),
-                       what="the ghost's keys pruned")
-        assert r.smembers(keys.workers) == {b"live"}
+        for p in pubs.values():
+            await p.start()
+        await wait_for(lambda: all(m.index.count(w) == 4 for w in pubs), what="all indexed")
+        assert "mute" not in m.registry.loads and 0 < r.pttl(keys.meta("dead")) <= 1500
+        for w in ("dead", "mute"):
+            await pubs[w].stop(deregister=False)  # as a crash: its keys stay, to expire
+        await wait_for(lambda: r.smembers(keys.workers) == {b"live"}, 10,
+                       "dead members pruned by the live agent")
+        assert not r.exists(keys.snapshot("dead"), keys.meta("dead"), keys.snapshot("mute"),
+                            keys.meta("mute"))
+        await wait_for(lambda: set(m.index.workers()) == {"live"}, what="router forgot them")
+        assert pubs["live"].stats.members_pruned == 2
         assert r.exists(keys.snapshot("live"), keys.meta("live")) == 2
+        assert r.pttl(keys.snapshot("live")) > 0  # refreshed by every beat
     finally:
+        for p in pubs.values():
+            await p.stop()
         await m.stop(task)
         r.close()
 

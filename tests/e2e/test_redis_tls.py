@@ -176,8 +176,10 @@ def test_the_acl_users_can_do_their_job_and_nothing_else(tls_redis: TlsRedis) ->
     agent.sadd(KEYS.snapshot("a"), b"\x00" * 8)
     agent.xadd(KEYS.feed, {"w": "a", "e": "e", "s": 1, "op": "clear"})
     assert router.smembers(KEYS.snapshot("a")) == {b"\x00" * 8}
-    # Heartbeats are read-only to other agents: a placement goes only to a live worker.
+    # Heartbeats are read-only to other agents (a placement goes only to a live worker), and
+    # metas too (pruning the workers set reads them).
     assert agent.get(KEYS.heartbeat("a")) == b"{}"
+    assert agent.exists(KEYS.meta("b")) == 0
     denied = [
         (agent, lambda c: c.flushall()),
         (agent, lambda c: c.config_get("*")),
@@ -186,13 +188,16 @@ def test_the_acl_users_can_do_their_job_and_nothing_else(tls_redis: TlsRedis) ->
         (agent, lambda c: c.hset(KEYS.meta("b"), "seq", 9)),  # its meta
         (agent, lambda c: c.set("kvr:{other}:hb:a", "{}")),  # another model's keys
         (agent, lambda c: c.get("kvr:{other}:hb:a")),  # ... nor another model's heartbeats
-    (agent, lambda c: c.get(KEYS.meta("b"))),  # nor another agent's meta
+        (agent, lambda c: c.delete(KEYS.meta("b"))),  # nor delete another agent's state
         (agent, lambda c: c.publish("ch", "x")),
         (agent, lambda c: c.eval("return 1", 0)),
         (router, lambda c: c.flushall()),
         (router, lambda c: c.config_set("requirepass", "x")),
         (router, lambda c: c.xadd(KEYS.feed, {"w": "a", "e": "e", "s": 2, "op": "clear"})),
         (router, lambda c: c.set(KEYS.heartbeat("evil"), "{}")),  # routers register no one
+        (router, lambda c: c.srem(KEYS.workers, "a")),  # ... nor prune anyone
+        (router, lambda c: c.delete(KEYS.snapshot("a"))),
+        (router, lambda c: c.eval("return 1", 0)),  # scripts only read-only (EVAL_RO)
         (router, lambda c: c.get("kvr:{other}:hb:a")),
         (router, lambda c: c.keys("*")),
     ]
