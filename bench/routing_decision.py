@@ -42,6 +42,7 @@ from kvroute.core.blocks import BlockHasher
 from kvroute.core.config import AT_LEAST_ONE
 from kvroute.core.grpc_util import Received
 from kvroute.core.index import PrefixIndex
+from kvroute.core.load import EngineLoad
 from kvroute.core.policies import Kvroute, Policy, RouteQuery
 from kvroute.core.redis_schema import Heartbeat
 from kvroute.core.validate import Limits, check_tokens
@@ -83,9 +84,9 @@ def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.
 def registry(names: list[str], queued: int, rng: random.Random) -> WorkerRegistry:
     """Heartbeats of a running cluster, with 0..``2 * queued`` requests queued per worker."""
     reg = WorkerRegistry({}, BLOCK)
-    reg.apply_heartbeats({w: Heartbeat(w, f"127.0.0.1:{i}", "e", running=rng.randint(0, 8),
-                                       queued=rng.randint(0, 2 * queued),
-                                       pending_prefill_tokens=rng.randint(0, 4000))
+    reg.apply_heartbeats({w: Heartbeat(w, f"127.0.0.1:{i}", "e", load=EngineLoad(
+                              running=rng.randint(0, 8), queued=rng.randint(0, 2 * queued),
+                              pending_prefill_tokens=rng.randint(0, 4000)))
                           for i, w in enumerate(names)})
     return reg
 

@@ -56,6 +56,7 @@ import redis
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.config import AT_LEAST_ONE
+from kvroute.core.load import EngineLoad
 from kvroute.core.ports import PortPool
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, Op, RedisKeys
@@ -196,10 +197,10 @@ async def host_main(args: argparse.Namespace) -> None:
             w.keys.update(dict.fromkeys(chain))
 
         def beat(name: str = w.name) -> Heartbeat:
-            return Heartbeat(worker_id=name, address="127.0.0.1:9", epoch="e",
-                             capacity_blocks=args.capacity, free_blocks=args.capacity // 2,
-                             max_running=64, max_batched_tokens=8192, block_size=BLOCK,
-                             ttl_s=args.ttl)
+            return Heartbeat(worker_id=name, address="127.0.0.1:9", epoch="e", block_size=BLOCK,
+                             ttl_s=args.ttl, load=EngineLoad(
+                                 capacity_blocks=args.capacity, free_blocks=args.capacity // 2,
+                                 max_running=64, max_batched_tokens=8192))
 
         w.publisher = CachePublisher(client, keys, w.name, w.snapshot, beat,
                                      heartbeat_s=args.heartbeat_s, heartbeat_ttl_s=args.ttl)

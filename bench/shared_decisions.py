@@ -23,6 +23,7 @@ import logging
 import random
 import time
 
+from kvroute.core.load import EngineLoad
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
 from kvroute.router.coalesce import InflightPrefixes
@@ -36,7 +37,7 @@ WORKERS = [f"w{i}" for i in range(16)]
 def registry() -> WorkerRegistry:
     reg = WorkerRegistry({}, 16)
     reg.apply_heartbeats({w: Heartbeat(worker_id=w, address="127.0.0.1:9", epoch="e",
-                                       capacity_blocks=1 << 20, block_size=16)
+                                       block_size=16, load=EngineLoad(capacity_blocks=1 << 20))
                           for w in WORKERS})
     return reg
 

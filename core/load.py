@@ -1,4 +1,11 @@
-"""The load view a policy sees: one :class:`WorkerLoad` per candidate worker."""
+"""A worker's load: the one record from engine to router, and the view a policy sees.
+
+:class:`EngineLoad` is what a worker reports: its engine's state and limits (``Engine.load``)
+and the traffic its agent saw lately. The agent sends it in its heartbeat (its fields flat in
+the record's JSON: ``core/redis_schema.Heartbeat``) and answers ``GetLoad`` with it
+(:meth:`EngineLoad.to_proto`). A router merges it with its own exact counts into one
+:class:`WorkerLoad` per candidate worker (``router/registry.seen_load``), what a policy ranks.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from kvroute.v1 import common_pb2
 
 # The window over which a worker's arrival rate is measured: long enough to span a chat
 # session's think time (its next turn comes back to the same cache), short enough to follow
@@ -62,6 +71,40 @@ class PrefillMode(StrEnum):
                 if value == mode.value:
                     return mode
         raise ValueError(f"{what} must be one of {[m.value for m in cls]}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What a worker reports of its load. Every field but ``prefill_mode`` is a count or a
+    rate; 0 means idle or unknown. :class:`WorkerLoad` documents each field."""
+
+    running: int = 0
+    queued: int = 0
+    free_blocks: int = 0
+    capacity_blocks: int = 0
+    pending_prefill_tokens: int = 0
+    max_running: int = 0
+    max_batched_tokens: int = 0
+    prefill_mode: PrefillMode = PrefillMode.UNKNOWN
+    max_prefill_chunk: int = 0
+    arrival_rate: float = 0.0
+    """Requests per second the agent received lately, from every router (0 from an engine:
+    its agent measures it)."""
+    prefill_rate: float = 0.0
+    """Uncached prompt tokens per second its engine was given lately (as ``arrival_rate``)."""
+
+    def to_proto(self, worker_id: str) -> common_pb2.WorkerLoad:
+        """The gRPC API's ``kvroute.v1.WorkerLoad`` (it carries no rates)."""
+        return common_pb2.WorkerLoad(
+            worker_id=worker_id, running=self.running, queued=self.queued,
+            free_blocks=self.free_blocks, capacity_blocks=self.capacity_blocks,
+            pending_prefill_tokens=self.pending_prefill_tokens, max_running=self.max_running,
+            max_batched_tokens=self.max_batched_tokens, prefill_mode=self.prefill_mode.code,
+            max_prefill_chunk=self.max_prefill_chunk)
+
+
+ENGINE_LOAD_FIELDS = tuple(EngineLoad.__dataclass_fields__)
+"""The names of :class:`EngineLoad`'s fields, in order (a heartbeat's load fields)."""
 
 
 @dataclass(frozen=True, slots=True)

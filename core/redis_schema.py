@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
 from kvroute.core.blocks import DEFAULT_BLOCK_SIZE
-from kvroute.core.load import PrefillMode
+from kvroute.core.load import ENGINE_LOAD_FIELDS, EngineLoad, PrefillMode
 
 KEY_SCHEME = "kvroute/v1"
 _NAME = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,200}$")
@@ -261,17 +261,8 @@ class Heartbeat:
     worker_id: str
     address: str
     epoch: str
-    running: int = 0
-    queued: int = 0
-    free_blocks: int = 0
-    capacity_blocks: int = 0
-    pending_prefill_tokens: int = 0
-    max_running: int = 0
-    max_batched_tokens: int = 0
-    arrival_rate: float = 0.0  # requests per second the agent received lately (all routers)
-    prefill_rate: float = 0.0  # prompt tokens per second its engine prefilled lately (uncached)
-    prefill_mode: str = PrefillMode.UNKNOWN  # a PrefillMode: "whole", "chunked" or "" (unknown)
-    max_prefill_chunk: int = 0  # most tokens of one prefill per iteration (0: none)
+    # In the JSON, its fields are the record's own (an agent's record is one flat object).
+    load: EngineLoad = field(default_factory=EngineLoad)
     block_size: int = DEFAULT_BLOCK_SIZE
     ttl_s: float = 3.0
     key_scheme: str = KEY_SCHEME
@@ -287,7 +278,9 @@ class Heartbeat:
     extra: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        record = asdict(self)
+        record.update(record.pop("load"))
+        return json.dumps(record, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Heartbeat:
@@ -305,13 +298,19 @@ class Heartbeat:
             raise RecordError(f"heartbeat is not JSON: {exc}", "not_json") from exc
         if not isinstance(data, dict):
             raise RecordError("heartbeat is not a JSON object", "not_json")
-        known = {f: data[f] for f in cls.__dataclass_fields__ if f in data}
+        known = {f: data[f] for f in cls.__dataclass_fields__ if f in data and f != "load"}
+        load = {f: data[f] for f in ENGINE_LOAD_FIELDS if f in data}
         try:
-            hb = cls(**known)
+            load["prefill_mode"] = PrefillMode.parse(load.get("prefill_mode", ""),
+                                                     "heartbeat field prefill_mode")
+        except ValueError as exc:
+            raise RecordError(str(exc), "bad_type") from exc
+        try:
+            hb = cls(**known, load=EngineLoad(**load))
         except TypeError as exc:
             raise RecordError(f"heartbeat lacks a field: {exc}", "missing_field") from exc
         for name, high in HEARTBEAT_INT_MAX.items():
-            v = getattr(hb, name)
+            v = load.get(name, 0) if name in ENGINE_LOAD_FIELDS else getattr(hb, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise RecordError(f"heartbeat field {name} must be a non-negative int, "
                                   f"got {v!r:.80}", "bad_type")
@@ -319,7 +318,7 @@ class Heartbeat:
                 raise RecordError(f"heartbeat field {name} must be a non-negative int at "
                                   f"most {high}, got {_number(v)}", "out_of_range")
         for name in ("arrival_rate", "prefill_rate"):
-            rate = getattr(hb, name)
+            rate = getattr(hb.load, name)
             if isinstance(rate, bool) or not isinstance(rate, int | float):
                 raise RecordError(f"heartbeat field {name} must be a non-negative finite "
                                   f"number, got {rate!r:.80}", "bad_type")
@@ -327,10 +326,6 @@ class Heartbeat:
                 raise RecordError(f"heartbeat field {name} must be a non-negative finite "
                                   f"number at most {HEARTBEAT_RATE_MAX:g}, got {_number(rate)}",
                                   "out_of_range")
-        try:
-            PrefillMode.parse(hb.prefill_mode, "heartbeat field prefill_mode")
-        except ValueError as exc:
-            raise RecordError(str(exc), "bad_type") from exc
         if isinstance(hb.ttl_s, bool) or not isinstance(hb.ttl_s, int | float):
             raise RecordError(f"heartbeat field ttl_s must be a number, got {hb.ttl_s!r:.80}",
                               "bad_type")

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvroute.core.load import SentTraffic, WorkerLoad
+from kvroute.core.load import EngineLoad, SentTraffic, WorkerLoad
 from kvroute.core.load_table import LoadTable
 from kvroute.core.redis_schema import KEY_SCHEME, Heartbeat
 
@@ -129,19 +129,19 @@ def _moved(info: WorkerInfo, address: str) -> None:
                                   "addresses": sorted({info.address, address})}})
 
 
-def seen_load(own: WorkerLoad, hb: Heartbeat | WorkerLoad) -> WorkerLoad:
+def seen_load(own: WorkerLoad, hb: EngineLoad | WorkerLoad) -> WorkerLoad:
     """A worker's load as one of several routers sees it: ``own``, its exact counts of the
     traffic it sent itself (inflight, pending prefill and its context, rates; and the blocks
-    its mirror holds), and ``hb``, the agent's last heartbeat, which counts every router's
-    traffic but is up to a heartbeat interval old. The engine's state (running, queued, free
-    blocks, limits) is the heartbeat's; of what both count, the larger. The replay simulator's
-    multi-router mode (``--routers``) sees loads through this too."""
+    its mirror holds), and ``hb``, the load in the agent's last heartbeat, which counts every
+    router's traffic but is up to a heartbeat interval old. The engine's state (running,
+    queued, free blocks, limits) is the heartbeat's; of what both count, the larger. The
+    replay simulator's multi-router mode (``--routers``) sees loads through this too."""
     return _seen_load(own.inflight, own.pending_prefill_tokens, own.cached_blocks,
                       own.arrival_rate, own.pending_prefill_context, own.prefill_rate, hb)
 
 
 def _seen_load(inflight: int, pending_prefill: int, cached_blocks: int, arrival_rate: float,
-               pending_context: int, prefill_rate: float, hb: Heartbeat | WorkerLoad
+               pending_context: int, prefill_rate: float, hb: EngineLoad | WorkerLoad
                ) -> WorkerLoad:
     """:func:`seen_load` from the router's own counts as numbers: the registry rebuilds
     every worker's load at each heartbeat scan, and a WorkerLoad built only to carry them
@@ -478,4 +478,4 @@ class WorkerRegistry:
                                             prefill_rate=prefill_rate)
             return
         self.loads[worker] = _seen_load(info.inflight, info.pending_prefill, info.cached_blocks,
-                                        rate, info.pending_context, prefill_rate, hb)
+                                        rate, info.pending_context, prefill_rate, hb.load)

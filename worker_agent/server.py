@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -215,14 +216,7 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
     async def GetLoad(  # noqa: N802 - gRPC method name
         self, request: worker_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerLoad:
-        ld = self._engine.load()
-        return common_pb2.WorkerLoad(
-            worker_id=self._worker, running=ld.running, queued=ld.queued,
-            free_blocks=ld.free_blocks, capacity_blocks=ld.capacity_blocks,
-            pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
-            max_batched_tokens=ld.max_batched_tokens, prefill_mode=ld.prefill_mode.code,
-            max_prefill_chunk=ld.max_prefill_chunk,
-        )
+        return self._engine.load().to_proto(self._worker)
 
 
 def add_agent_service(service: AgentService, server: grpc.aio.Server) -> None:
@@ -332,16 +326,11 @@ class AgentApp:
                         extra={"kv": {"worker": self.worker_id}})
             if not healthy:
                 return None
-            ld = engine.load()
             now = time.monotonic()
+            load = replace(engine.load(), arrival_rate=service.arrivals.at(now),
+                           prefill_rate=service.prefills.at(now))
             return Heartbeat(
-                worker_id=self.worker_id, address=advertise, epoch=pub.epoch,
-                running=ld.running, queued=ld.queued, free_blocks=ld.free_blocks,
-                capacity_blocks=ld.capacity_blocks,
-                pending_prefill_tokens=ld.pending_prefill_tokens, max_running=ld.max_running,
-                max_batched_tokens=ld.max_batched_tokens, prefill_mode=ld.prefill_mode,
-                max_prefill_chunk=ld.max_prefill_chunk,
-                arrival_rate=service.arrivals.at(now), prefill_rate=service.prefills.at(now),
+                worker_id=self.worker_id, address=advertise, epoch=pub.epoch, load=load,
                 block_size=cfg.block_size, ttl_s=cfg.heartbeat_ttl_s,
                 tokenizer=tokenizer, vocab_size=vocab, engine_endpoint=cfg.engine_endpoint,
             )

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.core.load import PrefillMode
+from kvroute.core.load import EngineLoad, PrefillMode
 from kvroute.core.redis_schema import (
     FeedError,
     FeedEvent,
@@ -55,7 +55,7 @@ def test_key_packing() -> None:
 
 
 def test_heartbeat_validation() -> None:
-    hb = Heartbeat("w1", "127.0.0.1:1", "e", running=2)
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(running=2))
     assert Heartbeat.from_json(hb.to_json()) == hb
     with pytest.raises(ValueError, match="JSON"):
         Heartbeat.from_json("{")
@@ -68,7 +68,7 @@ def test_heartbeat_validation() -> None:
         Heartbeat.from_json('{"worker_id":"w","address":"","epoch":"e"}')
     with pytest.raises(ValueError, match="lacks"):
         Heartbeat.from_json('{"worker_id":"w"}')
-    hb = Heartbeat("w1", "127.0.0.1:1", "e", arrival_rate=2.5)
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(arrival_rate=2.5))
     assert Heartbeat.from_json(hb.to_json()).arrival_rate == 2.5
     # An older agent sends none: unknown, 0.
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').arrival_rate == 0
@@ -77,11 +77,11 @@ def test_heartbeat_validation() -> None:
             with pytest.raises(ValueError, match=field):
                 Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
                                     f'"{field}":{bad}}}')
-    hb = Heartbeat("w1", "127.0.0.1:1", "e", prefill_rate=1250.5)
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(prefill_rate=1250.5))
     assert Heartbeat.from_json(hb.to_json()).prefill_rate == 1250.5
     # How the engine admits a long prompt: named in the JSON, unknown when an older agent
     # does not say, anything else refused.
-    hb = Heartbeat("w1", "127.0.0.1:1", "e", prefill_mode=PrefillMode.CHUNKED)
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(prefill_mode=PrefillMode.CHUNKED))
     assert '"prefill_mode":"chunked"' in hb.to_json()
     assert Heartbeat.from_json(hb.to_json()).prefill_mode == "chunked"
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}'
@@ -92,7 +92,7 @@ def test_heartbeat_validation() -> None:
                                 f'"prefill_mode":{bad}}}')
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').prefill_rate == 0
     # The engine's cap on one prefill's chunk: carried, 0 (none) from an older agent.
-    hb = Heartbeat("w1", "127.0.0.1:1", "e", max_prefill_chunk=2048)
+    hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(max_prefill_chunk=2048))
     assert Heartbeat.from_json(hb.to_json()).max_prefill_chunk == 2048
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}'
                                ).max_prefill_chunk == 0

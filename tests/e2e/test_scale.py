@@ -16,6 +16,7 @@ import urllib.request
 import redis
 
 from kvroute.core.cache_events import CacheEvent
+from kvroute.core.load import EngineLoad
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
 from kvroute.router.server import RouterApp
@@ -38,8 +39,8 @@ class Worker:
                                   self.beat, heartbeat_s=0.5, heartbeat_ttl_s=10.0)
 
     def beat(self) -> Heartbeat:
-        return Heartbeat(worker_id=self.name, address="127.0.0.1:9", epoch="e",
-                         capacity_blocks=64, block_size=16, ttl_s=10.0)
+        return Heartbeat(worker_id=self.name, address="127.0.0.1:9", epoch="e", block_size=16,
+                         ttl_s=10.0, load=EngineLoad(capacity_blocks=64))
 
     def step(self, rng: random.Random) -> None:
         new = tuple(rng.getrandbits(63) for _ in range(4))

@@ -10,6 +10,7 @@ from kvroute.core.load import (
     ARRIVAL_MIN_WINDOW_S,
     ARRIVAL_TAU_S,
     ArrivalRate,
+    EngineLoad,
     PrefillMode,
     prefill_context,
 )
@@ -26,10 +27,9 @@ def test_parse_static() -> None:
 
 def test_heartbeat_load_merges_with_local_counts() -> None:
     reg = WorkerRegistry({}, 16)
-    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", running=5,
-                                         pending_prefill_tokens=100, max_running=64,
-                                         max_batched_tokens=8192,
-                                         prefill_mode="chunked", max_prefill_chunk=2048)})
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", load=EngineLoad(
+        running=5, pending_prefill_tokens=100, max_running=64, max_batched_tokens=8192,
+        prefill_mode=PrefillMode.CHUNKED, max_prefill_chunk=2048))})
     reg.begin("w", 700, context=prefill_context(700, 9000))
     ld = reg.loads["w"]
     assert (ld.inflight, ld.running, ld.pending_prefill_tokens) == (1, 5, 700)
@@ -48,7 +48,7 @@ def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:
     """The router counts what it sends (exact, immediate); the agent's heartbeat counts what
     every router sent (up to a heartbeat old). A static worker has only ours."""
     reg = WorkerRegistry({"s": "h:9"}, 16)
-    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=0.5)})
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", load=EngineLoad(arrival_rate=0.5))})
     assert reg.loads["w"].arrival_rate == 0.5 and reg.loads["s"].arrival_rate == 0
     # 60 requests at once, in the first second we count: 60/s (2/s over the 30 s window,
     # corrected for having counted only since the registry first saw the workers).
@@ -62,7 +62,7 @@ def test_arrival_rate_is_ours_or_the_agents_whichever_is_larger() -> None:
     reg.begin("s", 10, arrival=False)  # held for s, not sent yet: load, but no arrival
     assert reg.loads["s"].arrival_rate == pytest.approx(first, rel=0.01)
     assert reg.loads["s"].inflight == 61
-    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=90.0)})
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", load=EngineLoad(arrival_rate=90.0))})
     assert reg.loads["w"].arrival_rate == 90.0
     # A static worker without heartbeats is refreshed by each scan, so its rate decays: here
     # its 60 requests are made two windows old.
@@ -79,7 +79,7 @@ def test_prefill_rate_counts_the_uncached_tokens_we_send() -> None:
     one only once it is sent; the heartbeat's rate (every router's traffic) counts when it
     is the larger."""
     reg = WorkerRegistry({"s": "h:9"}, 16)
-    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", arrival_rate=0.5)})
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", load=EngineLoad(arrival_rate=0.5))})
     assert reg.loads["w"].prefill_rate == 0 and reg.loads["s"].prefill_rate == 0
     reg.begin("w", 3000)
     reg.begin("w", 0)  # all cached: an arrival, no prefill
@@ -95,7 +95,7 @@ def test_prefill_rate_counts_the_uncached_tokens_we_send() -> None:
     reg._workers["w"].sent.prefills = old
     reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e")})
     assert reg.loads["w"].prefill_rate == pytest.approx(100.0 / math.e ** 2, rel=0.01)
-    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", prefill_rate=5000.0)})
+    reg.apply_heartbeats({"w": Heartbeat("w", "h:1", "e", load=EngineLoad(prefill_rate=5000.0))})
     assert reg.loads["w"].prefill_rate == 5000.0
 
 
@@ -269,8 +269,9 @@ def test_a_scan_applied_in_parts_equals_one_applied_whole() -> None:
     """The mirror applies a scan of many heartbeats in parts (update_heartbeats), then ends
     it (expire_missing): the same workers added, expired and loads as apply_heartbeats."""
     def beats(names: list[str], running: int) -> dict[str, Heartbeat]:
-        return {w: Heartbeat(w, f"h:{i + 1}", "e", running=running + i,
-                             block_size=32 if w == "w3" else 16) for i, w in enumerate(names)}
+        return {w: Heartbeat(w, f"h:{i + 1}", "e", block_size=32 if w == "w3" else 16,
+                             load=EngineLoad(running=running + i))
+                for i, w in enumerate(names)}
 
     whole, parts = WorkerRegistry({"s": "h:9"}, 16), WorkerRegistry({"s": "h:9"}, 16)
     first = beats([f"w{i}" for i in range(10)], 1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvroute.core.cache_events import CacheListener
-from kvroute.core.load import PrefillMode
+from kvroute.core.load import EngineLoad
 
 if TYPE_CHECKING:
     import numpy as np
@@ -52,27 +52,6 @@ class TokenChunk:
     finish_reason: str | None = None
     logprobs: tuple[float, ...] | None = None
     """One per token id, when the request asked for them and the engine gives them."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    running: int
-    queued: int
-    free_blocks: int
-    capacity_blocks: int
-    pending_prefill_tokens: int
-    max_running: int = 0
-    """Most sequences the engine runs at once (0: unknown)."""
-    max_batched_tokens: int = 0
-    """Most prompt tokens prefilled in one iteration (0: not reported; routers then assume
-    their policy's ``batch_tokens``)."""
-    prefill_mode: PrefillMode = PrefillMode.UNKNOWN
-    """How the engine admits a prompt longer than the room left in an iteration."""
-    max_prefill_chunk: int = 0
-    """Most tokens of one prefill a chunking engine computes per iteration (vLLM's
-    ``--long-prefill-token-threshold``; 0: none but the budget)."""
-
-
 
 
 class EngineError(RuntimeError):

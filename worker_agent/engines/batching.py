@@ -45,11 +45,10 @@ from typing import Any
 from kvroute.core.block_pool import BlockPool
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.cache_events import CacheEvent, CacheListener
-from kvroute.core.load import PrefillMode
+from kvroute.core.load import EngineLoad, PrefillMode
 from kvroute.core.scheduler import Scheduler
 from kvroute.worker_agent.engines.base import (
     EngineError,
-    EngineLoad,
     EngineRequest,
     RequestRefusedError,
     TokenChunk,

@@ -13,8 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvroute.core.cache_events import CacheEvent, CacheListener
 from kvroute.core.chat_tokenizer import ChatTokenizer
-from kvroute.core.load import PrefillMode
-from kvroute.worker_agent.engines.base import EngineError, EngineLoad, EngineRequest, TokenChunk
+from kvroute.core.load import EngineLoad, PrefillMode
+from kvroute.worker_agent.engines.base import EngineError, EngineRequest, TokenChunk
 from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
 from kvroute.worker_agent.engines.vllm.openai import CompletionsClient, structured_outputs
 from kvroute.worker_agent.engines.vllm.prom import MetricsPoller
@@ -240,7 +240,7 @@ class VllmEngine(BatchSink):
             del self._inflight[rid]
 
     def load(self) -> EngineLoad:
-        m = self.metrics.load
+        m = self.metrics.latest
         capacity = m.num_gpu_blocks or self.config.capacity_blocks
         free = capacity if m.kv_usage is None else round(capacity * (1.0 - m.kv_usage))
         decoding = prefill = 0

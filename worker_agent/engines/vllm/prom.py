@@ -26,14 +26,17 @@ _USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 @dataclass(frozen=True, slots=True)
-class VllmLoad:
+class VllmMetrics:
+    """What vLLM's ``/metrics`` says of its load: the vLLM engine's ``load()`` reads it
+    (with its own counts) into the one load record, ``core.load.EngineLoad``."""
+
     running: int = 0
     waiting: int = 0
     kv_usage: float | None = None
     num_gpu_blocks: int | None = None
 
 
-def parse_metrics(text: str) -> VllmLoad:
+def parse_metrics(text: str) -> VllmMetrics:
     """ValueError if the text is not Prometheus exposition format."""
     running = waiting = 0
     usage: dict[str, list[float]] = {}
@@ -53,7 +56,7 @@ def parse_metrics(text: str) -> VllmLoad:
                     blocks[s.labels.get("engine", "")] = int(raw)
     values = next((usage[n] for n in _USAGE if usage.get(n)), None)
     kv = min(1.0, max(0.0, sum(values) / len(values))) if values else None
-    return VllmLoad(running, waiting, kv, sum(blocks.values()) if blocks else None)
+    return VllmMetrics(running, waiting, kv, sum(blocks.values()) if blocks else None)
 
 
 @dataclass
@@ -65,7 +68,7 @@ class MetricsStats:
 
 
 class MetricsPoller:
-    """Keeps :attr:`load` fresh by polling ``{base_url}/metrics`` every ``interval_s``."""
+    """Keeps :attr:`latest` fresh by polling ``{base_url}/metrics`` every ``interval_s``."""
 
     def __init__(self, base_url: str, interval_s: float = 0.5, timeout_s: float = 2.0,
                  on_poll: Callable[[], None] | None = None) -> None:
@@ -74,7 +77,7 @@ class MetricsPoller:
         self._on_poll = on_poll
         self._interval = interval_s
         self._http = httpx.AsyncClient(timeout=timeout_s)
-        self.load = VllmLoad()
+        self.latest = VllmMetrics()
         self.stats = MetricsStats()
         self._task: asyncio.Task[None] | None = None
 
@@ -94,7 +97,7 @@ class MetricsPoller:
         try:
             resp = await self._http.get(self._url)
             resp.raise_for_status()
-            self.load = parse_metrics(resp.text)
+            self.latest = parse_metrics(resp.text)
         except (httpx.HTTPError, ValueError) as exc:
             st.errors += 1
             if st.up or st.polls == 1:
