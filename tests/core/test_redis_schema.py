@@ -69,33 +69,34 @@ def test_heartbeat_validation() -> None:
     with pytest.raises(ValueError, match="lacks"):
         Heartbeat.from_json('{"worker_id":"w"}')
     hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(arrival_rate=2.5))
-    assert Heartbeat.from_json(hb.to_json()).arrival_rate == 2.5
+    assert Heartbeat.from_json(hb.to_json()).load.arrival_rate == 2.5
     # An older agent sends none: unknown, 0.
-    assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').arrival_rate == 0
+    old = Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}')
+    assert old.load.arrival_rate == 0
     for field in ("arrival_rate", "prefill_rate"):
         for bad in ("-1", "NaN", "Infinity", '"2"', "true", "null"):
             with pytest.raises(ValueError, match=field):
                 Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
                                     f'"{field}":{bad}}}')
     hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(prefill_rate=1250.5))
-    assert Heartbeat.from_json(hb.to_json()).prefill_rate == 1250.5
+    assert Heartbeat.from_json(hb.to_json()).load.prefill_rate == 1250.5
     # How the engine admits a long prompt: named in the JSON, unknown when an older agent
     # does not say, anything else refused.
     hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(prefill_mode=PrefillMode.CHUNKED))
     assert '"prefill_mode":"chunked"' in hb.to_json()
-    assert Heartbeat.from_json(hb.to_json()).prefill_mode == "chunked"
+    assert Heartbeat.from_json(hb.to_json()).load.prefill_mode == "chunked"
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}'
-                               ).prefill_mode is PrefillMode.UNKNOWN
+                               ).load.prefill_mode is PrefillMode.UNKNOWN
     for bad in ('"Chunked"', '"partial"', "1", "null", "[]"):
         with pytest.raises(ValueError, match="prefill_mode must be one of"):
             Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
                                 f'"prefill_mode":{bad}}}')
-    assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}').prefill_rate == 0
+    assert old.load.prefill_rate == 0
     # The engine's cap on one prefill's chunk: carried, 0 (none) from an older agent.
     hb = Heartbeat("w1", "127.0.0.1:1", "e", load=EngineLoad(max_prefill_chunk=2048))
-    assert Heartbeat.from_json(hb.to_json()).max_prefill_chunk == 2048
+    assert Heartbeat.from_json(hb.to_json()).load.max_prefill_chunk == 2048
     assert Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e"}'
-                               ).max_prefill_chunk == 0
+                               ).load.max_prefill_chunk == 0
     for bad in ("-1", '"2048"', "2.5", "null"):
         with pytest.raises(ValueError, match="max_prefill_chunk"):
             Heartbeat.from_json('{"worker_id":"w","address":"a:1","epoch":"e",'
@@ -120,11 +121,13 @@ def test_heartbeat_carries_the_workers_vocabulary() -> None:
 
 
 def test_heartbeat_numbers_are_bounded() -> None:
+    from kvroute.core.load import ENGINE_LOAD_FIELDS
     from kvroute.core.redis_schema import HEARTBEAT_INT_MAX, MAX_TTL_S, RecordError
 
     base = '{"worker_id":"w","address":"a:1","epoch":"e",'
     for name, high in HEARTBEAT_INT_MAX.items():
-        assert getattr(Heartbeat.from_json(base + f'"{name}":{high}}}'), name) == high
+        hb = Heartbeat.from_json(base + f'"{name}":{high}}}')
+        assert getattr(hb.load if name in ENGINE_LOAD_FIELDS else hb, name) == high
         for bad in (high + 1, 2 * 10 ** 70, 10 ** 4000):
             with pytest.raises(RecordError, match=f"{name} must be .* at most") as err:
                 Heartbeat.from_json(base + f'"{name}":{bad}}}')
