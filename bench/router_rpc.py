@@ -41,6 +41,7 @@ import grpc
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.core.grpc_util import new_server
+from kvroute.core.load import EngineLoad
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys
 from kvroute.demo.procs import scratch_redis
@@ -150,7 +151,7 @@ async def measure(args: argparse.Namespace, redis_url: str) -> None:
 
         def beat(w: str = w, load: dict[str, int] = load) -> Heartbeat:
             return Heartbeat(w, "127.0.0.1:1", pubs_by[w].epoch, block_size=BLOCK,
-                             ttl_s=30.0, **load)
+                             ttl_s=30.0, load=EngineLoad(**load))
 
         pubs_by[w] = CachePublisher(connect(redis_url), keys, w, lambda ks=ks: ks, beat,
                                     heartbeat_s=5.0, heartbeat_ttl_s=30.0)

@@ -202,6 +202,8 @@ class CachePublisher:
                 self._set_up(True)
             except _LOOP_ERRORS as exc:
                 self._set_up(False, exc)
+            except Exception:  # a bug (of the engine's load, say): said, and beaten again
+                log.exception("heartbeat failed", extra={"kv": {"worker": self._worker}})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self._hb_s)
 
