@@ -309,49 +309,59 @@ class Heartbeat:
             hb = cls(**known, load=EngineLoad(**load))
         except TypeError as exc:
             raise RecordError(f"heartbeat lacks a field: {exc}", "missing_field") from exc
-        for name, high in HEARTBEAT_INT_MAX.items():
-            v = load.get(name, 0) if name in ENGINE_LOAD_FIELDS else getattr(hb, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise RecordError(f"heartbeat field {name} must be a non-negative int, "
-                                  f"got {v!r:.80}", "bad_type")
-            if not 0 <= v <= high:
-                raise RecordError(f"heartbeat field {name} must be a non-negative int at "
-                                  f"most {high}, got {_number(v)}", "out_of_range")
-        for name in ("arrival_rate", "prefill_rate"):
-            rate = getattr(hb.load, name)
-            if isinstance(rate, bool) or not isinstance(rate, int | float):
-                raise RecordError(f"heartbeat field {name} must be a non-negative finite "
-                                  f"number, got {rate!r:.80}", "bad_type")
-            if not (math.isfinite(rate) and 0 <= rate <= HEARTBEAT_RATE_MAX):
-                raise RecordError(f"heartbeat field {name} must be a non-negative finite "
-                                  f"number at most {HEARTBEAT_RATE_MAX:g}, got {_number(rate)}",
-                                  "out_of_range")
-        if isinstance(hb.ttl_s, bool) or not isinstance(hb.ttl_s, int | float):
-            raise RecordError(f"heartbeat field ttl_s must be a number, got {hb.ttl_s!r:.80}",
-                              "bad_type")
-        if not (math.isfinite(hb.ttl_s) and 0 < hb.ttl_s <= MAX_TTL_S):
-            raise RecordError(f"heartbeat field ttl_s must be in (0, {MAX_TTL_S:g}] seconds, "
-                              f"got {_number(hb.ttl_s)}", "out_of_range")
-        for name in ("worker_id", "address", "epoch", "key_scheme"):
-            v = getattr(hb, name)
-            if not isinstance(v, str) or not 0 < len(v) <= MAX_EPOCH_CHARS:
-                raise RecordError(f"heartbeat field {name} must be a non-empty string of at "
-                                  f"most {MAX_EPOCH_CHARS} characters", "bad_type")
-        if not _NAME.match(hb.worker_id):
-            raise RecordError(f"heartbeat field worker_id {hb.worker_id!r} is not a valid "
-                              "worker name", "bad_name")
-        if not isinstance(hb.tokenizer, str) or len(hb.tokenizer) > 200:
-            raise RecordError(f"heartbeat field tokenizer must be a string of at most 200 "
-                              f"characters, got {hb.tokenizer!r:.80}", "bad_type")
-        if not isinstance(hb.engine_endpoint, str) or (
-                hb.engine_endpoint and not _ENDPOINT.match(hb.engine_endpoint)):
-            raise RecordError(f"heartbeat field engine_endpoint must be host:port or empty, "
-                              f"got {hb.engine_endpoint!r:.80}", "bad_type")
-        if not isinstance(hb.extra, dict) or len(hb.extra) > 64 or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in hb.extra.items()):
-            raise RecordError("heartbeat field extra must be an object of at most 64 string "
-                              "values", "bad_type")
+        _check_numbers(hb)
+        _check_strings(hb)
         return hb
+
+
+def _check_numbers(hb: Heartbeat) -> None:
+    """Every number of ``hb`` an int or finite float within its bound, else RecordError."""
+    for name, high in HEARTBEAT_INT_MAX.items():
+        v = getattr(hb.load if name in ENGINE_LOAD_FIELDS else hb, name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise RecordError(f"heartbeat field {name} must be a non-negative int, "
+                              f"got {v!r:.80}", "bad_type")
+        if not 0 <= v <= high:
+            raise RecordError(f"heartbeat field {name} must be a non-negative int at "
+                              f"most {high}, got {_number(v)}", "out_of_range")
+    for name in ("arrival_rate", "prefill_rate"):
+        rate = getattr(hb.load, name)
+        if isinstance(rate, bool) or not isinstance(rate, int | float):
+            raise RecordError(f"heartbeat field {name} must be a non-negative finite "
+                              f"number, got {rate!r:.80}", "bad_type")
+        if not (math.isfinite(rate) and 0 <= rate <= HEARTBEAT_RATE_MAX):
+            raise RecordError(f"heartbeat field {name} must be a non-negative finite "
+                              f"number at most {HEARTBEAT_RATE_MAX:g}, got {_number(rate)}",
+                              "out_of_range")
+    if isinstance(hb.ttl_s, bool) or not isinstance(hb.ttl_s, int | float):
+        raise RecordError(f"heartbeat field ttl_s must be a number, got {hb.ttl_s!r:.80}",
+                          "bad_type")
+    if not (math.isfinite(hb.ttl_s) and 0 < hb.ttl_s <= MAX_TTL_S):
+        raise RecordError(f"heartbeat field ttl_s must be in (0, {MAX_TTL_S:g}] seconds, "
+                          f"got {_number(hb.ttl_s)}", "out_of_range")
+
+
+def _check_strings(hb: Heartbeat) -> None:
+    """Every string of ``hb`` (and ``extra``) of its form and length, else RecordError."""
+    for name in ("worker_id", "address", "epoch", "key_scheme"):
+        v = getattr(hb, name)
+        if not isinstance(v, str) or not 0 < len(v) <= MAX_EPOCH_CHARS:
+            raise RecordError(f"heartbeat field {name} must be a non-empty string of at "
+                              f"most {MAX_EPOCH_CHARS} characters", "bad_type")
+    if not _NAME.match(hb.worker_id):
+        raise RecordError(f"heartbeat field worker_id {hb.worker_id!r} is not a valid "
+                          "worker name", "bad_name")
+    if not isinstance(hb.tokenizer, str) or len(hb.tokenizer) > 200:
+        raise RecordError(f"heartbeat field tokenizer must be a string of at most 200 "
+                          f"characters, got {hb.tokenizer!r:.80}", "bad_type")
+    if not isinstance(hb.engine_endpoint, str) or (
+            hb.engine_endpoint and not _ENDPOINT.match(hb.engine_endpoint)):
+        raise RecordError(f"heartbeat field engine_endpoint must be host:port or empty, "
+                          f"got {hb.engine_endpoint!r:.80}", "bad_type")
+    if not isinstance(hb.extra, dict) or len(hb.extra) > 64 or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in hb.extra.items()):
+        raise RecordError("heartbeat field extra must be an object of at most 64 string "
+                          "values", "bad_type")
 
 
 def parse_meta(meta: Mapping[bytes, bytes]) -> tuple[str, int]:

@@ -127,7 +127,13 @@ class _MirrorCollector(Collector):
     def __init__(self, mirror: IndexMirror) -> None:
         self._m = mirror
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
+        yield from self._feed()
+        yield from self._refusals()
+        yield from self._workers()
+
+    def _feed(self) -> Iterator[Metric]:
+        """The mirror's state: Redis, the index, the feed's progress and lag."""
         m = self._m
         st = m.stats
         yield GaugeMetricFamily("kvroute_router_redis_up",
@@ -160,6 +166,10 @@ class _MirrorCollector(Collector):
             ("kvroute_router_bootstraps", "Full bootstraps from Redis", st.bootstraps),
         ):
             yield GaugeMetricFamily(name, doc, value=v)
+
+    def _refusals(self) -> Iterator[Metric]:
+        """Workers kept or dropped without a heartbeat, records refused, shared decisions."""
+        st = self._m.stats
         lost = self._m.lost
         if lost is not None:
             outcomes = CounterMetricFamily(
@@ -191,6 +201,10 @@ class _MirrorCollector(Collector):
             for direction in ("sent", "applied", "dropped"):
                 decisions.add_metric([direction], getattr(st_shared, direction))
             yield decisions
+
+    def _workers(self) -> Iterator[Metric]:
+        """Each worker's load as the policy sees it, and whether it is routable."""
+        m = self._m
         inflight = GaugeMetricFamily("kvroute_router_worker_inflight",
                                      "Requests this router has outstanding per worker",
                                      labels=["worker"])
