@@ -8,18 +8,13 @@ lock (:meth:`kvroute.router.mirror.mirror.IndexMirror._follow` says why).
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvroute.core.redis_conn import RedisClient
-from kvroute.core.redis_schema import FeedError, FeedEvent, RedisKeys
-from kvroute.router.mirror.cache import MirroredCache
-from kvroute.router.mirror.snapshots import SnapshotReader
-from kvroute.router.mirror.stats import PROPAGATION_BOUNDS_S, MirrorStats, Rejects
-from kvroute.router.registry import WorkerRegistry
+from kvroute.core.redis_schema import FeedError, FeedEvent
+from kvroute.router.mirror.parts import MirrorParts, MirrorTask
+from kvroute.router.mirror.stats import PROPAGATION_BOUNDS_S, MirrorStats
 
 if TYPE_CHECKING:
     from kvroute.router.shared import SharedDecisions
@@ -31,23 +26,12 @@ XREAD_COUNT = 1000
 _COUNTS_EVERY_S = 0.05
 
 
-class FeedFollower:
+class FeedFollower(MirrorTask):
     """Reads the feed from :attr:`last_id` on; :meth:`start_here` sets it."""
 
-    def __init__(self, client: RedisClient, keys: RedisKeys, cache: MirroredCache,
-                 snapshots: SnapshotReader, registry: WorkerRegistry, stats: MirrorStats,
-                 reject: Rejects, lock: asyncio.Lock, *, poll_s: float,
-                 on_change: Callable[[], None]) -> None:
-        self._r = client
-        self._keys = keys
-        self._cache = cache
-        self._snapshots = snapshots
-        self._registry = registry
+    def __init__(self, parts: MirrorParts, stats: MirrorStats) -> None:
+        super().__init__(parts)
         self._stats = stats
-        self._reject = reject
-        self._lock = lock
-        self._poll_s = poll_s
-        self._on_change = on_change
         self.last_id = b"0-0"
         # The other routers' decisions, read in the same XREAD (None: --share-decisions off).
         self.shared: SharedDecisions | None = None

@@ -14,15 +14,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 
-from kvroute.core.redis_conn import RedisClient
-from kvroute.core.redis_schema import Heartbeat, RecordError, RedisKeys, check_name
+from kvroute.core.redis_schema import Heartbeat, RecordError, check_name
 from kvroute.router.lost import LostWorkers
-from kvroute.router.mirror.cache import MirroredCache
-from kvroute.router.mirror.snapshots import LOAD_CONCURRENCY, SnapshotReader
-from kvroute.router.mirror.stats import Rejects
-from kvroute.router.registry import Vocabulary, WorkerRegistry
+from kvroute.router.mirror.parts import MirrorParts, MirrorTask
+from kvroute.router.mirror.snapshots import LOAD_CONCURRENCY
+from kvroute.router.registry import Vocabulary
 
 log = logging.getLogger("kvroute.router.mirror")
 
@@ -36,23 +33,12 @@ SCAN_CHUNK = 100
 _SNAPSHOT_RETRY_S = 5.0
 
 
-class HeartbeatScan:
+class HeartbeatScan(MirrorTask):
     """One instance for the mirror's life; :meth:`reset` before each bootstrap."""
 
-    def __init__(self, client: RedisClient, keys: RedisKeys, cache: MirroredCache,
-                 snapshots: SnapshotReader, registry: WorkerRegistry, reject: Rejects,
-                 lock: asyncio.Lock, lost: LostWorkers | None, *, poll_s: float,
-                 on_change: Callable[[], None]) -> None:
-        self._r = client
-        self._keys = keys
-        self._cache = cache
-        self._snapshots = snapshots
-        self._registry = registry
-        self._reject = reject
-        self._lock = lock
+    def __init__(self, parts: MirrorParts, lost: LostWorkers | None) -> None:
+        super().__init__(parts)
         self._lost = lost
-        self._poll_s = poll_s
-        self._on_change = on_change
         self._expire_from = 0.0
         # When a live worker whose snapshot held no readable state may be read again.
         self._snapshot_due: dict[str, float] = {}

@@ -29,6 +29,7 @@ from kvroute.router.lost import LostWorkers, Probe
 from kvroute.router.mirror.cache import MirroredCache
 from kvroute.router.mirror.feed import FeedFollower
 from kvroute.router.mirror.heartbeats import HeartbeatScan
+from kvroute.router.mirror.parts import MirrorParts
 from kvroute.router.mirror.snapshots import SnapshotReader, listed
 from kvroute.router.mirror.stats import MirrorStats, Rejects
 from kvroute.router.registry import WorkerRegistry
@@ -74,12 +75,10 @@ class IndexMirror:
         # Held by the feed while it applies a batch and by the heartbeat scan while it loads
         # snapshots or removes workers: the two never interleave on cache state (_follow).
         lock = asyncio.Lock()
-        self.feed = FeedFollower(client, keys, self.cache, self.snapshots, registry,
-                                 self.stats, reject, lock, poll_s=poll_interval_s,
-                                 on_change=self._on_change)
-        self.heartbeats = HeartbeatScan(client, keys, self.cache, self.snapshots, registry,
-                                        reject, lock, self.lost, poll_s=poll_interval_s,
-                                        on_change=self._on_change)
+        parts = MirrorParts(client, keys, self.cache, self.snapshots, registry, reject, lock,
+                            poll_interval_s, self._on_change)
+        self.feed = FeedFollower(parts, self.stats)
+        self.heartbeats = HeartbeatScan(parts, self.lost)
 
     @property
     def index(self) -> PrefixIndex:
