@@ -141,90 +141,13 @@ class ChatTokenizer:
 
     @classmethod
     def from_files(cls, files: ModelFiles, name: str | None = None) -> ChatTokenizer:
-        try:
-            from tokenizers import AddedToken, Tokenizer
-        except ImportError as exc:
-            raise ModelSourceError(
-                f"model source {files.origin!r} needs tokenizers: {TOKENIZERS_INSTALL_HINT}"
-            ) from exc
-        origin = files.origin
-        config = (_read_json(files.tokenizer_config, origin) if files.tokenizer_config else {})
-        if files.special_tokens_map is not None:
-            # The older file: its tokens count where tokenizer_config.json names none.
-            for attr, value in _read_json(files.special_tokens_map, origin).items():
-                if attr in SPECIAL_TOKEN_NAMES and config.get(attr) is None:
-                    config[attr] = value
-        spec = _read_json(files.tokenizer_json, origin)
-        model_type = spec.get("model", {}).get("type") if isinstance(spec.get("model"), dict) \
-            else None
-        if config.get("tokenizer_class") in LLAMA_CLASSES and model_type == "BPE":
-            spec = _llama_pipeline(spec, config)
-        try:
-            hf = Tokenizer.from_str(json.dumps(spec))
-        except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
-            raise ModelSourceError(
-                f"model source {origin!r}: {files.tokenizer_json} is not a tokenizers file: {exc}"
-            ) from exc
-
-        declared = config.get("added_tokens_decoder") or {}
-        if not isinstance(declared, Mapping):
-            raise ModelSourceError(f"model source {origin!r}: added_tokens_decoder in "
-                                   f"{files.tokenizer_config} must map ids to tokens")
-        for id_text, tok in sorted(declared.items(), key=lambda kv: int(kv[0])):
-            content = _token_text(tok)
-            if content is None:
-                raise ModelSourceError(f"model source {origin!r}: added_tokens_decoder[{id_text}]"
-                                       " has no content")
-            want = int(id_text)
-            have = hf.token_to_id(content)
-            if have is None:
-                flags = tok if isinstance(tok, Mapping) else {}
-                special = bool(flags.get("special", True))
-                added = AddedToken(content, single_word=bool(flags.get("single_word", False)),
-                                   lstrip=bool(flags.get("lstrip", False)),
-                                   rstrip=bool(flags.get("rstrip", False)),
-                                   normalized=bool(flags.get("normalized", not special)),
-                                   special=special)
-                (hf.add_special_tokens if special else hf.add_tokens)([added])
-                have = hf.token_to_id(content)
-            if have != want:
-                raise ModelSourceError(
-                    f"model source {origin!r}: {content!r} is id {want} in "
-                    f"{files.tokenizer_config} but id {have} in {files.tokenizer_json}")
-        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
-        if isinstance(extra, list):
-            missing = [t for t in map(_token_text, extra) if t and hf.token_to_id(t) is None]
-            if missing:
-                hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                       for t in missing])
-
-        templates: dict[str, str] = {}
-        if files.chat_template is not None:
-            templates["default"] = files.chat_template.read_text(encoding="utf-8")
-        for tname, path in files.additional_chat_templates.items():
-            templates[tname] = path.read_text(encoding="utf-8")
-        if not templates:
-            in_config = config.get("chat_template")
-            if isinstance(in_config, str):
-                templates["default"] = in_config
-            elif isinstance(in_config, list):
-                for item in in_config:
-                    if not (isinstance(item, Mapping) and isinstance(item.get("name"), str)
-                            and isinstance(item.get("template"), str)):
-                        raise ModelSourceError(
-                            f"model source {origin!r}: chat_template entries in "
-                            f"{files.tokenizer_config} need a name and a template")
-                    templates[item["name"]] = item["template"]
-            elif in_config is not None:
-                raise ModelSourceError(f"model source {origin!r}: chat_template in "
-                                       f"{files.tokenizer_config} must be a string or a list")
-
-        stops: list[int] = []
-        if files.generation_config is not None:
-            eos = _read_json(files.generation_config, origin).get("eos_token_id")
-            stops = [eos] if isinstance(eos, int) else [
-                i for i in (eos or []) if isinstance(i, int)]
-        return cls(name or origin, hf, config, templates, stops, fingerprint(files, config))
+        """The tokenizer in ``files``: its configuration, vocabulary with the added tokens
+        the configuration declares, chat templates and stop ids."""
+        config = _read_config(files)
+        hf = _read_tokenizer(files, config)
+        _add_declared_tokens(hf, files, config)
+        return cls(name or files.origin, hf, config, _read_templates(files, config),
+                   _stop_ids(files), fingerprint(files, config))
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -308,3 +231,117 @@ class ChatTokenizer:
                            chat_template=chat_template,
                            chat_template_kwargs=chat_template_kwargs, **kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def _tokenizers(origin: str) -> Any:
+    """The ``tokenizers`` package (ModelSourceError with the install hint without it)."""
+    try:
+        import tokenizers
+    except ImportError as exc:
+        raise ModelSourceError(
+            f"model source {origin!r} needs tokenizers: {TOKENIZERS_INSTALL_HINT}") from exc
+    return tokenizers
+
+
+def _read_config(files: ModelFiles) -> dict[str, Any]:
+    """tokenizer_config.json, with special_tokens_map.json's tokens where it names none."""
+    origin = files.origin
+    config = (_read_json(files.tokenizer_config, origin) if files.tokenizer_config else {})
+    if files.special_tokens_map is not None:
+        # The older file: its tokens count where tokenizer_config.json names none.
+        for attr, value in _read_json(files.special_tokens_map, origin).items():
+            if attr in SPECIAL_TOKEN_NAMES and config.get(attr) is None:
+                config[attr] = value
+    return config
+
+
+def _read_tokenizer(files: ModelFiles, config: Mapping[str, Any]) -> Any:
+    """tokenizer.json as a ``tokenizers.Tokenizer`` (a Llama BPE given its pipeline)."""
+    origin = files.origin
+    spec = _read_json(files.tokenizer_json, origin)
+    model_type = spec.get("model", {}).get("type") if isinstance(spec.get("model"), dict) \
+        else None
+    if config.get("tokenizer_class") in LLAMA_CLASSES and model_type == "BPE":
+        spec = _llama_pipeline(spec, config)
+    try:
+        return _tokenizers(origin).Tokenizer.from_str(json.dumps(spec))
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ModelSourceError(
+            f"model source {origin!r}: {files.tokenizer_json} is not a tokenizers file: {exc}"
+        ) from exc
+
+
+def _add_declared_tokens(hf: Any, files: ModelFiles, config: Mapping[str, Any]) -> None:
+    """Add the tokens the configuration declares that ``hf`` lacks; each declared id must
+    then be its token's (ModelSourceError names the two files that disagree)."""
+    origin = files.origin
+    added_token = _tokenizers(origin).AddedToken
+    declared = config.get("added_tokens_decoder") or {}
+    if not isinstance(declared, Mapping):
+        raise ModelSourceError(f"model source {origin!r}: added_tokens_decoder in "
+                               f"{files.tokenizer_config} must map ids to tokens")
+    for id_text, tok in sorted(declared.items(), key=lambda kv: int(kv[0])):
+        content = _token_text(tok)
+        if content is None:
+            raise ModelSourceError(f"model source {origin!r}: added_tokens_decoder[{id_text}]"
+                                   " has no content")
+        want = int(id_text)
+        have = hf.token_to_id(content)
+        if have is None:
+            flags = tok if isinstance(tok, Mapping) else {}
+            special = bool(flags.get("special", True))
+            added = added_token(content, single_word=bool(flags.get("single_word", False)),
+                                lstrip=bool(flags.get("lstrip", False)),
+                                rstrip=bool(flags.get("rstrip", False)),
+                                normalized=bool(flags.get("normalized", not special)),
+                                special=special)
+            (hf.add_special_tokens if special else hf.add_tokens)([added])
+            have = hf.token_to_id(content)
+        if have != want:
+            raise ModelSourceError(
+                f"model source {origin!r}: {content!r} is id {want} in "
+                f"{files.tokenizer_config} but id {have} in {files.tokenizer_json}")
+    extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
+    if isinstance(extra, list):
+        missing = [t for t in map(_token_text, extra) if t and hf.token_to_id(t) is None]
+        if missing:
+            hf.add_special_tokens([added_token(t, special=True, normalized=False)
+                                   for t in missing])
+
+
+def _read_templates(files: ModelFiles, config: Mapping[str, Any]) -> dict[str, str]:
+    """The chat templates by name: the files' (chat_template.jinja and the additional
+    ones), else tokenizer_config.json's ``chat_template`` (a string or a named list)."""
+    origin = files.origin
+    templates: dict[str, str] = {}
+    if files.chat_template is not None:
+        templates["default"] = files.chat_template.read_text(encoding="utf-8")
+    for tname, path in files.additional_chat_templates.items():
+        templates[tname] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    in_config = config.get("chat_template")
+    if isinstance(in_config, str):
+        templates["default"] = in_config
+    elif isinstance(in_config, list):
+        for item in in_config:
+            if not (isinstance(item, Mapping) and isinstance(item.get("name"), str)
+                    and isinstance(item.get("template"), str)):
+                raise ModelSourceError(
+                    f"model source {origin!r}: chat_template entries in "
+                    f"{files.tokenizer_config} need a name and a template")
+            templates[item["name"]] = item["template"]
+    elif in_config is not None:
+        raise ModelSourceError(f"model source {origin!r}: chat_template in "
+                               f"{files.tokenizer_config} must be a string or a list")
+    return templates
+
+
+def _stop_ids(files: ModelFiles) -> list[int]:
+    """generation_config.json's ``eos_token_id`` (one id or a list; none without it)."""
+    if files.generation_config is None:
+        return []
+    eos = _read_json(files.generation_config, files.origin).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else [i for i in (eos or []) if isinstance(i, int)]

@@ -44,7 +44,7 @@ class HeartbeatScan(MirrorTask):
         self._snapshot_due: dict[str, float] = {}
         self._bad_beats: dict[str, bytes] = {}  # worker -> its rejected heartbeat, counted once
         self._bad_members: set[bytes] = set()  # invalid members seen, each counted once
-        # Workers the cache held that the last scan's members lacked (see _unlisted).
+        # Workers the cache held that the last scan's members lacked (_unlisted_twice).
         self._unlisted: set[str] = set()
         # worker -> (its heartbeat as last read, parsed): an unchanged record is not parsed
         # again at the next scan (agents beat every second, routers scan twice as often).
