@@ -40,7 +40,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
@@ -71,6 +71,19 @@ def check_name(kind: str, value: str) -> str:
             f"{kind} {value!r} is not valid: use 1-200 of letters, digits and . _ : / @ + = -"
         )
     return value
+
+
+def worker_members(raw: Iterable[bytes]) -> tuple[list[str], dict[bytes, ValueError]]:
+    """The workers set's members as read: those that are worker names, and the others with
+    why each is not (bad UTF-8 or a name outside :func:`check_name`'s alphabet)."""
+    names: list[str] = []
+    bad: dict[bytes, ValueError] = {}
+    for m in raw:
+        try:
+            names.append(check_name("worker", m.decode()))
+        except ValueError as exc:  # also bad UTF-8
+            bad[m] = exc
+    return names, bad
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvroute.core.redis_conn import RedisClient
-from kvroute.core.redis_schema import RedisKeys, check_name
+from kvroute.core.redis_schema import RedisKeys, worker_members
 
 PRUNE_EVERY_S = 10.0
 """About how often the agents of a model, together, scan its workers set: each waits this
@@ -34,13 +34,7 @@ async def prune_dead_members(client: RedisClient, keys: RedisKeys) -> Pruned:
     """Remove from ``keys.workers`` every member with neither a heartbeat nor a snapshot
     meta, and every member that is no worker name."""
     raw = await client.smembers(keys.workers)
-    names: list[str] = []
-    bad: list[bytes] = []
-    for m in raw:
-        try:
-            names.append(check_name("worker", m.decode()))
-        except ValueError:  # also bad UTF-8
-            bad.append(m)
+    names, bad = worker_members(raw)
     silent: list[str] = []
     for i in range(0, len(names), _MGET_CHUNK):
         part = names[i:i + _MGET_CHUNK]

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 
-from kvroute.core.redis_schema import Heartbeat, RecordError, check_name
+from kvroute.core.redis_schema import Heartbeat, RecordError, worker_members
 from kvroute.router.lost import LostWorkers
 from kvroute.router.mirror.parts import MirrorParts, MirrorTask
 from kvroute.router.mirror.snapshots import LOAD_CONCURRENCY
@@ -57,20 +57,15 @@ class HeartbeatScan(MirrorTask):
         self._expire_from = time.monotonic() + self._registry.max_ttl_s() + self._poll_s
         self._snapshot_due.clear()
 
-    async def members(self) -> list[str]:
+    async def _members(self) -> list[str]:
         """The workers set's members that are valid worker names; another is rejected,
         counted once while it stays in the set (agents remove it)."""
-        out = []
-        bad: set[bytes] = set()
-        for m in await self._r.smembers(self._keys.workers):
-            try:
-                out.append(check_name("worker", m.decode()))
-            except ValueError as exc:  # also bad UTF-8
-                bad.add(m)
-                if m not in self._bad_members:
-                    self._reject("member", "bad_name", repr(m)[:80], exc)
-        self._bad_members = bad
-        return out
+        names, bad = worker_members(await self._r.smembers(self._keys.workers))
+        for m, exc in bad.items():
+            if m not in self._bad_members:
+                self._reject("member", "bad_name", repr(m)[:80], exc)
+        self._bad_members = set(bad)
+        return names
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Scan every ``poll_s``, start to start, until ``stopping`` (the bootstrap has
@@ -84,10 +79,10 @@ class HeartbeatScan(MirrorTask):
             due = time.monotonic() + self._poll_s
             await self.scan()
 
-    async def scan(self, load: bool = True) -> None:
+    async def scan(self, load: bool = True) -> list[str]:
         """One scan of every worker's heartbeat (``load`` False: no snapshot is read; the
-        bootstrap reads them all after it)."""
-        members = await self.members()
+        bootstrap reads them all after it). Returns the members it read."""
+        members = await self._members()
         self._registry.revive_due()
         beats, added = await self._read_beats(members)
         expire = time.monotonic() >= self._expire_from
@@ -102,6 +97,7 @@ class HeartbeatScan(MirrorTask):
         await self._forget(expired, self._unlisted_twice(members))
         if added or expired or any(self._cache.holds(w) for w in loaded):
             self._on_change()
+        return members
 
     async def _read_beats(self, members: list[str]) -> tuple[dict[str, Heartbeat], list[str]]:
         """Every member's valid heartbeat, read, parsed and given to the registry a part at
@@ -176,7 +172,7 @@ class HeartbeatScan(MirrorTask):
                 log.warning("worker heartbeat expired; forgetting it",
                             extra={"kv": {"worker": w, "blocks_dropped": dropped}})
             for w in unlisted:
-                if w not in self._registry.loads:  # a static worker's may be unlisted
+                if w not in self._registry:  # a static worker's may be unlisted
                     self._cache.remove(w)
 
     def _parse_beats(self, workers: list[str], raws: list[bytes | None]

@@ -162,8 +162,7 @@ class IndexMirror:
         await self.feed.start_here()
         self.cache.reset()
         self.heartbeats.reset()
-        await self.heartbeats.scan(load=False)
-        await self.snapshots.load_many(await self.heartbeats.members())
+        await self.snapshots.load_many(await self.heartbeats.scan(load=False))
         for w in self.index.workers():
             self.registry.set_cached_blocks(w, self.index.count(w))
         self.stats.bootstraps += 1
