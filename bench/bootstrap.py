@@ -27,10 +27,10 @@ import time
 import redis
 from scale import BLOCK, redis_cluster
 
-from kvroute.core.config import AT_LEAST_ONE
 from kvroute.core.index import PrefixIndex
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys, pack_keys
+from kvroute.core.settings import AT_LEAST_ONE
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.registry import WorkerRegistry
 

@@ -218,10 +218,10 @@ async def through_router(args: argparse.Namespace) -> None:
     print(f"\n4. through a router and 2 tiny agents: fork of {args.branches} after "
           f"{args.prefix} shared tokens, against {args.branches} independent requests")
     async with scratch_redis() as url:
-        agents = [AgentApp(AgentConfig(redis=url, port=0, worker_id=f"a{i}", engine="tiny",
+        agents = [AgentApp(AgentConfig.of(redis=url, port=0, worker_id=f"a{i}", engine="tiny",
                                        tokenizer="byte", vocab_size=258, capacity_blocks=1024,
                                        heartbeat_s=0.2)) for i in range(2)]
-        router = RouterApp(RouterConfig(redis=url, port=0, vocab_size=258))
+        router = RouterApp(RouterConfig.of(redis=url, port=0, vocab_size=258))
         started: list[Any] = []
         try:
             for a in agents:

@@ -281,14 +281,14 @@ async def main(args: argparse.Namespace) -> None:
         async with scratch_redis() as redis_url:
             common = dict(redis=redis_url, model=MODEL, log_level="warning",
                           max_prompt_tokens=65536)
-            agents = [AgentApp(AgentConfig(**common, port=0, worker_id=f"a{i}",
+            agents = [AgentApp(AgentConfig.of(**common, port=0, worker_id=f"a{i}",
                                            time_scale=0.0, heartbeat_s=0.2,
                                            capacity_blocks=65536, model_source=str(model_dir),
                                            max_batch=256))
                       for i in range(args.agents)]
             for a in agents:
                 await a.start()
-            router = RouterApp(RouterConfig(**{**common, "model": f"{MODEL}={model_dir}"},
+            router = RouterApp(RouterConfig.of(**{**common, "model": f"{MODEL}={model_dir}"},
                                             port=0, http_port=args.http_port))
             await router.start(wait_for_redis_s=30)
             try:

@@ -89,14 +89,14 @@ async def run(args: argparse.Namespace) -> None:
 
 async def measure_generate(args: argparse.Namespace, redis_url: str) -> None:
     model = f"{MODEL}-generate"  # its own Redis keys: none of the synthetic workers above
-    agents = [AgentApp(AgentConfig(redis=redis_url, port=0, model=model, block_size=BLOCK,
+    agents = [AgentApp(AgentConfig.of(redis=redis_url, port=0, model=model, block_size=BLOCK,
                                    worker_id=f"a{i}", time_scale=0.0, heartbeat_s=0.2,
                                    capacity_blocks=65536, log_level="warning",
                                    max_prompt_tokens=65536))
               for i in range(args.agents)]
     for a in agents:
         await a.start()
-    router = RouterApp(RouterConfig(redis=redis_url, port=0, model=model, block_size=BLOCK,
+    router = RouterApp(RouterConfig.of(redis=redis_url, port=0, model=model, block_size=BLOCK,
                                     log_level="warning", max_prompt_tokens=65536))
     await router.start(wait_for_redis_s=30)
     try:
@@ -162,7 +162,7 @@ async def measure(args: argparse.Namespace, redis_url: str) -> None:
     while not all(p.seq for p in pubs):
         await asyncio.sleep(0.05)
     total = sum(map(len, held.values()))
-    router = RouterApp(RouterConfig(redis=redis_url, port=0, model=MODEL, block_size=BLOCK,
+    router = RouterApp(RouterConfig.of(redis=redis_url, port=0, model=MODEL, block_size=BLOCK,
                                     log_level="warning", max_prompt_tokens=65536,
                                     route_candidates=args.route_candidates))
     await router.start(wait_for_redis_s=30)

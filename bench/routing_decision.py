@@ -39,12 +39,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kvroute.core.blocks import BlockHasher
-from kvroute.core.config import AT_LEAST_ONE
 from kvroute.core.grpc_util import Received
 from kvroute.core.index import PrefixIndex
 from kvroute.core.load import EngineLoad
 from kvroute.core.policies import Kvroute, Policy, RouteQuery
 from kvroute.core.redis_schema import Heartbeat
+from kvroute.core.settings import AT_LEAST_ONE
 from kvroute.core.validate import Limits, check_tokens
 from kvroute.core.wire import request_token_ids
 from kvroute.router.decide import Decider, rank_request

@@ -55,11 +55,11 @@ import redis
 
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.cache_events import CacheEvent
-from kvroute.core.config import AT_LEAST_ONE
 from kvroute.core.load import EngineLoad
 from kvroute.core.ports import PortPool
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, Op, RedisKeys
+from kvroute.core.settings import AT_LEAST_ONE
 from kvroute.demo.procs import find_redis_server
 
 BLOCK = 16

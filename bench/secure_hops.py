@@ -68,12 +68,12 @@ async def cluster(kind: str, redis_url: str, d: Path, ca: Ca, agents: int
         keys = d / "keys.jsonl"
         keys.write_text(f'{{"name": "bench", "sha256": "{hash_key(KEY)}", "rate": 1e6}}\n')
         r_kw.update(api_keys_file=str(keys))
-    apps = [AgentApp(AgentConfig(redis=redis_url, port=0, model=model, worker_id=f"{kind}-{i}",
+    apps = [AgentApp(AgentConfig.of(redis=redis_url, port=0, model=model, worker_id=f"{kind}-{i}",
                                  time_scale=0.0, heartbeat_s=0.2, heartbeat_ttl_s=2.0, **a_kw))
             for i in range(agents)]
     for a in apps:
         await a.start()
-    router = RouterApp(RouterConfig(redis=redis_url, port=0, model=model, poll_interval_s=0.1,
+    router = RouterApp(RouterConfig.of(redis=redis_url, port=0, model=model, poll_interval_s=0.1,
                                     log_level="warning", **r_kw))
     await router.start(wait_for_redis_s=5.0)
     deadline = time.monotonic() + 10

@@ -7,7 +7,7 @@ import errno
 import socket
 from dataclasses import dataclass, field
 
-from kvroute.core.config import ENV_PREFIX, _flag
+from kvroute.core.settings import ENV_PREFIX, flag
 
 _WHY = {
     errno.EADDRINUSE: "is already in use",
@@ -48,7 +48,7 @@ def describe(exc: OSError) -> str:
 def refuse_port(setting: str, host: str, port: int, why: str) -> SystemExit:
     """The error a server ends with when config field ``setting``'s port cannot be listened
     on: ``--port 50061 (KVROUTE_PORT): address 127.0.0.1:50061 is already in use``."""
-    return SystemExit(f"{_flag(setting)} {port} ({ENV_PREFIX}{setting.upper()}): address "
+    return SystemExit(f"{flag(setting)} {port} ({ENV_PREFIX}{setting.upper()}): address "
                       f"{address(host, port)} {why}")
 
 

@@ -29,7 +29,7 @@ from redis.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from kvroute.core.config import CommonConfig
+    from kvroute.core.config import RedisSettings
 
 # Errors that mean "Redis is unreachable or misbehaving", as opposed to programming errors.
 REDIS_ERRORS: tuple[type[BaseException], ...] = (
@@ -69,24 +69,24 @@ class RedisAccess:
     key_file: str = ""
 
     @classmethod
-    def from_config(cls, cfg: CommonConfig) -> RedisAccess:
+    def from_settings(cls, redis: RedisSettings) -> RedisAccess:
         """From ``--redis-username``, ``--redis-password`` (its env variable) or
         ``--redis-password-file`` (one of the two), and the TLS file flags. A password file's
         trailing newline is not part of the password (``echo pw > file`` writes one)."""
-        password = cfg.redis_password
-        if cfg.redis_password_file:
+        password = redis.password
+        if redis.password_file:
             if password:
                 raise ValueError("give the redis password once: --redis-password "
                                  "(KVROUTE_REDIS_PASSWORD) or --redis-password-file, not both")
             try:
-                password = Path(cfg.redis_password_file).read_text().rstrip("\r\n")
+                password = Path(redis.password_file).read_text().rstrip("\r\n")
             except OSError as exc:
-                raise ValueError(f"--redis-password-file {cfg.redis_password_file}: "
+                raise ValueError(f"--redis-password-file {redis.password_file}: "
                                  f"cannot be read ({exc.strerror})") from None
             if not password:
-                raise ValueError(f"--redis-password-file {cfg.redis_password_file} is empty")
-        return cls(cfg.redis_username, password, cfg.redis_ca_file, cfg.redis_cert_file,
-                   cfg.redis_key_file)
+                raise ValueError(f"--redis-password-file {redis.password_file} is empty")
+        return cls(redis.username, password, redis.ca_file, redis.cert_file,
+                   redis.key_file)
 
     def client_kwargs(self, url: str) -> dict[str, object]:
         """redis-py keyword arguments for ``url``; ValueError names a contradiction."""
@@ -139,12 +139,12 @@ def connect(url: str, *, block_timeout_s: float = 0.0,
     return aioredis.Redis.from_url(url, health_check_interval=0, retry_on_timeout=False, **kw)
 
 
-def connect_config(cfg: CommonConfig, *, block_timeout_s: float = 0.0) -> RedisClient:
-    """:func:`connect` to ``cfg.redis`` with ``cfg``'s credentials and TLS files; a bad
+def connect_config(redis: RedisSettings, *, block_timeout_s: float = 0.0) -> RedisClient:
+    """:func:`connect` to ``redis.url`` with its credentials and TLS files; a bad
     combination stops the service at start, naming it."""
     try:
-        return connect(cfg.redis, block_timeout_s=block_timeout_s,
-                       access=RedisAccess.from_config(cfg))
+        return connect(redis.url, block_timeout_s=block_timeout_s,
+                       access=RedisAccess.from_settings(redis))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 if TYPE_CHECKING:
-    from kvroute.core.config import CommonConfig
+    from kvroute.core.config import TlsSettings
 
 log = logging.getLogger("kvroute.tls")
 
@@ -79,10 +79,10 @@ class TlsConfig:
                 raise TlsError(f"{flag} {path}: no such file")
 
     @classmethod
-    def from_config(cls, cfg: CommonConfig) -> TlsConfig:
-        sans = tuple(s.strip() for s in cfg.tls_allowed_sans.split(",") if s.strip())
-        return cls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, sans, cfg.tls_ca,
-                   cfg.tls_client_cert, cfg.tls_client_key, cfg.tls_server_name)
+    def from_settings(cls, tls: TlsSettings) -> TlsConfig:
+        sans = tuple(s.strip() for s in tls.allowed_sans.split(",") if s.strip())
+        return cls(tls.cert, tls.key, tls.client_ca, sans, tls.ca,
+                   tls.client_cert, tls.client_key, tls.server_name)
 
     @property
     def serving(self) -> bool:

@@ -34,12 +34,12 @@ async def main(engine: str = "tiny") -> None:
         apps: list[AgentApp | RouterApp] = []
         try:
             for wid in ("t0", "t1"):
-                agent = AgentApp(AgentConfig(redis=url, port=0, worker_id=wid, engine=engine,
+                agent = AgentApp(AgentConfig.of(redis=url, port=0, worker_id=wid, engine=engine,
                                              tokenizer="byte", vocab_size=258,
                                              capacity_blocks=512))
                 await agent.start()
                 apps.append(agent)
-            router = RouterApp(RouterConfig(redis=url, port=0, vocab_size=258,
+            router = RouterApp(RouterConfig.of(redis=url, port=0, vocab_size=258,
                                             tokenizer="byte"))
             await router.start(wait_for_redis_s=5.0)
             apps.append(router)

@@ -11,17 +11,15 @@ import sys
 from collections.abc import Sequence
 
 from kvroute import __version__
-from kvroute.core.config import (
-    AgentConfig,
+from kvroute.core.config import AgentConfig, EppConfig, RouterConfig
+from kvroute.core.logs import setup_logging
+from kvroute.core.settings import (
     DefaultsFormatter,
-    EppConfig,
     Range,
     RawDefaultsFormatter,
-    RouterConfig,
     add_arguments,
     from_namespace,
 )
-from kvroute.core.logs import setup_logging
 
 _COMMANDS = ("router", "epp", "agent", "demo", "policies", "replay", "keys", "redis-acl",
              "gen")
@@ -288,12 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvroute.router.epp import run_epp
 
         epp = from_namespace(EppConfig, args)
-        setup_logging(epp.log_level, epp.log_json)
+        setup_logging(epp.log.level, epp.log.json)
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(run_epp(epp))
         return 0
     cfg = from_namespace(RouterConfig if args.command == "router" else AgentConfig, args)
-    setup_logging(cfg.log_level, cfg.log_json)
+    setup_logging(cfg.log.level, cfg.log.json)
     try:
         if args.command == "router":
             from kvroute.router.server import run_router

@@ -387,8 +387,8 @@ def from_config(cfg: RouterConfig, registry: WorkerRegistry) -> KubernetesDiscov
         raise SystemExit("--discovery kubernetes needs the kubernetes client: "
                          f"{KUBERNETES_INSTALL_HINT}") from None
     api_client = load_api_client()
-    return KubernetesDiscovery(api_client, resolve_namespace(cfg.k8s_namespace),
-                               cfg.k8s_selector, cfg.k8s_port, registry)
+    return KubernetesDiscovery(api_client, resolve_namespace(cfg.workers.k8s_namespace),
+                               cfg.workers.k8s_selector, cfg.workers.k8s_port, registry)
 
 
 class DiscoveryCollector(Collector):
@@ -421,14 +421,14 @@ class DiscoveryCollector(Collector):
 def make_discovery(cfg: RouterConfig, registry: WorkerRegistry
                    ) -> KubernetesDiscovery | None:
     """The discovery named by ``--discovery``: None for redis (heartbeats alone)."""
-    if cfg.discovery == "redis":
+    if cfg.workers.discovery == "redis":
         return None
-    if cfg.discovery == "kubernetes":
+    if cfg.workers.discovery == "kubernetes":
         try:
             return from_config(cfg, registry)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-    raise SystemExit(f"unknown --discovery {cfg.discovery!r}; choose redis or kubernetes")
+    raise SystemExit(f"unknown --discovery {cfg.workers.discovery!r}; choose redis or kubernetes")
 
 
 __all__ = [

@@ -299,10 +299,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 elif kind == "request_body":
                     chunk = msg.request_body
                     body += chunk.body
-                    if len(body) > self._cfg.http_max_body_bytes:
+                    if len(body) > self._cfg.http.max_body_bytes:
                         self._service.invalid(RPC, API)
                         yield immediate(ApiError(413, f"the request body exceeds "
-                                                 f"{self._cfg.http_max_body_bytes} bytes "
+                                                 f"{self._cfg.http.max_body_bytes} bytes "
                                                  "(--http-max-body-bytes)"))
                         return
                     if not chunk.end_of_stream:
@@ -394,7 +394,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return _refusal(exc, "prompt" if completions else "messages")
         rid = request.request_id or uuid.uuid4().hex
         app = self._app
-        predicting = (self._cfg.predict_ttl_s > 0 and app.mirror.available and bool(d.keys))
+        predicting = (self._cfg.policy.predict_ttl_s > 0 and app.mirror.available and bool(d.keys))
         if predicting:
             d, _ = await self._service.coalesce(d, rid, API)
         chosen = self._ranked(d, subset)
@@ -409,7 +409,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         app.metrics.routed.labels(w).inc()
         log.debug("picked", extra={"kv": {"request": rid, "worker": w, "endpoint": endpoint,
                                           "cached_tokens": d.cached_tokens(w)}})
-        return routed, [e for _, e in rest[: self._cfg.epp_fallbacks]]
+        return routed, [e for _, e in rest[: self._cfg.epp.fallbacks]]
 
     def _ranked(self, d: Decision, subset: Iterable[str] | None) -> list[tuple[str, str]]:
         """(worker, endpoint) best first, of the workers still live (and in ``subset``)."""
@@ -419,7 +419,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             info = self._app.registry.get(s.worker)
             if info is None or s.worker not in self._app.registry.loads:
                 continue
-            e = engine_endpoint(info, self._cfg.epp_target_port)
+            e = engine_endpoint(info, self._cfg.epp.target_port)
             if allowed is None or e in allowed:
                 out.append((s.worker, e))
         return out
@@ -433,7 +433,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             info = reg.get(w)
             if info is None:
                 continue
-            e = engine_endpoint(info, self._cfg.epp_target_port)
+            e = engine_endpoint(info, self._cfg.epp.target_port)
             if allowed is None or e in allowed:
                 return e
         self._app.metrics.requests.labels(API, RPC, "unavailable").inc()
@@ -446,7 +446,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         if not served or served == r.endpoint:
             return
         for info in self._app.registry.all():
-            if engine_endpoint(info, self._cfg.epp_target_port) == served:
+            if engine_endpoint(info, self._cfg.epp.target_port) == served:
                 self._service.lifecycle.move(r.stay, info.worker_id)
                 r.endpoint = served
                 return
@@ -493,7 +493,7 @@ class EppApp:
         # commonly call their endpoint picker over TLS.
         tls = self.router.tls
         server = new_server(tls)
-        self.epp_port = bind(server, self.cfg.host, self.cfg.epp_port, "epp_port", tls=tls)
+        self.epp_port = bind(server, self.cfg.listen.host, self.cfg.epp.port, "epp_port", tls=tls)
         await self.router.start(wait_for_redis_s=wait_for_redis_s)
         service = self.router.service
         assert service is not None
@@ -502,13 +502,13 @@ class EppApp:
         picker = EndpointPicker(self.cfg, self.router, service, front)
         ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
         self._health = add_standard_services(server, HEALTH_SERVICES,
-                                             self.cfg.grpc_reflection)
+                                             self.cfg.listen.grpc_reflection)
         await server.start()
         self._server = server
         await set_serving(self._health, HEALTH_SERVICES, True)
         log.info("endpoint picker serving", extra={"kv": {
             "epp_port": self.epp_port, "router_port": self.router.port,
-            "target_port": self.cfg.epp_target_port, "model": self.router.cfg.model}})
+            "target_port": self.cfg.epp.target_port, "model": self.router.cfg.model.name}})
         return self.epp_port
 
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -242,12 +242,12 @@ class OpenAIFront:
                  middlewares: Sequence[Any] = (),
                  models: Mapping[str, Tokenizer | None] | None = None,
                  adapters: Mapping[str, str] | None = None) -> None:
-        """``models``: every model served and its tokenizer (default: ``cfg.model`` and
+        """``models``: every model served and its tokenizer (default: ``cfg.model.name`` and
         ``tokenizer``); the first is the default. ``adapters``: LoRA adapter -> base model,
         served as models of their own with the base model's tokenizer."""
         self._cfg = cfg
         self._models = {name: FrontModel(name, tok) for name, tok in
-                        (models or {cfg.model: tokenizer}).items()}
+                        (models or {cfg.model.name: tokenizer}).items()}
         self._default = next(iter(self._models.values()))
         for name, base in (adapters or {}).items():
             self._models[name] = FrontModel(name, self._models[base].tok, parent=base)
@@ -265,7 +265,7 @@ class OpenAIFront:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self._cfg.http_max_body_bytes,
+        app = web.Application(client_max_size=self._cfg.http.max_body_bytes,
                               middlewares=[self._errors, *self._middlewares])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
@@ -291,8 +291,8 @@ class OpenAIFront:
         await runner.setup()
         assert runner.server is not None
         # Listening ourselves (not a TCPSite): every connection passes the guard first.
-        self.guard = ConnectionGuard(runner.server, self._cfg.http_header_timeout_s,
-                                     self._cfg.http_max_connections_per_client)
+        self.guard = ConnectionGuard(runner.server, self._cfg.http.header_timeout_s,
+                                     self._cfg.http.max_connections_per_client)
         try:
             listener = await asyncio.get_running_loop().create_server(
                 self.guard, host, port, ssl=ssl_ctx, reuse_address=True)
@@ -343,7 +343,7 @@ class OpenAIFront:
             return self._error(exc)
         except web.HTTPRequestEntityTooLarge:
             return self._error(ApiError(
-                413, f"the request body exceeds the limit of {self._cfg.http_max_body_bytes} "
+                413, f"the request body exceeds the limit of {self._cfg.http.max_body_bytes} "
                 "bytes (--http-max-body-bytes)", code="request_too_large"))
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -417,21 +417,21 @@ class OpenAIFront:
 
     def _max_tokens(self, g: Generation) -> int:
         cfg = self._cfg
-        if g.max_tokens is not None and g.max_tokens > cfg.max_new_tokens:
+        if g.max_tokens is not None and g.max_tokens > cfg.limits.max_new_tokens:
             raise ApiError(400, f"max_tokens: {g.max_tokens} exceeds the limit of "
-                           f"{cfg.max_new_tokens} (--max-new-tokens)", param="max_tokens")
-        return g.max_tokens if g.max_tokens is not None else min(cfg.http_max_tokens,
-                                                                  cfg.max_new_tokens)
+                           f"{cfg.limits.max_new_tokens} (--max-new-tokens)", param="max_tokens")
+        return g.max_tokens if g.max_tokens is not None else min(cfg.http.max_tokens,
+                                                                  cfg.limits.max_new_tokens)
 
     def _check_length(self, tokens: Sequence[int], param: str) -> None:
-        limit = self._cfg.max_prompt_tokens
+        limit = self._cfg.limits.max_prompt_tokens
         if len(tokens) > limit:
             raise ApiError(413, f"{param}: the prompt is {len(tokens)} tokens, over the limit "
                            f"of {limit} tokens (--max-prompt-tokens)", param=param,
                            code="context_length_exceeded")
 
     def _jobs(self, g: Generation, prompts: Sequence[Sequence[int]]) -> list[Job]:
-        check_generations(len(prompts), g.n, self._cfg.http_max_generations)
+        check_generations(len(prompts), g.n, self._cfg.http.max_generations)
         rid = uuid.uuid4().hex
         max_tokens = self._max_tokens(g)
         m = self._check_model(g)
@@ -505,7 +505,7 @@ class OpenAIFront:
         """A decoded completions body as its jobs (one per prompt), checked and tokenized as
         :meth:`chat_jobs` does."""
         cfg = self._cfg
-        req = parse_completion(body, cfg.http_max_generations)
+        req = parse_completion(body, cfg.http.max_generations)
         tok = self._check_model(req).tok
         prompts: list[Sequence[int]] = []
         total = 0
@@ -520,9 +520,9 @@ class OpenAIFront:
                 raise ApiError(400, "prompt: the prompt is empty", param="prompt")
             self._check_length(p, "prompt")
             total += len(p)
-            if total > cfg.http_max_batch_tokens:
+            if total > cfg.http.max_batch_tokens:
                 raise ApiError(413, f"prompt: the prompts hold more than "
-                               f"{cfg.http_max_batch_tokens} tokens together "
+                               f"{cfg.http.max_batch_tokens} tokens together "
                                "(--http-max-batch-tokens)", param="prompt")
             prompts.append(p)
         return req, self._jobs(req, prompts)
@@ -643,7 +643,7 @@ class OpenAIFront:
             if len(jobs) == 1:
                 await self._collect(jobs[0])
             else:
-                pool = asyncio.Semaphore(self._cfg.http_batch_concurrency)
+                pool = asyncio.Semaphore(self._cfg.http.batch_concurrency)
 
                 async def bounded(job: Job) -> None:
                     async with pool:

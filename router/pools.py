@@ -13,7 +13,6 @@ the one generation path.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -92,30 +91,30 @@ class PoolModel:
 
     @property
     def name(self) -> str:
-        return self.cfg.model
+        return self.cfg.model.name
 
 
 def load_models(cfg: RouterConfig) -> list[PoolModel]:
     """Each ``--model``'s config and tokenizer, the first the default. A bare NAME takes
     ``--tokenizer`` (byte, gpt2, or none); NAME=SOURCE its own, and ids are then checked
     against its vocabulary. ValueError names what is wrong."""
-    specs = parse_models(cfg.model)
-    if cfg.tokenizer and any(s.source for s in specs):
+    specs = parse_models(cfg.model.name)
+    if cfg.model.tokenizer and any(s.source for s in specs):
         named = next(s for s in specs if s.source)
         raise ValueError(f"--model {named.name}={named.source} names the model's tokenizer: "
-                         f"drop --tokenizer {cfg.tokenizer!r}")
-    if len(specs) > 1 and cfg.discovery != "redis":
-        raise ValueError(f"--discovery {cfg.discovery} serves one --model per router for now "
-                         "(run a router per model)")
+                         f"drop --tokenizer {cfg.model.tokenizer!r}")
+    if len(specs) > 1 and cfg.workers.discovery != "redis":
+        raise ValueError(f"--discovery {cfg.workers.discovery} serves one --model per router "
+                         "for now (run a router per model)")
     models = []
     for s in specs:
         if s.source:
             chat = ChatTokenizer.load(s.source, name=s.name)
-            models.append(PoolModel(dataclasses.replace(cfg, model=s.name,
-                                                        vocab_size=chat.vocab_size), chat, chat))
+            models.append(PoolModel(cfg.replace(model=s.name, vocab_size=chat.vocab_size),
+                                    chat, chat))
         else:
-            models.append(PoolModel(dataclasses.replace(cfg, model=s.name),
-                                    make_tokenizer(cfg.tokenizer), None))
+            models.append(PoolModel(cfg.replace(model=s.name),
+                                    make_tokenizer(cfg.model.tokenizer), None))
     return models
 
 

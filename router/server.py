@@ -145,26 +145,28 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._channels = channels
         self._m = metrics
         self._tok = tokenizer
-        self._limits = Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        self._limits = Limits(cfg.model.vocab_size, cfg.limits.max_prompt_tokens,
+                              cfg.limits.max_new_tokens)
         # Half the connect timeout to wait, half for the probe: a hung worker is left
         # within about --connect-timeout-s (core/liveness.py).
-        self._probe = LivenessProbe(channels, cfg.connect_timeout_s / 2)
+        self._probe = LivenessProbe(channels, cfg.workers.connect_timeout_s / 2)
         self._claims = ClaimAudit()  # promised vs reported cached tokens, per worker
-        self._program_limits = BoundLimits(max_fanout=cfg.max_program_fanout,
-                                           max_steps=cfg.max_program_steps)
+        self._program_limits = BoundLimits(max_fanout=cfg.limits.program_fanout,
+                                           max_steps=cfg.limits.program_steps)
         # Requests sent on with predicted entries whose first token has not come back.
-        self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(cfg.coalesce_share)
+        self._inflight: InflightPrefixes[asyncio.Event] = InflightPrefixes(
+            cfg.policy.coalesce_share)
         if mirror.shared is not None:
             mirror.shared.inflight = self._inflight  # others' prefills are waited for too
         # Every request's stay on a worker, begun and ended alike (the endpoint picker's too).
         self.lifecycle = self._life = Lifecycle(registry, mirror, self._inflight, metrics,
-                                                cfg.predict_ttl_s)
+                                                cfg.policy.predict_ttl_s)
         # The policy's background copies of hot prefixes, if it places any.
         policy = decider.policy
         self.copier = PrefixCopier(policy.replica if policy.places_replicas else None, registry,
                                    channels, mirror, self._inflight, self._life.release, metrics,
-                                   decider.block_size, cfg.predict_ttl_s, cfg.max_copies,
-                                   cfg.copy_timeout_s)
+                                   decider.block_size, cfg.policy.predict_ttl_s,
+                                   cfg.policy.max_copies, cfg.policy.copy_timeout_s)
 
     def invalid(self, method: str, api: str = "grpc") -> None:
         """Count a request refused as INVALID_ARGUMENT before it reached ``method``."""
@@ -173,7 +175,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     # -- shared front half -------------------------------------------------------------------
 
     def _prompt(self, req: common_pb2.GenerateRequest, wire: bytes | None) -> Sequence[int]:
-        check_names(req, self._cfg.model)
+        check_names(req, self._cfg.model.name)
         if req.token_ids and req.text:
             raise InvalidRequestError("text", "give token_ids or text, not both")
         if req.text:
@@ -223,7 +225,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             cached_tokens=d.cached_tokens(d.best), prompt_tokens=len(tokens),
             policy=self._decider.policy.name, degraded=not self._mirror.available,
         )
-        most = self._cfg.route_candidates
+        most = self._cfg.policy.route_candidates
         add, matched = resp.candidates.add, d.query.matched_blocks
         for s in d.ranked[:most] if most else d.ranked:
             # add() then field sets: half the cost of add(**fields) in upb, and at 128
@@ -237,7 +239,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if s.worker in matched:
                 c.cached_tokens = d.cached_tokens(s.worker)
         resp.address = resp.candidates[0].address
-        if request.HasField("program") and self._cfg.program_overflow:
+        if request.HasField("program") and self._cfg.policy.program_overflow:
             seg = fork_segment(request.program)
             if seg is not None:
                 fwd = common_pb2.GenerateRequest()
@@ -286,7 +288,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         t0 = time.perf_counter()
         tokens, d = self.decide_request(request, wire, api=api, t0=t0)
         out = self._outgoing(request, wire, tokens)
-        predicting = self._cfg.predict_ttl_s > 0 and self._mirror.available and bool(d.keys)
+        predicting = self._cfg.policy.predict_ttl_s > 0 and self._mirror.available and bool(d.keys)
         waited = False
         if predicting:
             d, waited = await self.coalesce(d, out.rid, api)
@@ -333,7 +335,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # its fast-forwards are prefill work too, pending until the program ends.
             out.program = request.program
             out.fanout, out.extra = program_load(out.program)
-            if self._cfg.program_overflow:
+            if self._cfg.policy.program_overflow:
                 out.seg = fork_segment(out.program)
                 out.weights = out.seg.weights() if out.seg is not None else []
         return out
@@ -380,7 +382,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         done = False
         try:
             async for resp in watched(call, self._probe, a.address,
-                                      self._cfg.connect_timeout_s / 2):
+                                      self._cfg.workers.connect_timeout_s / 2):
                 if not stay.started:
                     self._life.first_token(stay)
                     self._m.ttft.observe(time.perf_counter() - t0)
@@ -465,11 +467,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         uncached, attended = d.prefill(w)
         self._registry.begin(w, uncached, arrival=False, context=attended)
         try:
-            await asyncio.wait_for(stored.wait(), self._cfg.coalesce_wait_s)
+            await asyncio.wait_for(stored.wait(), self._cfg.policy.coalesce_wait_s)
         except TimeoutError:
             log.warning("in-flight sibling's prefill not done; sending anyway",
                         extra={"kv": {"request": rid, "worker": w,
-                                      "waited_s": self._cfg.coalesce_wait_s}})
+                                      "waited_s": self._cfg.policy.coalesce_wait_s}})
         except asyncio.CancelledError:
             self._m.requests.labels(api, "Generate", "cancelled").inc()
             raise
@@ -531,13 +533,13 @@ class RouterApp:
 
     def __init__(self, cfg: RouterConfig) -> None:
         try:
-            static = parse_static(cfg.workers)
-            make_policy(cfg.policy)  # an unknown policy ends the start before any model loads
+            static = parse_static(cfg.workers.static)
+            make_policy(cfg.policy.name)  # an unknown policy ends the start before any model loads
             # Each --model a pool; NAME=SOURCE: the model's own tokenizer (and chat template).
             models = load_models(cfg)
             # --lora NAME=BASE: adapters routed in their base model's pool.
-            self.adapters = parse_adapters(cfg.lora, [m.name for m in models])
-            self.tls = TlsConfig.from_config(cfg)
+            self.adapters = parse_adapters(cfg.model.lora, [m.name for m in models])
+            self.tls = TlsConfig.from_settings(cfg.tls)
         except ValueError as exc:  # ModelSourceError, ChatTemplateError, TlsError included
             raise SystemExit(str(exc)) from None
         # The default (first) model's config, tokenizer, registry, mirror and decider are
@@ -561,7 +563,7 @@ class RouterApp:
         self.discovery = make_discovery(cfg, self.registry)
         if self.discovery is not None:
             self.metrics.registry.register(DiscoveryCollector(self.discovery))
-        self.keys = load_key_ring(cfg.api_keys_file, self.metrics.registry)
+        self.keys = load_key_ring(cfg.auth.keys_file, self.metrics.registry)
         self.port = 0
         self.http_port = 0
         self.http: OpenAIFront | None = None  # set at start, with --http-port
@@ -577,19 +579,19 @@ class RouterApp:
         cfg = self.cfg
         self._loop = asyncio.get_running_loop()  # where /debug/mirror reads the mirror
         # Ports first: a taken one ends the start before anything needs stopping.
-        server = new_server(self.tls, api_interceptors(self.keys, [SERVICE], cfg.model))
-        self.port = bind(server, cfg.host, cfg.port, tls=self.tls)
-        self.health_server = HealthPort(cfg.metrics_host or cfg.host, cfg.health_port)
-        if cfg.http_port:
+        server = new_server(self.tls, api_interceptors(self.keys, [SERVICE], cfg.model.name))
+        self.port = bind(server, cfg.listen.host, cfg.listen.port, tls=self.tls)
+        self.health_server = HealthPort(cfg.listen.plain_host, cfg.listen.health_port)
+        if cfg.http.port:
             self.http = OpenAIFront(cfg, self._tok,
-                                    middlewares=api_middlewares(self.keys, cfg.model),
+                                    middlewares=api_middlewares(self.keys, cfg.model.name),
                                     models={p.name: p.model.tokenizer for p in self.pools},
                                     adapters=self.adapters)
-            self.http_port = await self.http.bind(cfg.host, cfg.http_port, tls=self.tls)
+            self.http_port = await self.http.bind(cfg.listen.host, cfg.http.port, tls=self.tls)
             assert self.http.guard is not None
             self.metrics.registry.register(GuardCollector(self.http.guard))
         try:
-            self._metrics_http = start_metrics(cfg.metrics_port, cfg.metrics_host or cfg.host,
+            self._metrics_http = start_metrics(cfg.listen.metrics_port, cfg.listen.plain_host,
                                                self.metrics.registry,
                                                routes={"/debug/mirror": self._debug_mirror})
         except BaseException:  # a taken metrics port: the HTTP one is not left listening
@@ -622,21 +624,21 @@ class RouterApp:
             p.service = RouterService(p.model.cfg, p.decider, p.mirror, p.registry,
                                       self.channels, self.metrics, p.model.tokenizer)
         self.service = self.pools[0].service
-        self.front = PooledService(self.pools, cfg.max_inflight, self.metrics.requests,
+        self.front = PooledService(self.pools, cfg.limits.max_inflight, self.metrics.requests,
                                    self.adapters)
         add_router_service(self.front, server)  # type: ignore[arg-type]
         if self.http is not None:
             self.http.serve(self.front, self.front)
-        self._health = add_standard_services(server, [SERVICE], cfg.grpc_reflection)
+        self._health = add_standard_services(server, [SERVICE], cfg.listen.grpc_reflection)
         await server.start()
         self._server = server
         await self.health_server.start(self._health)
         await set_serving(self._health, [SERVICE], True)
         native = native_builds()
         log.info("router serving", extra={"kv": {
-            "port": self.port, "policy": cfg.policy, "model": cfg.model,
-            "block_size": cfg.block_size, "redis": redact_url(cfg.redis),
-            "metrics_port": cfg.metrics_port or "off", "http_port": self.http_port or "off",
+            "port": self.port, "policy": cfg.policy.name, "model": cfg.model.name,
+            "block_size": cfg.model.block_size, "redis": redact_url(cfg.redis.url),
+            "metrics_port": cfg.listen.metrics_port or "off", "http_port": self.http_port or "off",
             "native": native}})
         missing = sorted(name for name, built in native.items() if not built)
         if missing:
@@ -696,17 +698,17 @@ def _pool(model: PoolModel, static: Mapping[str, str], probe: Probe) -> ModelPoo
     # --model-source report it.
     vocabulary = (Vocabulary(chat.fingerprint, chat.vocab_size) if chat is not None
                   else Vocabulary(tok.name, tok.vocab_size)
-                  if tok is not None else Vocabulary("", cfg.vocab_size))
-    registry = WorkerRegistry(static, cfg.block_size, vocabulary)
-    client = connect_config(cfg, block_timeout_s=cfg.poll_interval_s)
-    mirror = IndexMirror(client, RedisKeys(cfg.model), registry,
-                         poll_interval_s=cfg.poll_interval_s, retry_s=cfg.redis_retry_s,
+                  if tok is not None else Vocabulary("", cfg.model.vocab_size))
+    registry = WorkerRegistry(static, cfg.model.block_size, vocabulary)
+    client = connect_config(cfg.redis, block_timeout_s=cfg.workers.poll_interval_s)
+    mirror = IndexMirror(client, RedisKeys(cfg.model.name), registry,
+                         poll_interval_s=cfg.workers.poll_interval_s, retry_s=cfg.redis.retry_s,
                          probe=probe)
-    if cfg.share_decisions:
-        mirror.shared = SharedDecisions(client, RedisKeys(cfg.model), mirror,
-                                        cfg.predict_ttl_s, cfg.share_max_age_s)
-    return ModelPool(model, registry, mirror, Decider(cfg.model, cfg.block_size,
-                                                      make_policy(cfg.policy)))
+    if cfg.policy.share_decisions:
+        mirror.shared = SharedDecisions(client, RedisKeys(cfg.model.name), mirror,
+                                        cfg.policy.predict_ttl_s, cfg.policy.share_max_age_s)
+    return ModelPool(model, registry, mirror, Decider(cfg.model.name, cfg.model.block_size,
+                                                      make_policy(cfg.policy.name)))
 
 
 async def run_router(cfg: RouterConfig) -> None:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvroute.core.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RawDefaultsFormatter
+from kvroute.core.settings import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RawDefaultsFormatter
 
 DEFAULT_BLOCK_SIZE = 64
 KINDS = ("chat", "agent", "rag", "fork")

@@ -32,13 +32,13 @@ def agent_config(redis_url: str, worker_id: str, **kw: Any) -> AgentConfig:
     base = dict(redis=redis_url, port=0, worker_id=worker_id, time_scale=0.0,
                 heartbeat_s=0.1, heartbeat_ttl_s=1.0, capacity_blocks=2048)
     base.update(kw)
-    return AgentConfig(**base)
+    return AgentConfig.of(**base)
 
 
 def router_config(redis_url: str, **kw: Any) -> RouterConfig:
     base = dict(redis=redis_url, port=0, poll_interval_s=0.1, redis_retry_s=0.2)
     base.update(kw)
-    return RouterConfig(**base)
+    return RouterConfig.of(**base)
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from kvroute.cli import build_parser
-from kvroute.core.config import AgentConfig, from_namespace
+from kvroute.core.config import AgentConfig
+from kvroute.core.settings import from_namespace
 from kvroute.demo.openai_model import write_byte_model
 from tests.support import ROOT, RedisProc, free_port, stop_process
 

@@ -61,24 +61,25 @@ def make_engine(cfg: AgentConfig, vocab: AgentVocabulary | None = None) -> Engin
     """The engine named by ``--engine``, speaking ``vocab``'s ids (default: the flags', by
     :func:`load_vocabulary`). Each engine module offers ``from_agent_config``."""
     vocab = vocab or load_vocabulary(cfg)
-    if cfg.engine == "sim":
+    if cfg.engine.kind == "sim":
         from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
 
         return SimEngine(SimConfig(
-            capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size, model=cfg.model,
-            vocab_size=vocab.size, max_batch=cfg.max_batch, time_scale=cfg.time_scale,
-            prefill_budget=cfg.max_batched_tokens, chunked_prefill=cfg.sim_chunked_prefill,
-            long_prefill_threshold=cfg.sim_long_prefill_threshold,
+            capacity_blocks=cfg.engine.capacity_blocks, block_size=cfg.model.block_size,
+            model=cfg.model.name,
+            vocab_size=vocab.size, max_batch=cfg.engine.max_batch, time_scale=cfg.sim.time_scale,
+            prefill_budget=cfg.engine.max_batched_tokens, chunked_prefill=cfg.sim.chunked_prefill,
+            long_prefill_threshold=cfg.sim.long_prefill_threshold,
         ))
-    if cfg.engine == "tiny":
+    if cfg.engine.kind == "tiny":
         from kvroute.worker_agent.engines import tiny
 
         return tiny.from_agent_config(cfg, vocab)
-    if cfg.engine == "vllm":
+    if cfg.engine.kind == "vllm":
         from kvroute.worker_agent.engines import vllm
 
         return vllm.from_agent_config(cfg, vocab)
-    raise SystemExit(f"unknown engine {cfg.engine!r}; choose sim, tiny or vllm")
+    raise SystemExit(f"unknown engine {cfg.engine.kind!r}; choose sim, tiny or vllm")
 
 
 class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
@@ -263,7 +264,7 @@ class AgentApp:
         self.vocabulary = load_vocabulary(cfg)
         self.engine = engine if engine is not None else make_engine(cfg, self.vocabulary)
         self.port = 0
-        self.worker_id = cfg.worker_id
+        self.worker_id = cfg.worker.worker_id
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
         self._serving_task: asyncio.Task[None] | None = None  # a health change in flight
@@ -271,7 +272,7 @@ class AgentApp:
         self.health_server = HealthPort("", 0)  # --health-port: bound at start
         self.publisher: CachePublisher | None = None
         try:
-            self.tls = TlsConfig.from_config(cfg)
+            self.tls = TlsConfig.from_settings(cfg.tls)
             # To other agents (a program's overflow children): mTLS with --tls-ca.
             self._channels = AgentChannels(self.tls)
         except ValueError as exc:
@@ -283,33 +284,33 @@ class AgentApp:
     async def start(self) -> int:
         cfg = self.cfg
         server = new_server(self.tls)  # --tls-allowed-sans: only those callers
-        self.port = bind(server, cfg.host, cfg.port, tls=self.tls)
-        self.health_server = HealthPort(cfg.metrics_host or cfg.host, cfg.health_port)
-        self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{self.port}"
+        self.port = bind(server, cfg.listen.host, cfg.listen.port, tls=self.tls)
+        self.health_server = HealthPort(cfg.listen.plain_host, cfg.listen.health_port)
+        self.worker_id = cfg.worker.worker_id or f"{socket.gethostname()}:{self.port}"
         check_name("worker id", self.worker_id)
-        advertise = cfg.advertise or f"{cfg.host}:{self.port}"
+        advertise = cfg.worker.advertise or f"{cfg.listen.host}:{self.port}"
         metrics = self.metrics = AgentMetrics(self.worker_id)
         # Before the engine and the publisher start: a taken port then leaves nothing running.
-        self._metrics_http = start_metrics(cfg.metrics_port, cfg.metrics_host or cfg.host,
+        self._metrics_http = start_metrics(cfg.listen.metrics_port, cfg.listen.plain_host,
                                            metrics.registry)
         # The engine knows its vocabulary (tiny's byte vocab is 258): ids past it are the
         # caller's mistake (INVALID_ARGUMENT), not an engine failure.
         words = self.vocabulary
         vocab = min(words.size, getattr(self.engine, "vocab_size", words.size))
-        limits = Limits(vocab, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        limits = Limits(vocab, cfg.limits.max_prompt_tokens, cfg.limits.max_new_tokens)
         tokenizer = words.name if vocab == words.size else ""
         programs = ProgramRuntime(self.engine, ProgramLimits(
-            max_fanout=cfg.max_program_fanout, max_tokens=cfg.max_program_tokens,
-            max_steps=cfg.max_program_steps, max_grammar_bytes=cfg.max_grammar_bytes,
-            compile_timeout_s=cfg.grammar_compile_timeout_s,
-            max_new_tokens=cfg.max_new_tokens, vocab_size=vocab), words.program_tokenizer,
+            max_fanout=cfg.programs.fanout, max_tokens=cfg.programs.tokens,
+            max_steps=cfg.programs.steps, max_grammar_bytes=cfg.programs.grammar_bytes,
+            compile_timeout_s=cfg.programs.compile_timeout_s,
+            max_new_tokens=cfg.limits.max_new_tokens, vocab_size=vocab), words.program_tokenizer,
             self.worker_id,
             channels=self._channels)
         self.programs = programs
-        service = self.service = AgentService(self.worker_id, cfg.model, self.engine, limits,
+        service = self.service = AgentService(self.worker_id, cfg.model.name, self.engine, limits,
                                               metrics, programs)
         add_agent_service(service, server)
-        self._health = add_standard_services(server, [SERVICE], cfg.grpc_reflection)
+        self._health = add_standard_services(server, [SERVICE], cfg.listen.grpc_reflection)
         engine = self.engine
 
         serving = [engine.healthy()]  # what health checks answer: the engine's health
@@ -331,18 +332,19 @@ class AgentApp:
                            prefill_rate=service.prefills.at(now))
             return Heartbeat(
                 worker_id=self.worker_id, address=advertise, epoch=pub.epoch, load=load,
-                block_size=cfg.block_size, ttl_s=cfg.heartbeat_ttl_s,
-                tokenizer=tokenizer, vocab_size=vocab, engine_endpoint=cfg.engine_endpoint,
+                block_size=cfg.model.block_size, ttl_s=cfg.worker.heartbeat_ttl_s,
+                tokenizer=tokenizer, vocab_size=vocab, engine_endpoint=cfg.engine.endpoint,
             )
 
         pub = CachePublisher(
-            connect_config(cfg), RedisKeys(cfg.model), self.worker_id, engine.cached_keys,
-            heartbeat, heartbeat_s=cfg.heartbeat_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
-            max_pending=cfg.publish_buffer, feed_maxlen=cfg.feed_maxlen,
+            connect_config(cfg.redis), RedisKeys(cfg.model.name), self.worker_id,
+            engine.cached_keys, heartbeat, heartbeat_s=cfg.worker.heartbeat_s,
+            heartbeat_ttl_s=cfg.worker.heartbeat_ttl_s,
+            max_pending=cfg.worker.publish_buffer, feed_maxlen=cfg.worker.feed_maxlen,
         )
         self.publisher = pub
         await claim_worker_id(pub, self.worker_id, advertise,
-                              cfg.heartbeat_ttl_s + cfg.heartbeat_s)
+                              cfg.worker.heartbeat_ttl_s + cfg.worker.heartbeat_s)
         programs.peers = pub.peer_address  # placements go only to live workers
         engine.add_listener(pub.on_event)
         metrics.watch(engine, pub, programs.stats)
@@ -353,9 +355,9 @@ class AgentApp:
         await self.health_server.start(self._health)
         await set_serving(self._health, [SERVICE], serving[0])
         log.info("agent serving", extra={"kv": {
-            "worker": self.worker_id, "address": advertise, "engine": cfg.engine,
-            "model": cfg.model, "block_size": cfg.block_size, "epoch": pub.epoch,
-            "metrics_port": cfg.metrics_port or "off"}})
+            "worker": self.worker_id, "address": advertise, "engine": cfg.engine.kind,
+            "model": cfg.model.name, "block_size": cfg.model.block_size, "epoch": pub.epoch,
+            "metrics_port": cfg.listen.metrics_port or "off"}})
         return self.port
 
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -10,21 +10,18 @@ agents given the same source therefore agree by construction. Without one, ``--t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
 from kvroute.core.chat_tokenizer import ChatTokenizer
-from kvroute.core.config import AgentConfig
+from kvroute.core.config import AgentConfig, AgentModel
 from kvroute.core.model_source import ModelSourceError
 from kvroute.core.tokenizer import vocab_size
 
 log = logging.getLogger("kvroute.agent")
 
-DEFAULT_VOCAB_SIZE: int = next(f.default for f in dataclasses.fields(AgentConfig)
-                               if f.name == "vocab_size")  # type: ignore[assignment]
-DEFAULT_TOKENIZER: str = next(f.default for f in dataclasses.fields(AgentConfig)
-                              if f.name == "tokenizer")  # type: ignore[assignment]
+DEFAULT_VOCAB_SIZE: int = AgentModel().vocab_size
+DEFAULT_TOKENIZER: str = AgentModel().tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,31 +44,32 @@ class AgentVocabulary:
 
 def load_vocabulary(cfg: AgentConfig) -> AgentVocabulary:
     """The agent's vocabulary from its flags; SystemExit in one line when they disagree."""
-    if cfg.model_source:
-        if cfg.tokenizer not in ("", DEFAULT_TOKENIZER):
-            raise SystemExit(f"--model-source {cfg.model_source} names the tokenizer: drop "
-                             f"--tokenizer {cfg.tokenizer}")
+    if cfg.model.source:
+        if cfg.model.tokenizer not in ("", DEFAULT_TOKENIZER):
+            raise SystemExit(f"--model-source {cfg.model.source} names the tokenizer: drop "
+                             f"--tokenizer {cfg.model.tokenizer}")
         try:
-            chat = ChatTokenizer.load(cfg.model_source, name=cfg.model)
+            chat = ChatTokenizer.load(cfg.model.source, name=cfg.model.name)
         except ModelSourceError as exc:
             raise SystemExit(f"--model-source: {exc}") from None
-        if cfg.vocab_size not in (DEFAULT_VOCAB_SIZE, chat.vocab_size):
-            raise SystemExit(f"--vocab-size {cfg.vocab_size} contradicts --model-source "
-                             f"{cfg.model_source} ({chat.vocab_size} ids): drop --vocab-size")
+        if cfg.model.vocab_size not in (DEFAULT_VOCAB_SIZE, chat.vocab_size):
+            raise SystemExit(f"--vocab-size {cfg.model.vocab_size} contradicts --model-source "
+                             f"{cfg.model.source} ({chat.vocab_size} ids): drop --vocab-size")
         log.info("vocabulary from the model source source=%s tokenizer=%s vocab_size=%d",
-                 cfg.model_source, chat.fingerprint, chat.vocab_size)
+                 cfg.model.source, chat.fingerprint, chat.vocab_size)
         return AgentVocabulary(chat.fingerprint, chat.vocab_size, chat)
     try:
-        size = vocab_size(cfg.tokenizer)
+        size = vocab_size(cfg.model.tokenizer)
     except ValueError:
-        raise SystemExit(f"--tokenizer {cfg.tokenizer!r}: choose byte or gpt2, or give the "
+        raise SystemExit(f"--tokenizer {cfg.model.tokenizer!r}: choose byte or gpt2, or give the "
                          "model's own tokenizer as --model-source") from None
-    if cfg.engine == "tiny":
+    if cfg.engine.kind == "tiny":
         # The tiny engine's vocabulary is its tokenizer's.
-        if cfg.vocab_size not in (DEFAULT_VOCAB_SIZE, size):
-            raise SystemExit(f"--vocab-size {cfg.vocab_size} contradicts --tokenizer "
-                             f"{cfg.tokenizer} ({size} ids): drop --vocab-size")
-        return AgentVocabulary(cfg.tokenizer, size)
+        if cfg.model.vocab_size not in (DEFAULT_VOCAB_SIZE, size):
+            raise SystemExit(f"--vocab-size {cfg.model.vocab_size} contradicts --tokenizer "
+                             f"{cfg.model.tokenizer} ({size} ids): drop --vocab-size")
+        return AgentVocabulary(cfg.model.tokenizer, size)
     # Another engine's ids are --vocab-size wide: its --tokenizer is reported (and used by
     # programs) only when it has that many ids, else the agent vouches for none.
-    return AgentVocabulary(cfg.tokenizer if size == cfg.vocab_size else "", cfg.vocab_size)
+    vocab = cfg.model.vocab_size
+    return AgentVocabulary(cfg.model.tokenizer if size == vocab else "", vocab)

@@ -11,11 +11,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvroute.core.config import Range
 from kvroute.core.load import ARRIVAL_TAU_S, WorkerLoad
 from kvroute.core.load_table import Column, LoadTable
 from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost, ranking_of
 from kvroute.core.policies.cost_model import CostModel
+from kvroute.core.settings import Range
 
 _MODEL = CostModel()
 # From this many workers a ranking reads a LoadTable's columns with numpy: below it, numpy's

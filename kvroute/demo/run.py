@@ -35,8 +35,8 @@ from types import FrameType
 import grpc
 import redis.asyncio as aioredis
 
-from kvroute.core.config import NON_NEGATIVE
 from kvroute.core.policies import REGISTRY, make_policy
+from kvroute.core.settings import NON_NEGATIVE
 from kvroute.demo.openai_model import openai_lines, write_byte_model
 from kvroute.demo.procs import (
     Child,

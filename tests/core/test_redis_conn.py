@@ -10,14 +10,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from kvroute.core.config import (
-    CommonConfig,
-    DefaultsFormatter,
-    RouterConfig,
-    add_arguments,
-    from_env,
-)
+from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.core.redis_conn import RedisAccess, connect, connect_config, explain, redact_url
+from kvroute.core.settings import DefaultsFormatter, add_arguments, from_env
 
 
 def test_redact_url_hides_the_password_only() -> None:
@@ -62,24 +57,24 @@ def test_contradictions_are_named(url: str, access: RedisAccess, message: str) -
 
 def test_the_password_comes_from_env_or_a_file_and_never_shows(tmp_path: Path) -> None:
     cfg = from_env(RouterConfig, {"KVROUTE_REDIS_PASSWORD": "from-env-pw"})
-    assert RedisAccess.from_config(cfg).password == "from-env-pw"
+    assert RedisAccess.from_settings(cfg.redis).password == "from-env-pw"
     assert "from-env-pw" not in repr(cfg) and "from-env-pw" not in repr(
-        RedisAccess.from_config(cfg))
+        RedisAccess.from_settings(cfg.redis))
     f = tmp_path / "pw"
     f.write_text("from-file-pw\n")
-    cfg = RouterConfig(redis_password_file=str(f), redis_username="kvr-router")
-    access = RedisAccess.from_config(cfg)
+    cfg = RouterConfig.of(redis_password_file=str(f), redis_username="kvr-router")
+    access = RedisAccess.from_settings(cfg.redis)
     assert (access.username, access.password) == ("kvr-router", "from-file-pw")
     with pytest.raises(SystemExit, match="not both"):
-        connect_config(RouterConfig(redis_password_file=str(f), redis_password="x"))
+        connect_config(RouterConfig.of(redis_password_file=str(f), redis_password="x").redis)
     with pytest.raises(SystemExit, match="cannot be read"):
-        connect_config(RouterConfig(redis_password_file=str(tmp_path / "missing")))
+        connect_config(RouterConfig.of(redis_password_file=str(tmp_path / "missing")).redis)
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(SystemExit, match="is empty"):
-        connect_config(RouterConfig(redis_password_file=str(tmp_path / "empty")))
+        connect_config(RouterConfig.of(redis_password_file=str(tmp_path / "empty")).redis)
     # --help shows every flag's default, but not a secret set in the environment.
     parser = argparse.ArgumentParser(formatter_class=DefaultsFormatter)  # as the CLI's
-    add_arguments(parser, CommonConfig, {"KVROUTE_REDIS_PASSWORD": "env-secret-pw"})
+    add_arguments(parser, AgentConfig, {"KVROUTE_REDIS_PASSWORD": "env-secret-pw"})
     out = io.StringIO()
     with redirect_stdout(out), pytest.raises(SystemExit):
         parser.parse_args(["--help"])

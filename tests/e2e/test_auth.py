@@ -155,7 +155,7 @@ async def test_http_keys_models_and_quotas(guarded) -> None:
         # health and metrics stay open
         async with s.get(f"http://127.0.0.1:{r.http_port}/health") as resp:
             assert resp.status == 200
-        async with s.get(f"http://127.0.0.1:{r.cfg.metrics_port}/metrics") as resp:
+        async with s.get(f"http://127.0.0.1:{r.cfg.listen.metrics_port}/metrics") as resp:
             assert resp.status == 200
             assert "kvroute_router_auth_failures_total" in await resp.text()
 

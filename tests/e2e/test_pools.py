@@ -13,7 +13,8 @@ import grpc
 import prometheus_client
 import pytest
 
-from kvroute.core.config import RouterConfig, add_arguments, from_namespace
+from kvroute.core.config import RouterConfig
+from kvroute.core.settings import add_arguments, from_namespace
 from kvroute.demo.openai_model import write_byte_model
 from kvroute.router.server import RouterApp
 from kvroute.v1 import common_pb2, router_pb2_grpc
@@ -46,14 +47,14 @@ def test_model_is_a_repeatable_flag_and_names_are_checked(model_dir: Path) -> No
     add_arguments(parser, RouterConfig, {})
     cfg = from_namespace(RouterConfig, parser.parse_args(
         ["--model", f"qa={model_dir}", "--model", "qb"]))
-    assert cfg.model == f"qa={model_dir},qb"
-    assert from_namespace(RouterConfig, parser.parse_args([])).model == "default"
+    assert cfg.model.name == f"qa={model_dir},qb"
+    assert from_namespace(RouterConfig, parser.parse_args([])).model.name == "default"
     with pytest.raises(SystemExit, match="qa given more than once"):
-        RouterApp(RouterConfig(model=f"qa={model_dir},qa"))
+        RouterApp(RouterConfig.of(model=f"qa={model_dir},qa"))
     with pytest.raises(SystemExit, match="an empty model name"):
-        RouterApp(RouterConfig(model="qa,,qb"))
+        RouterApp(RouterConfig.of(model="qa,,qb"))
     with pytest.raises(SystemExit, match="one --model per router"):
-        RouterApp(RouterConfig(model="qa,qb", discovery="kubernetes"))
+        RouterApp(RouterConfig.of(model="qa,qb", discovery="kubernetes"))
 
 
 async def test_each_model_is_a_pool_and_only_its_workers_are_ranked(cluster,
@@ -183,6 +184,6 @@ async def test_lora_adapters_are_models_routed_in_their_base_pool_keyed_apart(
     assert adb.usage.prompt_tokens_details.cached_tokens == 0
 
     with pytest.raises(SystemExit, match="'nope' is not a --model"):
-        RouterApp(RouterConfig(model="lb", lora="x=nope"))
+        RouterApp(RouterConfig.of(model="lb", lora="x=nope"))
     with pytest.raises(SystemExit, match="already a model's name"):
-        RouterApp(RouterConfig(model="lb", lora="lb=lb"))
+        RouterApp(RouterConfig.of(model="lb", lora="lb=lb"))

@@ -118,7 +118,8 @@ async def test_agents_and_router_route_by_cache_over_tls_with_the_least_acl(
         tls_redis: TlsRedis, started: list, tmp_path: Path, monkeypatch, caplog) -> None:
     # Three ways to give a password: the URL, the environment and a mounted file.
     monkeypatch.setenv("KVROUTE_REDIS_PASSWORD", AGENT_PW["b"])
-    from kvroute.core.config import AgentConfig, from_env
+    from kvroute.core.config import AgentConfig
+    from kvroute.core.settings import from_env
 
     pw_file = tmp_path / "agent-a-password"
     pw_file.write_text(AGENT_PW["a"] + "\n")  # as `echo` or a Secret written by hand leaves it
@@ -128,7 +129,7 @@ async def test_agents_and_router_route_by_cache_over_tls_with_the_least_acl(
     b = AgentApp(from_env(AgentConfig, redis=tls_redis.url(), port=0, worker_id="b",
                           time_scale=0.0, heartbeat_s=0.1, heartbeat_ttl_s=1.0,
                           redis_username="kvr-agent-b", **tls_redis.files()))
-    assert b.cfg.redis_password == AGENT_PW["b"]
+    assert b.cfg.redis.password == AGENT_PW["b"]
     for app in (a, b):
         await app.start()
         started.append(app)

@@ -55,7 +55,7 @@ class Worker:
 
 def view(app: RouterApp) -> dict[str, set[int]]:
     """The router's mirror, per worker, read over HTTP (``/debug/mirror?keys=1``)."""
-    url = f"http://127.0.0.1:{app.cfg.metrics_port}/debug/mirror?keys=1"
+    url = f"http://127.0.0.1:{app.cfg.listen.metrics_port}/debug/mirror?keys=1"
     with urllib.request.urlopen(url, timeout=30) as resp:
         body = json.load(resp)
     assert body["available"]

@@ -39,7 +39,7 @@ def coalesced(app: RouterApp) -> float:
 
 
 def metric(app: RouterApp, direction: str) -> float:
-    url = f"http://127.0.0.1:{app.cfg.metrics_port}/metrics"
+    url = f"http://127.0.0.1:{app.cfg.listen.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()
     line = f'kvroute_router_shared_decisions_total{{direction="{direction}"}} '

@@ -17,8 +17,9 @@ import yaml
 from redis.connection import parse_url
 
 from kvroute.cli import build_parser
-from kvroute.core.config import AgentConfig, EppConfig, RouterConfig, from_env
+from kvroute.core.config import AgentConfig, EppConfig, RouterConfig
 from kvroute.core.policies import make_policy
+from kvroute.core.settings import from_env
 from tests.helm.chart import (
     CHART,
     CI_VALUES,
@@ -119,11 +120,12 @@ def test_router_env_is_a_valid_config(rendered: dict[str, str]) -> None:
         build_parser().parse_args(c["args"])
         env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
         assert not any("$(" in v for v in env.values())  # nothing for the kubelet to expand
-        fields = {"KVROUTE_" + f.upper() for f in cls.__dataclass_fields__}
+        fields = {s.env for s in cls.settings()}
         unknown = {k for k in env if k.startswith("KVROUTE_")} - fields
         assert not unknown, f"{name}: env vars that configure nothing: {unknown}"
         cfg = from_env(cls, env)
-        assert cfg.host == "0.0.0.0" and cfg.port == 50051 and cfg.metrics_port == 9100
+        listen = cfg.listen
+        assert (listen.host, listen.port, listen.metrics_port) == ("0.0.0.0", 50051, 9100)
 
 
 def test_discovery_selector_finds_the_worker_pods_and_rbac_is_exact(
@@ -173,7 +175,7 @@ def agent_argv(sts: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     fake = {"POD_NAME": "rel-kvroute-worker-0", "POD_IP": "10.4.0.7", "POD_NAMESPACE": "kvr"}
     argv = [expand(a, fake) for a in c["args"]]
     plain = {k: expand(v, fake) for k, v in env.items() if isinstance(v, str)}
-    fields = {"KVROUTE_" + f.upper() for f in AgentConfig.__dataclass_fields__}
+    fields = {s.env for s in AgentConfig.settings()}
     unknown = {k for k in plain if k.startswith("KVROUTE_")} - fields
     assert not unknown, f"agent env vars that configure nothing: {unknown}"
     from_env(AgentConfig, plain)  # every value parses as its field's type
@@ -209,7 +211,7 @@ def test_vllm_worker_renders_prefix_caching_and_kv_events(rendered: dict[str, st
     assert ns.vllm_long_prefill_threshold == 0 and "--long-prefill-token-threshold" not in args
     cfg = from_env(AgentConfig, env)
     # The one block size is rendered into both vLLM and kvroute.
-    assert cfg.block_size == int(flag(args, "--block-size")) == 16
+    assert cfg.model.block_size == int(flag(args, "--block-size")) == 16
     router_env = env_of(container(m.one("Deployment", "-router"), "router"))
     assert router_env["KVROUTE_BLOCK_SIZE"] == env["KVROUTE_BLOCK_SIZE"]
     assert router_env["KVROUTE_MODEL"] == env["KVROUTE_MODEL"]

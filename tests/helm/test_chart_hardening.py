@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from kvroute.core.config import AgentConfig, RouterConfig, from_env
+from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.core.redis_schema import RedisKeys
+from kvroute.core.settings import from_env
 from tests.helm.chart import (
     CHART,
     CI_VALUES,
@@ -170,8 +171,8 @@ def test_reflection_is_off_in_the_chart_and_can_be_turned_on(helm: Path,
         for obj, name, cls in ((m.one("Deployment", "-router"), "router", RouterConfig),
                                (m.one("StatefulSet", "-worker"), "agent", AgentConfig)):
             env = {k: v for k, v in env_of(container(obj, name)).items() if isinstance(v, str)}
-            assert from_env(cls, env).grpc_reflection is want
-    assert RouterConfig().grpc_reflection is True  # the CLI keeps grpcurl working
+            assert from_env(cls, env).listen.grpc_reflection is want
+    assert RouterConfig.of().listen.grpc_reflection is True  # the CLI keeps grpcurl working
 
 
 # -- the built-in Redis: TLS, ACL users, passwords only in Secrets --------------------------
@@ -198,10 +199,10 @@ def test_builtin_redis_serves_tls_and_the_parts_verify_it(hardened: Manifests) -
         c = container(obj, name)
         env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
         cfg = from_env(cls, env)
-        assert cfg.redis == "rediss://rel-kvroute-redis:6379/0"
-        assert cfg.redis_username == name
+        assert cfg.redis.url == "rediss://rel-kvroute-redis:6379/0"
+        assert cfg.redis.username == name
         pmounts = {v["mountPath"] for v in c["volumeMounts"]}
-        for path in (cfg.redis_ca_file, cfg.redis_cert_file, cfg.redis_key_file):
+        for path in (cfg.redis.ca_file, cfg.redis.cert_file, cfg.redis.key_file):
             assert str(Path(path).parent) in pmounts  # their own TLS Secret (same CA)
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.core.config import AgentConfig, RouterConfig, from_env
+from kvroute.core.config import AgentConfig, RouterConfig
+from kvroute.core.settings import from_env
 from tests.helm.chart import (
     CHART,
     RELEASE,
@@ -50,18 +51,18 @@ def test_tls_and_keys_render_a_valid_config(rendered: str, tmp_path: Path) -> No
         env = {k: expand(v, {"REDIS_PASSWORD": "pw"}) for k, v in env_of(c).items()
                if isinstance(v, str)}
         cfg = from_env(cls, env)
-        for path in (cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_ca):
+        for path in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca, cfg.tls.client_ca):
             assert path and mounted_secret(obj, c, path) == secret
-        assert cfg.tls_server_name == "kvroute-agent"
-        health = cfg.health_port
-        assert health in (50052, 50062) and health != cfg.port
+        assert cfg.tls.server_name == "kvroute-agent"
+        health = cfg.listen.health_port
+        assert health in (50052, 50062) and health != cfg.listen.port
         assert c["readinessProbe"]["grpc"]["port"] == health
         assert c["livenessProbe"]["grpc"]["port"] == health
         assert {"name": "health", "containerPort": health, "protocol": "TCP"} in c["ports"]
         if name == "agent":
-            assert set(cfg.tls_allowed_sans.split(",")) == {"kvroute-router", "kvroute-agent"}
+            assert set(cfg.tls.allowed_sans.split(",")) == {"kvroute-router", "kvroute-agent"}
         else:
-            assert mounted_secret(obj, c, cfg.api_keys_file) == "api-keys"
+            assert mounted_secret(obj, c, cfg.auth.keys_file) == "api-keys"
             assert not any(m.get("subPath") for m in c["volumeMounts"])  # updates arrive
     path = tmp_path / "tls.yaml"
     path.write_text(rendered)

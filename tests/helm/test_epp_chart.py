@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from kvroute.cli import build_parser
-from kvroute.core.config import EppConfig, from_env
+from kvroute.core.config import EppConfig
+from kvroute.core.settings import from_env
 from tests.helm.chart import CHART, RELEASE, Manifests, container, env_of, run_helm, template
 
 CRD = Path(__file__).parent / "data" / "inferencepools.yaml"
@@ -66,11 +67,11 @@ def test_the_endpoint_picker_ref_reaches_kvroute_epp(epp: Manifests) -> None:
     build_parser().parse_args(c["args"])
     env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
     cfg = from_env(EppConfig, env)
-    assert cfg.epp_port == 9002
-    assert cfg.epp_target_port == pool["spec"]["targetPorts"][0]["number"]
-    assert cfg.discovery == "kubernetes"
+    assert cfg.epp.port == 9002
+    assert cfg.epp.target_port == pool["spec"]["targetPorts"][0]["number"]
+    assert cfg.workers.discovery == "kubernetes"
     # The picker's discovery watches the pods the pool selects.
-    selector = dict(t.split("=", 1) for t in cfg.k8s_selector.split(","))
+    selector = dict(t.split("=", 1) for t in cfg.workers.k8s_selector.split(","))
     assert selector == pool["spec"]["selector"]["matchLabels"]
 
 

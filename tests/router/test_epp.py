@@ -132,7 +132,7 @@ async def picker(cluster: Any, model_dir: Path) -> Any:
         for wid, endpoint in agents.items():
             await cluster.agent(wid, engine_endpoint=endpoint, model_source=str(model_dir),
                                 **SIM)
-        cfg = epp.EppConfig(**{**router_config(cluster.redis.url).__dict__,
+        cfg = epp.EppConfig.of(**{**router_config(cluster.redis.url).flat(),
                                "model": f"{MODEL}={model_dir}", "epp_port": 0, **kw})
         app = epp.EppApp(cfg)
         await app.start(wait_for_redis_s=5.0)

@@ -35,10 +35,10 @@ def other_model(tmp_path_factory: pytest.TempPathFactory, byte_model: Path) -> P
 
 
 def test_an_agent_and_a_router_given_one_source_agree(byte_model: Path) -> None:
-    agent = load_vocabulary(AgentConfig(engine="sim", model="m", model_source=str(byte_model)))
-    (pool,) = load_models(RouterConfig(model=f"m={byte_model}"))
+    agent = load_vocabulary(AgentConfig.of(engine="sim", model="m", model_source=str(byte_model)))
+    (pool,) = load_models(RouterConfig.of(model=f"m={byte_model}"))
     assert pool.chat is not None
-    assert (agent.name, agent.size) == (pool.chat.fingerprint, pool.cfg.vocab_size) \
+    assert (agent.name, agent.size) == (pool.chat.fingerprint, pool.cfg.model.vocab_size) \
         == (ChatTokenizer.load(str(byte_model)).fingerprint, 258)
     assert agent.name.startswith("tok:") and agent.chat is not None
     # The source's tokenizer serves programs' text (no BOS in a fast-forward).
@@ -63,9 +63,9 @@ def test_the_fingerprint_tells_tokenizers_of_one_size_apart(byte_model: Path,
 
 def test_every_engine_speaks_the_sources_ids(byte_model: Path) -> None:
     src = str(byte_model)
-    sim = make_engine(AgentConfig(engine="sim", model_source=src))
+    sim = make_engine(AgentConfig.of(engine="sim", model_source=src))
     assert sim.config.vocab_size == 258  # type: ignore[attr-defined]
-    tiny = tiny_engine(AgentConfig(engine="tiny", capacity_blocks=4, tiny_dim=32,
+    tiny = tiny_engine(AgentConfig.of(engine="tiny", capacity_blocks=4, tiny_dim=32,
                                    tiny_layers=1, model_source=src))
     assert (tiny.vocab_size, tiny.eos_token_id) == (258, 256)
 
@@ -74,24 +74,24 @@ def test_flags_that_contradict_the_source_end_the_start(byte_model: Path) -> Non
     src = str(byte_model)
     with pytest.raises(SystemExit, match=r"--vocab-size 151665 contradicts --model-source .* "
                                          r"\(258 ids\): drop --vocab-size"):
-        load_vocabulary(AgentConfig(model_source=src, vocab_size=151665))
+        load_vocabulary(AgentConfig.of(model_source=src, vocab_size=151665))
     # The same size said twice is no contradiction.
-    assert load_vocabulary(AgentConfig(model_source=src, vocab_size=258)).size == 258
+    assert load_vocabulary(AgentConfig.of(model_source=src, vocab_size=258)).size == 258
     with pytest.raises(SystemExit, match="names the tokenizer: drop --tokenizer gpt2"):
-        load_vocabulary(AgentConfig(model_source=src, tokenizer="gpt2"))
+        load_vocabulary(AgentConfig.of(model_source=src, tokenizer="gpt2"))
     with pytest.raises(SystemExit, match=r"--model-source: .*no such file"):
-        load_vocabulary(AgentConfig(model_source=str(byte_model / "missing")))
+        load_vocabulary(AgentConfig.of(model_source=str(byte_model / "missing")))
     # A tokenizer path where a name belongs is refused, on every engine.
     with pytest.raises(SystemExit, match="--tokenizer '/models/qwen': choose byte or gpt2, or "
                                          "give the model's own tokenizer as --model-source"):
-        load_vocabulary(AgentConfig(engine="vllm", tokenizer="/models/qwen"))
+        load_vocabulary(AgentConfig.of(engine="vllm", tokenizer="/models/qwen"))
     with pytest.raises(SystemExit, match="--vocab-size 1000 contradicts --tokenizer byte"):
-        load_vocabulary(AgentConfig(engine="tiny", vocab_size=1000))
+        load_vocabulary(AgentConfig.of(engine="tiny", vocab_size=1000))
 
 
 def test_bare_token_id_deployments_keep_their_flags() -> None:
-    sim = load_vocabulary(AgentConfig(engine="sim", vocab_size=32000))
+    sim = load_vocabulary(AgentConfig.of(engine="sim", vocab_size=32000))
     assert (sim.name, sim.size, sim.chat) == ("", 32000, None)  # vouches for no tokenizer
-    assert load_vocabulary(AgentConfig(engine="sim", vocab_size=258)).name == "byte"
-    tiny = load_vocabulary(AgentConfig(engine="tiny", tokenizer="gpt2"))
+    assert load_vocabulary(AgentConfig.of(engine="sim", vocab_size=258)).name == "byte"
+    tiny = load_vocabulary(AgentConfig.of(engine="tiny", tokenizer="gpt2"))
     assert (tiny.name, tiny.size, tiny.program_tokenizer) == ("gpt2", 50257, "gpt2")

@@ -254,9 +254,10 @@ def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary | None = None) ->
                else tokenizers.GPT2Tokenizer.eos_token_id)
     try:
         config = TinyConfig(
-            capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size, model=cfg.model,
-            max_batch=cfg.max_batch, vocab_size=vocab.size, eos_token_id=eos, dim=cfg.tiny_dim,
-            layers=cfg.tiny_layers, heads=max(1, cfg.tiny_dim // 16), seed=cfg.tiny_seed,
+            capacity_blocks=cfg.engine.capacity_blocks, block_size=cfg.model.block_size,
+            model=cfg.model.name, max_batch=cfg.engine.max_batch, vocab_size=vocab.size,
+            eos_token_id=eos, dim=cfg.tiny.dim, layers=cfg.tiny.layers,
+            heads=max(1, cfg.tiny.dim // 16), seed=cfg.tiny.seed,
         )
     except ValueError as exc:
         raise SystemExit(f"tiny engine: {exc}") from None

@@ -356,10 +356,10 @@ def test_chunk_settings_are_checked() -> None:
 
 
 def test_agent_flags_set_the_sim_engines_scheduler() -> None:
-    default = make_engine(AgentConfig(engine="sim")).load()
+    default = make_engine(AgentConfig.of(engine="sim")).load()
     assert (default.prefill_mode, default.max_batched_tokens, default.max_prefill_chunk) == \
         (PrefillMode.WHOLE, 0, 0)
-    chunked = make_engine(AgentConfig(engine="sim", max_batched_tokens=512,
+    chunked = make_engine(AgentConfig.of(engine="sim", max_batched_tokens=512,
                                       sim_chunked_prefill=True,
                                       sim_long_prefill_threshold=128)).load()
     assert (chunked.prefill_mode, chunked.max_batched_tokens, chunked.max_prefill_chunk) == \

@@ -210,18 +210,18 @@ async def test_closing_the_generator_early_frees_blocks() -> None:
 
 
 def test_from_agent_config() -> None:
-    engine = from_agent_config(AgentConfig(engine="tiny", capacity_blocks=32, vocab_size=258,
+    engine = from_agent_config(AgentConfig.of(engine="tiny", capacity_blocks=32, vocab_size=258,
                                            tiny_dim=32, tiny_layers=1, tiny_seed=3))
     mc = engine.transformer.config
     assert (engine.vocab_size, engine.eos_token_id) == (258, 256)
     assert (mc.dim, mc.heads, mc.layers, mc.seed) == (32, 2, 1, 3)
     assert engine.kv.data.shape == (32, 1, 2, 16, 2, 16)
-    gpt2 = from_agent_config(AgentConfig(engine="tiny", capacity_blocks=4, tokenizer="gpt2"))
+    gpt2 = from_agent_config(AgentConfig.of(engine="tiny", capacity_blocks=4, tokenizer="gpt2"))
     assert (gpt2.vocab_size, gpt2.eos_token_id) == (50257, 50256)
     with pytest.raises(SystemExit, match="tokenizer"):
-        from_agent_config(AgentConfig(engine="tiny", tokenizer="nope"))
+        from_agent_config(AgentConfig.of(engine="tiny", tokenizer="nope"))
     with pytest.raises(SystemExit, match="heads"):
-        from_agent_config(AgentConfig(engine="tiny", tiny_dim=33))
+        from_agent_config(AgentConfig.of(engine="tiny", tiny_dim=33))
 
 
 async def test_stop_during_a_forward_then_restart() -> None:

@@ -114,4 +114,4 @@ async def test_no_answer_is_counted_as_an_error_and_the_state_stays_unknown(
 
 def test_a_model_source_that_is_not_a_tokenizer_ends_the_start(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no such file or directory"):
-        from_agent_config(AgentConfig(engine="vllm", model_source=str(tmp_path / "nope")))
+        from_agent_config(AgentConfig.of(engine="vllm", model_source=str(tmp_path / "nope")))
