@@ -181,7 +181,7 @@ async def test_a_fork_of_many_copies_of_a_long_branch_is_weighed_once(cluster) -
     for placement: 4M step visits, 7 s of the router's loop per Route. Each copy is the same
     sub-program: weighed once, and plain requests are served meanwhile."""
     await cluster.agent("a", **TINY)
-    router = await cluster.router(vocab_size=258, max_program_steps=4096)
+    router = await cluster.router(vocab_size=258, router_max_program_steps=4096)
     await wait_for(lambda: "a" in router.registry.loads, what="a registered")
     steps = [fork([gen(1)] * 4000, n=1000)]
     stop = asyncio.Event()
