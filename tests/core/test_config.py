@@ -1,11 +1,21 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
 from kvroute.core.config import AgentConfig, EppConfig, RedisSettings, RouterConfig
-from kvroute.core.settings import AT_LEAST_ONE, FRACTION, add_arguments, from_env, from_namespace
+from kvroute.core.settings import (
+    AT_LEAST_ONE,
+    FRACTION,
+    add_arguments,
+    from_env,
+    from_namespace,
+)
+from kvroute.core.settings import (
+    flag as flag_of,
+)
 
 
 def test_flags_env_and_defaults() -> None:
@@ -142,3 +152,14 @@ def test_help_lists_settings_by_section() -> None:
     groups = text[text.index("\nRedis:"):]  # past the usage line
     assert groups.index("--vllm-url") > groups.index("vLLM engine:") > \
         groups.index("--redis-ca-file")
+
+
+def test_the_configuration_guide_lists_every_setting_in_its_section() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in doc.splitlines()
+            if line.startswith("| ") and line.count("|") > 5}
+    for cls in (RouterConfig, EppConfig, AgentConfig):
+        for s in cls.settings():
+            row = rows.get(s.section_cls.title, "")
+            name = flag_of(s.name)
+            assert f"`{name}`" in row, f"{name} not in the {s.section_cls.title} row"
