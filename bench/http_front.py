@@ -11,6 +11,8 @@ given to the agents).
    the same router and agents: the gRPC client sends the ids the template gives (what a
    client that tokenizes itself sends), the HTTP client the messages; whole-request latency
    p50/p99 and the ratio. Then requests/s with ``--concurrency`` streams at once.
+2b. **Messages vs chat completions**: the same conversations streamed through Anthropic's
+   ``/v1/messages`` and ``/v1/chat/completions``, interleaved: p50/p99 and the ratio.
 3. **Multi-turn hit ratio**: the same conversations, turn by turn, through each API (each its
    own ``cache_salt``, so neither reuses the other's cache): cached / prompt tokens.
 4. **Event-loop stall**: the longest gap of a 1 ms ticker on the router's loop while 32k-token
@@ -66,7 +68,7 @@ def words(rng: random.Random, chars: int) -> str:
 
 
 def conversation(rng: random.Random, tok: ChatTokenizer, tokens: int) -> list[dict[str, str]]:
-    """``TURNS`` user/assistant turns and a last user message, about ``tokens`` long."""
+    """A system prompt and ``TURNS`` user/assistant turns, about ``tokens`` long."""
     per = max(8, tokens // (2 * TURNS + 1))
     chars_per_token = max(1.0, len(words(rng, 2000)) / len(tok.encode(words(rng, 2000),
                                                                       add_special_tokens=False)))
@@ -122,6 +124,23 @@ async def timed(call: Callable[[], Awaitable[object]]) -> float:
     return (time.perf_counter_ns() - t0) / 1e6
 
 
+async def interleaved(a: Callable[[int], Awaitable[None]], b: Callable[[int], Awaitable[None]],
+                      warm: int, iters: int) -> tuple[list[float], list[float]]:
+    """The latencies (ms) of ``a(i)`` and ``b(i)`` over ``iters`` calls each, interleaved
+    call by call (which goes first alternates), after ``warm`` calls each of both (each
+    prompt then cached where it lands)."""
+    for i in range(warm):
+        await a(i)
+        await b(i)
+    a_ms: list[float] = []
+    b_ms: list[float] = []
+    for i in range(iters):
+        pair = [(a_ms, a), (b_ms, b)]
+        for into, call in pair if i % 2 else pair[::-1]:
+            into.append(await timed(lambda c=call, i=i: c(i)))
+    return a_ms, b_ms
+
+
 async def bench_fronts(args: argparse.Namespace, router: RouterApp, tok: ChatTokenizer,
                        rng: random.Random) -> None:
     url = f"http://127.0.0.1:{router.http_port}/v1/chat/completions"
@@ -156,15 +175,7 @@ async def bench_fronts(args: argparse.Namespace, router: RouterApp, tok: ChatTok
                 usage = await http_chat(session, url, bodies[i % len(bodies)])
                 made["http"] += usage["completion_tokens"]
 
-            for i in range(len(convs)):  # warm: each prompt cached where it lands
-                await grpc_call(i)
-                await http_call(i)
-            g: list[float] = []
-            h: list[float] = []
-            for i in range(args.iters):
-                pair = [(g, grpc_call), (h, http_call)]
-                for into, call in pair if i % 2 else pair[::-1]:
-                    into.append(await timed(lambda c=call, i=i: c(i)))
+            g, h = await interleaved(grpc_call, http_call, len(convs), args.iters)
             rates = []
             for call in (grpc_call, http_call):
                 sem = asyncio.Semaphore(args.concurrency)
@@ -185,6 +196,62 @@ async def bench_fronts(args: argparse.Namespace, router: RouterApp, tok: ChatTok
             if made["grpc"] != made["http"]:
                 print(f"        (tokens generated differ: gRPC {made['grpc']}, HTTP "
                       f"{made['http']})")
+
+
+async def http_messages(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+                        ) -> int:
+    """Stream one Messages request to message_stop; the output tokens."""
+    out = 0
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"message_delta"' in line:
+                out = json.loads(line[6:])["usage"]["output_tokens"]
+    return out
+
+
+def as_messages(conv: list[dict[str, str]], tokens: int) -> dict[str, Any]:
+    """A chat's body as Anthropic's Messages API takes it (the system prompt apart)."""
+    return {"model": MODEL, "max_tokens": tokens, "stream": True, "system": conv[0]["content"],
+            "messages": conv[1:]}
+
+
+async def bench_messages(args: argparse.Namespace, router: RouterApp, tok: ChatTokenizer,
+                         rng: random.Random) -> None:
+    """Anthropic's Messages API against chat completions: the same conversations streamed
+    through each, interleaved call by call (each renders to the same ids)."""
+    base = f"http://127.0.0.1:{router.http_port}/v1"
+    print(f"\n2b. Messages vs chat completions, streaming {args.tokens} tokens")
+    print(f"{'prompt':>7} | {'chat p50':>9} {'p99':>8} | {'msgs p50':>9} {'p99':>8} | "
+          f"{'ratio p50':>9} {'p99':>6}")
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for n in LENGTHS[:2]:
+            # Ending on the user's turn: a last assistant message is a Messages prefill.
+            convs = [conversation(rng, tok, n)[:-1] for _ in range(8)]
+            chats = [{"model": MODEL, "messages": c, "max_tokens": args.tokens, "stream": True,
+                      "stream_options": {"include_usage": True}} for c in convs]
+            msgs = [as_messages(c, args.tokens) for c in convs]
+            made = {"chat": 0, "messages": 0}
+
+            async def chat(i: int, made: dict[str, int] = made,
+                           chats: list[Any] = chats) -> None:
+                usage = await http_chat(session, base + "/chat/completions",
+                                        chats[i % len(chats)])
+                made["chat"] += usage["completion_tokens"]
+
+            async def messages(i: int, made: dict[str, int] = made,
+                               msgs: list[Any] = msgs) -> None:
+                made["messages"] += await http_messages(session, base + "/messages",
+                                                        msgs[i % len(msgs)])
+
+            c_ms, m_ms = await interleaved(chat, messages, len(convs), args.iters)
+            print(f"{len(tok.apply(convs[0])):>7} | {pct(c_ms, 50):>7.2f}ms "
+                  f"{pct(c_ms, 99):>6.2f}ms | {pct(m_ms, 50):>7.2f}ms {pct(m_ms, 99):>6.2f}ms | "
+                  f"{pct(m_ms, 50) / pct(c_ms, 50):>8.2f}x {pct(m_ms, 99) / pct(c_ms, 99):>5.2f}x",
+                  flush=True)
+            if made["chat"] != made["messages"]:
+                print(f"        (tokens generated differ: chat {made['chat']}, Messages "
+                      f"{made['messages']})")
 
 
 async def bench_hits(args: argparse.Namespace, router: RouterApp, tok: ChatTokenizer,
@@ -295,6 +362,7 @@ async def main(args: argparse.Namespace) -> None:
                 while len(router.registry.loads) < args.agents:
                     await asyncio.sleep(0.05)
                 await bench_fronts(args, router, tok, rng)
+                await bench_messages(args, router, tok, rng)
                 await bench_hits(args, router, tok, rng)
                 await bench_stall(args, router, tok, rng)
             finally:

@@ -148,7 +148,9 @@ def plain_data(value: Any) -> Any:
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """The conversation as the template sees it. ChatTemplateError for an empty conversation or a
     message that is not a dict; keys whose value is None are dropped (OpenAI clients send
-    ``content: null`` beside ``tool_calls``, which many templates would print as "None")."""
+    ``content: null`` beside ``tool_calls``, which many templates would print as "None"); an
+    assistant's tool calls get their ``arguments`` as an object, as vLLM hands them to the
+    template (OpenAI clients send a JSON string; empty: ``{}``)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(
             f"messages must be a list of message objects, got {type(messages).__name__}")
@@ -160,10 +162,34 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             raise ChatTemplateError(
                 f"messages[{i}] must be an object with a role and content, got {message!r}")
         message = plain_data({k: v for k, v in message.items() if v is not None})
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = _tool_calls(message["tool_calls"], i)
+            if not message["tool_calls"]:
+                del message["tool_calls"]  # the template's plain assistant path
         reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
+    return out
+
+
+def _tool_calls(calls: list[Any], i: int) -> list[Any]:
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            args = fn.get("arguments")
+            if not args:
+                args = {}
+            elif isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    raise ChatTemplateError(
+                        f"messages[{i}].tool_calls[{k}].function.arguments is not JSON: "
+                        f"{args[:60]!r}") from None
+            call = {**call, "function": {**fn, "arguments": args}}
+        out.append(call)
     return out
 
 

@@ -242,12 +242,13 @@ class WorkerSettings(Section):
 
 @dataclass(frozen=True)
 class HttpSettings(Section):
-    """The OpenAI-compatible HTTP front (docs/http.md)."""
+    """The HTTP front: OpenAI's API and Anthropic's Messages API (docs/http.md)."""
 
     prefix = "http"
     title = "HTTP front"
-    port: int = opt(0, "OpenAI-compatible HTTP port: /v1/chat/completions, /v1/completions, "
-                    "/v1/models, /health (0: off; see docs/http.md)", PORT)
+    port: int = opt(0, "HTTP port: OpenAI's /v1/chat/completions, /v1/completions, "
+                    "/v1/models, Anthropic's /v1/messages, and /health (0: off; see "
+                    "docs/http.md)", PORT)
     max_body_bytes: int = opt(16 << 20, "HTTP front: largest request body accepted, in bytes "
                               "(413 beyond)", AT_LEAST_ONE)
     max_tokens: int = opt(256, "HTTP front: max_tokens of a request that gives none (at most "

@@ -359,11 +359,11 @@ def http_middleware(ring: KeyRing, default_model: str,
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in open_set:
             return await handler(request)
+        authorization = _authorization(request)
         try:
-            key = ring.check(request.headers.get("Authorization"), None)
+            key = ring.check(authorization, None)
             if key.models and request.method == "POST":
-                ring.check(request.headers.get("Authorization"),
-                           await _body_model(request, default_model))
+                ring.check(authorization, await _body_model(request, default_model))
             ring.admit(key)
         except AuthError as exc:
             raise _http_error(exc) from None
@@ -377,6 +377,15 @@ def http_middleware(ring: KeyRing, default_model: str,
         return await handler(request)
 
     return auth
+
+
+def _authorization(request: web.Request) -> str | None:
+    """The request's ``Authorization``, else its ``x-api-key`` (Anthropic's clients) as a
+    bearer key."""
+    given = request.headers.get("Authorization")
+    if given is None and (key := request.headers.get("x-api-key")):
+        return f"Bearer {key}"
+    return given
 
 
 async def _body_model(request: web.Request, default_model: str) -> str | None:

@@ -64,8 +64,9 @@ from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
 )
 from kvroute.envoy_api.envoy.type.v3 import http_status_pb2
 from kvroute.router.decide import Decision
+from kvroute.router.http_body import decode_body
 from kvroute.router.lifecycle import Stay
-from kvroute.router.openai_api import OpenAIFront, decode_body, refusal_error
+from kvroute.router.openai_api import OpenAIFront, refusal_error
 from kvroute.router.openai_schema import ApiError
 from kvroute.router.refusal import RefusedError, UnavailableError
 from kvroute.router.registry import WorkerInfo

@@ -87,6 +87,7 @@ CASES = {
     "http_front.py": (["--iters", "4", "--requests", "16", "--concurrency", "8",
                        "--conversations", "1", "--agents", "2", "--tokens", "8"],
                       ["1. chat template + tokenization", "HTTP chat vs gRPC Generate",
+                       "Messages vs chat completions",
                        "HTTP/gRPC ", "threads/loop "]),
     "secure_hops.py": (["--iters", "8", "--connects", "3", "--agents", "1"],
                        ["p50/plain", "mtls+key ", "new connection per call"]),

@@ -141,6 +141,8 @@ class GenState:
     text: bytearray = field(default_factory=bytearray)
     ends: list[int] = field(default_factory=list)
     stop_text: bytes | None = None
+    stop_hit: bytes = b""
+    """The stop string that ended it (the first in the text; of two there, the first given)."""
 
 
 @dataclass(slots=True)
@@ -497,10 +499,11 @@ class Run:
             s.ends.append(len(s.text))
         longest = max(len(x) for x in s.stops)
         lo = max(0, old - longest + 1)
-        hits = [i for i in (s.text.find(x, lo) for x in s.stops) if i >= 0]
+        hits = [(i, k) for k, x in enumerate(s.stops) if (i := s.text.find(x, lo)) >= 0]
         if not hits:
             return False
-        cut = min(hits)
+        cut, k = min(hits)
+        s.stop_hit = s.stops[k]
         keep = bisect.bisect_right(s.ends, cut)
         drop = len(s.ends) - keep
         b.truncate(drop)
@@ -515,7 +518,8 @@ class Run:
         if b.matcher is not None and not b.sync_matcher():
             raise ProgramError(grpc.StatusCode.INTERNAL, f"branch {b.id}: constraint lost")
         events = [Ev(kind=Ev.KIND_GEN_END, reason=s.reason or "length",
-                     count=len(b.tokens) - s.start)]
+                     count=len(b.tokens) - s.start,
+                     value=s.stop_hit.decode(errors="replace") if s.reason == "stop" else "")]
         if g.capture:
             if b.matcher is not None:
                 ids = tuple(b.tokens[b.region_start:])

@@ -96,6 +96,13 @@ async def test_router_token_ids_equal_vllms(stack: Stack) -> None:
         {"messages": [{"role": "system", "content": SYSTEM},
                       {"role": "user", "content": "Héllo — naïve café, 1234567 ✓"}]},
         {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS},
+        # A tool call's arguments as OpenAI clients send them (a JSON string), and its result.
+        {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                      {"role": "assistant", "content": None, "tool_calls": [
+                          {"id": "call_1", "type": "function", "function": {
+                              "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+         "tools": TOOLS},
     ]
     server = stack.vllms.servers[WORKERS[0]]
     async with httpx.AsyncClient(base_url=server.url) as vllm:
@@ -113,6 +120,54 @@ async def test_router_token_ids_equal_vllms(stack: Stack) -> None:
     reply = await client(stack).completions.create(model=SERVED_MODEL, prompt=text,
                                                    max_tokens=2, temperature=0)
     assert reply.usage.prompt_tokens == len(theirs)
+
+
+async def test_the_messages_api_reads_vllms_cache_with_the_anthropic_sdk(stack: Stack) -> None:
+    """Anthropic's SDK through the router: its usage is vLLM's own cache count, a second turn
+    reads the first from cache, a tool conversation renders as vLLM renders its chat form."""
+    import anthropic
+
+    c = anthropic.AsyncAnthropic(base_url=stack.http.removesuffix("/v1"), api_key="unused",
+                                 max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Why is my chat slow?"}]
+    first = await c.messages.with_raw_response.create(
+        model=SERVED_MODEL, system=SYSTEM, messages=messages, max_tokens=8,
+        extra_body={"temperature": 0})
+    out = await first.parse()
+    assert out.stop_reason in ("end_turn", "max_tokens") and out.usage.output_tokens > 0
+    assert first.headers["x-kvroute-cached-tokens"] == str(out.usage.cache_read_input_tokens)
+    messages += [{"role": "assistant", "content": out.content[0].text},
+                 {"role": "user", "content": "And now?"}]
+    await settled(stack)
+    second = await c.messages.with_raw_response.create(
+        model=SERVED_MODEL, system=SYSTEM, messages=messages, max_tokens=4,
+        extra_body={"temperature": 0})
+    reply = await second.parse()
+    assert second.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    assert reply.usage.cache_read_input_tokens >= BLOCK_SIZE  # vLLM's count
+    prompt = reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    assert prompt == len(chat_tokenizer(stack).apply(
+        [{"role": "system", "content": SYSTEM}, *messages], add_generation_prompt=True))
+    tools = [{"name": "get_weather", "description": "Weather for a city",
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1",
+                                                  "name": "get_weather",
+                                                  "input": {"city": "Paris"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                             "content": "sunny"}]}]
+    counted = await c.messages.count_tokens(model=SERVED_MODEL, messages=history, tools=tools)
+    server = stack.vllms.servers[WORKERS[0]]
+    async with httpx.AsyncClient(base_url=server.url) as vllm:
+        theirs = (await vllm.post("/tokenize", json={
+            "model": SERVED_MODEL, "add_generation_prompt": True, "tools": TOOLS,
+            "messages": [history[0],
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"id": "call_1", "type": "function", "function": {
+                                 "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                         {"role": "tool", "tool_call_id": "call_1",
+                          "content": "sunny"}]})).json()["tokens"]
+    assert counted.input_tokens == len(theirs)
 
 
 async def test_constraints_and_stop_strings_on_the_real_vocabulary(stack: Stack) -> None:

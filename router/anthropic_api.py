@@ -1,0 +1,146 @@
+"""Anthropic's Messages API on the router's HTTP port: ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``.
+
+A Messages request is parsed (:mod:`kvroute.router.anthropic_schema`) into the chat request
+it renders as, and from there takes the chat front's path: the model's template and
+tokenizer, the limits, the jobs, the one generation path. Only the shapes differ: the message
+object, Anthropic's SSE events (``message_start``, ``content_block_start``, ``ping``,
+``content_block_delta``, ``content_block_stop``, ``message_delta``, ``message_stop``; a
+failure after the first event is an ``error`` event), its errors and its usage, where
+``cache_read_input_tokens`` is the prompt tokens served from the worker's prefix cache and
+``input_tokens`` the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from kvroute.router.anthropic_schema import MessagesRequest, error_body, parse_messages
+from kvroute.router.http_jobs import Choice, Job, choice_text, collect_all, run, unsent_text
+from kvroute.router.openai_schema import ApiError
+from kvroute.router.refusal import RefusedError
+
+if TYPE_CHECKING:
+    from kvroute.router.openai_api import OpenAIFront
+
+MESSAGES_PATH = "/v1/messages"
+
+
+def stop_reason(c: Choice) -> str:
+    """Anthropic's ``stop_reason`` for a finished choice."""
+    if c.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if c.stop_hit else "end_turn"
+
+
+def usage(job: Job) -> dict[str, int]:
+    s = job.served
+    cached = min(s.cached_tokens, s.prompt_tokens)
+    return {"input_tokens": s.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": s.completion_tokens}
+
+
+def message(req: MessagesRequest, job: Job, content: Sequence[dict[str, Any]],
+            stopped: Choice | None) -> dict[str, Any]:
+    """The message object (``stopped``: its choice once finished, else a stream's start)."""
+    return {"id": "msg_" + job.served.request_id, "type": "message", "role": "assistant",
+            "model": req.model, "content": list(content),
+            "stop_reason": stop_reason(stopped) if stopped else None,
+            "stop_sequence": (stopped.stop_hit or None) if stopped else None,
+            "usage": usage(job)}
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+class MessagesApi:
+    """The Messages endpoints of one HTTP front (which owns models, limits and jobs)."""
+
+    def __init__(self, front: OpenAIFront) -> None:
+        self._front = front
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(MESSAGES_PATH, self.create)
+        app.router.add_post(MESSAGES_PATH + "/count_tokens", self.count_tokens)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body, size = await self._front.read_body(request)
+        req = parse_messages(body, counting=True)
+        tokens = await self._front.render(req, size)
+        return web.json_response({"input_tokens": len(tokens)})
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        front = self._front
+        service = front.admit()
+        try:
+            body, size = await front.read_body(request)
+            req, jobs = await front.chat_jobs(body, size, parse=parse_messages)
+        except ApiError as exc:
+            if 400 <= exc.status < 500:
+                service.invalid("Generate", "http")
+            raise
+        assert isinstance(req, MessagesRequest)
+        front.charge(request, jobs)
+        (job,) = jobs
+        if req.stream:
+            return await self._stream(request, req, job)
+        try:
+            await collect_all(front.ready(), jobs, 1)
+        except RefusedError as exc:
+            raise front.refusal(exc, req) from None
+        (c,) = job.choices
+        text = choice_text(c, job.model)
+        return web.json_response(
+            message(req, job, [{"type": "text", "text": text}], c), headers=self._headers(job))
+
+    def _headers(self, job: Job) -> dict[str, str]:
+        return {**self._front.headers([job]), "request-id": "req_" + job.served.request_id}
+
+    async def _stream(self, request: web.Request, req: MessagesRequest,
+                      job: Job) -> web.StreamResponse:
+        """Anthropic's event sequence for the one text block; the usage in ``message_start``
+        holds the prompt's (the cache known at the first token), ``message_delta`` the
+        output's."""
+        resp: web.StreamResponse | None = None
+        try:
+            async with contextlib.aclosing(run(self._front.ready(), job)) as events:
+                async for kind, c in events:
+                    if kind == "start":
+                        resp = web.StreamResponse(headers={
+                            "content-type": "text/event-stream", "cache-control": "no-cache",
+                            **self._headers(job)})
+                        await resp.prepare(request)
+                        await resp.write(_event("message_start",
+                                                {"message": message(req, job, [], None)}))
+                        await resp.write(_event("content_block_start", {
+                            "index": 0, "content_block": {"type": "text", "text": ""}}))
+                        await resp.write(_event("ping", {}))
+                        continue
+                    assert c is not None and resp is not None
+                    text = unsent_text(c, job.model)
+                    if text:
+                        await resp.write(_event("content_block_delta", {
+                            "index": 0, "delta": {"type": "text_delta", "text": text}}))
+                    if kind == "done":
+                        await resp.write(_event("content_block_stop", {"index": 0}))
+                        await resp.write(_event("message_delta", {
+                            "delta": {"stop_reason": stop_reason(c),
+                                      "stop_sequence": c.stop_hit or None},
+                            "usage": {"output_tokens": job.served.completion_tokens}}))
+                        await resp.write(_event("message_stop", {}))
+        except RefusedError as exc:
+            err = self._front.refusal(exc, req)
+            if resp is None:
+                raise err from None
+            # Text was sent: the failure is the stream's last event.
+            await resp.write(_event("error", {"error": error_body(err)["error"]}))
+            return resp
+        assert resp is not None
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,246 @@
+"""A generation as the HTTP fronts run it: its jobs (one per prompt), their choices, and the
+running of a job through the router's generation path (``RouterService.generate``), whose
+responses fill the choices. What a front sends (OpenAI's chunks, Anthropic's events) is the
+front's; what was generated, where, and from how much cache is here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvroute.core.tokenizer import Tokenizer
+from kvroute.router.openai_schema import STOP_CAPTURE
+from kvroute.router.refusal import RefusedError
+from kvroute.v1 import common_pb2, program_pb2
+
+log = logging.getLogger("kvroute.router.http")
+
+
+class Generator(Protocol):
+    """The router's generation path (``RouterService``)."""
+
+    def generate(self, request: common_pb2.GenerateRequest, wire: bytes | None = None,
+                 api: str = "grpc") -> AsyncIterator[common_pb2.GenerateResponse]: ...
+
+    def invalid(self, method: str, api: str = "grpc") -> None: ...
+
+    def admit(self, api: str) -> None:
+        """RefusedError (``shed``) when the router is at ``--max-inflight`` now."""
+
+
+@dataclass(frozen=True)
+class FrontModel:
+    """A model the front serves (``--model``): its name and tokenizer (a ChatTokenizer when
+    the model has a SOURCE)."""
+
+    name: str
+    tok: Tokenizer | None
+    parent: str = ""
+    """A LoRA adapter's base model (``--lora NAME=BASE``); empty for a model."""
+
+    @property
+    def chat(self) -> Any:
+        """The chat tokenizer (``apply``, ``template_names``), or None."""
+        return self.tok if hasattr(self.tok, "apply") else None
+
+
+@dataclass
+class Choice:
+    """One choice's output so far."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    sent: str = ""
+    """The text streamed so far (a UTF-8 character split across tokens waits for its end)."""
+    cut_text: str | None = None
+    """The agent's text before a stop string (:data:`STOP_CAPTURE`): when the stop begins
+    inside a token, the ids leave that token out but this keeps its text before the stop."""
+    stop_hit: str = ""
+    """The stop string that ended it (a program's; "" when none did)."""
+
+
+@dataclass
+class Served:
+    """Where a request ran and what it cost, from its responses."""
+
+    request_id: str
+    prompt_tokens: int
+    worker: str = ""
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Job:
+    """One prompt's generation: its request and the choices it fills.
+
+    ``program``: it runs as a controller program, whose last response holds each choice's
+    final tokens. ``incremental``: its tokens stream as they come (a program's too, unless
+    stop strings may cut text already generated: then each choice comes at its end)."""
+
+    request: common_pb2.GenerateRequest
+    served: Served
+    choices: list[Choice]
+    program: bool
+    incremental: bool
+    model: FrontModel
+
+    def restart(self) -> None:
+        """Forget what an attempt produced, to run the request again."""
+        self.served = Served(self.served.request_id, self.served.prompt_tokens)
+        self.choices = [Choice(c.index) for c in self.choices]
+
+    def choice_of(self, branch_id: str) -> Choice | None:
+        """The choice a program's branch is: "0" for one, fork child "0.k" for choice k."""
+        if len(self.choices) == 1:
+            return self.choices[0] if branch_id == "0" else None
+        head, _, k = branch_id.partition(".")
+        if head == "0" and k.isdigit() and int(k) < len(self.choices):
+            return self.choices[int(k)]
+        return None
+
+
+def finish_reason(reason: int | str) -> str:
+    """A response's or a program's finish reason as the HTTP APIs word it: ``length`` when
+    max_tokens ended it, else ``stop``."""
+    return "length" if reason in (common_pb2.FINISH_REASON_LENGTH, "length") else "stop"
+
+
+def decode(ids: Sequence[int], m: FrontModel) -> str:
+    """``ids``' text in model ``m``'s tokenizer ("" without one)."""
+    tok = m.tok
+    if tok is None:
+        return ""
+    if hasattr(tok, "apply"):  # a model's own tokenizer: its special tokens left out
+        return tok.decode(ids, skip_special_tokens=True)  # type: ignore[call-arg]
+    return tok.decode(ids)
+
+
+def choice_text(c: Choice, m: FrontModel) -> str:
+    """``c``'s text: its tokens', or the agent's cut at a stop string where that goes on
+    past them (a stop that begins inside a token)."""
+    text = decode(c.token_ids, m)
+    if c.cut_text is not None and c.cut_text.startswith(text):
+        return c.cut_text
+    return text
+
+
+def unsent_text(c: Choice, m: FrontModel) -> str:
+    """The text of ``c``'s tokens not streamed yet, short of a trailing partial
+    character."""
+    text = choice_text(c, m)
+    if text.endswith("\ufffd") and c.finish_reason is None:
+        return ""
+    if not text.startswith(c.sent):  # a decoder that rewrites earlier text: resend all
+        return ""
+    new = text[len(c.sent):]
+    c.sent = text
+    return new
+
+
+async def run(service: Generator, job: Job) -> AsyncIterator[tuple[str, Choice | None]]:
+    """Run ``job`` through the generation path, yielding ("start", None) at its first
+    response, ("delta", choice) as a plain request's tokens arrive and ("done", choice)
+    for each finished choice. Raises RefusedError."""
+    s = job.served
+    finish: dict[str, program_pb2.ProgramEvent] = {}
+    started = False
+    async with contextlib.aclosing(service.generate(job.request, None, "http")) as stream:
+        async for resp in stream:
+            if not started:
+                started = True
+                s.worker, s.cached_tokens = resp.worker_id, resp.cached_tokens
+                yield "start", None
+            if not job.program:
+                c = job.choices[0]
+                c.token_ids.extend(resp.token_ids)
+                if resp.HasField("usage"):
+                    s.cached_tokens = resp.usage.cached_tokens or s.cached_tokens
+                    s.completion_tokens = resp.usage.completion_tokens
+                if resp.finish_reason:
+                    c.finish_reason = finish_reason(resp.finish_reason)
+                if resp.token_ids or c.finish_reason:
+                    yield "delta", c
+                continue
+            for ev in resp.events:
+                if ev.kind == program_pb2.ProgramEvent.KIND_GEN_END:
+                    finish[resp.branch_id] = ev
+            if job.incremental and resp.token_ids and not resp.results:
+                c = job.choice_of(resp.branch_id)
+                if c is not None:
+                    c.token_ids.extend(resp.token_ids)
+                    yield "delta", c
+            if resp.results:
+                for r in resp.results:
+                    c = job.choice_of(r.branch_id)
+                    if c is None or not r.selected:
+                        continue
+                    c.token_ids = list(r.token_ids)
+                    if STOP_CAPTURE in r.variables:
+                        c.cut_text = r.variables[STOP_CAPTURE].text
+                    c.logprobs = list(r.token_logprobs)
+                    end = finish.get(r.branch_id)
+                    c.finish_reason = finish_reason(end.reason if end else "stop")
+                    if end is not None and end.reason == "stop":
+                        c.stop_hit = end.value
+                    s.completion_tokens += len(r.token_ids)  # forced ones too
+                    s.cached_tokens = max(s.cached_tokens, r.cached_tokens)
+    if not job.program:
+        c = job.choices[0]
+        if c.finish_reason is None:
+            c.finish_reason = "stop"
+            yield "delta", c
+        if not s.completion_tokens:
+            s.completion_tokens = len(c.token_ids)
+    for c in job.choices:
+        if c.finish_reason is None:
+            c.finish_reason = "stop"
+        yield "done", c
+
+
+async def collect(service: Generator, job: Job) -> None:
+    """Run a non-streaming ``job`` to its end. Nothing reaches the client before then, so
+    a worker failing after its first tokens costs one more attempt (decided anew, the
+    tokens so far dropped), not the request; the generation path already retries a
+    worker that fails before them."""
+    try:
+        async for _ in run(service, job):
+            pass
+    except RefusedError as exc:
+        if not exc.midstream:
+            raise
+        log.warning("worker failed mid-generation of a non-streaming request; nothing "
+                    "reached the client, so it runs again", extra={"kv": {
+                        "request": job.served.request_id, "worker": job.served.worker,
+                        "tokens_dropped": exc.sent, "error": exc.message}})
+        job.restart()
+        async for _ in run(service, job):
+            pass
+
+
+async def collect_all(service: Generator, jobs: Sequence[Job], concurrency: int) -> None:
+    """Run non-streaming ``jobs`` to their ends, at most ``concurrency`` at once. Raises the
+    first RefusedError of any (it speaks for all)."""
+    if len(jobs) == 1:
+        await collect(service, jobs[0])
+        return
+    pool = asyncio.Semaphore(concurrency)
+
+    async def bounded(job: Job) -> None:
+        async with pool:
+            await collect(service, job)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for job in jobs:
+                tg.create_task(bounded(job))
+    except ExceptionGroup as group:
+        refused = [e for e in group.exceptions if isinstance(e, RefusedError)]
+        if not refused:
+            raise
+        raise refused[0] from None
