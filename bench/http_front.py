@@ -43,7 +43,7 @@ from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.demo.openai_model import write_byte_model
 from kvroute.demo.procs import scratch_redis
-from kvroute.router import openai_api
+from kvroute.router import http_front
 from kvroute.router.server import RouterApp
 from kvroute.v1 import common_pb2, router_pb2_grpc
 from kvroute.worker_agent.server import AgentApp
@@ -324,17 +324,17 @@ async def bench_stall(args: argparse.Namespace, router: RouterApp, tok: ChatToke
     convs = [conversation(rng, tok, LENGTHS[-1]) for _ in range(args.concurrency)]
     bodies = [{"model": MODEL, "messages": c, "max_tokens": 1} for c in convs]
     gaps: dict[str, float] = {}
-    inline = openai_api.INLINE_BODY_BYTES
+    inline = http_front.INLINE_BODY_BYTES
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for label, bound in (("on the loop", 1 << 62), ("on threads", inline)):
-            openai_api.INLINE_BODY_BYTES = bound  # read at each request (_off_loop)
+            http_front.INLINE_BODY_BYTES = bound  # read at each request (_off_loop)
             done = asyncio.Event()
             tick = asyncio.create_task(ticker(done))
             for _ in range(3):
                 await asyncio.gather(*(post(session, url, b) for b in bodies))
             done.set()
             gaps[label] = await tick * 1000
-    openai_api.INLINE_BODY_BYTES = inline
+    http_front.INLINE_BODY_BYTES = inline
     print(f"on the loop {gaps['on the loop']:.2f}ms  on threads {gaps['on threads']:.2f}ms  "
           f"(threads/loop {gaps['on threads'] / max(gaps['on the loop'], 1e-9):.2f})")
 

@@ -26,7 +26,7 @@ from kvroute.router.openai_schema import ApiError
 from kvroute.router.refusal import RefusedError
 
 if TYPE_CHECKING:
-    from kvroute.router.openai_api import OpenAIFront
+    from kvroute.router.http_front import HttpFront
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -62,7 +62,7 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
 class MessagesApi:
     """The Messages endpoints of one HTTP front (which owns models, limits and jobs)."""
 
-    def __init__(self, front: OpenAIFront) -> None:
+    def __init__(self, front: HttpFront) -> None:
         self._front = front
 
     def add_routes(self, app: web.Application) -> None:

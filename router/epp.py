@@ -5,7 +5,7 @@ The gateway carries the bytes; the EPP only chooses the pod. For each HTTP reque
 gateway opens one ``ExternalProcessor.Process`` stream and sends, in order: the request
 headers, the body in chunks up to ``end_of_stream``, then (once the upstream answers) the
 response headers and body. The EPP reads the whole request body, parses and tokenizes it as
-the OpenAI HTTP front does (router/openai_api.py), decides with the router's own path
+the HTTP front does (router/http_front.py), decides with the router's own path
 (``RouterService.decide_request``: the same decider, index mirror, registry and metrics, and
 the same coalescing and predictions as ``generate``), and answers with
 
@@ -65,9 +65,9 @@ from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
 from kvroute.envoy_api.envoy.type.v3 import http_status_pb2
 from kvroute.router.decide import Decision
 from kvroute.router.http_body import decode_body
+from kvroute.router.http_front import HttpFront
 from kvroute.router.lifecycle import Stay
-from kvroute.router.openai_api import OpenAIFront, refusal_error
-from kvroute.router.openai_schema import ApiError
+from kvroute.router.openai_schema import ApiError, refusal_error
 from kvroute.router.refusal import RefusedError, UnavailableError
 from kvroute.router.registry import WorkerInfo
 from kvroute.router.server import RouterApp, RouterService
@@ -251,7 +251,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     """The ext_proc server: one ``Process`` stream per HTTP request."""
 
     def __init__(self, cfg: EppConfig, app: RouterApp, service: RouterService,
-                 front: OpenAIFront) -> None:
+                 front: HttpFront) -> None:
         self._cfg = cfg
         self._app = app
         self._service = service
@@ -499,7 +499,7 @@ class EppApp:
         service = self.router.service
         assert service is not None
         # The router's own config (--model NAME=SOURCE made it the bare name) and tokenizer.
-        front = OpenAIFront(self.router.cfg, self.router.pools[0].model.tokenizer)
+        front = HttpFront(self.router.cfg, self.router.pools[0].model.tokenizer)
         picker = EndpointPicker(self.cfg, self.router, service, front)
         ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
         self._health = add_standard_services(server, HEALTH_SERVICES,

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.router.refusal import InvalidError, RefusedError, UnsupportedError
 from kvroute.v1 import common_pb2, program_pb2
 
 MAX_N = 128
@@ -433,3 +434,28 @@ def generate_request(g: Generation, tokens: Sequence[int], *, model: str, reques
             branches=[program_pb2.ControllerProgram(steps=[step])], n=g.n))
     req.program.steps.append(step)
     return req
+
+
+# -- refusals as HTTP errors ---------------------------------------------------------------
+
+# GenerateRequest fields (core/validate.py names them) as the request's fields.
+_PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
+           "sampling.top_p": "top_p", "sampling.stop_token_ids": "stop", "model": "model",
+           "cache_salt": "cache_salt", "request_id": None, "program.fanout": "n"}
+
+
+def refusal_error(exc: RefusedError, prompt_param: str,
+                  program_params: Sequence[str] = ()) -> ApiError:
+    """The HTTP error a refusal of the generation path is: its type's status and code, the
+    parameter its field is. ``program_params``: the request's fields that made it a program
+    (:attr:`Generation.program_params`); a refused program not about one field names the
+    first."""
+    param: str | None = None
+    if isinstance(exc, InvalidError):
+        param = _PARAMS.get(exc.field, prompt_param) if exc.field else None
+    elif isinstance(exc, UnsupportedError):
+        param = _PARAMS[exc.field] if exc.field in _PARAMS else \
+            (program_params[0] if program_params else None)
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
+    return ApiError(exc.http_status, exc.message, param=param, code=exc.error_code,
+                    headers=headers)

@@ -53,12 +53,12 @@ from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.copies import PrefixCopier
 from kvroute.router.decide import Decider, Decision, NoWorkersError, rerank_confirmed
 from kvroute.router.discovery import DiscoveryCollector, make_discovery
+from kvroute.router.http_front import HttpFront
 from kvroute.router.http_guard import GuardCollector
 from kvroute.router.lifecycle import Lifecycle, Stay
 from kvroute.router.lost import Probe
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.mirror import IndexMirror
-from kvroute.router.openai_api import OpenAIFront
 from kvroute.router.pools import (
     ModelPool,
     PooledService,
@@ -566,7 +566,7 @@ class RouterApp:
         self.keys = load_key_ring(cfg.auth.keys_file, self.metrics.registry)
         self.port = 0
         self.http_port = 0
-        self.http: OpenAIFront | None = None  # set at start, with --http-port
+        self.http: HttpFront | None = None  # set at start, with --http-port
         self.service: RouterService | None = None  # set at start
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
@@ -583,7 +583,7 @@ class RouterApp:
         self.port = bind(server, cfg.listen.host, cfg.listen.port, tls=self.tls)
         self.health_server = HealthPort(cfg.listen.plain_host, cfg.listen.health_port)
         if cfg.http.port:
-            self.http = OpenAIFront(cfg, self._tok,
+            self.http = HttpFront(cfg, self._tok,
                                     middlewares=api_middlewares(self.keys, cfg.model.name),
                                     models={p.name: p.model.tokenizer for p in self.pools},
                                     adapters=self.adapters)

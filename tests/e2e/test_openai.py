@@ -119,7 +119,7 @@ def tokenize_threads(router: Any) -> list[str]:
 
 async def test_a_long_chat_is_tokenized_off_the_event_loop_with_the_same_ids(
         cluster, model_dir) -> None:
-    from kvroute.router.openai_api import INLINE_BODY_BYTES
+    from kvroute.router.http_front import INLINE_BODY_BYTES
 
     r = await start(cluster, model_dir, {"a": SIM})
     c = client(r)
