@@ -201,19 +201,20 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
     return float(v)
 
 
-def parse_messages(body: Any, counting: bool = False) -> MessagesRequest:
-    """A ``/v1/messages`` body (``counting``: a ``count_tokens`` one, without max_tokens);
-    ApiError (400) names the first bad field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    _check(body, COUNT_FIELDS if counting else MESSAGES_FIELDS)
+def _model_and_max_tokens(body: Mapping[str, Any], counting: bool) -> tuple[str, int | None]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "required: the name of a model from /v1/models")
+    if counting:
+        return model, None
     max_tokens = body.get("max_tokens")
-    if not counting and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                         or max_tokens < 1):
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise invalid("max_tokens", "required: an integer >= 1")
+    return model, max_tokens
+
+
+def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """The chat messages, and whether the last is the assistant's (a prefill)."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "required: a non-empty list of messages")
@@ -221,21 +222,39 @@ def parse_messages(body: Any, counting: bool = False) -> MessagesRequest:
         if body.get("system") is not None else []
     for i, m in enumerate(raw):
         messages.extend(_message(m, i))
+    return messages, raw[-1].get("role") == "assistant"
+
+
+def _stops(body: Mapping[str, Any]) -> list[str]:
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
             or len(stops) > 16:
         raise invalid("stop_sequences", "expected at most 16 non-empty strings")
+    return list(stops)
+
+
+def _user(body: Mapping[str, Any]) -> str:
+    """``metadata.user_id``: the session."""
     meta = body.get("metadata") or {}
     user = meta.get("user_id") if isinstance(meta, dict) else None
     if user is not None and (not isinstance(user, str) or len(user) > 256):
         raise invalid("metadata.user_id", "expected a string of at most 256 characters")
+    return user or ""
+
+
+def parse_messages(body: Any, counting: bool = False) -> MessagesRequest:
+    """A ``/v1/messages`` body (``counting``: a ``count_tokens`` one, without max_tokens);
+    ApiError (400) names the first bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check(body, COUNT_FIELDS if counting else MESSAGES_FIELDS)
+    model, max_tokens = _model_and_max_tokens(body, counting)
+    messages, prefill = _conversation(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream", "expected true or false")
-    prefill = raw[-1].get("role") == "assistant"
     return MessagesRequest(
-        model=model, max_tokens=None if counting else max_tokens,
-        temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
-        stop=list(stops), stream=stream, user=user or "", messages=messages,
-        constraint=_constraint(body), tools=_tools(body), add_generation_prompt=not prefill,
-        continue_final_message=prefill, prefill=prefill)
+        model=model, max_tokens=max_tokens, temperature=_number(body, "temperature"),
+        top_p=_number(body, "top_p"), stop=_stops(body), stream=stream, user=_user(body),
+        messages=messages, constraint=_constraint(body), tools=_tools(body),
+        add_generation_prompt=not prefill, continue_final_message=prefill, prefill=prefill)

@@ -146,10 +146,10 @@ def unsent_text(c: Choice, m: FrontModel) -> str:
 
 async def run(service: Generator, job: Job) -> AsyncIterator[tuple[str, Choice | None]]:
     """Run ``job`` through the generation path, yielding ("start", None) at its first
-    response, ("delta", choice) as a plain request's tokens arrive and ("done", choice)
-    for each finished choice. Raises RefusedError."""
+    response, ("delta", choice) as a choice's tokens arrive and ("done", choice) for each
+    finished choice. Raises RefusedError."""
     s = job.served
-    finish: dict[str, program_pb2.ProgramEvent] = {}
+    ends: dict[str, program_pb2.ProgramEvent] = {}  # each program branch's GEN_END
     started = False
     async with contextlib.aclosing(service.generate(job.request, None, "http")) as stream:
         async for resp in stream:
@@ -157,51 +157,71 @@ async def run(service: Generator, job: Job) -> AsyncIterator[tuple[str, Choice |
                 started = True
                 s.worker, s.cached_tokens = resp.worker_id, resp.cached_tokens
                 yield "start", None
-            if not job.program:
-                c = job.choices[0]
-                c.token_ids.extend(resp.token_ids)
-                if resp.HasField("usage"):
-                    s.cached_tokens = resp.usage.cached_tokens or s.cached_tokens
-                    s.completion_tokens = resp.usage.completion_tokens
-                if resp.finish_reason:
-                    c.finish_reason = finish_reason(resp.finish_reason)
-                if resp.token_ids or c.finish_reason:
-                    yield "delta", c
-                continue
-            for ev in resp.events:
-                if ev.kind == program_pb2.ProgramEvent.KIND_GEN_END:
-                    finish[resp.branch_id] = ev
-            if job.incremental and resp.token_ids and not resp.results:
-                c = job.choice_of(resp.branch_id)
-                if c is not None:
-                    c.token_ids.extend(resp.token_ids)
-                    yield "delta", c
-            if resp.results:
-                for r in resp.results:
-                    c = job.choice_of(r.branch_id)
-                    if c is None or not r.selected:
-                        continue
-                    c.token_ids = list(r.token_ids)
-                    if STOP_CAPTURE in r.variables:
-                        c.cut_text = r.variables[STOP_CAPTURE].text
-                    c.logprobs = list(r.token_logprobs)
-                    end = finish.get(r.branch_id)
-                    c.finish_reason = finish_reason(end.reason if end else "stop")
-                    if end is not None and end.reason == "stop":
-                        c.stop_hit = end.value
-                    s.completion_tokens += len(r.token_ids)  # forced ones too
-                    s.cached_tokens = max(s.cached_tokens, r.cached_tokens)
+            for c in (_take_program(job, resp, ends) if job.program else _take_plain(job, resp)):
+                yield "delta", c
+    for kind, c in _ended(job):
+        yield kind, c
+
+
+def _take_plain(job: Job, resp: common_pb2.GenerateResponse) -> list[Choice]:
+    """A plain request's response into its one choice; the choice if it changed."""
+    s, c = job.served, job.choices[0]
+    c.token_ids.extend(resp.token_ids)
+    if resp.HasField("usage"):
+        s.cached_tokens = resp.usage.cached_tokens or s.cached_tokens
+        s.completion_tokens = resp.usage.completion_tokens
+    if resp.finish_reason:
+        c.finish_reason = finish_reason(resp.finish_reason)
+    return [c] if resp.token_ids or c.finish_reason else []
+
+
+def _take_program(job: Job, resp: common_pb2.GenerateResponse,
+                  ends: dict[str, program_pb2.ProgramEvent]) -> list[Choice]:
+    """A program's response: a branch's gen ending, its tokens as they come (incremental
+    jobs), and at the end each selected branch's final tokens into its choice. The choices
+    whose tokens came as they did."""
+    for ev in resp.events:
+        if ev.kind == program_pb2.ProgramEvent.KIND_GEN_END:
+            ends[resp.branch_id] = ev
+    if job.incremental and resp.token_ids and not resp.results:
+        c = job.choice_of(resp.branch_id)
+        if c is not None:
+            c.token_ids.extend(resp.token_ids)
+            return [c]
+    s = job.served
+    for r in resp.results:
+        c = job.choice_of(r.branch_id)
+        if c is None or not r.selected:
+            continue
+        c.token_ids = list(r.token_ids)
+        if STOP_CAPTURE in r.variables:
+            c.cut_text = r.variables[STOP_CAPTURE].text
+        c.logprobs = list(r.token_logprobs)
+        end = ends.get(r.branch_id)
+        c.finish_reason = finish_reason(end.reason if end else "stop")
+        if end is not None and end.reason == "stop":
+            c.stop_hit = end.value
+        s.completion_tokens += len(r.token_ids)  # forced ones too
+        s.cached_tokens = max(s.cached_tokens, r.cached_tokens)
+    return []
+
+
+def _ended(job: Job) -> list[tuple[str, Choice]]:
+    """The events of a job whose responses ended: a plain request's last delta when it gave
+    no finish reason, then each choice done (``stop`` unless it said otherwise)."""
+    out: list[tuple[str, Choice]] = []
     if not job.program:
         c = job.choices[0]
         if c.finish_reason is None:
             c.finish_reason = "stop"
-            yield "delta", c
-        if not s.completion_tokens:
-            s.completion_tokens = len(c.token_ids)
+            out.append(("delta", c))
+        if not job.served.completion_tokens:
+            job.served.completion_tokens = len(c.token_ids)
     for c in job.choices:
         if c.finish_reason is None:
             c.finish_reason = "stop"
-        yield "done", c
+        out.append(("done", c))
+    return out
 
 
 async def collect(service: Generator, job: Job) -> None:
