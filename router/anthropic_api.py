@@ -16,17 +16,22 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from kvroute.router.anthropic_schema import MessagesRequest, error_body, parse_messages
-from kvroute.router.http_jobs import Choice, Job, choice_text, collect_all, run, unsent_text
+from kvroute.router.http_jobs import (
+    Choice,
+    Front,
+    Job,
+    choice_text,
+    collect_all,
+    run,
+    unsent_text,
+)
 from kvroute.router.openai_schema import ApiError
 from kvroute.router.refusal import RefusedError
-
-if TYPE_CHECKING:
-    from kvroute.router.http_front import HttpFront
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -62,7 +67,7 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
 class MessagesApi:
     """The Messages endpoints of one HTTP front (which owns models, limits and jobs)."""
 
-    def __init__(self, front: HttpFront) -> None:
+    def __init__(self, front: Front) -> None:
         self._front = front
 
     def add_routes(self, app: web.Application) -> None:

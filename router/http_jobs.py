@@ -8,14 +8,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvroute.core.tokenizer import Tokenizer
-from kvroute.router.openai_schema import STOP_CAPTURE
+from kvroute.router.openai_schema import (
+    STOP_CAPTURE,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+)
 from kvroute.router.refusal import RefusedError
 from kvroute.v1 import common_pb2, program_pb2
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from kvroute.core.config import RouterConfig
 
 log = logging.getLogger("kvroute.router.http")
 
@@ -104,6 +114,34 @@ class Job:
         if head == "0" and k.isdigit() and int(k) < len(self.choices):
             return self.choices[int(k)]
         return None
+
+
+class Front(Protocol):
+    """What an API's endpoints need of the HTTP front that serves them (``HttpFront``):
+    admission, the body, requests made jobs, the answers' common parts."""
+
+    @property
+    def cfg(self) -> RouterConfig: ...
+
+    def admit(self) -> Generator: ...
+
+    def ready(self) -> Generator: ...
+
+    async def read_body(self, request: web.Request) -> tuple[Any, int]: ...
+
+    async def chat_jobs(self, body: Any, size: int,
+                        parse: Callable[[Any], ChatRequest] = ...
+                        ) -> tuple[ChatRequest, list[Job]]: ...
+
+    async def completion_jobs(self, body: Any) -> tuple[CompletionRequest, list[Job]]: ...
+
+    async def render(self, req: ChatRequest, size: int) -> list[int]: ...
+
+    def charge(self, request: web.Request, jobs: Sequence[Job]) -> None: ...
+
+    def refusal(self, exc: RefusedError, g: ChatRequest) -> ApiError: ...
+
+    def headers(self, jobs: Sequence[Job]) -> dict[str, str]: ...
 
 
 def finish_reason(reason: int | str) -> str:

@@ -13,12 +13,13 @@ import contextlib
 import json
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from kvroute.router.http_jobs import (
     Choice,
+    Front,
     FrontModel,
     Job,
     choice_text,
@@ -36,14 +37,11 @@ from kvroute.router.openai_schema import (
 )
 from kvroute.router.refusal import RefusedError
 
-if TYPE_CHECKING:
-    from kvroute.router.http_front import HttpFront
-
 
 class OpenAIApi:
     """OpenAI's endpoints of one HTTP front (which owns models, limits and jobs)."""
 
-    def __init__(self, front: HttpFront) -> None:
+    def __init__(self, front: Front) -> None:
         self._front = front
 
     def add_routes(self, app: web.Application) -> None:

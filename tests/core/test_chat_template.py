@@ -307,8 +307,25 @@ def loaded(model_dirs: dict[str, Path]) -> dict[str, tuple[ChatTokenizer, Any]]:
             for name, d in model_dirs.items()}
 
 
+def _as_vllm_hands_them(messages: list[Any]) -> list[Any]:
+    """The messages as vLLM passes them to the template: an assistant's tool calls with
+    their JSON-string arguments parsed (empty: ``{}``). The router renders as vLLM does, so
+    transformers' render of these is the reference."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls"):
+            m = {**m, "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": (
+                    json.loads(a) if isinstance(a := c["function"].get("arguments"), str) and a
+                    else (a or {}))}}
+                for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
 def _hf_apply(hf: Any, chat: dict[str, Any], gen: bool, tokenize: bool, cont: bool) -> Any:
-    return hf.apply_chat_template(chat["messages"], tools=chat["tools"], tokenize=tokenize,
+    return hf.apply_chat_template(_as_vllm_hands_them(chat["messages"]), tools=chat["tools"],
+                                  tokenize=tokenize,
                                   add_generation_prompt=gen, continue_final_message=cont,
                                   return_dict=False, **chat["kwargs"])
 
