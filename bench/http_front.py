@@ -124,6 +124,13 @@ async def timed(call: Callable[[], Awaitable[object]]) -> float:
     return (time.perf_counter_ns() - t0) / 1e6
 
 
+def against(base: list[float], other: list[float]) -> str:
+    """Table cells: the baseline's p50 and p99, the other's, and their ratios."""
+    return (f"{pct(base, 50):>7.2f}ms {pct(base, 99):>6.2f}ms | "
+            f"{pct(other, 50):>7.2f}ms {pct(other, 99):>6.2f}ms | "
+            f"{pct(other, 50) / pct(base, 50):>8.2f}x {pct(other, 99) / pct(base, 99):>5.2f}x")
+
+
 async def interleaved(a: Callable[[int], Awaitable[None]], b: Callable[[int], Awaitable[None]],
                       warm: int, iters: int) -> tuple[list[float], list[float]]:
     """The latencies (ms) of ``a(i)`` and ``b(i)`` over ``iters`` calls each, interleaved
@@ -188,9 +195,7 @@ async def bench_fronts(args: argparse.Namespace, router: RouterApp, tok: ChatTok
                 t0 = time.perf_counter()
                 await asyncio.gather(*(one(i) for i in range(args.requests)))
                 rates.append(args.requests / (time.perf_counter() - t0))
-            print(f"{len(ids[0]):>7} | {pct(g, 50):>7.2f}ms {pct(g, 99):>6.2f}ms | "
-                  f"{pct(h, 50):>7.2f}ms {pct(h, 99):>6.2f}ms | "
-                  f"{pct(h, 50) / pct(g, 50):>8.2f}x {pct(h, 99) / pct(g, 99):>5.2f}x | "
+            print(f"{len(ids[0]):>7} | {against(g, h)} | "
                   f"{rates[0]:>10.0f} {rates[1]:>10.0f} {rates[1] / rates[0]:>5.2f}x",
                   flush=True)
             if made["grpc"] != made["http"]:
@@ -245,10 +250,7 @@ async def bench_messages(args: argparse.Namespace, router: RouterApp, tok: ChatT
                                                         msgs[i % len(msgs)])
 
             c_ms, m_ms = await interleaved(chat, messages, len(convs), args.iters)
-            print(f"{len(tok.apply(convs[0])):>7} | {pct(c_ms, 50):>7.2f}ms "
-                  f"{pct(c_ms, 99):>6.2f}ms | {pct(m_ms, 50):>7.2f}ms {pct(m_ms, 99):>6.2f}ms | "
-                  f"{pct(m_ms, 50) / pct(c_ms, 50):>8.2f}x {pct(m_ms, 99) / pct(c_ms, 99):>5.2f}x",
-                  flush=True)
+            print(f"{len(tok.apply(convs[0])):>7} | {against(c_ms, m_ms)}", flush=True)
             if made["chat"] != made["messages"]:
                 print(f"        (tokens generated differ: chat {made['chat']}, Messages "
                       f"{made['messages']})")

@@ -61,6 +61,7 @@ INLINE_BODY_BYTES = 4096
 """A request body up to this size is tokenized on the loop: its render + encode (~0.2 ms at
 1k tokens) costs about what the hop to a thread and back does (~0.08 ms p50, more at p99)."""
 
+
 class Workers(Protocol):
     """What /health reports of the router's pools (``PooledService``)."""
 
