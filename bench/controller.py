@@ -211,7 +211,7 @@ async def through_router(args: argparse.Namespace) -> None:
 
     from kvroute.core.config import AgentConfig, RouterConfig
     from kvroute.demo.procs import scratch_redis
-    from kvroute.router.server import RouterApp
+    from kvroute.router.app import RouterApp
     from kvroute.v1 import router_pb2_grpc
     from kvroute.worker_agent.server import AgentApp
 

@@ -44,7 +44,7 @@ from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.demo.openai_model import write_byte_model
 from kvroute.demo.procs import scratch_redis
 from kvroute.router import http_front
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from kvroute.v1 import common_pb2, router_pb2_grpc
 from kvroute.worker_agent.server import AgentApp
 

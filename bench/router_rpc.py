@@ -45,7 +45,7 @@ from kvroute.core.load import EngineLoad
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import Heartbeat, RedisKeys
 from kvroute.demo.procs import scratch_redis
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from kvroute.v1 import common_pb2, router_pb2_grpc, worker_agent_pb2_grpc
 from kvroute.worker_agent.publisher import CachePublisher
 from kvroute.worker_agent.server import AgentApp

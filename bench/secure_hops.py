@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.certs, run
 
 from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.demo.procs import scratch_redis
+from kvroute.router.app import RouterApp
 from kvroute.router.auth import hash_key
-from kvroute.router.server import RouterApp
 from kvroute.v1 import common_pb2, router_pb2_grpc
 from kvroute.worker_agent.server import AgentApp
 from tests.certs import Ca

@@ -17,7 +17,7 @@ import tree_search
 
 from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.demo.procs import scratch_redis
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from kvroute.worker_agent.server import AgentApp
 
 EXAMPLES = (best_of_n_json, multiple_choice, tree_search)

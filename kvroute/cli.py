@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(cfg.log.level, cfg.log.json)
     try:
         if args.command == "router":
-            from kvroute.router.server import run_router
+            from kvroute.router.app import run_router
 
             asyncio.run(run_router(cfg))  # type: ignore[arg-type]
         else:

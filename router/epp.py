@@ -63,6 +63,7 @@ from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as ep_grpc,
 )
 from kvroute.envoy_api.envoy.type.v3 import http_status_pb2
+from kvroute.router.app import RouterApp
 from kvroute.router.decide import Decision
 from kvroute.router.http_body import decode_body
 from kvroute.router.http_front import HttpFront
@@ -70,7 +71,7 @@ from kvroute.router.lifecycle import Stay
 from kvroute.router.openai_schema import ApiError, refusal_error
 from kvroute.router.refusal import RefusedError, UnavailableError
 from kvroute.router.registry import WorkerInfo
-from kvroute.router.server import RouterApp, RouterService
+from kvroute.router.server import RouterService
 
 log = logging.getLogger("kvroute.router.epp")
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvroute.core.config import AgentConfig, RouterConfig
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from kvroute.worker_agent.server import AgentApp
 from tests.support import RedisProc, build_wheel
 

@@ -218,7 +218,7 @@ def test_kvroute_keys_hash_prints_a_record_the_router_loads(tmp_path: Path) -> N
 
 
 async def test_a_wrong_redis_password_is_said_at_start(caplog) -> None:
-    from kvroute.router.server import RouterApp
+    from kvroute.router.app import RouterApp
     from tests.conftest import router_config
     from tests.support import RedisProc
 

@@ -16,7 +16,7 @@ import pytest
 from kvroute.core.config import RouterConfig
 from kvroute.core.settings import add_arguments, from_namespace
 from kvroute.demo.openai_model import write_byte_model
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from kvroute.v1 import common_pb2, router_pb2_grpc
 from tests.support import free_port, generate, wait_for
 

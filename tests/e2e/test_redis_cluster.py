@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from kvroute.core.redis_schema import RedisKeys
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from kvroute.worker_agent.server import AgentApp
 from tests.conftest import agent_config, router_config
 from tests.support import (

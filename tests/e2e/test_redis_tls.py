@@ -18,9 +18,9 @@ import redis
 
 from kvroute.core.redis_conn import RedisAccess, connect
 from kvroute.core.redis_schema import RedisKeys, acl_rules
+from kvroute.router.app import RouterApp
 from kvroute.router.mirror import IndexMirror
 from kvroute.router.registry import WorkerRegistry
-from kvroute.router.server import RouterApp
 from kvroute.worker_agent.server import AgentApp
 from tests.conftest import agent_config, router_config
 from tests.support import RedisProc, free_port, generate, wait_for

@@ -19,7 +19,7 @@ from kvroute.core.cache_events import CacheEvent
 from kvroute.core.load import EngineLoad
 from kvroute.core.redis_conn import connect
 from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys, pack_keys
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from kvroute.worker_agent.publisher import CachePublisher
 from tests.conftest import router_config
 from tests.e2e.test_redis_cluster import redis_cluster  # noqa: F401 - the fixture

@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 from kvroute.core.redis_schema import RedisKeys, pack_keys
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from tests.support import free_port, generate, route, wait_for
 
 PROMPT = 4096  # at time_scale=10 the sim engine prefills it in seconds

@@ -18,7 +18,7 @@ from kvroute.cli import build_parser
 from kvroute.core.config import AgentConfig, RouterConfig
 from kvroute.core.settings import from_namespace
 from kvroute.demo.vllm_cpu import BLOCK_SIZE, SERVED_MODEL, VllmCpu, VllmServer, core_for
-from kvroute.router.server import RouterApp
+from kvroute.router.app import RouterApp
 from kvroute.worker_agent.server import AgentApp
 from tests.support import RedisProc, free_port, wait_for
 
