@@ -172,6 +172,16 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+async def serve_until_signalled(start: Callable[[], Awaitable[Any]],
+                                stop: Callable[[], Awaitable[None]]) -> None:
+    """A process's life: ``start()``, serve until SIGINT or SIGTERM, ``stop()``."""
+    signalled = asyncio.Event()
+    install_signal_handlers(signalled)
+    await start()
+    await signalled.wait()
+    await stop()
+
+
 @dataclass(frozen=True, slots=True)
 class Received:
     """A GenerateRequest as gRPC delivered it: parsed, and the bytes it was parsed from, in

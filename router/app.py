@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import grpc
@@ -17,8 +18,8 @@ from kvroute.core.grpc_util import (
     HealthPort,
     add_standard_services,
     bind,
-    install_signal_handlers,
     new_server,
+    serve_until_signalled,
     set_serving,
     start_metrics,
 )
@@ -235,8 +236,4 @@ def _pool(model: PoolModel, static: Mapping[str, str], probe: Probe) -> ModelPoo
 
 async def run_router(cfg: RouterConfig) -> None:
     app = RouterApp(cfg)
-    stop = asyncio.Event()
-    install_signal_handlers(stop)
-    await app.start(wait_for_redis_s=3.0)
-    await stop.wait()
-    await app.stop()
+    await serve_until_signalled(partial(app.start, wait_for_redis_s=3.0), app.stop)

@@ -33,13 +33,13 @@ repository at v1.6.0), and Envoy's ext_proc v3 API (the vendored protos, proto/e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -50,8 +50,8 @@ from kvroute.core.config import EppConfig
 from kvroute.core.grpc_util import (
     add_standard_services,
     bind,
-    install_signal_handlers,
     new_server,
+    serve_until_signalled,
     set_serving,
 )
 from kvroute.envoy_api.envoy.config.core.v3 import base_pb2
@@ -523,8 +523,4 @@ class EppApp:
 
 async def run_epp(cfg: EppConfig) -> None:
     app = EppApp(cfg)
-    stop = asyncio.Event()
-    install_signal_handlers(stop)
-    await app.start(wait_for_redis_s=3.0)
-    await stop.wait()
-    await app.stop()
+    await serve_until_signalled(partial(app.start, wait_for_redis_s=3.0), app.stop)

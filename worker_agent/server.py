@@ -21,8 +21,8 @@ from kvroute.core.grpc_util import (
     add_handlers,
     add_standard_services,
     bind,
-    install_signal_handlers,
     new_server,
+    serve_until_signalled,
     set_serving,
     start_metrics,
     wire_keeping_handler,
@@ -377,8 +377,4 @@ class AgentApp:
 
 async def run_agent(cfg: AgentConfig) -> None:
     app = AgentApp(cfg)
-    stop = asyncio.Event()
-    install_signal_handlers(stop)
-    await app.start()
-    await stop.wait()
-    await app.stop()
+    await serve_until_signalled(app.start, app.stop)
