@@ -180,6 +180,11 @@ class ChatTokenizer:
     def template_names(self) -> list[str]:
         return sorted(self._template_texts)
 
+    @property
+    def templates(self) -> Mapping[str, str]:
+        """The model's chat templates' texts, by name."""
+        return dict(self._template_texts)
+
     def template(self, chat_template: str | None = None,
                  tools: Sequence[Any] | None = None) -> ChatTemplate:
         """The template to render with, chosen as transformers chooses: ``chat_template`` names

@@ -227,7 +227,8 @@ class WorkerSettings(Section):
     title = "Workers"
     static: str = opt("", "static workers, comma-separated id=host:port (heartbeats add more)",
                       flag="workers")
-    discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes")
+    discovery: str = opt("redis", "worker discovery: redis (heartbeats) or kubernetes",
+                         choices=("redis", "kubernetes"))
     poll_interval_s: float = opt(0.5, "seconds between heartbeat scans", POSITIVE)
     connect_timeout_s: float = opt(2.0, "about the longest a request waits on a hung agent "
                                    "before trying the next: one not answering yet is probed "
@@ -266,6 +267,10 @@ class HttpSettings(Section):
     batch_concurrency: int = opt(8, "HTTP front: prompts of one non-streaming batched "
                                  "completion generated at once (a stream runs them one after "
                                  "another)", AT_LEAST_ONE)
+    tool_parser: str = opt("auto", "HTTP front: how models write tool calls, read into "
+                           "tool_calls / tool_use blocks: hermes (<tool_call>{...}</tool_call>), "
+                           "llama3_json, none (left as text), or auto (from the chat template; "
+                           "docs/http.md)", choices=("auto", "hermes", "llama3_json", "none"))
 
 
 @dataclass(frozen=True)

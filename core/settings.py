@@ -96,14 +96,16 @@ FRACTION = Range(0, 1)
 
 
 def opt(default: Any, help: str, range: Range | None = None, *, flag: str = "",
-        formerly: str = "", repeat: bool = False, secret: bool = False) -> Any:
+        formerly: str = "", repeat: bool = False, secret: bool = False,
+        choices: tuple[str, ...] = ()) -> Any:
     """A setting. ``flag``: its flat name when not the section's prefix and field name;
     ``formerly``: an older flat name still accepted as a flag; ``repeat``: the flag may be
     given several times, its values joined with commas (as its environment variable writes
-    them); ``secret``: never shown in ``--help`` or ``repr``."""
+    them); ``secret``: never shown in ``--help`` or ``repr``; ``choices``: the values a
+    string setting takes."""
     return field(default=default, repr=not secret, metadata={
         "help": help, "range": range, "flag": flag, "formerly": formerly, "repeat": repeat,
-        "secret": secret})
+        "secret": secret, "choices": choices})
 
 
 def flag(name: str) -> str:
@@ -126,6 +128,11 @@ class Section:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             if (r := f.metadata.get("range")) is not None:
                 r.check(self.flat_name(f), getattr(self, f.name))
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                name = self.flat_name(f)
+                raise SystemExit(f"{flag(name)} ({ENV_PREFIX}{name.upper()}) must be one of "
+                                 f"{', '.join(choices)}, got {getattr(self, f.name)!r}")
 
 
 @dataclass(frozen=True)
@@ -226,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[ServiceConfig],
                                help=help_text)
         else:
             group.add_argument(*names, dest=s.name, type=s.type, default=default,
-                               help=help_text)
+                               help=help_text, choices=meta.get("choices") or None)
 
 
 def _parse(typ: type, raw: str, where: str) -> Any:

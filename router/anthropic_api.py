@@ -25,22 +25,36 @@ from kvroute.router.http_jobs import (
     Choice,
     Front,
     Job,
-    choice_text,
     collect_all,
+    reply,
+    reply_delta,
+    reply_end,
     run,
-    unsent_text,
 )
 from kvroute.router.openai_schema import ApiError
 from kvroute.router.refusal import RefusedError
+from kvroute.router.tool_calls import ToolCall
 
 MESSAGES_PATH = "/v1/messages"
 
 
-def stop_reason(c: Choice) -> str:
-    """Anthropic's ``stop_reason`` for a finished choice."""
+def stop_reason(c: Choice, calls: Sequence[ToolCall] = ()) -> str:
+    """Anthropic's ``stop_reason`` for a finished choice (``calls``: its tool calls)."""
     if c.finish_reason == "length":
         return "max_tokens"
+    if calls:
+        return "tool_use"
     return "stop_sequence" if c.stop_hit else "end_turn"
+
+
+def tool_use(t: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": "toolu_" + t.id, "name": t.name, "input": t.input}
+
+
+def content(text: str, calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """A message's content blocks: its text (unless empty before calls), its calls."""
+    blocks = [{"type": "text", "text": text}] if text or not calls else []
+    return blocks + [tool_use(t) for t in calls]
 
 
 def usage(job: Job) -> dict[str, int]:
@@ -50,18 +64,62 @@ def usage(job: Job) -> dict[str, int]:
             "cache_read_input_tokens": cached, "output_tokens": s.completion_tokens}
 
 
-def message(req: MessagesRequest, job: Job, content: Sequence[dict[str, Any]],
-            stopped: Choice | None) -> dict[str, Any]:
+def message(req: MessagesRequest, job: Job, blocks: Sequence[dict[str, Any]],
+            stopped: Choice | None, calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
     """The message object (``stopped``: its choice once finished, else a stream's start)."""
     return {"id": "msg_" + job.served.request_id, "type": "message", "role": "assistant",
-            "model": req.model, "content": list(content),
-            "stop_reason": stop_reason(stopped) if stopped else None,
-            "stop_sequence": (stopped.stop_hit or None) if stopped else None,
+            "model": req.model, "content": list(blocks),
+            "stop_reason": stop_reason(stopped, calls) if stopped else None,
+            "stop_sequence": (stopped.stop_hit or None) if stopped and not calls else None,
             "usage": usage(job)}
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+class _Blocks:
+    """A stream's content blocks as events: a text block opened at its first text, each
+    tool call a block of its own."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self._resp = resp
+        self._count = 0
+        self._text_open = False
+
+    async def text(self, text: str) -> None:
+        if not text:
+            return
+        if not self._text_open:
+            await self._start({"type": "text", "text": ""})
+            self._text_open = True
+        await self._resp.write(_event("content_block_delta", {
+            "index": self._count - 1, "delta": {"type": "text_delta", "text": text}}))
+
+    async def end(self, text: str, calls: Sequence[ToolCall]) -> None:
+        """The last text and the calls; an empty text block when there is nothing else
+        (as the message object has)."""
+        await self.text(text)
+        if not self._count and not calls:
+            await self._start({"type": "text", "text": ""})
+            self._text_open = True
+        if self._text_open:
+            await self._stop()
+        for t in calls:
+            await self._start({**tool_use(t), "input": {}})
+            await self._resp.write(_event("content_block_delta", {
+                "index": self._count - 1,
+                "delta": {"type": "input_json_delta", "partial_json": t.arguments}}))
+            await self._stop()
+
+    async def _start(self, block: dict[str, Any]) -> None:
+        await self._resp.write(_event("content_block_start",
+                                      {"index": self._count, "content_block": block}))
+        self._count += 1
+
+    async def _stop(self) -> None:
+        await self._resp.write(_event("content_block_stop", {"index": self._count - 1}))
+        self._text_open = False
 
 
 class MessagesApi:
@@ -100,19 +158,20 @@ class MessagesApi:
         except RefusedError as exc:
             raise front.refusal(exc, req) from None
         (c,) = job.choices
-        text = choice_text(c, job.model)
-        return web.json_response(
-            message(req, job, [{"type": "text", "text": text}], c), headers=self._headers(job))
+        text, calls = reply(c, job.model)
+        return web.json_response(message(req, job, content(text, calls), c, calls),
+                                 headers=self._headers(job))
 
     def _headers(self, job: Job) -> dict[str, str]:
         return {**self._front.headers([job]), "request-id": "req_" + job.served.request_id}
 
     async def _stream(self, request: web.Request, req: MessagesRequest,
                       job: Job) -> web.StreamResponse:
-        """Anthropic's event sequence for the one text block; the usage in ``message_start``
-        holds the prompt's (the cache known at the first token), ``message_delta`` the
-        output's."""
+        """Anthropic's event sequence: the text block, then a block per tool call; the
+        usage in ``message_start`` holds the prompt's (the cache known at the first token),
+        ``message_delta`` the output's."""
         resp: web.StreamResponse | None = None
+        blocks: _Blocks | None = None
         try:
             async with contextlib.aclosing(run(self._front.ready(), job)) as events:
                 async for kind, c in events:
@@ -123,22 +182,20 @@ class MessagesApi:
                         await resp.prepare(request)
                         await resp.write(_event("message_start",
                                                 {"message": message(req, job, [], None)}))
-                        await resp.write(_event("content_block_start", {
-                            "index": 0, "content_block": {"type": "text", "text": ""}}))
                         await resp.write(_event("ping", {}))
+                        blocks = _Blocks(resp)
                         continue
-                    assert c is not None and resp is not None
-                    text = unsent_text(c, job.model)
-                    if text:
-                        await resp.write(_event("content_block_delta", {
-                            "index": 0, "delta": {"type": "text_delta", "text": text}}))
-                    if kind == "done":
-                        await resp.write(_event("content_block_stop", {"index": 0}))
-                        await resp.write(_event("message_delta", {
-                            "delta": {"stop_reason": stop_reason(c),
-                                      "stop_sequence": c.stop_hit or None},
-                            "usage": {"output_tokens": job.served.completion_tokens}}))
-                        await resp.write(_event("message_stop", {}))
+                    assert c is not None and resp is not None and blocks is not None
+                    if kind == "delta":
+                        await blocks.text(reply_delta(c, job.model))
+                        continue
+                    text, calls = reply_end(c, job.model)
+                    await blocks.end(text, calls)
+                    await resp.write(_event("message_delta", {
+                        "delta": {"stop_reason": stop_reason(c, calls),
+                                  "stop_sequence": (c.stop_hit or None) if not calls else None},
+                        "usage": {"output_tokens": job.served.completion_tokens}}))
+                    await resp.write(_event("message_stop", {}))
         except RefusedError as exc:
             err = self._front.refusal(exc, req)
             if resp is None:

@@ -12,7 +12,9 @@ sends the model the same token ids and keeps its cache:
 - a user's ``tool_result`` blocks: one ``tool`` message each (``tool_call_id``, its text),
   before the user's text, as Anthropic requires them first;
 - ``tools``: ``{"type": "function", "function": {"name", "description", "parameters":
-  input_schema}}``;
+  input_schema}}``; ``tool_choice`` ``auto``/``none`` as they are, ``any`` as ``required``,
+  ``tool`` as a named function, ``disable_parallel_tool_use`` as ``parallel_tool_calls:
+  false``;
 - a last ``assistant`` message: a prefill the answer continues (``continue_final_message``).
 
 ``stop_sequences`` are the chat request's ``stop``, ``metadata.user_id`` its ``user`` (the
@@ -28,7 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.router.openai_schema import ApiError, ChatRequest, Constraint, invalid
+from kvroute.router.openai_schema import (
+    ApiError,
+    ChatRequest,
+    Constraint,
+    invalid,
+    tool_constraint,
+)
+from kvroute.router.tool_calls import ToolChoice
 
 # Accepted and not used: they change nothing kvroute does (engines cache every prefix; one
 # speed, one tier, one region).
@@ -156,11 +165,6 @@ def _check(body: Mapping[str, Any], known: frozenset[str]) -> None:
     for name in body:
         if name not in known:
             raise ApiError(400, f"{name}: Extra inputs are not permitted", param=name)
-    choice = body.get("tool_choice")
-    if choice is not None and (not isinstance(choice, dict)
-                               or choice.get("type") not in ("auto", "none")):
-        raise invalid("tool_choice", "kvroute takes {\"type\": \"auto\"} or {\"type\": "
-                      "\"none\"}: it cannot force a tool call")
     thinking = body.get("thinking")
     if thinking is not None and (not isinstance(thinking, dict)
                                  or thinking.get("type") not in ("disabled", "adaptive")):
@@ -172,6 +176,26 @@ def _check(body: Mapping[str, Any], known: frozenset[str]) -> None:
     if body.get("top_k") is not None:
         raise invalid("top_k", "not supported by kvroute: engines sample with temperature "
                       "and top_p")
+
+
+_MODES = {"auto": "auto", "none": "none", "any": "required", "tool": "named"}
+
+
+def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """``tool_choice``: ``auto`` (the default), ``none``, ``any`` (some tool, forced) or
+    ``tool`` (the one named, forced); ``disable_parallel_tool_use``: one call at most."""
+    v = body.get("tool_choice") or {"type": "auto"}
+    if not isinstance(v, dict) or v.get("type") not in _MODES:
+        raise invalid("tool_choice", "expected {\"type\": \"auto\"}, {\"type\": \"any\"}, "
+                      "{\"type\": \"tool\", \"name\": ...} or {\"type\": \"none\"}")
+    single = v.get("disable_parallel_tool_use", False)
+    if not isinstance(single, bool):
+        raise invalid("tool_choice.disable_parallel_tool_use", "expected true or false")
+    mode = _MODES[v["type"]]
+    name = _text(v.get("name"), "tool_choice.name") if mode == "named" else ""
+    if mode in ("auto", "none") and not tools:
+        mode = "none"
+    return ToolChoice(mode, name, parallel=not single)  # type: ignore[arg-type]
 
 
 def _constraint(body: Mapping[str, Any]) -> Constraint | None:
@@ -250,11 +274,14 @@ def parse_messages(body: Any, counting: bool = False) -> MessagesRequest:
     _check(body, COUNT_FIELDS if counting else MESSAGES_FIELDS)
     model, max_tokens = _model_and_max_tokens(body, counting)
     messages, prefill = _conversation(body)
+    tools = _tools(body)
+    choice = _tool_choice(body, tools)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream", "expected true or false")
     return MessagesRequest(
         model=model, max_tokens=max_tokens, temperature=_number(body, "temperature"),
         top_p=_number(body, "top_p"), stop=_stops(body), stream=stream, user=_user(body),
-        messages=messages, constraint=_constraint(body), tools=_tools(body),
+        messages=messages, constraint=tool_constraint(choice, tools, _constraint(body)),
+        tools=tools, tool_choice=choice,
         add_generation_prompt=not prefill, continue_final_message=prefill, prefill=prefill)

@@ -499,8 +499,10 @@ class EppApp:
         await self.router.start(wait_for_redis_s=wait_for_redis_s)
         service = self.router.service
         assert service is not None
-        # The router's own config (--model NAME=SOURCE made it the bare name) and tokenizer.
-        front = HttpFront(self.router.cfg, self.router.pools[0].model.tokenizer)
+        # The router's own config (--model NAME=SOURCE made it the bare name) and tokenizer;
+        # the pods' engines read their tool calls, not the picker.
+        front = HttpFront(self.router.cfg.replace(http_tool_parser="none"),
+                          self.router.pools[0].model.tokenizer)
         picker = EndpointPicker(self.cfg, self.router, service, front)
         ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
         self._health = add_standard_services(server, HEALTH_SERVICES,

@@ -49,6 +49,7 @@ from kvroute.router.openai_schema import (
     refusal_error,
 )
 from kvroute.router.refusal import RefusedError
+from kvroute.router.tool_calls import ToolChoice, ToolFormat, ToolStream, tool_format
 
 log = logging.getLogger("kvroute.router.http")
 
@@ -89,11 +90,13 @@ class HttpFront:
         ``tokenizer``); the first is the default. ``adapters``: LoRA adapter -> base model,
         served as models of their own with the base model's tokenizer."""
         self._cfg = cfg
-        self._models = {name: FrontModel(name, tok) for name, tok in
-                        (models or {cfg.model.name: tokenizer}).items()}
+        self._models = {name: FrontModel(name, tok, tool_format=self._tool_format(tok))
+                        for name, tok in (models or {cfg.model.name: tokenizer}).items()}
         self._default = next(iter(self._models.values()))
         for name, base in (adapters or {}).items():
-            self._models[name] = FrontModel(name, self._models[base].tok, parent=base)
+            of = self._models[base]
+            self._models[name] = FrontModel(name, of.tok, parent=base,
+                                            tool_format=of.tool_format)
         # Run inside _errors (which words what they raise): API keys (router/auth.py).
         self._middlewares = list(middlewares)
         self._tls_watch: asyncio.Task[None] | None = None
@@ -108,6 +111,10 @@ class HttpFront:
     @property
     def cfg(self) -> RouterConfig:
         return self._cfg
+
+    def _tool_format(self, tok: Tokenizer | None) -> ToolFormat | None:
+        templates = getattr(tok, "templates", None) or {}
+        return tool_format(self._cfg.http.tool_parser, list(templates.values()))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -294,13 +301,15 @@ class HttpFront:
         max_tokens = self.max_tokens(g)
         m = self.model_of(g)
         stops = getattr(m.tok, "stop_token_ids", ())
+        tools = g.tool_choice if isinstance(g, ChatRequest) else ToolChoice("none")
         jobs = []
         for i, tokens in enumerate(prompts):
             req = generate_request(g, tokens, model=m.name, max_tokens=max_tokens,
                                    request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                                    stop_token_ids=stops)
-            jobs.append(Job(req, Served(rid, len(tokens)),
-                            [Choice(i * g.n + k) for k in range(g.n)], g.needs_program,
+            choices = [Choice(i * g.n + k, tools=ToolStream(tools, m.tool_format))
+                       for k in range(g.n)]
+            jobs.append(Job(req, Served(rid, len(tokens)), choices, g.needs_program,
                             incremental=not g.stop, model=m))
         return jobs
 
@@ -312,6 +321,14 @@ class HttpFront:
         length checked; ApiError as the endpoint answers. kvroute epp reads the bodies a
         gateway forwards with it too (router/epp.py)."""
         req = parse(body)
+        m = self.model_of(req)
+        if req.tool_choice.mode == "auto" and m.tool_format is None \
+                and self._cfg.http.tool_parser == "auto":
+            raise ApiError(400, f"tool_choice: model {m.name!r} has no tool-call format "
+                           f"kvroute reads (its chat template writes neither <tool_call> "
+                           f"(hermes) nor <|python_tag|> (llama3_json)): start the router with "
+                           f"--http-tool-parser hermes, llama3_json or none (calls left as "
+                           f"text), or force a call with tool_choice", param="tool_choice")
         return req, self.make_jobs(req, [await self.render(req, size)])
 
     async def render(self, req: ChatRequest, size: int) -> list[int]:

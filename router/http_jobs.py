@@ -20,6 +20,7 @@ from kvroute.router.openai_schema import (
     CompletionRequest,
 )
 from kvroute.router.refusal import RefusedError
+from kvroute.router.tool_calls import ToolCall, ToolFormat, ToolStream, split
 from kvroute.v1 import common_pb2, program_pb2
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ class FrontModel:
     tok: Tokenizer | None
     parent: str = ""
     """A LoRA adapter's base model (``--lora NAME=BASE``); empty for a model."""
+    tool_format: ToolFormat | None = None
+    """How the model writes tool calls (``--http-tool-parser``; None: it is not known)."""
 
     @property
     def chat(self) -> Any:
@@ -73,6 +76,8 @@ class Choice:
     inside a token, the ids leave that token out but this keeps its text before the stop."""
     stop_hit: str = ""
     """The stop string that ended it (a program's; "" when none did)."""
+    tools: ToolStream = field(default_factory=ToolStream)
+    """Its output split into text and tool calls (none unless a chat gave tools)."""
 
 
 @dataclass
@@ -104,7 +109,7 @@ class Job:
     def restart(self) -> None:
         """Forget what an attempt produced, to run the request again."""
         self.served = Served(self.served.request_id, self.served.prompt_tokens)
-        self.choices = [Choice(c.index) for c in self.choices]
+        self.choices = [Choice(c.index, tools=c.tools.again()) for c in self.choices]
 
     def choice_of(self, branch_id: str) -> Choice | None:
         """The choice a program's branch is: "0" for one, fork child "0.k" for choice k."""
@@ -180,6 +185,23 @@ def unsent_text(c: Choice, m: FrontModel) -> str:
     new = text[len(c.sent):]
     c.sent = text
     return new
+
+
+def reply(c: Choice, m: FrontModel) -> tuple[str, list[ToolCall]]:
+    """A finished choice's whole output: its text and tool calls."""
+    return split(choice_text(c, m), c.tools)
+
+
+def reply_delta(c: Choice, m: FrontModel) -> str:
+    """The text to stream of ``c``'s new tokens (short of what may begin a tool call)."""
+    return c.tools.feed(unsent_text(c, m))
+
+
+def reply_end(c: Choice, m: FrontModel) -> tuple[str, list[ToolCall]]:
+    """A streamed choice's end: the text not streamed yet, and its tool calls."""
+    text = reply_delta(c, m)
+    rest, calls = c.tools.finish()
+    return text + rest, calls
 
 
 async def run(service: Generator, job: Job) -> AsyncIterator[tuple[str, Choice | None]]:

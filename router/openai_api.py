@@ -22,11 +22,12 @@ from kvroute.router.http_jobs import (
     Front,
     FrontModel,
     Job,
-    choice_text,
     collect_all,
     decode,
+    reply,
+    reply_delta,
+    reply_end,
     run,
-    unsent_text,
 )
 from kvroute.router.openai_schema import (
     ApiError,
@@ -36,6 +37,18 @@ from kvroute.router.openai_schema import (
     refusal_error,
 )
 from kvroute.router.refusal import RefusedError
+from kvroute.router.tool_calls import ToolCall
+
+
+def tool_call(t: ToolCall) -> dict[str, Any]:
+    """A call as a chat message's ``tool_calls`` entry."""
+    return {"id": "call_" + t.id, "type": "function",
+            "function": {"name": t.name, "arguments": t.arguments}}
+
+
+def finish(c: Choice, calls: Sequence[ToolCall]) -> str | None:
+    """A choice's ``finish_reason``: ``tool_calls`` when it ended with calls."""
+    return "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
 
 class OpenAIApi:
@@ -116,12 +129,16 @@ class OpenAIApi:
         choices = []
         for job in jobs:
             for c in job.choices:
-                text = choice_text(c, job.model)
+                text, calls = reply(c, job.model)
                 lp = self._logprobs(c, chat, job.model) if g.logprobs else None
                 if chat:
+                    message: dict[str, Any] = {"role": "assistant",
+                                               "content": text or (None if calls else "")}
+                    if calls:
+                        message["tool_calls"] = [tool_call(t) for t in calls]
                     choice: dict[str, Any] = {
-                        "index": c.index, "message": {"role": "assistant", "content": text},
-                        "logprobs": lp, "finish_reason": c.finish_reason}
+                        "index": c.index, "message": message, "logprobs": lp,
+                        "finish_reason": finish(c, calls)}
                 else:
                     choice = {"index": c.index, "text": text, "logprobs": lp,
                               "finish_reason": c.finish_reason}
@@ -180,15 +197,19 @@ class OpenAIApi:
                             continue
                         assert c is not None
                         if kind == "delta":
-                            text = unsent_text(c, job.model)
+                            text = reply_delta(c, job.model)
                             if text:
                                 await send(chunk(c, text, None))
                         elif kind == "done":
-                            text = unsent_text(c, job.model)  # the last tokens' text
+                            text, calls = reply_end(c, job.model)  # the last tokens' text
                             lp = self._logprobs(c, chat, job.model) if g.logprobs else None
                             if text or lp:
                                 await send(chunk(c, text, None, lp=lp))
-                            await send(chunk(c, "", c.finish_reason))
+                            if calls:
+                                await send({"index": c.index, "delta": {"tool_calls": [
+                                    {"index": k, **tool_call(t)} for k, t in enumerate(calls)]},
+                                    "logprobs": None, "finish_reason": None})
+                            await send(chunk(c, "", finish(c, calls)))
             except RefusedError as exc:
                 err = refusal_error(exc, param, g.program_params)
                 if resp is None:

@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.router.refusal import InvalidError, RefusedError, UnsupportedError
+from kvroute.router.tool_calls import ToolChoice
 from kvroute.v1 import common_pb2, program_pb2
 
 MAX_N = 128
+"""The most choices one request may ask for (the agent's --max-program-fanout is the real
+limit; this one keeps an absurd ``n`` from building a huge program)."""
 SO = "structured_outputs"
 STOP_CAPTURE = "text"
 """The capture of a request's gen when it has stop strings: the agent's exact text before the
 stop, which may end inside a token its ids leave out."""
-"""The most choices one request may ask for (the agent's --max-program-fanout is the real
-limit; this one keeps an absurd ``n`` from building a huge program)."""
 
 
 class ApiError(Exception):
@@ -107,6 +108,7 @@ class Generation:
 class ChatRequest(Generation):
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
@@ -195,7 +197,6 @@ def _objects(body: Mapping[str, Any], name: str) -> list[dict[str, Any]] | None:
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
     "best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,),
-    "tool_choice": ("auto", "none"), "parallel_tool_calls": (True, False),
     "modalities": (["text"],), "prediction": (), "audio": (), "web_search_options": (),
     "reasoning_effort": (), "functions": (), "function_call": ("auto", "none"),
 }
@@ -226,7 +227,8 @@ def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
                      "logprobs", "stream", "stream_options", "user", "response_format",
                      "structured_outputs", "cache_salt"})
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "chat_template",
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice",
+                         "parallel_tool_calls", "chat_template",
                          "chat_template_kwargs", "add_generation_prompt",
                          "continue_final_message", "documents"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -329,6 +331,52 @@ def _content(message: Mapping[str, Any], i: int) -> Any:
     return "\n".join(texts)
 
 
+def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    tools = _objects(body, "tools")
+    for k, t in enumerate(tools or ()):
+        fn = t.get("function")
+        if t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise invalid(f"tools[{k}]", "expected {\"type\": \"function\", \"function\": "
+                          "{\"name\", \"description\", \"parameters\"}}")
+    return tools
+
+
+def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """``tool_choice`` ("auto" by default with tools, else "none"), ``parallel_tool_calls``."""
+    parallel = _bool(body, "parallel_tool_calls", True)
+    v = body.get("tool_choice")
+    if v is None:
+        v = "auto" if tools else "none"
+    if v in ("auto", "none", "required"):
+        choice = ToolChoice(v if tools else "none", parallel=parallel)
+    elif isinstance(v, dict) and v.get("type") == "function" \
+            and isinstance(v.get("function"), dict) and isinstance(v["function"].get("name"), str):
+        choice = ToolChoice("named", v["function"]["name"], parallel)
+    else:
+        raise invalid("tool_choice", "expected \"auto\", \"none\", \"required\" or "
+                      "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if v == "required" and not tools:
+        raise invalid("tool_choice", "required needs tools to choose from")
+    return choice
+
+
+def tool_constraint(choice: ToolChoice, tools: Sequence[Mapping[str, Any]] | None,
+                    constraint: Constraint | None) -> Constraint | None:
+    """The request's constraint given its tool choice: a forced call's schema
+    (:meth:`ToolChoice.schema`), else ``constraint``; 400 (``tool_choice``) when both."""
+    try:
+        schema = choice.schema(tools)
+    except ValueError as exc:
+        raise invalid("tool_choice", str(exc)) from None
+    if schema is None:
+        return constraint
+    if constraint is not None:
+        raise invalid("tool_choice", f"a forced tool call and {constraint.param} both "
+                      "constrain the output: give one")
+    return Constraint("json_schema", json.dumps(schema), "tool_choice")
+
+
 def parse_chat(body: Any) -> ChatRequest:
     """A ``/v1/chat/completions`` body; ApiError (400) names the first bad field."""
     if not isinstance(body, dict):
@@ -352,7 +400,10 @@ def parse_chat(body: Any) -> ChatRequest:
     chat_template = body.get("chat_template")
     if chat_template is not None and not isinstance(chat_template, str):
         raise invalid("chat_template", "expected a template's name or text")
-    return ChatRequest(**common, messages=parsed, tools=_objects(body, "tools"),
+    tools = _tools(body)
+    choice = _tool_choice(body, tools)
+    common["constraint"] = tool_constraint(choice, tools, common["constraint"])
+    return ChatRequest(**common, messages=parsed, tools=tools, tool_choice=choice,
                        chat_template=chat_template,
                        chat_template_kwargs=_object(body, "chat_template_kwargs") or {},
                        add_generation_prompt=_bool(body, "add_generation_prompt", True),

@@ -14,13 +14,17 @@ from pathlib import Path
 
 CHAT_TEMPLATE = (
     "{% if tools %}<|startoftext|>tools\n{{ tools | tojson }}\n{% endif %}"
-    "{% for m in messages %}<|startoftext|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+    "{% for m in messages %}<|startoftext|>{{ m['role'] }}\n{{ m['content'] }}\n"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>\n{% endfor %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|startoftext|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
     "{% endif %}")
-"""A ChatML-like template: each turn a start token, the role, the content, a newline; the tools
-first; ``chat_template_kwargs={"enable_thinking": false}`` closes the reply's thinking, as
-Qwen3's template does."""
+"""A ChatML-like template: each turn a start token, the role, the content, a newline, an
+assistant's tool calls as Hermes writes them (``<tool_call>{"name", "arguments"}</tool_call>``);
+the tools first; ``chat_template_kwargs={"enable_thinking": false}`` closes the reply's
+thinking, as Qwen3's template does."""
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -92,7 +92,8 @@ async def test_a_message_and_its_stream_give_the_same_text_and_turn_two_reads_th
             if event.type == "content_block_delta":
                 text += event.delta.text
         final = await stream.get_final_message()
-    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[0] == "message_start"
+    assert kinds.index("content_block_start") < kinds.index("content_block_delta")
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert text == block.text == final.content[0].text
     assert final.stop_reason == out.stop_reason
@@ -212,3 +213,58 @@ async def test_api_keys_by_bearer_or_x_api_key(cluster, model_dir, tmp_path: Pat
         async with s.post(url, json=msg, headers={"x-api-key": "sk-bad"}) as resp:
             assert resp.status == 401
             assert (await resp.json())["error"]["type"] == "authentication_error"
+
+
+async def test_a_forced_tool_call_is_a_tool_use_block_streamed_or_not(cluster, model_dir
+                                                                      ) -> None:
+    r = await start(cluster, model_dir)
+    c = client(r)
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"], "additionalProperties": False}
+    tools = [{"name": "get_weather", "description": "The weather.", "input_schema": city},
+             {"name": "now", "input_schema": {"type": "object", "properties": {},
+                                              "additionalProperties": False}}]
+    ask = dict(model=MODEL, max_tokens=64, tools=tools,
+               messages=[{"role": "user", "content": "Weather in Paris?"}])
+    out = await c.messages.create(**ask, tool_choice={"type": "tool", "name": "get_weather"})
+    assert out.stop_reason == "tool_use" and out.stop_sequence is None
+    (use,) = out.content  # no text block: the output is the call
+    assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, city)
+
+    # Any tool, one at most, streamed: a tool_use block whose input comes as JSON deltas.
+    kinds, parts = [], ""
+    async with c.messages.stream(**ask, tool_choice={"type": "any",
+                                                     "disable_parallel_tool_use": True}
+                                 ) as stream:
+        async for event in stream:
+            if event.type == "input_json":  # the SDK's own event beside the delta
+                continue
+            kinds.append(event.type)
+            if event.type == "content_block_delta":
+                assert event.delta.type == "input_json_delta"
+                parts += event.delta.partial_json
+        final = await stream.get_final_message()
+    (use,) = final.content
+    assert final.stop_reason == "tool_use" and use.type == "tool_use"
+    assert use.name in ("get_weather", "now") and json.loads(parts) == use.input
+    jsonschema.validate(use.input,
+                        city if use.name == "get_weather" else tools[1]["input_schema"])
+    assert kinds[-5:] == ["content_block_start", "content_block_delta", "content_block_stop",
+                          "message_delta", "message_stop"]
+
+    # The call and its result sent back render as the chat front renders them.
+    history = [*ask["messages"], {"role": "assistant", "content": [use.model_dump()]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                             "content": "sunny"}]}]
+    turn2 = await c.messages.count_tokens(model=MODEL, tools=tools, messages=history)
+    assert turn2.input_tokens == len(chat_ids(model_dir, {
+        "tools": [{"type": "function", "function": {
+            "name": t["name"], **({"description": t["description"]} if "description" in t
+                                  else {}), "parameters": t["input_schema"]}} for t in tools],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": use.id, "type": "function",
+                 "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
+            {"role": "tool", "tool_call_id": use.id, "content": "sunny"}]}))

@@ -24,6 +24,7 @@ import pytest
 
 from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.demo.openai_model import openai_lines, write_byte_model
+from kvroute.router.openai_schema import parse_chat
 from tests.support import free_port, generate, wait_for
 
 openai = pytest.importorskip("openai")
@@ -54,7 +55,8 @@ async def start(cluster: Any, model_dir: Path, agents: dict[str, dict[str, Any]]
                 **router: Any) -> Any:
     for wid, kw in agents.items():
         await cluster.agent(wid, **{"model_source": str(model_dir), **kw})
-    r = await cluster.router(model=f"{MODEL}={model_dir}", http_port=free_port(), **router)
+    router = {"model": f"{MODEL}={model_dir}", **router}
+    r = await cluster.router(http_port=free_port(), **router)
     await wait_for(lambda: len(r.registry.loads) == len(agents), what="workers registered")
     return r
 
@@ -229,6 +231,96 @@ async def test_tools_and_chat_template_kwargs_are_rendered(cluster, model_dir) -
         model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "hi"}],
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert no_think.usage.prompt_tokens == base.usage.prompt_tokens + len("<think></think>")
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                   "required": ["city"], "additionalProperties": False}}}]
+# What a model that calls a tool writes in Hermes' format (the byte model's template writes
+# calls so); the tests make the tiny engine write it with a choice constraint.
+CALLS = 'Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+async def stream_chat(c: Any, **kw: Any) -> tuple[str, dict[int, Any], str | None]:
+    """A streamed chat's content, tool calls by index, and finish reason."""
+    content, calls, finish = "", {}, None
+    async for chunk in await c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                calls[tc.index] = tc
+            finish = ch.finish_reason or finish
+    return content, calls, finish
+
+
+async def test_tool_calls_are_read_from_the_output_or_forced(cluster, model_dir) -> None:
+    r = await start(cluster, model_dir, {"a": TINY})
+    c = client(r)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+               tools=WEATHER, max_tokens=120)
+    writes_calls = {"structured_outputs": {"choice": [CALLS]}}
+    out = await c.chat.completions.create(**ask, extra_body=writes_calls)
+    (ch,) = out.choices
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Checking.\n"
+    (call,) = ch.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    # Streamed: the text up to the call, never the call's own text; the call at the end.
+    content, calls, finish = await stream_chat(c, **ask, extra_body=writes_calls)
+    assert content == "Checking.\n" and finish == "tool_calls"
+    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+
+    # Turn two: the call sent back renders as the template writes calls.
+    history = [*ask["messages"], ch.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    turn2 = await c.chat.completions.create(model=MODEL, tools=WEATHER, max_tokens=4,
+                                            messages=history)
+    chat = ChatTokenizer.load(str(model_dir))
+    rendered = chat.render(parse_chat({"model": MODEL, "messages": history}).messages,
+                           tools=WEATHER)
+    assert CALLS.split("\n")[1] in rendered  # the call as the model wrote it
+    assert turn2.usage.prompt_tokens == len(chat.encode(rendered, add_special_tokens=False))
+
+    # tool_choice none: the same output is text.
+    none = await c.chat.completions.create(**ask, tool_choice="none", extra_body=writes_calls)
+    assert none.choices[0].message.content == CALLS and not none.choices[0].message.tool_calls
+
+    # Forced, named: the arguments generated under the tool's schema, streamed or not.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = await c.chat.completions.create(**ask, tool_choice=named)
+    (call,) = forced.choices[0].message.tool_calls
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert forced.choices[0].message.content is None and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER[0]["function"]["parameters"])
+    content, calls, finish = await stream_chat(c, **ask, tool_choice="required")
+    assert content == "" and finish == "tool_calls" and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments),
+                        WEATHER[0]["function"]["parameters"])
+
+
+async def test_a_model_whose_tool_calls_cannot_be_read_is_told_so(cluster, model_dir,
+                                                                 tmp_path) -> None:
+    plain = write_byte_model(tmp_path / "plain", "{% for m in messages %}{{ m['content'] }}"
+                             "{% endfor %}")
+    r = await start(cluster, model_dir, {"a": TINY}, model=f"{MODEL}={model_dir},plain={plain}")
+    c = client(r)
+    with pytest.raises(openai.BadRequestError) as exc:
+        await c.chat.completions.create(model="plain", tools=WEATHER, max_tokens=4,
+                                        messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.body["param"] == "tool_choice"
+    assert "--http-tool-parser" in exc.value.body["message"]
+    # With --http-tool-parser none the calls stay text.
+    r2 = await cluster.router(model=f"{MODEL}={model_dir}", http_port=free_port(),
+                              http_tool_parser="none")
+    await wait_for(lambda: len(r2.registry.loads) == 1, what="workers registered")
+    out = await client(r2).chat.completions.create(
+        model=MODEL, tools=WEATHER, max_tokens=120, messages=[{"role": "user", "content": "?"}],
+        extra_body={"structured_outputs": {"choice": [CALLS]}})
+    assert out.choices[0].message.content == CALLS and out.choices[0].finish_reason == "stop"
 
 
 # -- completions -------------------------------------------------------------------------------

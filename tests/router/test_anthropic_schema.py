@@ -106,6 +106,21 @@ def test_prefill_sequences_metadata_and_sampling_map_to_the_chat_request() -> No
     assert counted.max_tokens is None and counted.add_generation_prompt
 
 
+TOOL = {"name": "now", "input_schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize(("choice", "mode", "parallel"), [
+    (None, "auto", True), ({"type": "none"}, "none", True),
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
+    ({"type": "tool", "name": "now"}, "named", True)])
+def test_tool_choice_maps_to_the_chat_tool_choice(choice, mode, parallel) -> None:
+    body = {"model": "m", "max_tokens": 4, "tools": [TOOL],
+            "messages": [{"role": "user", "content": "q"}]}
+    req = parse_messages({**body, "tool_choice": choice} if choice else body)
+    assert (req.tool_choice.mode, req.tool_choice.parallel) == (mode, parallel)
+    assert (req.constraint is not None) == req.tool_choice.forced
+
+
 @pytest.mark.parametrize(("body", "says"), [
     ({"messages": [{"role": "user", "content": "q"}], "max_tokens": 4}, "model: required"),
     ({"model": "m", "messages": [{"role": "user", "content": "q"}]}, "max_tokens: required"),
@@ -121,7 +136,13 @@ def test_prefill_sequences_metadata_and_sampling_map_to_the_chat_request() -> No
     ({"model": "m", "max_tokens": 4, "temperature": 1.5,
       "messages": [{"role": "user", "content": "q"}]}, "temperature"),
     ({"model": "m", "max_tokens": 4, "tool_choice": {"type": "any"},
-      "messages": [{"role": "user", "content": "q"}]}, "tool_choice"),
+      "messages": [{"role": "user", "content": "q"}]}, "tool_choice: required needs tools"),
+    ({"model": "m", "max_tokens": 4, "tool_choice": {"type": "tool", "name": "rm"},
+      "tools": [TOOL], "messages": [{"role": "user", "content": "q"}]},
+     "tool_choice: no tool named \"rm\""),
+    ({"model": "m", "max_tokens": 4, "tool_choice": {"type": "tool", "name": "now"},
+      "tools": [TOOL], "output_config": {"format": {"type": "json_schema", "schema": {}}},
+      "messages": [{"role": "user", "content": "q"}]}, "output_config both constrain"),
     ({"model": "m", "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024},
       "messages": [{"role": "user", "content": "q"}]}, "thinking"),
     ({"model": "m", "max_tokens": 4, "stop_sequences": [""],

@@ -249,7 +249,7 @@ async def test_stop_interrupts_an_open_watch_quickly(kube: FakeKubeApi) -> None:
 
 def test_bad_discovery_name_is_a_clear_error() -> None:
     reg = WorkerRegistry({}, 16)
-    with pytest.raises(SystemExit, match="choose redis or kubernetes"):
+    with pytest.raises(SystemExit, match=r"--discovery .*must be one of redis, kubernetes"):
         make_discovery(router_config("redis://x", discovery="consul"), reg)
     assert make_discovery(router_config("redis://x"), reg) is None
 

@@ -194,6 +194,20 @@ async def test_a_chat_body_in_chunks_gets_an_endpoint_and_goes_on_unchanged(pick
                for info in app.router.registry.all())
 
 
+async def test_a_chat_with_tools_is_picked_whatever_its_model_writes(picker, tmp_path
+                                                                     ) -> None:
+    # The pod's engine reads the calls: a template the router cannot read calls from is no
+    # reason to refuse the request.
+    plain = write_byte_model(tmp_path / "plain", "{% for m in messages %}{{ m['content'] }}"
+                             "{% endfor %}")
+    app = await picker({"a": "10.0.0.1:8000"}, model=f"{MODEL}={plain}")
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {}}}]
+    for choice in ("auto", "required"):
+        out = await exchange(app.stub, chat("hi", tools=tools, tool_choice=choice),
+                             serve=json_upstream())
+        assert out.immediate is None and out.endpoint == "10.0.0.1:8000"
+
+
 async def test_buffered_mode_gets_the_destination_in_the_body_response(picker) -> None:
     app = await picker({"a": "10.0.0.1:8000"})
     out = await exchange(app.stub, chat("hi"), mode=BUFFERED, serve=json_upstream())

@@ -105,6 +105,41 @@ def test_a_bad_field_is_named(body: dict[str, Any], param: str) -> None:
     assert exc.value.status == 400 and exc.value.param == param
 
 
+TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(("extra", "mode", "constrained"), [
+    ({}, "none", False),
+    ({"tools": TOOLS}, "auto", False),
+    ({"tools": TOOLS, "tool_choice": "none"}, "none", False),
+    ({"tool_choice": "auto"}, "none", False),  # no tools: nothing to call
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, "required",
+     True),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "now"}}},
+     "named", True),
+])
+def test_tool_choice_is_read_and_a_forced_call_is_a_schema(extra, mode, constrained) -> None:
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
+    assert req.tool_choice.mode == mode
+    assert (req.constraint is not None) == constrained
+    if constrained:
+        assert req.constraint.param == "tool_choice" and req.program_params == ["tool_choice"]
+        assert json.loads(req.constraint.value) == req.tool_choice.schema(TOOLS)
+
+
+@pytest.mark.parametrize("extra", [
+    {"tool_choice": "required"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}},
+    {"tools": TOOLS, "tool_choice": "sometimes"},
+    {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+    {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+])
+def test_a_tool_choice_that_cannot_be_served_is_a_400(extra) -> None:
+    with pytest.raises(ApiError) as exc:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
+    assert exc.value.status == 400 and exc.value.param in ("tool_choice", "tools[0]")
+
+
 def test_top_logprobs_above_0_is_a_400_naming_the_field_and_why() -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}
     assert parse_chat({**chat, "top_logprobs": 0}).logprobs

@@ -208,6 +208,42 @@ async def test_constraints_and_stop_strings_on_the_real_vocabulary(stack: Stack)
     assert (c.message.content, c.finish_reason) == (plain[:at], "stop")
 
 
+async def test_tool_calls_in_qwens_format_and_forced_on_the_real_vocabulary(stack: Stack
+                                                                            ) -> None:
+    """Qwen2.5's template writes calls as Hermes does, so the router reads them; a forced
+    call is generated under the tool's schema on the real vocabulary, through both APIs.
+    (The random model never writes a call of its own, and making it write one with a choice
+    constraint holding ``<tool_call>`` kills vLLM 0.32's engine: llguidance rejects the
+    added token its own mask allowed.)"""
+    import anthropic
+
+    oa = client(stack)
+    city = {"type": "object", "additionalProperties": False, "required": ["city"],
+            "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    ask = dict(model=SERVED_MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+               tools=tools, temperature=0, max_tokens=40)
+    auto = await oa.chat.completions.create(**ask)  # allowed: the format is Qwen's
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+    # One call: random weights would go on adding calls to max_tokens.
+    forced = await oa.chat.completions.create(**ask, tool_choice="required",
+                                              parallel_tool_calls=False)
+    (call,) = forced.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in city["properties"]["city"]["enum"]
+
+    c = anthropic.AsyncAnthropic(base_url=stack.http.removesuffix("/v1"), api_key="unused",
+                                 max_retries=0)
+    msg = await c.messages.create(
+        model=SERVED_MODEL, max_tokens=40, messages=ask["messages"],
+        tools=[{"name": "get_weather", "input_schema": city}],
+        tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+    (use,) = msg.content
+    assert msg.stop_reason == "tool_use" and use.type == "tool_use"
+    assert use.input["city"] in city["properties"]["city"]["enum"]
+
+
 async def test_program_fork_backtrack_fast_forward_and_constraints(stack: Stack) -> None:
     tok = chat_tokenizer(stack)
     prompt = tok.apply([{"role": "system", "content": SYSTEM},
