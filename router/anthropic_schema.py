@@ -173,9 +173,6 @@ def _check(body: Mapping[str, Any], known: frozenset[str]) -> None:
                       "decides)")
     if body.get("container") is not None:
         raise invalid("container", "code execution containers are not supported by kvroute")
-    if body.get("top_k") is not None:
-        raise invalid("top_k", "not supported by kvroute: engines sample with temperature "
-                      "and top_p")
 
 
 _MODES = {"auto": "auto", "none": "none", "any": "required", "tool": "named"}
@@ -223,6 +220,16 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
         raise invalid(name, f"expected a number in [0, 1], got {json.dumps(v)[:40]}")
     return float(v)
+
+
+def _top_k(body: Mapping[str, Any]) -> int | None:
+    """``top_k``: sample from the k most likely tokens (0: all)."""
+    v = body.get("top_k")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+        raise invalid("top_k", f"expected an integer >= 0, got {json.dumps(v)[:40]}")
+    return v or None
 
 
 def _model_and_max_tokens(body: Mapping[str, Any], counting: bool) -> tuple[str, int | None]:
@@ -281,7 +288,8 @@ def parse_messages(body: Any, counting: bool = False) -> MessagesRequest:
         raise invalid("stream", "expected true or false")
     return MessagesRequest(
         model=model, max_tokens=max_tokens, temperature=_number(body, "temperature"),
-        top_p=_number(body, "top_p"), stop=_stops(body), stream=stream, user=_user(body),
+        top_p=_number(body, "top_p"), top_k=_top_k(body), stop=_stops(body), stream=stream,
+        user=_user(body),
         messages=messages, constraint=tool_constraint(choice, tools, _constraint(body)),
         tools=tools, tool_choice=choice,
         add_generation_prompt=not prefill, continue_final_message=prefill, prefill=prefill)

@@ -79,6 +79,7 @@ class Generation:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     n: int = 1
@@ -224,7 +225,7 @@ def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
                        code="unknown_parameter")
 
 
-_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
                      "logprobs", "stream", "stream_options", "user", "response_format",
                      "structured_outputs", "cache_salt"})
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice",
@@ -273,6 +274,12 @@ def _constraint(body: Mapping[str, Any]) -> Constraint | None:
     return None
 
 
+def _top_k(body: Mapping[str, Any]) -> int | None:
+    """vLLM's ``top_k``: the most likely tokens sampled from; -1 and 0 mean all."""
+    k = _int(body, "top_k", -1, 2**31 - 1)
+    return None if k is None or k <= 0 else k
+
+
 def _generation(body: Mapping[str, Any], max_tokens_fields: Sequence[str]) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -301,7 +308,7 @@ def _generation(body: Mapping[str, Any], max_tokens_fields: Sequence[str]) -> di
         raise invalid("stream_options", "include_usage: expected true or false")
     return dict(model=model, max_tokens=max_tokens,
                 temperature=_number(body, "temperature", 0.0, 2.0),
-                top_p=_number(body, "top_p", 0.0, 1.0),
+                top_p=_number(body, "top_p", 0.0, 1.0), top_k=_top_k(body),
                 seed=_int(body, "seed", 0, 2**64 - 1), stop=stops,
                 n=_int(body, "n", 1, MAX_N) or 1, stream=stream,
                 include_usage=stream and include_usage, user=_str(body, "user", most=200),
@@ -461,10 +468,12 @@ def generate_request(g: Generation, tokens: Sequence[int], *, model: str, reques
     of one gen step, forked ``n`` ways so that the choices share the prompt's cache on one
     worker. ``max_tokens``: the request's, or the router's default. ``user`` is the session
     id (ties between equally good workers keep a user's requests on one)."""
+    top_p, top_k = 1.0 if g.top_p is None else g.top_p, g.top_k or 0
+    if top_p == 0:  # only the most likely token: the proto's 0 would mean "unset"
+        top_p, top_k = 1.0, 1
     sampling = common_pb2.SamplingParams(
-        temperature=1.0 if g.temperature is None else g.temperature,
-        top_p=1.0 if g.top_p is None else g.top_p, seed=g.seed or 0,
-        stop_token_ids=stop_token_ids)
+        temperature=1.0 if g.temperature is None else g.temperature, top_p=top_p,
+        top_k=top_k, seed=g.seed or 0, stop_token_ids=stop_token_ids)
     req = common_pb2.GenerateRequest(token_ids=tokens, model=model, sampling=sampling,
                                      session_id=g.user, request_id=request_id,
                                      cache_salt=g.cache_salt)
@@ -491,7 +500,8 @@ def generate_request(g: Generation, tokens: Sequence[int], *, model: str, reques
 
 # GenerateRequest fields (core/validate.py names them) as the request's fields.
 _PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
-           "sampling.top_p": "top_p", "sampling.stop_token_ids": "stop", "model": "model",
+           "sampling.top_p": "top_p", "sampling.top_k": "top_k",
+           "sampling.stop_token_ids": "stop", "model": "model",
            "cache_salt": "cache_salt", "request_id": None, "program.fanout": "n"}
 
 

@@ -129,7 +129,8 @@ class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):
             request_id=rid, token_ids=list(prompt), max_tokens=max_tokens,
             cache_salt=request.cache_salt, seed=request.sampling.seed,
             stop_token_ids=frozenset(request.sampling.stop_token_ids),
-            temperature=request.sampling.temperature,
+            temperature=request.sampling.temperature, top_p=request.sampling.top_p or 1.0,
+            top_k=request.sampling.top_k,
         )
         n_out = 0
         cached = 0

@@ -160,6 +160,22 @@ async def test_output_config_format_constrains_the_answer_to_its_schema(cluster,
     jsonschema.validate(json.loads(out.content[0].text), SCHEMA)
 
 
+async def test_top_k_and_top_p_reach_the_engine(cluster, model_dir) -> None:
+    r = await start(cluster, model_dir)
+    c = client(r)
+
+    async def text(**sampling: Any) -> str:
+        out = await c.messages.create(model=MODEL, max_tokens=16, extra_body=sampling,
+                                      messages=[{"role": "user", "content": "Say something."}])
+        return out.content[0].text
+
+    greedy = await text(temperature=0)
+    # Sampling at temperature 1 from the one most likely token is the greedy answer.
+    assert await text(temperature=1, top_k=1) == greedy
+    assert await text(temperature=1, top_p=0.000001) == greedy
+    assert await text(temperature=1, top_k=50) != greedy  # a filter, not greedy
+
+
 async def test_errors_come_in_anthropics_shape(cluster, model_dir) -> None:
     r = await start(cluster, model_dir)
     c = client(r)
@@ -170,11 +186,10 @@ async def test_errors_come_in_anthropics_shape(cluster, model_dir) -> None:
     assert nf.value.body["error"]["type"] == "not_found_error"
     assert "does not exist" in nf.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as bad:
-        await c.messages.create(model=MODEL, max_tokens=4, extra_body={"top_k": 5},
+        await c.messages.create(model=MODEL, max_tokens=4, extra_body={"top_k": -5},
                                 messages=[{"role": "user", "content": "hi"}])
     assert bad.value.body["error"] == {"type": "invalid_request_error", "message":
-                                       "top_k: not supported by kvroute: engines sample with "
-                                       "temperature and top_p"}
+                                       "top_k: expected an integer >= 0, got -5"}
     async with aiohttp.ClientSession() as s:
         url = f"http://127.0.0.1:{r.http_port}/v1/messages"
         async with s.post(url, data=b"{not json") as resp:

@@ -140,6 +140,16 @@ def test_a_tool_choice_that_cannot_be_served_is_a_400(extra) -> None:
     assert exc.value.status == 400 and exc.value.param in ("tool_choice", "tools[0]")
 
 
+@pytest.mark.parametrize(("extra", "top_p", "top_k"), [
+    ({}, 1.0, 0), ({"top_p": 0.5, "top_k": 40}, 0.5, 40), ({"top_k": -1}, 1.0, 0),
+    ({"top_p": 0}, 1.0, 1),  # the most likely token; the proto's 0 would mean "unset"
+])
+def test_top_p_and_top_k_reach_the_sampling_params(extra, top_p, top_k) -> None:
+    req = parse_completion({"model": "m", "prompt": [1], **extra})
+    s = generate_request(req, [1], model="m", request_id="r", max_tokens=1).sampling
+    assert (s.top_p, s.top_k) == (pytest.approx(top_p), top_k)
+
+
 def test_top_logprobs_above_0_is_a_400_naming_the_field_and_why() -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}
     assert parse_chat({**chat, "top_logprobs": 0}).logprobs

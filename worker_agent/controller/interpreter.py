@@ -429,7 +429,8 @@ class Run:
         ereq = EngineRequest(
             request_id=rid, token_ids=list(b.tokens), max_tokens=s.remaining,
             cache_salt=req.cache_salt, seed=seed, stop_token_ids=frozenset(stop_ids),
-            temperature=temperature, mask_fn=masker, logprobs=self.rt.grammar_engine)
+            temperature=temperature, top_p=req.sampling.top_p or 1.0,
+            top_k=req.sampling.top_k, mask_fn=masker, logprobs=self.rt.grammar_engine)
         tap = self.rt.logits_tap
         logits_of = tap.subscribe(rid) if tap is not None else contextlib.nullcontext({})
         engine: Any = self.rt.engine

@@ -30,6 +30,10 @@ class EngineRequest:
     stop_token_ids: frozenset[int] = frozenset()
     temperature: float = 0.0
     """0 = greedy; > 0 samples from softmax(logits / temperature), seeded by ``seed``."""
+    top_p: float = 1.0
+    """Sampling draws from the most likely tokens whose probabilities reach ``top_p`` (1: all)."""
+    top_k: int = 0
+    """Sampling draws from the ``top_k`` most likely tokens (0: all)."""
     mask_fn: TokenMaskFn | None = None
     """Per-step token mask (constrained decoding): tiny applies it to its logits, sim picks
     the first allowed id at or after its deterministic token; vllm refuses it (it takes

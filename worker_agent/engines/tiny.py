@@ -26,7 +26,7 @@ kept the step waiting after its forward had finished (0 when fully hidden). Toke
     logits  = where(allowed, logits, -inf)
     token   = argmax(logits)                                       temperature == 0 (default)
             = inverse-CDF draw of softmax(logits / temperature)    otherwise, with one uniform
-                                                                   u ~ rng per step
+              over its top_k, then its top_p, most likely tokens   u ~ rng per step
 
 with ``rng = numpy.random.default_rng(seed)``, ``seed = request.seed`` or, when 0, a hash of
 the prompt: the same request always gives the same tokens, whatever the batch or cache state.
@@ -103,14 +103,25 @@ class _TinySeq(Seq):
     rng: np.random.Generator | None = None  # temperature sampling only
 
 
-def sample_token(logits: npt.NDArray[np.float32], temperature: float, u: float) -> int:
-    """Inverse-CDF draw from ``softmax(logits / temperature)`` with ``u`` in ``[0, 1)``.
+def sample_token(logits: npt.NDArray[np.float32], temperature: float, u: float,
+                 top_p: float = 1.0, top_k: int = 0) -> int:
+    """Inverse-CDF draw from ``softmax(logits / temperature)`` with ``u`` in ``[0, 1)``, over
+    the ``top_k`` most likely tokens (0: all), then the most likely of those whose
+    probabilities reach ``top_p`` (as vLLM filters: top-k first, then top-p over what is left,
+    renormalized; the most likely token always stays).
 
     ``-inf`` logits (masked) have probability 0 and are never drawn; at least one must be finite.
     """
     z = logits.astype(np.float64) / temperature
     z -= z.max()
     p = np.exp(z)
+    if 0 < top_k < np.count_nonzero(p):
+        p[p < np.partition(p, -top_k)[-top_k]] = 0.0
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        mass = np.cumsum(p[order]) / p.sum()
+        keep = int(np.searchsorted(mass, top_p, side="left")) + 1  # the first to reach top_p
+        p[order[keep:]] = 0.0
     cdf = np.cumsum(p)
     idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     # u * total can round up to total: fall back to the last token with p > 0.
@@ -239,7 +250,8 @@ class TinyEngine(BatchingEngine):
             logits = np.where(mask, logits, np.float32(-np.inf))
         if seq.rng is None:
             return int(np.argmax(logits))
-        return sample_token(logits, req.temperature, float(seq.rng.random()))
+        return sample_token(logits, req.temperature, float(seq.rng.random()), req.top_p,
+                            req.top_k)
 
 
 def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary | None = None) -> TinyEngine:

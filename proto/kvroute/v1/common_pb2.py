@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from kvroute.v1 import program_pb2 as kvroute_dot_v1_dot_program__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvroute/v1/common.proto\x12\nkvroute.v1\x1a\x18kvroute/v1/program.proto\"n\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"\x85\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12.\n\x07program\x18\x05 \x01(\x0b\x32\x1d.kvroute.v1.ControllerProgram\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12(\n\tplacement\x18\t \x01(\x0b\x32\x15.kvroute.v1.Placement\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xbd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x0c\n\x04text\x18\x05 \x01(\t\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.kvroute.v1.FinishReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x11\n\tbranch_id\x18\t \x01(\t\x12(\n\x06\x65vents\x18\n \x03(\x0b\x32\x18.kvroute.v1.ProgramEvent\x12)\n\x07results\x18\x0b \x03(\x0b\x32\x18.kvroute.v1.BranchResult\"\x89\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x1a\n\x12max_batched_tokens\x18\x08 \x01(\r\x12-\n\x0cprefill_mode\x18\t \x01(\x0e\x32\x17.kvroute.v1.PrefillMode\x12\x19\n\x11max_prefill_chunk\x18\n \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02*]\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_WHOLE\x10\x01\x12\x18\n\x14PREFILL_MODE_CHUNKED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvroute/v1/common.proto\x12\nkvroute.v1\x1a\x18kvroute/v1/program.proto\"}\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\r\n\x05top_k\x18\x06 \x01(\r\"\x85\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12.\n\x07program\x18\x05 \x01(\x0b\x32\x1d.kvroute.v1.ControllerProgram\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12(\n\tplacement\x18\t \x01(\x0b\x32\x15.kvroute.v1.Placement\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xbd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x0c\n\x04text\x18\x05 \x01(\t\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.kvroute.v1.FinishReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x11\n\tbranch_id\x18\t \x01(\t\x12(\n\x06\x65vents\x18\n \x03(\x0b\x32\x18.kvroute.v1.ProgramEvent\x12)\n\x07results\x18\x0b \x03(\x0b\x32\x18.kvroute.v1.BranchResult\"\x89\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x1a\n\x12max_batched_tokens\x18\x08 \x01(\r\x12-\n\x0cprefill_mode\x18\t \x01(\x0e\x32\x17.kvroute.v1.PrefillMode\x12\x19\n\x11max_prefill_chunk\x18\n \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02*]\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_WHOLE\x10\x01\x12\x18\n\x14PREFILL_MODE_CHUNKED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvroute.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1111
-  _globals['_FINISHREASON']._serialized_end=1206
-  _globals['_PREFILLMODE']._serialized_start=1208
-  _globals['_PREFILLMODE']._serialized_end=1301
+  _globals['_FINISHREASON']._serialized_start=1126
+  _globals['_FINISHREASON']._serialized_end=1221
+  _globals['_PREFILLMODE']._serialized_start=1223
+  _globals['_PREFILLMODE']._serialized_end=1316
   _globals['_SAMPLINGPARAMS']._serialized_start=65
-  _globals['_SAMPLINGPARAMS']._serialized_end=175
-  _globals['_GENERATEREQUEST']._serialized_start=178
-  _globals['_GENERATEREQUEST']._serialized_end=439
-  _globals['_USAGE']._serialized_start=441
-  _globals['_USAGE']._serialized_end=521
-  _globals['_GENERATERESPONSE']._serialized_start=524
-  _globals['_GENERATERESPONSE']._serialized_end=841
-  _globals['_WORKERLOAD']._serialized_start=844
-  _globals['_WORKERLOAD']._serialized_end=1109
+  _globals['_SAMPLINGPARAMS']._serialized_end=190
+  _globals['_GENERATEREQUEST']._serialized_start=193
+  _globals['_GENERATEREQUEST']._serialized_end=454
+  _globals['_USAGE']._serialized_start=456
+  _globals['_USAGE']._serialized_end=536
+  _globals['_GENERATERESPONSE']._serialized_start=539
+  _globals['_GENERATERESPONSE']._serialized_end=856
+  _globals['_WORKERLOAD']._serialized_start=859
+  _globals['_WORKERLOAD']._serialized_end=1124
 # @@protoc_insertion_point(module_scope)

@@ -244,6 +244,23 @@ async def test_tool_calls_in_qwens_format_and_forced_on_the_real_vocabulary(stac
     assert use.input["city"] in city["properties"]["city"]["enum"]
 
 
+async def test_top_k_and_top_p_reach_vllm(stack: Stack) -> None:
+    oa = client(stack)
+
+    async def text(**kw: Any) -> str:
+        r = await oa.chat.completions.create(
+            model=SERVED_MODEL, max_tokens=12, seed=7, **kw,
+            messages=[{"role": "user", "content": "Name a colour."}])
+        return r.choices[0].message.content
+
+    greedy = await text(temperature=0)
+    # At temperature 1, drawing from the one most likely token is the greedy answer: vLLM
+    # applied the filter (the random model's wide distribution gives another text without).
+    assert await text(temperature=1, extra_body={"top_k": 1}) == greedy
+    assert await text(temperature=1, top_p=0) == greedy  # top_p 0: the most likely token
+    assert await text(temperature=1) != greedy
+
+
 async def test_program_fork_backtrack_fast_forward_and_constraints(stack: Stack) -> None:
     tok = chat_tokenizer(stack)
     prompt = tok.apply([{"role": "system", "content": SYSTEM},

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.cache_events import CacheEvent
@@ -16,7 +18,12 @@ from kvroute.core.config import AgentConfig
 from kvroute.core.redis_schema import Op
 from kvroute.worker_agent.engines.base import EngineError, EngineRequest, TokenChunk
 from kvroute.worker_agent.engines.sim import SimConfig, SimEngine
-from kvroute.worker_agent.engines.tiny import TinyConfig, TinyEngine, from_agent_config
+from kvroute.worker_agent.engines.tiny import (
+    TinyConfig,
+    TinyEngine,
+    from_agent_config,
+    sample_token,
+)
 from tests.core.test_block_pool import replay
 
 B = 16
@@ -135,6 +142,34 @@ async def test_temperature_sampling_is_seeded() -> None:
     assert again[0].cached_tokens == 48 and out_tokens(again) == a
     assert a != b and a != greedy
     assert implicit[0] == implicit[1]  # seed 0: derived from the prompt
+
+
+@given(st.lists(st.integers(-40, 40), min_size=2, max_size=40, unique=True),
+       st.floats(0, 0.999), st.integers(0, 8), st.floats(0.05, 1.0), st.floats(0.2, 3.0))
+def test_top_k_and_top_p_draw_only_from_the_most_likely_tokens(
+        raw: list[int], u: float, k: int, top_p: float, t: float) -> None:
+    logits = np.asarray(raw, dtype=np.float32) / 2  # distinct: no ties at the k-th
+    tok = sample_token(logits, t, u, top_p=top_p, top_k=k)
+    order = np.argsort(-logits.astype(np.float64), kind="stable")
+    # vLLM's order: the top k (ties at the k-th kept), then the nucleus of what is left.
+    p = np.exp((logits - logits.max()) / t).astype(np.float64)
+    if 0 < k < len(p):
+        p[p < np.sort(p)[-k]] = 0
+    p /= p.sum()
+    mass_before = sum(p[i] for i in order if p[i] > p[tok])
+    assert p[tok] > 0 and mass_before < top_p + 1e-9
+    # top_k 1 (or a tiny top_p) is greedy whatever u is.
+    assert sample_token(logits, t, u, top_k=1) == int(np.argmax(logits))
+    assert sample_token(logits, t, u, top_p=1e-9) == int(np.argmax(logits))
+
+
+async def test_top_k_1_at_temperature_1_is_the_greedy_output() -> None:
+    p = prompt(40, 3)
+    async with running_engine() as (engine, _, _):
+        greedy = out_tokens(await collect(engine, req(p, 10)))
+        top1 = out_tokens(await collect(engine, req(p, 10, temperature=1.0, top_k=1, seed=5)))
+        wide = out_tokens(await collect(engine, req(p, 10, temperature=1.0, seed=5)))
+    assert top1 == greedy != wide
 
 
 async def test_mask_constrains_and_can_force_tokens() -> None:

@@ -211,7 +211,8 @@ class VllmEngine(BatchSink):
         try:
             async for c in self.client.stream(
                     request.request_id, token_ids=prompt, max_tokens=request.max_tokens,
-                    temperature=request.temperature, seed=request.seed,
+                    temperature=request.temperature, top_p=request.top_p,
+                    top_k=request.top_k, seed=request.seed,
                     stop_token_ids=request.stop_token_ids, cache_salt=request.cache_salt,
                     report_reused=self._report_reused(), structured=structured,
                     logprobs=request.logprobs):

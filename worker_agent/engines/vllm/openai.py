@@ -101,7 +101,8 @@ class CompletionsClient:
         await self._http.aclose()
 
     def body(self, token_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
-             seed: int = 0, stop_token_ids: frozenset[int] = frozenset(), cache_salt: str = "",
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             stop_token_ids: frozenset[int] = frozenset(), cache_salt: str = "",
              report_reused: bool = False, structured: dict[str, Any] | None = None,
              logprobs: bool = False) -> dict[str, Any]:
         """``cache_salt``: the request's; a LoRA adapter's salt (core/blocks.py
@@ -120,6 +121,10 @@ class CompletionsClient:
         else:
             b["logprobs"] = 0
             b["return_tokens_as_token_ids"] = True
+        if top_p < 1.0:
+            b["top_p"] = top_p
+        if top_k:
+            b["top_k"] = top_k
         if seed:
             b["seed"] = seed
         if stop_token_ids:
