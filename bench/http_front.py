@@ -13,6 +13,8 @@ given to the agents).
    p50/p99 and the ratio. Then requests/s with ``--concurrency`` streams at once.
 2b. **Messages vs chat completions**: the same conversations streamed through Anthropic's
    ``/v1/messages`` and ``/v1/chat/completions``, interleaved: p50/p99 and the ratio.
+2c. **Reading tool calls**: the same chats with tools streamed with ``tool_choice`` ``auto``
+   (read for calls as they stream) and ``none``, interleaved: p50/p99 and the ratio.
 3. **Multi-turn hit ratio**: the same conversations, turn by turn, through each API (each its
    own ``cache_salt``, so neither reuses the other's cache): cached / prompt tokens.
 4. **Event-loop stall**: the longest gap of a 1 ms ticker on the router's loop while 32k-token
@@ -256,6 +258,36 @@ async def bench_messages(args: argparse.Namespace, router: RouterApp, tok: ChatT
                       f"{made['messages']})")
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+async def bench_tools(args: argparse.Namespace, router: RouterApp, tok: ChatTokenizer,
+                      rng: random.Random) -> None:
+    """What reading tool calls out of a stream costs: the same chats with tools, streamed
+    with ``tool_choice`` ``auto`` (the output read for calls as it streams) and ``none``
+    (passed as it comes), interleaved call by call; the prompts are the same."""
+    url = f"http://127.0.0.1:{router.http_port}/v1/chat/completions"
+    print(f"\n2c. Reading tool calls: tool_choice auto vs none, streaming {args.tokens} tokens")
+    print(f"{'prompt':>7} | {'none p50':>9} {'p99':>8} | {'auto p50':>9} {'p99':>8} | "
+          f"{'ratio p50':>9} {'p99':>6}")
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        convs = [conversation(rng, tok, LENGTHS[0])[:-1] for _ in range(8)]
+
+        def call(choice: str) -> Callable[[int], Awaitable[None]]:
+            async def one(i: int) -> None:
+                await http_chat(session, url, {
+                    "model": MODEL, "messages": convs[i % len(convs)], "tools": TOOLS,
+                    "tool_choice": choice, "max_tokens": args.tokens, "stream": True})
+            return one
+
+        n_ms, a_ms = await interleaved(call("none"), call("auto"), len(convs), args.iters)
+        print(f"{len(tok.apply(convs[0], tools=TOOLS)):>7} | {against(n_ms, a_ms)}",
+              flush=True)
+
+
 async def bench_hits(args: argparse.Namespace, router: RouterApp, tok: ChatTokenizer,
                      rng: random.Random) -> None:
     url = f"http://127.0.0.1:{router.http_port}/v1/chat/completions"
@@ -365,6 +397,7 @@ async def main(args: argparse.Namespace) -> None:
                     await asyncio.sleep(0.05)
                 await bench_fronts(args, router, tok, rng)
                 await bench_messages(args, router, tok, rng)
+                await bench_tools(args, router, tok, rng)
                 await bench_hits(args, router, tok, rng)
                 await bench_stall(args, router, tok, rng)
             finally:
