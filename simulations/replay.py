@@ -55,24 +55,22 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.index import PrefixIndex
-from kvroute.core.load import PrefixDemand, SentTraffic, WorkerLoad
+from kvroute.core.load import SentTraffic, WorkerLoad
 from kvroute.core.placement import place_fork
 from kvroute.core.policies import Policy
 from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.redis_schema import Op
-from kvroute.router.coalesce import InflightPrefixes
 from kvroute.router.copies import copy_blocks
-from kvroute.router.decide import rank_request, rerank_confirmed
-from kvroute.router.registry import seen_load
+from kvroute.router.decide import Decision
 from kvroute.simulations.cluster import SimRequest, SimWorker
-from kvroute.simulations.trace import Trace
+from kvroute.simulations.sim_router import SimRouter
+from kvroute.simulations.trace import Trace, TraceRequest
 
 
 @dataclass(slots=True)
@@ -119,7 +117,7 @@ class ClusterSpec:
     cost: CostModel = field(default_factory=CostModel)
     # Router replicas the arrivals are split over (round robin), each with its own index,
     # predictions and in-flight counts; > 1: each sees the others' traffic only through the
-    # workers' heartbeats, every heartbeat_s (see _Router).
+    # workers' heartbeats, every heartbeat_s (see SimRouter).
     routers: int = 1
     heartbeat_s: float = 1.0
     # Several routers: each routing decision (worker, uncached tokens, predicted prefix)
@@ -140,59 +138,23 @@ class ClusterSpec:
                              "it needs chunked prefill (--chunked-prefill)")
 
 
-class _Router:
-    """One router replica's own state: what the production router keeps per process (its
-    mirror's index with its predictions, in-flight prefixes, demand, copies) and, with
-    several replicas, its own counts of what it sent each worker. Alone, its counts are all
-    the traffic there is, and a worker's load is read from the worker as it is."""
+@dataclass
+class _Run:
+    """One replay's moving parts (:meth:`Replayer.run`)."""
 
-    def __init__(self, policy: Policy, start: float, workers: Sequence[SimWorker],
-                 coalesce_share: float, alone: bool) -> None:
-        self.index = PrefixIndex()
-        self.inflight: InflightPrefixes[SimRequest] = InflightPrefixes(coalesce_share)
-        self.producers: deque[SimRequest] = deque()  # added to ``inflight``, in routing order
-        # As the router's decider keeps it: for a policy that places replicas.
-        self.demand = PrefixDemand(start=start) if policy.places_replicas else None
-        self.copying: dict[tuple[str, int], SimRequest] = {}  # (worker, last key) -> copy
-        self.alone = alone
-        # Several replicas: what this one sent each worker (rates, and its requests not
-        # ended, for its in-flight and pending counts).
-        self.sent = {w.name: w.sent if alone else SentTraffic(start=start) for w in workers}
-        self.out: dict[str, list[SimRequest]] = {w.name: [] for w in workers}
-        self.routed = 0
-
-    def send(self, worker: str, req: SimRequest, now: float) -> None:
-        """Count ``req`` as sent to ``worker`` at ``now`` (the router's SentTraffic)."""
-        self.sent[worker].add(now, req.routed_uncached)
-        if not self.alone:
-            self.out[worker].append(req)
-
-    def learn(self, worker: str, req: SimRequest, now: float, ttl: float) -> None:
-        """Another router sent ``req`` to ``worker`` (``share_inflight``): count and predict
-        it as this router's own."""
-        self.send(worker, req, now)
-        if ttl > 0 and not req.first_token_s <= now:
-            self.inflight.add(req, worker, self.index.predict(worker, req.keys, now + ttl),
-                              req.routed_uncached)
-            self.producers.append(req)
-
-    def loads(self, workers: Sequence[SimWorker], now: float,
-              beats: dict[str, WorkerLoad]) -> dict[str, WorkerLoad]:
-        if self.alone:
-            return {w.name: w.load(self.index.count(w.name), now) for w in workers}
-        out = {}
-        for w in workers:
-            mine = self.out[w.name] = [r for r in self.out[w.name] if not r.finished_s <= now]
-            pending = [r for r in mine if not r.first_token_s <= now]
-            sent = self.sent[w.name]
-            own = WorkerLoad(inflight=len(mine),
-                             pending_prefill_tokens=sum(r.routed_uncached for r in pending),
-                             cached_blocks=self.index.count(w.name),
-                             arrival_rate=sent.arrivals.at(now),
-                             pending_prefill_context=sum(r.routed_context for r in pending),
-                             prefill_rate=sent.prefills.at(now))
-            out[w.name] = seen_load(own, beats[w.name])
-        return out
+    reqs: list[SimRequest]
+    nxt: list[int]  # request -> the continuation its reply releases (-1: none)
+    arrivals: list[tuple[float, int]]  # heap of (time, request)
+    programs: dict[str, tuple[tuple[int, ...], int]]  # see Replayer._programs
+    # Program id -> where each later branch (by arrival order) runs, after which prefill.
+    placed: dict[str, list[tuple[SimWorker, _ForkGroup]]] = field(default_factory=dict)
+    # share_inflight: (when the others see it, order, router, worker, request)
+    shared: list[tuple[float, int, int, str, SimRequest]] = field(default_factory=list)
+    beats: dict[str, WorkerLoad] = field(default_factory=dict)  # the workers' last heartbeats
+    next_beat: float = -math.inf
+    samples: list[tuple[float, list[int]]] = field(default_factory=list)
+    next_sample: float = 0.0
+    copies: list[SimRequest] = field(default_factory=list)
 
 
 @dataclass
@@ -227,7 +189,7 @@ class Replayer:
         self.trace = trace
         self.policy = policy
         self.spec = spec
-        self.routers: list[_Router] = []  # made at run()
+        self.routers: list[SimRouter] = []  # made at run()
         self.index = PrefixIndex()  # router 0's (every router's, until run())
         self._events: list[tuple[float, int, str, CacheEvent]] = []
         self._seq = itertools.count()
@@ -238,6 +200,7 @@ class Replayer:
                       chunked_prefill=spec.chunked_prefill,
                       long_prefill_threshold=spec.long_prefill_threshold)
             for i in range(spec.workers)]
+        self._by_name = {w.name: w for w in self.workers}
         self._progress = progress
         self._sample_every = sample_every_s
         self.overflowed = 0  # program branches placed on another worker than their program's
@@ -329,8 +292,33 @@ class Replayer:
         return out
 
     def run(self) -> ReplayResult:
-        bs = self.trace.block_size
-        by_name = {w.name: w for w in self.workers}
+        st = self._start()
+        n = 0
+        while True:
+            # With no arrival left: until replies release more.
+            self._run_to_next(st.arrivals, st.reqs, st.nxt)
+            if not st.arrivals:
+                break
+            now, i = heapq.heappop(st.arrivals)
+            n += 1
+            for w in self.workers:
+                w.advance(now)
+            self._release(st.arrivals, st.reqs, st.nxt, now)
+            self._arrive(st, st.reqs[i], self.trace.requests[i], now)
+            if self._progress is not None and n % 256 == 0:
+                self._progress(n)
+        for w in self.workers:
+            w.advance(math.inf)
+        if n != len(st.reqs):  # a continuation whose reply never ended: a bug, not a result
+            raise RuntimeError(f"replay routed {n} of {len(st.reqs)} requests")
+        if self._progress is not None:
+            self._progress(len(st.reqs))
+        return ReplayResult(self.policy.name, st.reqs, self.workers, st.samples,
+                            propagation_s=self.spec.propagation_s, warmup=self.trace.warmup,
+                            copies=st.copies, routed_by=[rt.routed for rt in self.routers])
+
+    def _start(self) -> _Run:
+        """The requests, their first arrivals, and one router per replica."""
         reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.keys, reply)
                 for i, (r, reply) in enumerate(zip(self.trace.requests,
                                                     self.trace.reply_keys(), strict=True))]
@@ -342,152 +330,127 @@ class Replayer:
                 reqs[i].watched = blocked[j] = True
         arrivals = [(r.arrival_s, r.idx) for r in reqs if not blocked[r.idx]]
         heapq.heapify(arrivals)
-        programs = self._programs() if self.spec.programs else {}
-        replica = self.policy.replica \
-            if self.policy.places_replicas and self.spec.copies else None
-        copies: list[SimRequest] = []
-        # Program id -> where each branch (by arrival order) runs, after which prefill.
-        placed: dict[str, list[tuple[SimWorker, _ForkGroup]]] = {}
         # The router starts with the replay: its rates count from the first arrival.
         start = min((r.arrival_s for r in reqs), default=0.0)
         for w in self.workers:
             w.sent = SentTraffic(start=start)  # with several routers: the agent's count
         n_routers = self.spec.routers
-        self.routers = [_Router(self.policy, start, self.workers, self.spec.coalesce_share,
-                                n_routers == 1) for _ in range(n_routers)]
+        self.routers = [SimRouter(self.policy, start, self.workers, self.spec.coalesce_share,
+                                  n_routers == 1) for _ in range(n_routers)]
         self.index = self.routers[0].index
-        # The workers' last heartbeats (several routers), taken every heartbeat_s.
-        beats: dict[str, WorkerLoad] = {}
-        next_beat = -math.inf
-        # share_inflight: (when the others see it, order, router, worker, request)
-        shared: list[tuple[float, int, int, str, SimRequest]] = []
-        samples: list[tuple[float, list[int]]] = []
-        next_sample = reqs[0].arrival_s if reqs else 0.0
-        n = 0
-        while True:
-            self._run_to_next(arrivals, reqs, nxt)  # with none left: until replies release more
-            if not arrivals:
-                break
-            now, i = heapq.heappop(arrivals)
-            req, treq = reqs[i], self.trace.requests[i]
-            n += 1
-            for w in self.workers:
-                w.advance(now)
-            self._release(arrivals, reqs, nxt, now)
-            prog, n_branches = programs.get(treq.program, ((), 0))
-            if n_branches and treq.program in placed:
-                worker, group = placed[treq.program].pop(0)
-                group.join(req)
-                worker.submit(req, now)
-                continue
-            self._apply_visible(now)
-            # Arrivals are split over the routers in turn, as a load balancer in front would.
-            rt = self.routers[i % n_routers]
-            rt.routed += 1
-            req.router = i % n_routers
-            index, inflight, producers, copying = rt.index, rt.inflight, rt.producers, \
-                rt.copying
-            ttl = self.spec.predict_ttl_s
-            while shared and shared[0][0] <= now:
-                t_seen, _, origin, wname, other = heapq.heappop(shared)
-                for k, peer in enumerate(self.routers):
-                    if k != origin:
-                        peer.learn(wname, other, t_seen, ttl)
-            if ttl > 0:
-                index.expire(now)
-                # As the router drops a request at its first token (bounded memory).
-                while producers and producers[0].first_token_s <= now:
-                    inflight.drop(producers.popleft())
-            if n_routers > 1 and now >= next_beat:
-                # What each agent's heartbeat reports: its worker as it is now (all routers'
-                # traffic), read by every router until the next one.
-                beats = {w.name: w.load(0, now) for w in self.workers}
-                next_beat = (math.floor(now / self.spec.heartbeat_s) + 1) * self.spec.heartbeat_s
-            loads = rt.loads(self.workers, now, beats)
-            d = rank_request(self.policy, index, req.keys, req.prompt_tokens, bs, loads,
-                             treq.affinity, demand=rt.demand, now=now)
-            held = False
-            if ttl > 0 and not n_branches:
-                # Routed there on a prediction: held until that prefill's first token, if
-                # that prefill is mostly what it gets from it; else decided again on what
-                # workers really hold (as the router's Generate does).
-                m = d.query.matched_blocks.get(d.best, 0)
-                parent = inflight.producer(index, d.best, req.keys, m)
-                if parent is not None and not parent.first_token_s <= now:
-                    if inflight.worth_waiting(parent, index, d.best, req.keys, m, bs):
-                        req.after = parent
-                        held = True
-                    else:
-                        d = rerank_confirmed(self.policy, index, d, req.keys)
-            chosen = by_name[d.best]
-            req.routed_uncached = req.prompt_tokens - d.cached_tokens(d.best)
-            if n_branches:
-                # On each worker the program runs on, its first branch prefills the shared
-                # prefix with its own suffix and the others follow once that prefill is
-                # done (the agent's fork, ``controller/runtime.py``); so on each overflow
-                # worker.
-                moved = place_fork(d.ranked, d.query, [1] * n_branches) \
-                    if self.spec.overflow else ()
-                where: dict[int, tuple[SimWorker, _ForkGroup]] = {}
-                for w, o in [(chosen, None), *((by_name[o.worker], o) for o in moved)]:
-                    group = _ForkGroup(d.cached_tokens(w.name), len(prog) * bs)
-                    if o is None:
-                        where.update(dict.fromkeys(range(n_branches), (w, group)))
-                    else:
-                        where.update(dict.fromkeys(o.children, (w, group)))
-                        self.overflowed += len(o.children)
-                branches = [where[i] for i in range(n_branches)]
-                chosen, group = branches.pop(0)
-                group.join(req)
-                placed[treq.program] = branches
-            # The policy's move: prefix it walked away from (its hits lost to balance).
-            q = d.query
-            req.moved_tokens = max(0, max(map(q.cached_tokens, q.matched_blocks), default=0)
-                                   - q.cached_tokens(chosen.name))
-            rt.send(chosen.name, req, now)  # as the router counts what it sends
-            if n_routers > 1:
-                chosen.sent.add(now, req.routed_uncached)  # the agent counts all routers'
-                if self.spec.share_inflight:
-                    heapq.heappush(shared, (now + self.spec.propagation_s, next(self._seq),
-                                            req.router, chosen.name, req))
-            chosen.submit(req, now)
-            if replica is not None and not n_branches \
-                    and (plan := replica(d.query, chosen.name)) is not None:
-                copy = self._copy(req, plan, d.query.cached_tokens(plan[0]), copying, now)
-                if copy is not None:
-                    copies.append(copy)
-                    copy.router = req.router
-                    rt.send(plan[0], copy, now)  # as the router
-                    if n_routers > 1:
-                        by_name[plan[0]].sent.add(now, copy.routed_uncached)
-                    by_name[plan[0]].submit(copy, now)
-                    if ttl > 0:  # as the router: later requests coalesce on it
-                        inflight.add(copy, plan[0],
-                                     index.predict(plan[0], copy.keys, now + ttl),
-                                     copy.routed_uncached)
-                        producers.append(copy)
-            if ttl > 0 and not held:
-                # As the router: a held request is no burst member's producer (the router
-                # adds it only once sent, when the prefix is stored), so a burst's later
-                # members wait for its first member, not for each other.
-                # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
-                inflight.add(req, chosen.name, index.predict(chosen.name, req.keys, now + ttl),
-                             req.routed_uncached)
-                producers.append(req)
-            if now >= next_sample:
-                samples.append((now, [lw.inflight for lw in loads.values()]))
-                next_sample = now + self._sample_every
-            if self._progress is not None and n % 256 == 0:
-                self._progress(n)
-        for w in self.workers:
-            w.advance(math.inf)
-        if n != len(reqs):  # a continuation whose reply never ended: a bug, not a result
-            raise RuntimeError(f"replay routed {n} of {len(reqs)} requests")
-        if self._progress is not None:
-            self._progress(len(reqs))
-        return ReplayResult(self.policy.name, reqs, self.workers, samples,
-                            propagation_s=self.spec.propagation_s, warmup=self.trace.warmup,
-                            copies=copies, routed_by=[rt.routed for rt in self.routers])
+        return _Run(reqs, nxt, arrivals, self._programs() if self.spec.programs else {},
+                    next_sample=reqs[0].arrival_s if reqs else 0.0)
+
+    def _arrive(self, st: _Run, req: SimRequest, treq: TraceRequest, now: float) -> None:
+        """Route ``req`` (trace request ``treq``) arriving at ``now`` and submit it: a
+        program's later branch to where its program placed it; else through its router."""
+        prog, n_branches = st.programs.get(treq.program, ((), 0))
+        if n_branches and treq.program in st.placed:
+            worker, group = st.placed[treq.program].pop(0)
+            group.join(req)
+            worker.submit(req, now)
+            return
+        self._apply_visible(now)
+        # Arrivals are split over the routers in turn, as a load balancer in front would.
+        req.router = req.idx % len(self.routers)
+        rt = self.routers[req.router]
+        rt.routed += 1
+        ttl = self.spec.predict_ttl_s
+        self._share(st, now)
+        if ttl > 0:
+            rt.expire(now)
+        self._beat(st, now)
+        loads = rt.loads(self.workers, now, st.beats)
+        d, held = rt.decide(req, treq.affinity, loads, self.trace.block_size, now,
+                            coalesce=ttl > 0 and not n_branches)
+        chosen = self._by_name[d.best]
+        req.routed_uncached = req.prompt_tokens - d.cached_tokens(d.best)
+        if n_branches:
+            chosen = self._place_program(st, req, treq.program, d, len(prog), n_branches)
+        # The policy's move: prefix it walked away from (its hits lost to balance).
+        q = d.query
+        req.moved_tokens = max(0, max(map(q.cached_tokens, q.matched_blocks), default=0)
+                               - q.cached_tokens(chosen.name))
+        self._send(st, rt, chosen, req, now, share=self.spec.share_inflight)
+        replica = self.policy.replica if self.policy.places_replicas and self.spec.copies \
+            else None
+        if replica is not None and not n_branches \
+                and (plan := replica(q, chosen.name)) is not None:
+            self._send_copy(st, rt, req, plan, q.cached_tokens(plan[0]), now)
+        if ttl > 0 and not held:
+            # As the router: a held request is no burst member's producer (the router
+            # adds it only once sent, when the prefix is stored), so a burst's later
+            # members wait for its first member, not for each other.
+            # Only predicted blocks can make a sibling wait (InflightPrefixes.producer).
+            rt.predict(chosen.name, req, now, ttl)
+        if now >= st.next_sample:
+            st.samples.append((now, [lw.inflight for lw in loads.values()]))
+            st.next_sample = now + self._sample_every
+
+    def _share(self, st: _Run, now: float) -> None:
+        """Decisions other routers made (``share_inflight``) that reach a router by ``now``."""
+        while st.shared and st.shared[0][0] <= now:
+            t_seen, _, origin, wname, other = heapq.heappop(st.shared)
+            for k, peer in enumerate(self.routers):
+                if k != origin:
+                    peer.learn(wname, other, t_seen, self.spec.predict_ttl_s)
+
+    def _beat(self, st: _Run, now: float) -> None:
+        """Several routers: the workers' heartbeats, every ``heartbeat_s``. Each reports its
+        worker as it is now (all routers' traffic), read by every router until the next."""
+        if len(self.routers) > 1 and now >= st.next_beat:
+            st.beats = {w.name: w.load(0, now) for w in self.workers}
+            hb = self.spec.heartbeat_s
+            st.next_beat = (math.floor(now / hb) + 1) * hb
+
+    def _place_program(self, st: _Run, req: SimRequest, program: str, d: Decision,
+                       prefix_blocks: int, n_branches: int) -> SimWorker:
+        """Place a program's branches as the agent's fork runs them: on each worker it runs
+        on, its first branch prefills the shared prefix with its own suffix and the others
+        follow once that prefill is done (``controller/runtime.py``); with ``overflow``, the
+        branches that do not fit go where the router's placement splits them. ``req`` (the
+        first branch) joins its group; the worker it runs on is returned."""
+        moved = place_fork(d.ranked, d.query, [1] * n_branches) if self.spec.overflow else ()
+        where: dict[int, tuple[SimWorker, _ForkGroup]] = {}
+        chosen = self._by_name[d.best]
+        for w, o in [(chosen, None), *((self._by_name[o.worker], o) for o in moved)]:
+            group = _ForkGroup(d.cached_tokens(w.name), prefix_blocks * self.trace.block_size)
+            if o is None:
+                where.update(dict.fromkeys(range(n_branches), (w, group)))
+            else:
+                where.update(dict.fromkeys(o.children, (w, group)))
+                self.overflowed += len(o.children)
+        branches = [where[i] for i in range(n_branches)]
+        worker, group = branches.pop(0)
+        group.join(req)
+        st.placed[program] = branches
+        return worker
+
+    def _send(self, st: _Run, rt: SimRouter, worker: SimWorker, req: SimRequest, now: float,
+              share: bool = False) -> None:
+        """``rt`` sends ``req`` to ``worker`` (counted as the router and, among several, as
+        the agent counts all routers' traffic); ``share``: the other routers learn of it
+        ``propagation_s`` later."""
+        rt.send(worker.name, req, now)
+        if len(self.routers) > 1:
+            worker.sent.add(now, req.routed_uncached)
+            if share:
+                heapq.heappush(st.shared, (now + self.spec.propagation_s, next(self._seq),
+                                              req.router, worker.name, req))
+        worker.submit(req, now)
+
+    def _send_copy(self, st: _Run, rt: SimRouter, req: SimRequest, plan: tuple[str, int],
+                   cached: int, now: float) -> None:
+        """The router's background copy of ``req``'s prefix to ``plan``'s worker, unless
+        the same copy is still before its first token."""
+        copy = self._copy(req, plan, cached, rt.copying, now)
+        if copy is None:
+            return
+        st.copies.append(copy)
+        copy.router = req.router
+        self._send(st, rt, self._by_name[plan[0]], copy, now)
+        if self.spec.predict_ttl_s > 0:  # as the router: later requests coalesce on it
+            rt.predict(plan[0], copy, now, self.spec.predict_ttl_s)
 
     def _copy(self, req: SimRequest, plan: tuple[str, int], cached: int,
               copying: dict[tuple[str, int], SimRequest], now: float) -> SimRequest | None:
