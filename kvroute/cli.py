@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_gen(args)
     if args.command == "replay":
-        from kvroute.simulations.cli import run as run_replay
+        from kvroute.simulations.command import run as run_replay
 
         return run_replay(args)
     if args.command == "demo":
