@@ -33,18 +33,15 @@ repository at v1.6.0), and Envoy's ext_proc v3 API (the vendored protos, proto/e
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import grpc
-from google.protobuf import struct_pb2
-from google.protobuf.json_format import MessageToDict
 
 from kvroute.core.config import EppConfig
 from kvroute.core.grpc_util import (
@@ -54,7 +51,6 @@ from kvroute.core.grpc_util import (
     serve_until_signalled,
     set_serving,
 )
-from kvroute.envoy_api.envoy.config.core.v3 import base_pb2
 from kvroute.envoy_api.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
     external_processor_pb2 as ep,
@@ -62,9 +58,16 @@ from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
 from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as ep_grpc,
 )
-from kvroute.envoy_api.envoy.type.v3 import http_status_pb2
 from kvroute.router.app import RouterApp
 from kvroute.router.decide import Decision
+from kvroute.router.epp_protocol import (
+    UsageReader,
+    destination,
+    header_map,
+    immediate,
+    served_endpoint,
+    subset_hint,
+)
 from kvroute.router.http_body import decode_body
 from kvroute.router.http_front import HttpFront
 from kvroute.router.lifecycle import Stay
@@ -78,21 +81,12 @@ log = logging.getLogger("kvroute.router.epp")
 SERVICE = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 # The health services the protocol names (gRPC health checking), besides "".
 HEALTH_SERVICES = (SERVICE, "liveness", "readiness")
-DESTINATION = "x-gateway-destination-endpoint"
-FALLBACK = "x-gateway-destination-endpoint-fallback"
-SERVED = "x-gateway-destination-endpoint-served"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET = "x-gateway-destination-endpoint-subset"
 API = "epp"  # the api label of the router's request metrics
 RPC = "Process"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-MAX_USAGE_BYTES = 4 << 20  # a non-streamed response read for its usage; past it, not counted
 _MODE = processing_mode_pb2.ProcessingMode
 
-
-# -- the protocol's pieces, as plain functions (tests/router/test_epp.py) ----------------------
 
 def engine_endpoint(info: WorkerInfo, target_port: int) -> str:
     """Where the gateway sends a worker's requests: the engine endpoint its heartbeat carries,
@@ -104,135 +98,12 @@ def engine_endpoint(info: WorkerInfo, target_port: int) -> str:
     return f"{host}:{target_port}"
 
 
-def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
-    """An ext_proc header map as lower-case name -> value (Envoy sends ``raw_value``; older
-    versions ``value``). A repeated header keeps its last value."""
-    out = {}
-    for h in headers.headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-    return out
-
-
-def _metadata(md: base_pb2.Metadata, namespace: str) -> Mapping[str, Any]:
-    if namespace not in md.filter_metadata:
-        return {}
-    return _struct(md.filter_metadata[namespace])
-
-
-def _struct(s: struct_pb2.Struct) -> dict[str, Any]:
-    return MessageToDict(s)
-
-
-def _endpoints(value: Any) -> list[str]:
-    """``ip:port,ip:port`` or a list of such strings -> the endpoints, in order."""
-    items = value if isinstance(value, list) else [value]
-    return [e.strip() for item in items if isinstance(item, str)
-            for e in item.split(",") if e.strip()]
-
-
-def subset_hint(md: base_pb2.Metadata) -> list[str] | None:
-    """The endpoints the gateway allows (``envoy.lb.subset_hint``), or None: any pod."""
-    hint = _metadata(md, SUBSET_NAMESPACE)
-    if SUBSET not in hint:
-        return None
-    return _endpoints(hint[SUBSET])
-
-
-def served_endpoint(md: base_pb2.Metadata) -> str:
-    """The endpoint that served the request, as the gateway reports it in the response
-    phase (``envoy.lb`` / ``x-gateway-destination-endpoint-served``); "" when not reported."""
-    got = _endpoints(_metadata(md, LB_NAMESPACE).get(SERVED, ""))
-    return got[0] if got else ""
-
-
-def destination(primary: str, fallback: Sequence[str]) -> tuple[ep.CommonResponse,
-                                                                 struct_pb2.Struct]:
-    """The common response setting the destination header (route cache cleared), and the
-    dynamic metadata carrying the same value (and the fallbacks) under ``envoy.lb``."""
-    common = ep.CommonResponse(clear_route_cache=True)
-    common.header_mutation.set_headers.append(base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DESTINATION, raw_value=primary.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
-    meta = struct_pb2.Struct()
-    lb = {DESTINATION: primary}
-    if fallback:
-        lb[FALLBACK] = ",".join(fallback)
-    meta.update({LB_NAMESPACE: lb})
-    return common, meta
-
-
-_STATUS = {400: "BadRequest", 404: "NotFound", 413: "PayloadTooLarge", 429: "TooManyRequests",
-           500: "InternalServerError", 503: "ServiceUnavailable"}
-
-
-def immediate(exc: ApiError) -> ep.ProcessingResponse:
-    """An ImmediateResponse answering the client with ``exc`` (OpenAI's error JSON)."""
-    code = http_status_pb2.StatusCode.Value(_STATUS.get(exc.status, "InternalServerError"))
-    resp = ep.ImmediateResponse(status=http_status_pb2.HttpStatus(code=code),
-                                body=json.dumps(exc.body()).encode(), details=exc.message[:200])
-    for k, v in {"content-type": "application/json", **exc.headers}.items():
-        resp.headers.set_headers.append(base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=k.lower(), raw_value=str(v).encode())))
-    return ep.ProcessingResponse(immediate_response=resp)
-
-
 def _refusal(exc: RefusedError, prompt_param: str) -> ApiError:
     """The OpenAI front's error for ``exc``; no ready pod said so."""
     err = refusal_error(exc, prompt_param)
     if isinstance(exc, UnavailableError):
         err.message = f"no ready endpoint: {exc.message}"
     return err
-
-
-class UsageReader:
-    """The ``usage`` of a response body read in chunks: one JSON document, or server-sent
-    events whose last ``data:`` object with a usage carries it (``stream_options``)."""
-
-    def __init__(self, content_type: str) -> None:
-        self.events = content_type.startswith("text/event-stream")
-        self._buf = bytearray()
-        self.usage: dict[str, Any] | None = None
-        self.overflow = False
-
-    def feed(self, chunk: bytes, end: bool) -> None:
-        self._buf += chunk
-        if self.events:
-            *lines, rest = self._buf.split(b"\n")
-            self._buf = bytearray(rest if not end else b"")
-            if end and rest:
-                lines.append(rest)
-            for line in lines:
-                if line.startswith(b"data:") and b'"usage"' in line:
-                    self._take(line[5:])
-        elif len(self._buf) > MAX_USAGE_BYTES:
-            self.overflow, self._buf = True, bytearray()
-        elif end and not self.overflow:
-            self._take(bytes(self._buf))
-        if len(self._buf) > MAX_USAGE_BYTES:  # one event line without an end
-            self._buf = bytearray()
-
-    def _take(self, raw: bytes) -> None:
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError):
-            return  # not JSON (an engine's error page): nothing to count
-        usage = doc.get("usage") if isinstance(doc, dict) else None
-        if isinstance(usage, dict):
-            self.usage = usage
-
-    def tokens(self) -> tuple[int, int]:
-        """(prompt tokens, cached prompt tokens) the usage reports; zeros if none."""
-        u = self.usage or {}
-        details = u.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-        prompt = u.get("prompt_tokens")
-        return (prompt if _count(prompt) else 0, cached if _count(cached) else 0)
-
-
-def _count(v: Any) -> bool:
-    """A token count a response may claim: an int, not absurd (a hostile engine's usage
-    must not overflow the counters)."""
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40
 
 
 # -- one request's exchange --------------------------------------------------------------------
@@ -246,6 +117,27 @@ class _Routed:
     endpoint: str
     t0: float = 0.0  # when the request's body was complete (perf_counter)
     status_ok: bool = True  # the upstream answered 2xx
+
+
+@dataclass
+class _Exchange:
+    """One ``Process`` stream: its modes, the request read so far, where it went."""
+
+    # FULL_DUPLEX_STREAMED (what the protocol requires) unless the first message's
+    # protocol_config says otherwise (recent Envoy versions send one; older ones none).
+    duplex: bool = True
+    resp_duplex: bool = True
+    body: bytearray = field(default_factory=bytearray)
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: list[str] | None = None  # the gateway's subset hint; None: any pod
+    routed: _Routed | None = None
+    usage: UsageReader | None = None
+    done: bool = False  # answered with an immediate response: the stream ends
+
+    def end(self, exc: ApiError) -> list[ep.ProcessingResponse]:
+        """Answer the client with ``exc`` now; the stream ends."""
+        self.done = True
+        return [immediate(exc)]
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -262,113 +154,124 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        # FULL_DUPLEX_STREAMED (what the protocol requires) unless the first message's
-        # protocol_config says otherwise (recent Envoy versions send one; older ones none).
-        duplex = resp_duplex = True
-        body = bytearray()
-        headers: dict[str, str] = {}
-        subset: list[str] | None = None
-        routed: _Routed | None = None
-        usage: UsageReader | None = None
+        ex = _Exchange()
         try:
             async for msg in request_iterator:
-                kind = msg.WhichOneof("request")
-                if msg.HasField("protocol_config"):
-                    mode = msg.protocol_config.request_body_mode
-                    if mode not in (_MODE.FULL_DUPLEX_STREAMED, _MODE.BUFFERED):
-                        yield immediate(ApiError(500, "kvroute epp needs the gateway's "
-                                                 "request_body_mode FULL_DUPLEX_STREAMED (or "
-                                                 f"BUFFERED), not {_MODE.BodySendMode.Name(mode)}"))
-                        return
-                    duplex = mode == _MODE.FULL_DUPLEX_STREAMED
-                    resp_duplex = (msg.protocol_config.response_body_mode
-                                   == _MODE.FULL_DUPLEX_STREAMED)
-                if kind == "request_headers":
-                    headers = header_map(msg.request_headers)
-                    subset = subset_hint(msg.metadata_context)
-                    if msg.request_headers.end_of_stream:
-                        # No body (GET /v1/models): any ready pod, the least busy.
-                        picked = self._any_pod(subset)
-                        if isinstance(picked, ApiError):
-                            yield immediate(picked)
-                            return
-                        common, meta = destination(picked, ())
-                        yield ep.ProcessingResponse(
-                            request_headers=ep.HeadersResponse(response=common),
-                            dynamic_metadata=meta)
-                    elif not duplex:
-                        yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-                elif kind == "request_body":
-                    chunk = msg.request_body
-                    body += chunk.body
-                    if len(body) > self._cfg.http.max_body_bytes:
-                        self._service.invalid(RPC, API)
-                        yield immediate(ApiError(413, f"the request body exceeds "
-                                                 f"{self._cfg.http.max_body_bytes} bytes "
-                                                 "(--http-max-body-bytes)"))
-                        return
-                    if not chunk.end_of_stream:
-                        if not duplex:
-                            yield ep.ProcessingResponse(request_body=ep.BodyResponse())
-                        continue
-                    out = await self._pick(headers, bytes(body), subset)
-                    if isinstance(out, ApiError):
-                        yield immediate(out)
-                        return
-                    routed, fallback = out
-                    common, meta = destination(routed.endpoint, fallback)
-                    if duplex:
-                        yield ep.ProcessingResponse(
-                            request_headers=ep.HeadersResponse(response=common),
-                            dynamic_metadata=meta)
-                        echo = ep.CommonResponse()
-                        echo.body_mutation.streamed_response.body = bytes(body)
-                        echo.body_mutation.streamed_response.end_of_stream = True
-                        yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=echo))
-                    else:  # BUFFERED: the headers wait for this answer, mutations apply
-                        yield ep.ProcessingResponse(request_body=ep.BodyResponse(
-                            response=common), dynamic_metadata=meta)
-                    body = bytearray()
-                elif kind == "request_trailers":
-                    yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-                elif kind == "response_headers":
-                    got = header_map(msg.response_headers)
-                    usage = UsageReader(got.get("content-type", ""))
-                    if routed is not None:
-                        self._served(routed, served_endpoint(msg.metadata_context))
-                        routed.status_ok = got.get(":status", "200")[:1] == "2"
-                        if msg.response_headers.end_of_stream:
-                            self._end(routed, usage)
-                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-                elif kind == "response_body":
-                    chunk = msg.response_body
-                    if routed is not None and not routed.stay.started:
-                        # The first bytes: a streamed response's first token (an engine
-                        # sends its headers before it), a whole response's end.
-                        self._first_token(routed, ok=routed.status_ok)
-                        if usage is not None and usage.events and routed.status_ok:
-                            self._app.metrics.ttft.observe(time.perf_counter() - routed.t0)
-                    if usage is not None:
-                        usage.feed(chunk.body, chunk.end_of_stream)
-                    if chunk.end_of_stream and routed is not None:
-                        self._end(routed, usage)
-                    if resp_duplex:
-                        echo = ep.CommonResponse()
-                        echo.body_mutation.streamed_response.body = chunk.body
-                        echo.body_mutation.streamed_response.end_of_stream = chunk.end_of_stream
-                        yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=echo))
-                    else:
-                        yield ep.ProcessingResponse(response_body=ep.BodyResponse())
-                elif kind == "response_trailers":
-                    if routed is not None:
-                        self._end(routed, usage)
-                    yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                for resp in await self._handle(ex, msg):
+                    yield resp
+                if ex.done:
+                    return
         finally:
             # However the stream ended (the client gone, the gateway's timeout), the load
             # and the predictions this request added are undone.
+            routed = ex.routed
             if routed is not None and not routed.stay.ended:
                 self._first_token(routed, ok=routed.stay.started)
                 self._finish(routed, "cancelled")
+
+    async def _handle(self, ex: _Exchange, msg: ep.ProcessingRequest
+                      ) -> list[ep.ProcessingResponse]:
+        """The answers to one message of the stream (``ex.done`` after an immediate one)."""
+        if msg.HasField("protocol_config"):
+            mode = msg.protocol_config.request_body_mode
+            if mode not in (_MODE.FULL_DUPLEX_STREAMED, _MODE.BUFFERED):
+                return ex.end(ApiError(500, "kvroute epp needs the gateway's request_body_mode "
+                                       "FULL_DUPLEX_STREAMED (or BUFFERED), not "
+                                       f"{_MODE.BodySendMode.Name(mode)}"))
+            ex.duplex = mode == _MODE.FULL_DUPLEX_STREAMED
+            ex.resp_duplex = (msg.protocol_config.response_body_mode
+                              == _MODE.FULL_DUPLEX_STREAMED)
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(ex, msg)
+        if kind == "request_body":
+            return await self._request_body(ex, msg.request_body)
+        if kind == "request_trailers":
+            return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+        if kind == "response_headers":
+            return self._response_headers(ex, msg)
+        if kind == "response_body":
+            return self._response_body(ex, msg.response_body)
+        if kind == "response_trailers":
+            if ex.routed is not None:
+                self._end(ex.routed, ex.usage)
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
+        return []
+
+    def _request_headers(self, ex: _Exchange, msg: ep.ProcessingRequest
+                         ) -> list[ep.ProcessingResponse]:
+        ex.headers = header_map(msg.request_headers)
+        ex.subset = subset_hint(msg.metadata_context)
+        if msg.request_headers.end_of_stream:
+            # No body (GET /v1/models): any ready pod, the least busy.
+            picked = self._any_pod(ex.subset)
+            if isinstance(picked, ApiError):
+                return ex.end(picked)
+            common, meta = destination(picked, ())
+            return [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
+                                          dynamic_metadata=meta)]
+        return [] if ex.duplex else [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
+
+    async def _request_body(self, ex: _Exchange, chunk: ep.HttpBody
+                            ) -> list[ep.ProcessingResponse]:
+        """A body chunk; at the last, the decision: the destination, and the body sent back
+        (FULL_DUPLEX_STREAMED: the gateway forwards only what the picker sends)."""
+        ex.body += chunk.body
+        limit = self._cfg.http.max_body_bytes
+        if len(ex.body) > limit:
+            self._service.invalid(RPC, API)
+            return ex.end(ApiError(413, f"the request body exceeds {limit} bytes "
+                                   "(--http-max-body-bytes)"))
+        if not chunk.end_of_stream:
+            return [] if ex.duplex else [ep.ProcessingResponse(request_body=ep.BodyResponse())]
+        out = await self._pick(ex.headers, bytes(ex.body), ex.subset)
+        if isinstance(out, ApiError):
+            return ex.end(out)
+        ex.routed, fallback = out
+        common, meta = destination(ex.routed.endpoint, fallback)
+        body, ex.body = bytes(ex.body), bytearray()
+        if not ex.duplex:  # BUFFERED: the headers wait for this answer, mutations apply
+            return [ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
+                                          dynamic_metadata=meta)]
+        echo = ep.CommonResponse()
+        echo.body_mutation.streamed_response.body = body
+        echo.body_mutation.streamed_response.end_of_stream = True
+        return [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
+                                      dynamic_metadata=meta),
+                ep.ProcessingResponse(request_body=ep.BodyResponse(response=echo))]
+
+    def _response_headers(self, ex: _Exchange, msg: ep.ProcessingRequest
+                          ) -> list[ep.ProcessingResponse]:
+        got = header_map(msg.response_headers)
+        ex.usage = UsageReader(got.get("content-type", ""))
+        routed = ex.routed
+        if routed is not None:
+            self._served(routed, served_endpoint(msg.metadata_context))
+            routed.status_ok = got.get(":status", "200")[:1] == "2"
+            if msg.response_headers.end_of_stream:
+                self._end(routed, ex.usage)
+        return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
+
+    def _response_body(self, ex: _Exchange, chunk: ep.HttpBody
+                       ) -> list[ep.ProcessingResponse]:
+        """A response chunk, read for accounting: the first bytes stand for the first token
+        (an engine sends its headers before it; a whole response's end), the last for the
+        end; the usage is read on the way."""
+        routed, usage = ex.routed, ex.usage
+        if routed is not None and not routed.stay.started:
+            self._first_token(routed, ok=routed.status_ok)
+            if usage is not None and usage.events and routed.status_ok:
+                self._app.metrics.ttft.observe(time.perf_counter() - routed.t0)
+        if usage is not None:
+            usage.feed(chunk.body, chunk.end_of_stream)
+        if chunk.end_of_stream and routed is not None:
+            self._end(routed, usage)
+        if not ex.resp_duplex:
+            return [ep.ProcessingResponse(response_body=ep.BodyResponse())]
+        echo = ep.CommonResponse()
+        echo.body_mutation.streamed_response.body = chunk.body
+        echo.body_mutation.streamed_response.end_of_stream = chunk.end_of_stream
+        return [ep.ProcessingResponse(response_body=ep.BodyResponse(response=echo))]
 
     # -- deciding --------------------------------------------------------------------------
 

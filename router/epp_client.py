@@ -32,7 +32,7 @@ from kvroute.envoy_api.envoy.config.core.v3 import base_pb2
 from kvroute.envoy_api.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from kvroute.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvroute.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from kvroute.router.epp import (
+from kvroute.router.epp_protocol import (
     DESTINATION,
     FALLBACK,
     LB_NAMESPACE,

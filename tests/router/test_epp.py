@@ -20,7 +20,7 @@ from kvroute.envoy_api.envoy.config.core.v3 import base_pb2
 from kvroute.envoy_api.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from kvroute.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvroute.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from kvroute.router import epp
+from kvroute.router import epp, epp_protocol
 from kvroute.router.epp_client import BUFFERED, Upstream, exchange
 from kvroute.router.registry import WorkerInfo
 from tests.conftest import router_config
@@ -57,40 +57,40 @@ def test_a_heartbeats_engine_endpoint_is_validated() -> None:
 def test_headers_subset_and_served_endpoint_are_read_from_what_envoy_sends() -> None:
     hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":Path", raw_value=b"/v1/x"),
                                      base_pb2.HeaderValue(key="x-old", value="v")])
-    assert epp.header_map(ep.HttpHeaders(headers=hm)) == {":path": "/v1/x", "x-old": "v"}
+    assert epp_protocol.header_map(ep.HttpHeaders(headers=hm)) == {":path": "/v1/x", "x-old": "v"}
     md = base_pb2.Metadata()
-    assert epp.subset_hint(md) is None and epp.served_endpoint(md) == ""
-    md.filter_metadata[epp.SUBSET_NAMESPACE].update(
-        {epp.SUBSET: ["10.0.0.1:8000", "10.0.0.2:8000,10.0.0.3:8000"]})
-    assert epp.subset_hint(md) == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
-    md.filter_metadata[epp.SUBSET_NAMESPACE].update({epp.SUBSET: "10.0.0.9:8000"})
-    assert epp.subset_hint(md) == ["10.0.0.9:8000"]  # a flat string, as header-to-metadata
-    md.filter_metadata[epp.SUBSET_NAMESPACE].update({epp.SUBSET: []})
-    assert epp.subset_hint(md) == []  # present and empty: nothing is allowed
-    md.filter_metadata[epp.LB_NAMESPACE].update({epp.SERVED: "10.0.0.2:8000"})
-    assert epp.served_endpoint(md) == "10.0.0.2:8000"
+    assert epp_protocol.subset_hint(md) is None and epp_protocol.served_endpoint(md) == ""
+    md.filter_metadata[epp_protocol.SUBSET_NAMESPACE].update(
+        {epp_protocol.SUBSET: ["10.0.0.1:8000", "10.0.0.2:8000,10.0.0.3:8000"]})
+    assert epp_protocol.subset_hint(md) == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    md.filter_metadata[epp_protocol.SUBSET_NAMESPACE].update({epp_protocol.SUBSET: "10.0.0.9:8000"})
+    assert epp_protocol.subset_hint(md) == ["10.0.0.9:8000"]  # a flat string, as header-to-metadata
+    md.filter_metadata[epp_protocol.SUBSET_NAMESPACE].update({epp_protocol.SUBSET: []})
+    assert epp_protocol.subset_hint(md) == []  # present and empty: nothing is allowed
+    md.filter_metadata[epp_protocol.LB_NAMESPACE].update({epp_protocol.SERVED: "10.0.0.2:8000"})
+    assert epp_protocol.served_endpoint(md) == "10.0.0.2:8000"
 
 
 def test_the_destination_sets_one_value_in_the_header_and_the_metadata() -> None:
-    common, meta = epp.destination("10.0.0.1:8000", ["10.0.0.2:8000", "10.0.0.3:8000"])
+    common, meta = epp_protocol.destination("10.0.0.1:8000", ["10.0.0.2:8000", "10.0.0.3:8000"])
     (h,) = common.header_mutation.set_headers
-    assert (h.header.key, h.header.raw_value) == (epp.DESTINATION, b"10.0.0.1:8000")
+    assert (h.header.key, h.header.raw_value) == (epp_protocol.DESTINATION, b"10.0.0.1:8000")
     assert common.clear_route_cache
-    lb = meta.fields[epp.LB_NAMESPACE].struct_value.fields
-    assert lb[epp.DESTINATION].string_value == "10.0.0.1:8000"
-    assert lb[epp.FALLBACK].string_value == "10.0.0.2:8000,10.0.0.3:8000"
-    _, alone = epp.destination("10.0.0.1:8000", [])
-    assert epp.FALLBACK not in alone.fields[epp.LB_NAMESPACE].struct_value.fields
+    lb = meta.fields[epp_protocol.LB_NAMESPACE].struct_value.fields
+    assert lb[epp_protocol.DESTINATION].string_value == "10.0.0.1:8000"
+    assert lb[epp_protocol.FALLBACK].string_value == "10.0.0.2:8000,10.0.0.3:8000"
+    _, alone = epp_protocol.destination("10.0.0.1:8000", [])
+    assert epp_protocol.FALLBACK not in alone.fields[epp_protocol.LB_NAMESPACE].struct_value.fields
 
 
 def test_usage_is_read_from_json_and_from_events_split_across_chunks() -> None:
-    u = epp.UsageReader("application/json")
+    u = epp_protocol.UsageReader("application/json")
     body = json.dumps({"usage": {"prompt_tokens": 70, "prompt_tokens_details":
                                  {"cached_tokens": 64}}}).encode()
     u.feed(body[:10], False)
     u.feed(body[10:], True)
     assert u.tokens() == (70, 64)
-    s = epp.UsageReader("text/event-stream; charset=utf-8")
+    s = epp_protocol.UsageReader("text/event-stream; charset=utf-8")
     events = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
               b'data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":'
               b'{"cached_tokens":0}}}\n\ndata: [DONE]\n\n')
@@ -99,7 +99,7 @@ def test_usage_is_read_from_json_and_from_events_split_across_chunks() -> None:
     assert s.tokens() == (9, 0)
     for hostile in (b"<html>bad gateway</html>", b'{"usage": {"prompt_tokens": -5}}',
                     b'{"usage": {"prompt_tokens": 1e300}}', b'{"usage": []}', b"[1]"):
-        h = epp.UsageReader("application/json")
+        h = epp_protocol.UsageReader("application/json")
         h.feed(hostile, True)
         assert h.tokens() == (0, 0)
 
@@ -107,13 +107,14 @@ def test_usage_is_read_from_json_and_from_events_split_across_chunks() -> None:
 def test_an_immediate_response_carries_the_status_and_openais_error() -> None:
     from kvroute.router.openai_schema import ApiError
 
-    resp = epp.immediate(ApiError(404, "no such model", param="model", code="model_not_found"))
+    resp = epp_protocol.immediate(ApiError(404, "no such model", param="model",
+                                           code="model_not_found"))
     im = resp.immediate_response
     assert im.status.code == 404
     assert json.loads(im.body)["error"]["code"] == "model_not_found"
     assert {h.header.key: h.header.raw_value for h in im.headers.set_headers} == {
         "content-type": b"application/json"}
-    assert epp.immediate(ApiError(503, "x", headers={"Retry-After": "1"})
+    assert epp_protocol.immediate(ApiError(503, "x", headers={"Retry-After": "1"})
                          ).immediate_response.status.code == 503
 
 
