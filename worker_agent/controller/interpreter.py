@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
-import xxhash
 
 from kvroute.core.agent_client import AgentChannels
 from kvroute.v1 import common_pb2, program_pb2
@@ -44,9 +43,16 @@ from kvroute.worker_agent.controller.constrained import (
     region_constraint,
 )
 from kvroute.worker_agent.controller.continuation import Node
+from kvroute.worker_agent.controller.decoding import (
+    ROOT_BRANCH,
+    GenState,
+    TakenTokens,
+    count_cached,
+    engine_seed,
+)
 from kvroute.worker_agent.controller.fork_lead import Runner, Unit, lead
 from kvroute.worker_agent.controller.grammars import MaskBuffer
-from kvroute.worker_agent.controller.logprobs import LogitsTap, token_logprob
+from kvroute.worker_agent.controller.logprobs import LogitsTap
 from kvroute.worker_agent.controller.overflow import Split, Target, run_remote
 from kvroute.worker_agent.controller.program import (
     Backtrack,
@@ -67,20 +73,6 @@ from kvroute.worker_agent.engines.base import Engine, EngineRequest
 Ev = program_pb2.ProgramEvent
 END = object()
 """The last item a run puts on its queue."""
-
-ROOT_BRANCH = "0"
-
-
-def engine_seed(seed: int, branch: str, n: int) -> int:
-    """The sampling seed of ``branch``'s ``n``-th engine request. The root's first request
-    takes the caller's seed as it is (when set), so a program of one ``gen`` (a request with
-    stop strings) samples the text the plain request would; every other seed is derived from
-    (seed, branch, n), independent of the request id, so reruns repeat and a fork's siblings
-    sample differently."""
-    if seed and branch == ROOT_BRANCH and n == 0:
-        return seed
-    return xxhash.xxh3_64_intdigest(f"{seed}/{branch}/{n}".encode()) & ((1 << 63) - 1) or 1
-
 
 class Host(Protocol):
     """What a run reads of the agent's ``ProgramRuntime``, at each use (a benchmark sets
@@ -126,23 +118,6 @@ def _first_error(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
-
-
-@dataclass(slots=True)
-class GenState:
-    """One gen step's progress on a branch."""
-
-    start: int
-    remaining: int
-    stops: tuple[bytes, ...]
-    reason: str | None = None
-    split: bool = False
-    """The current engine request ends for a grammar fast-forward."""
-    text: bytearray = field(default_factory=bytearray)
-    ends: list[int] = field(default_factory=list)
-    stop_text: bytes | None = None
-    stop_hit: bytes = b""
-    """The stop string that ended it (the first in the text; of two there, the first given)."""
 
 
 @dataclass(slots=True)
@@ -412,66 +387,23 @@ class Run:
             if constraint is None:
                 s.reason = "grammar"  # the region is complete: nothing to ask for
                 return
-        req = self.request
-        self.n_requests += 1
-        rid = f"{self.request_id}/{b.id}/{self.n_requests}"
-        seed = engine_seed(req.sampling.seed, b.id, b.engine_requests)
-        stop_ids = set(req.sampling.stop_token_ids)
-        eos = vocab.eos_token_id if vocab is not None else getattr(self.rt.engine,
-                                                                   "eos_token_id", None)
-        if eos is not None:
-            stop_ids.add(eos)
-        masker = None
-        if b.matcher is not None and not self.rt.grammar_engine:
-            assert vocab is not None
-            masker = Masker(b, MaskBuffer(vocab.size), mask_times=self.rt.mask_times)
-        temperature = g.temperature if g.temperature is not None else req.sampling.temperature
-        ereq = EngineRequest(
-            request_id=rid, token_ids=list(b.tokens), max_tokens=s.remaining,
-            cache_salt=req.cache_salt, seed=seed, stop_token_ids=frozenset(stop_ids),
-            temperature=temperature, top_p=req.sampling.top_p or 1.0,
-            top_k=req.sampling.top_k, mask_fn=masker, logprobs=self.rt.grammar_engine)
+        ereq, stop_ids, masker = self._engine_request(b, g, s, vocab)
         tap = self.rt.logits_tap
-        logits_of = tap.subscribe(rid) if tap is not None else contextlib.nullcontext({})
+        logits_of = tap.subscribe(ereq.request_id) if tap is not None \
+            else contextlib.nullcontext({})
         engine: Any = self.rt.engine
         stream_it = engine.generate(ereq) if constraint is None \
             else engine.generate(ereq, constraint=constraint)
-        first = True
         first_request = b.first_cached is None
-        step = 0
+        took = TakenTokens(stop_ids, masker)
         with logits_of as logits:
             async with contextlib.aclosing(stream_it) as stream:
                 async for chunk in stream:
-                    if first:
-                        first = False
-                        b.prefilled()  # its prefix is cached: siblings may start
-                        b.engine_requests += 1
-                        b.prefill_tokens += len(ereq.token_ids) - chunk.cached_tokens
-                        b.last_cached = chunk.cached_tokens
-                        if b.first_cached is None:
-                            b.first_cached = chunk.cached_tokens
-                    elif chunk.cached_tokens != b.last_cached:
-                        # The engine's exact hit, known only now (vllm: its usage).
-                        b.prefill_tokens += b.last_cached - chunk.cached_tokens
-                        b.last_cached = chunk.cached_tokens
-                        if first_request:
-                            b.first_cached = chunk.cached_tokens
-                    kept: list[int] = []
-                    lps = chunk.logprobs
-                    for j, tok in enumerate(chunk.token_ids):
-                        lg = logits.pop(step, None)
-                        at, step = step, step + 1
-                        if tok in stop_ids:
-                            s.reason = "grammar" if b.matcher is not None else "eos"
-                            break
-                        b.append(tok, lps[j] if lps is not None and lg is None
-                                 else token_logprob(lg, tok))
-                        b.generated += 1
-                        self.decoded += 1
-                        s.remaining -= 1
-                        kept.append(tok)
-                        if masker is not None and masker.split_at == at:
-                            s.split = True
+                    count_cached(b, chunk.cached_tokens, len(ereq.token_ids),
+                                 first=took.chunks == 0,
+                                 first_request=first_request)
+                    kept = took.take(b, s, chunk, logits)
+                    self.decoded += len(kept)
                     if kept:
                         await self.emit(b, kept)
                         if await self.check_stop(b, s, kept):
@@ -487,6 +419,31 @@ class Run:
         if s.reason is None and not split:
             s.reason = "length"  # the engine's own limit (a prompt near its whole cache)
         check_output(b, constraint, self.rt.engine_kind)
+
+    def _engine_request(self, b: Branch, g: Gen, s: GenState, vocab: Vocab | None
+                        ) -> tuple[EngineRequest, frozenset[int], Masker | None]:
+        """The engine request of ``b``'s gen now (its whole sequence as the prompt), the ids
+        that end it (the request's and EOS), and its token mask (an engine that takes masks)."""
+        req = self.request
+        self.n_requests += 1
+        stop_ids = set(req.sampling.stop_token_ids)
+        eos = vocab.eos_token_id if vocab is not None else getattr(self.rt.engine,
+                                                                   "eos_token_id", None)
+        if eos is not None:
+            stop_ids.add(eos)
+        masker = None
+        if b.matcher is not None and not self.rt.grammar_engine:
+            assert vocab is not None
+            masker = Masker(b, MaskBuffer(vocab.size), mask_times=self.rt.mask_times)
+        temperature = g.temperature if g.temperature is not None else req.sampling.temperature
+        ereq = EngineRequest(
+            request_id=f"{self.request_id}/{b.id}/{self.n_requests}",
+            token_ids=list(b.tokens), max_tokens=s.remaining, cache_salt=req.cache_salt,
+            seed=engine_seed(req.sampling.seed, b.id, b.engine_requests),
+            stop_token_ids=frozenset(stop_ids), temperature=temperature,
+            top_p=req.sampling.top_p or 1.0, top_k=req.sampling.top_k, mask_fn=masker,
+            logprobs=self.rt.grammar_engine)
+        return ereq, frozenset(stop_ids), masker
 
     async def check_stop(self, b: Branch, s: GenState, new: Sequence[int]) -> bool:
         """Track the gen's text; on a stop string, drop the tokens from the one where it
