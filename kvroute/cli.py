@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import TypeAlias
 
 from kvroute import __version__
 from kvroute.core.config import AgentConfig, EppConfig, RouterConfig
@@ -38,6 +39,35 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     "also be set as KVROUTE_<FLAG> (upper case, '-' as '_').")
     p.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_services(sub)
+    _add_demo(sub)
+    pol = sub.add_parser("policies", help="list routing policies; one's formula and "
+                         "parameters with `kvroute policies NAME`")
+    pol.add_argument("name", nargs="?", metavar="NAME",
+                     help="a policy (or spec, NAME:PARAM=VALUE) to show in full: its formula, "
+                          "parameters and their defaults")
+    rp = sub.add_parser("replay", help="replay a trace through every policy on a simulated "
+                        "cluster", formatter_class=DefaultsFormatter)
+    if sim:
+        from kvroute.simulations.cli import add_arguments as add_replay_arguments
+
+        add_replay_arguments(rp)
+    _add_keys(sub)
+    _add_redis_acl(sub)
+    gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
+                        "fork)", formatter_class=RawDefaultsFormatter)
+    if sim:
+        from kvroute.simulations.generators import add_arguments as add_gen_arguments
+
+        add_gen_arguments(gp)
+    return p
+
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _add_services(sub: Subparsers) -> None:
+    """router, epp and agent: their settings (kvroute.core.config), by section."""
     fmt = DefaultsFormatter
     r = sub.add_parser("router", help="run the router: gRPC, and OpenAI-compatible HTTP with "
                        "--http-port", formatter_class=fmt,
@@ -55,6 +85,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        description="Run an engine, publish its cache state to Redis, serve "
                                    "requests routed to it.")
     add_arguments(a, AgentConfig, os.environ)
+
+
+def _add_demo(sub: Subparsers) -> None:
+    fmt = DefaultsFormatter
     d = sub.add_parser("demo", help="start Redis, a router and 4 sim agents; compare policies",
                        formatter_class=fmt)
     d.add_argument("--workers", type=int, default=4, help="agents to start (and vLLM servers "
@@ -82,17 +116,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     d.add_argument("--serve", action="store_true",
                    help="afterwards keep tiny-engine agents and a kvroute router up for "
                         "controller programs (examples/), until Ctrl-C")
-    pol = sub.add_parser("policies", help="list routing policies; one's formula and "
-                         "parameters with `kvroute policies NAME`")
-    pol.add_argument("name", nargs="?", metavar="NAME",
-                     help="a policy (or spec, NAME:PARAM=VALUE) to show in full: its formula, "
-                          "parameters and their defaults")
-    rp = sub.add_parser("replay", help="replay a trace through every policy on a simulated "
-                        "cluster", formatter_class=fmt)
-    if sim:
-        from kvroute.simulations.cli import add_arguments as add_replay_arguments
 
-        add_replay_arguments(rp)
+
+def _add_keys(sub: Subparsers) -> None:
+    fmt = DefaultsFormatter
     kp = sub.add_parser("keys", help="API keys for --api-keys-file: `kvroute keys hash` makes "
                         "a key and prints its record (docs/security.md)", formatter_class=fmt)
     ksub = kp.add_subparsers(dest="keys_command", required=True)
@@ -107,6 +134,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="requests at once (default: the rate, at least 1)")
     kh.add_argument("--stdin", action="store_true",
                     help="hash a key read from stdin instead of making one")
+
+
+def _add_redis_acl(sub: Subparsers) -> None:
+    fmt = DefaultsFormatter
     ap = sub.add_parser("redis-acl", help="print the least Redis ACL of a router or an agent "
                         "(docs/security.md): its rules, or with --user a whole ACL-file line",
                         formatter_class=fmt)
@@ -121,13 +152,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     "NAME on #SHA256 RULES`, the password's hash read from --password-env")
     ap.add_argument("--password-env", default="", help="with --user: the environment variable "
                     "holding the password (never an argument: other processes can read those)")
-    gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
-                        "fork)", formatter_class=RawDefaultsFormatter)
-    if sim:
-        from kvroute.simulations.generators import add_arguments as add_gen_arguments
-
-        add_gen_arguments(gp)
-    return p
 
 
 def list_policies() -> str:
