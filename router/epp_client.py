@@ -124,6 +124,108 @@ def _take(out: Outcome, resp: ep.ProcessingResponse) -> None:
             out.response_body += body
 
 
+class _Stream:
+    """One ``Process`` stream as Envoy runs it: the answers are read while the request still
+    goes out (an immediate response may come before the last chunk is sent, and then nothing
+    more is sent), each taken into ``out``."""
+
+    def __init__(self, stub: ep_grpc.ExternalProcessorStub, timeout_s: float) -> None:
+        self.call = stub.Process(timeout=timeout_s)
+        self.out = Outcome()
+        self._answers: asyncio.Queue[ep.ProcessingResponse | None] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read_all())
+
+    async def _read_all(self) -> None:
+        try:
+            while (resp := await self.call.read()) is not grpc.aio.EOF:
+                _take(self.out, resp)
+                await self._answers.put(resp)
+        except grpc.aio.AioRpcError:
+            pass  # the stream failed or was cancelled: no more answers
+        finally:
+            await self._answers.put(None)
+
+    async def answer(self) -> ep.ProcessingResponse | None:
+        """The next answer; None once the stream has ended."""
+        return await self._answers.get()
+
+    async def ended(self) -> bool:
+        """Wait for an answer: True when there is none or it was an immediate response."""
+        return await self.answer() is None or self.out.immediate is not None
+
+    async def send(self, msg: ep.ProcessingRequest) -> bool:
+        """False when the picker has ended the stream (an immediate response)."""
+        if self.out.immediate is not None:
+            return False
+        try:
+            await self.call.write(msg)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return False
+        return True
+
+    async def request(self, body: bytes, path: str, mode: int, subset: Sequence[str] | None,
+                      chunk_bytes: int) -> bool:
+        """The request phase: headers (with the protocol's configuration and the subset
+        hint), then the body in chunks. False when the picker ended the stream."""
+        first = ep.ProcessingRequest(
+            request_headers=_headers({":method": "POST", ":path": path,
+                                      ":authority": "gateway", ":scheme": "http",
+                                      "content-type": "application/json",
+                                      "content-length": str(len(body))}, end=not body),
+            protocol_config=ep.ProtocolConfiguration(request_body_mode=mode,
+                                                     response_body_mode=mode))
+        if subset is not None:
+            first.metadata_context.CopyFrom(_metadata(SUBSET_NAMESPACE,
+                                                      {SUBSET: list(subset)}))
+        await self.send(first)
+        if mode != FULL_DUPLEX and body and await self.ended():
+            return False  # BUFFERED: the headers are answered before the body goes
+        pieces = [body[i:i + chunk_bytes] for i in range(0, len(body), chunk_bytes)]
+        for i, piece in enumerate(pieces):
+            if not await self.send(ep.ProcessingRequest(request_body=ep.HttpBody(
+                    body=piece, end_of_stream=i == len(pieces) - 1))):
+                break
+            if mode != FULL_DUPLEX and i < len(pieces) - 1 and await self.ended():
+                return False
+        # The request phase ends with the body response (after the headers response, in
+        # duplex mode), the headers response for a request without a body, or an
+        # immediate response.
+        want = "request_body" if body else "request_headers"
+        while self.out.immediate is None:
+            resp = await self.answer()
+            if resp is None:
+                return False
+            if resp.WhichOneof("response") == want:
+                break
+        return self.out.immediate is None
+
+    async def response(self, up: Upstream, served: str,
+                       after_headers: Callable[[], Awaitable[None]] | None) -> None:
+        """The response phase: the upstream's headers (with the endpoint the gateway reports
+        as having served it), then its body chunks; the stream then closes."""
+        headers = {":status": str(up.status), **up.headers}
+        msg = ep.ProcessingRequest(response_headers=_headers(headers, end=not up.chunks))
+        msg.metadata_context.CopyFrom(_metadata(LB_NAMESPACE, {SERVED: served}))
+        if await self.send(msg):
+            await self.answer()
+        if after_headers is not None:
+            await after_headers()
+        for i, piece in enumerate(up.chunks):
+            if not await self.send(ep.ProcessingRequest(response_body=ep.HttpBody(
+                    body=piece, end_of_stream=i == len(up.chunks) - 1))):
+                break
+            await self.answer()
+        await self.call.done_writing()
+        while await self.answer() is not None:
+            pass
+
+    async def close(self) -> None:
+        self.call.cancel()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+
 async def exchange(stub: ep_grpc.ExternalProcessorStub, body: bytes, *,
                    path: str = "/v1/chat/completions", chunk_bytes: int = 16384,
                    mode: int = FULL_DUPLEX, subset: Sequence[str] | None = None,
@@ -135,94 +237,17 @@ async def exchange(stub: ep_grpc.ExternalProcessorStub, body: bytes, *,
     ``served``: the endpoint the gateway reports as having served it (default: the picked
     one); ``after_headers``: awaited once the response headers are answered, before the
     response body goes (a test looks at the picker's state mid-response there)."""
-    call = stub.Process(timeout=timeout_s)
-    out = Outcome()
-    # As Envoy, the answers are read while the body still goes out: an immediate response
-    # may come before the last chunk is sent, and then nothing more is sent.
-    answers: asyncio.Queue[ep.ProcessingResponse | None] = asyncio.Queue()
-
-    async def read_all() -> None:
-        try:
-            while (resp := await call.read()) is not grpc.aio.EOF:
-                _take(out, resp)
-                await answers.put(resp)
-        except grpc.aio.AioRpcError:
-            pass  # the stream failed or was cancelled: no more answers
-        finally:
-            await answers.put(None)
-
-    async def answer() -> ep.ProcessingResponse | None:
-        return await answers.get()
-
-    async def send(msg: ep.ProcessingRequest) -> bool:
-        """False when the picker has ended the stream (an immediate response)."""
-        if out.immediate is not None:
-            return False
-        try:
-            await call.write(msg)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            return False
-        return True
-
-    reader = asyncio.create_task(read_all())
+    stream = _Stream(stub, timeout_s)
+    out = stream.out
     try:
-        first = ep.ProcessingRequest(
-            request_headers=_headers({":method": "POST", ":path": path,
-                                      ":authority": "gateway", ":scheme": "http",
-                                      "content-type": "application/json",
-                                      "content-length": str(len(body))}, end=not body),
-            protocol_config=ep.ProtocolConfiguration(request_body_mode=mode,
-                                                     response_body_mode=mode))
-        if subset is not None:
-            first.metadata_context.CopyFrom(_metadata(SUBSET_NAMESPACE,
-                                                      {SUBSET: list(subset)}))
-        await send(first)
-        if mode != FULL_DUPLEX and body and (await answer() is None
-                                             or out.immediate is not None):
-            return out  # BUFFERED: the headers are answered before the body goes
-        pieces = [body[i:i + chunk_bytes] for i in range(0, len(body), chunk_bytes)]
-        for i, piece in enumerate(pieces):
-            if not await send(ep.ProcessingRequest(request_body=ep.HttpBody(
-                    body=piece, end_of_stream=i == len(pieces) - 1))):
-                break
-            if mode != FULL_DUPLEX and i < len(pieces) - 1 and (
-                    await answer() is None or out.immediate is not None):
-                return out
-        # The request phase ends with the body response (after the headers response, in
-        # duplex mode), the headers response for a request without a body, or an
-        # immediate response.
-        want = "request_body" if body else "request_headers"
-        while out.immediate is None:
-            resp = await answer()
-            if resp is None:
-                return out
-            if resp.WhichOneof("response") == want:
-                break
-        if out.immediate is not None or serve is None:
+        if not await stream.request(body, path, mode, subset, chunk_bytes) or serve is None:
             return out
         up = await serve(out.endpoint, out.body_sent if mode == FULL_DUPLEX else body)
-        reported = served if served is not None else out.endpoint
-        headers = {":status": str(up.status), **up.headers}
-        msg = ep.ProcessingRequest(response_headers=_headers(headers, end=not up.chunks))
-        msg.metadata_context.CopyFrom(_metadata(LB_NAMESPACE, {SERVED: reported}))
-        if await send(msg):
-            await answer()
-        if after_headers is not None:
-            await after_headers()
-        for i, piece in enumerate(up.chunks):
-            if not await send(ep.ProcessingRequest(response_body=ep.HttpBody(
-                    body=piece, end_of_stream=i == len(up.chunks) - 1))):
-                break
-            await answer()
-        await call.done_writing()
-        while await answer() is not None:
-            pass
+        await stream.response(up, served if served is not None else out.endpoint,
+                              after_headers)
         return out
     finally:
-        call.cancel()
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
+        await stream.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
