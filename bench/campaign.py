@@ -51,7 +51,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from kvroute.simulations.cli import AT_LEAST_ONE, POSITIVE, Warmup, make_policies
-from kvroute.simulations.generators import KINDS, PARAMS, generate, write_jsonl
+from kvroute.simulations.gen_cli import write_jsonl
+from kvroute.simulations.generators import KINDS, PARAMS, generate
 
 BENCH = Path(__file__).resolve().parent
 MOONCAKE = BENCH.parent / "traces" / "mooncake_synthetic_trace.jsonl"  # traces/README.md

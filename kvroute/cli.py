@@ -57,7 +57,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     gp = sub.add_parser("gen", help="generate a synthetic workload trace (chat, agent, rag, "
                         "fork)", formatter_class=RawDefaultsFormatter)
     if sim:
-        from kvroute.simulations.generators import add_arguments as add_gen_arguments
+        from kvroute.simulations.gen_cli import add_arguments as add_gen_arguments
 
         add_gen_arguments(gp)
     return p
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "redis-acl":
         return redis_acl(args)
     if args.command == "gen":
-        from kvroute.simulations.generators import run as run_gen
+        from kvroute.simulations.gen_cli import run as run_gen
 
         return run_gen(args)
     if args.command == "replay":

@@ -25,8 +25,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.demo.openai_model import write_byte_model
+from kvroute.simulations.gen_cli import write_jsonl
 from kvroute.simulations.generators import generate as generate_trace
-from kvroute.simulations.generators import write_jsonl
 from tests.kube_api import FakeKubeApi
 from tests.support import free_port, generate, stop_process, wait_for
 

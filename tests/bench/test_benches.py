@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.simulations.generators import generate, write_jsonl
+from kvroute.simulations.gen_cli import write_jsonl
+from kvroute.simulations.generators import generate
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

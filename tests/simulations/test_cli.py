@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.simulations.generators import generate, write_jsonl
+from kvroute.simulations.gen_cli import write_jsonl
+from kvroute.simulations.generators import generate
 
 
 def replay(*args: str | Path) -> subprocess.CompletedProcess[str]:

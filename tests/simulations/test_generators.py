@@ -11,14 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.simulations.generators import (
-    KINDS,
-    build,
-    generate,
-    infinite_cache_hit_ratio,
-    main,
-    write_jsonl,
-)
+from kvroute.simulations.gen_cli import infinite_cache_hit_ratio, main, write_jsonl
+from kvroute.simulations.generators import KINDS, build, generate
 
 BS = 64
 

@@ -74,7 +74,8 @@ def test_kvroute_replay_routers_option(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from kvroute.simulations.generators import generate, write_jsonl
+    from kvroute.simulations.gen_cli import write_jsonl
+    from kvroute.simulations.generators import generate
 
     path = tmp_path / "chat.jsonl"
     write_jsonl(generate("chat", 150, 20.0, seed=1), path)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.simulations.generators import generate, write_jsonl
+from kvroute.simulations.gen_cli import write_jsonl
+from kvroute.simulations.generators import generate
 from kvroute.simulations.report import PLOTS_SKIPPED
 
 PNG = b"\x89PNG\r\n\x1a\n"
