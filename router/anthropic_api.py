@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from kvroute.router.anthropic_schema import MessagesRequest, error_body, parse_messages
+from kvroute.router.api_error import ApiError
 from kvroute.router.http_jobs import (
     Choice,
     Front,
@@ -31,7 +32,6 @@ from kvroute.router.http_jobs import (
     reply_end,
     run,
 )
-from kvroute.router.openai_schema import ApiError
 from kvroute.router.refusal import RefusedError
 from kvroute.router.tool_calls import ToolCall
 

@@ -30,13 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.router.openai_schema import (
-    ApiError,
-    ChatRequest,
-    Constraint,
-    invalid,
-    tool_constraint,
-)
+from kvroute.router.api_error import ApiError, invalid
+from kvroute.router.openai_schema import ChatRequest, Constraint, tool_constraint
 from kvroute.router.tool_calls import ToolChoice
 
 # Accepted and not used: they change nothing kvroute does (engines cache every prefix; one

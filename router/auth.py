@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter
 from kvroute.core.grpc_util import Received
 from kvroute.core.program_bounds import ProgramBoundsError, program_bounds
 from kvroute.core.tls import CheckingInterceptor
-from kvroute.router.openai_schema import ApiError
+from kvroute.router.api_error import ApiError
 
 log = logging.getLogger("kvroute.router.auth")
 

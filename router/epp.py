@@ -58,6 +58,7 @@ from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
 from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as ep_grpc,
 )
+from kvroute.router.api_error import ApiError, refusal_error
 from kvroute.router.app import RouterApp
 from kvroute.router.decide import Decision
 from kvroute.router.epp_protocol import (
@@ -71,7 +72,6 @@ from kvroute.router.epp_protocol import (
 from kvroute.router.http_body import decode_body
 from kvroute.router.http_front import HttpFront
 from kvroute.router.lifecycle import Stay
-from kvroute.router.openai_schema import ApiError, refusal_error
 from kvroute.router.refusal import RefusedError, UnavailableError
 from kvroute.router.registry import WorkerInfo
 from kvroute.router.server import RouterService

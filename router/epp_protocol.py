@@ -18,7 +18,7 @@ from kvroute.envoy_api.envoy.service.ext_proc.v3 import (
     external_processor_pb2 as ep,
 )
 from kvroute.envoy_api.envoy.type.v3 import http_status_pb2
-from kvroute.router.openai_schema import ApiError
+from kvroute.router.api_error import ApiError
 
 DESTINATION = "x-gateway-destination-endpoint"
 FALLBACK = "x-gateway-destination-endpoint-fallback"

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-from kvroute.router.openai_schema import ApiError
+from kvroute.router.api_error import ApiError
 
 # A JSON escape of a UTF-16 surrogate: only a body holding one can decode to a lone one
 # (raw UTF-8 cannot encode them; a valid pair decodes to one character).

@@ -32,13 +32,13 @@ from kvroute.core.tls import ServerContext, TlsConfig, TlsError
 from kvroute.core.tokenizer import Tokenizer
 from kvroute.router.anthropic_api import MESSAGES_PATH, MessagesApi
 from kvroute.router.anthropic_schema import error_body
+from kvroute.router.api_error import ApiError, refusal_error
 from kvroute.router.auth import CHARGE_MORE
 from kvroute.router.http_body import decode_body
 from kvroute.router.http_guard import ConnectionGuard
 from kvroute.router.http_jobs import Choice, FrontModel, Generator, Job, Served
 from kvroute.router.openai_api import OpenAIApi
 from kvroute.router.openai_schema import (
-    ApiError,
     ChatRequest,
     CompletionRequest,
     Generation,
@@ -46,7 +46,6 @@ from kvroute.router.openai_schema import (
     generate_request,
     parse_chat,
     parse_completion,
-    refusal_error,
 )
 from kvroute.router.refusal import RefusedError
 from kvroute.router.tool_calls import ToolChoice, ToolFormat, ToolStream, tool_format

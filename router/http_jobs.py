@@ -13,12 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvroute.core.tokenizer import Tokenizer
-from kvroute.router.openai_schema import (
-    STOP_CAPTURE,
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-)
+from kvroute.router.api_error import ApiError
+from kvroute.router.openai_schema import STOP_CAPTURE, ChatRequest, CompletionRequest
 from kvroute.router.refusal import RefusedError
 from kvroute.router.tool_calls import ToolCall, ToolFormat, ToolStream, split
 from kvroute.v1 import common_pb2, program_pb2

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvroute.router.api_error import ApiError, refusal_error
 from kvroute.router.http_jobs import (
     Choice,
     Front,
@@ -29,13 +30,7 @@ from kvroute.router.http_jobs import (
     reply_end,
     run,
 )
-from kvroute.router.openai_schema import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    Generation,
-    refusal_error,
-)
+from kvroute.router.openai_schema import ChatRequest, CompletionRequest, Generation
 from kvroute.router.refusal import RefusedError
 from kvroute.router.tool_calls import ToolCall
 

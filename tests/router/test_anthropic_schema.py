@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.demo.openai_model import write_byte_model
 from kvroute.router.anthropic_schema import error_body, parse_messages
-from kvroute.router.openai_schema import ApiError, parse_chat
+from kvroute.router.api_error import ApiError
+from kvroute.router.openai_schema import parse_chat
 
 QWEN = Path(__file__).parents[2] / "kvroute" / "demo" / "qwen2.5-instruct.jinja"
 

@@ -105,7 +105,7 @@ def test_usage_is_read_from_json_and_from_events_split_across_chunks() -> None:
 
 
 def test_an_immediate_response_carries_the_status_and_openais_error() -> None:
-    from kvroute.router.openai_schema import ApiError
+    from kvroute.router.api_error import ApiError
 
     resp = epp_protocol.immediate(ApiError(404, "no such model", param="model",
                                            code="model_not_found"))

@@ -12,14 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvroute.router.api_error import ApiError, refusal_error
 from kvroute.router.openai_schema import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
-    ApiError,
     generate_request,
     parse_chat,
     parse_completion,
-    refusal_error,
 )
 from kvroute.router.refusal import (
     InvalidError,
