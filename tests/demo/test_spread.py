@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvroute.demo.run import PolicyReport, comparison_table
+from kvroute.demo.report import PolicyReport, comparison_table
 from kvroute.demo.spread import RatioSpread, Verdict
 from kvroute.demo.workload import Summary
 
