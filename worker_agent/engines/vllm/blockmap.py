@@ -25,6 +25,8 @@ Cache salt (what seeds the chain at a root block, ``parent_block_hash is None``)
   (and every block chained after it) is **opaque**: it is tracked, so removals and children
   resolve, but never published, because no kvroute request (token ids only) can hit it.
   Releases before ``lora_name`` existed mark any ``lora_id`` opaque (the adapter is unknown).
+* SGLang names the salt in the event (``cache_salt``): salt = that string (or its
+  ``adapter_salt`` for another LoRA adapter, as above).
 * releases before ``extra_keys`` existed (0.10.2, the oldest supported, among them) carry no
   cache salt: salted blocks get the unsalted key (the router may over-predict a hit for an
   unsalted prompt; the engine still isolates).
@@ -259,6 +261,8 @@ class BlockMap:
         """The cache salt seeding a root block's chain; None if the block is opaque."""
         if not self._lora_ok(ev):
             return None
+        if ev.cache_salt is not None:  # SGLang's, named in the event
+            return self._adapter_salt(ev, ev.cache_salt)
         if not ev.extra_keys or not ev.extra_keys[0]:
             return self._adapter_salt(ev, "")
         salt = ""

@@ -31,6 +31,14 @@ wheels on PyPI; the tests run each release's own publisher). What goes over the 
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the low 64 bits of vLLM's hash) or bytes (``=0``:
   the whole digest).
 
+SGLang's publisher (``sglang/srt/disaggregation/kv_events.py``, 0.5.1 and 0.5.23 from their
+wheels) is a copy of vLLM's design and decodes here too: ``[topic, seq, payload]`` frames and
+replay replies with the topic frame; ``EventBatch(ts, events, attn_dp_rank=None)`` as an
+array; events as arrays with vLLM's first five ``BlockStored`` fields (0.5.1) or as tagged
+maps that add ``medium`` (``GPU``, ``CPU_PINNED`` for HiCache, ``DISK``, ``EXTERNAL``),
+``cache_salt``, ``session_id`` and ``lora_name`` (0.5.23). Its ``cache_salt`` is read
+(:attr:`Stored.cache_salt`); the other fields it adds are ignored.
+
 An unknown event tag is skipped and counted (a newer vLLM may add events); anything else that
 does not fit raises :class:`FrameError` with a short ``reason`` (a metric label) and detail.
 """
@@ -77,6 +85,7 @@ class Stored:
     lora_name: str | None = None
     extra_keys: list[Any] | None = None  # one entry (list or None) per block
     group_idx: int | None = None
+    cache_salt: str | None = None  # SGLang names the salt itself (vLLM: in extra_keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +286,7 @@ def _stored(f: dict[str, Any]) -> Stored:
         lora_name=_opt(f.get("lora_name"), str, "lora_name"),
         extra_keys=list(extra) if extra is not None else None,
         group_idx=_opt(f.get("group_idx"), int, "group_idx"),
+        cache_salt=_opt(f.get("cache_salt"), str, "cache_salt"),
     )
 
 
