@@ -84,34 +84,47 @@ class ApiKey:
 
     @classmethod
     def parse(cls, rec: object, where: str) -> ApiKey:
-        if not isinstance(rec, Mapping):
-            raise KeysFileError(f"{where}: a key record must be a mapping, got "
-                                f"{type(rec).__name__}")
-        unknown = set(rec) - _FIELDS
-        if unknown:
-            raise KeysFileError(f"{where}: unknown fields {sorted(map(str, unknown))} "
-                                f"(known: {sorted(_FIELDS)})")
-        name, digest = rec.get("name"), rec.get("sha256")
-        if not isinstance(name, str) or not name or len(name) > 200:
-            raise KeysFileError(f"{where}: name must be a non-empty string (<= 200 characters)")
-        if not isinstance(digest, str) or not _HEX64.fullmatch(digest.lower()):
-            raise KeysFileError(f"{where} ({name}): sha256 must be 64 hex digits (the key's "
-                                "hash, as `kvroute keys hash` prints it), not the key itself")
+        name, digest = _identity(rec, where)
+        assert isinstance(rec, Mapping)
         models = rec.get("models", [])
         if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
             raise KeysFileError(f"{where} ({name}): models must be a list of model names")
-        rate, burst = rec.get("rate", 0), rec.get("burst", 0)
-        for fname, v in (("rate", rate), ("burst", burst)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not \
-                    (math.isfinite(v) and 0 <= v <= MAX_RATE):
-                raise KeysFileError(f"{where} ({name}): {fname} must be a number in "
-                                    f"[0, {MAX_RATE:g}], got {v!r}")
-        if burst and not rate:
-            raise KeysFileError(f"{where} ({name}): burst needs a rate")
-        if rate and burst and burst < 1:
-            raise KeysFileError(f"{where} ({name}): burst must be at least 1")
-        return cls(name, digest.lower(), frozenset(models), float(rate),
-                   float(burst or max(1.0, rate)))
+        rate, burst = _limits(rec, f"{where} ({name})")
+        return cls(name, digest.lower(), frozenset(models), rate, burst or max(1.0, rate))
+
+
+def _identity(rec: object, where: str) -> tuple[str, str]:
+    """A key record's name and hash, its fields checked."""
+    if not isinstance(rec, Mapping):
+        raise KeysFileError(f"{where}: a key record must be a mapping, got "
+                            f"{type(rec).__name__}")
+    unknown = set(rec) - _FIELDS
+    if unknown:
+        raise KeysFileError(f"{where}: unknown fields {sorted(map(str, unknown))} "
+                            f"(known: {sorted(_FIELDS)})")
+    name, digest = rec.get("name"), rec.get("sha256")
+    if not isinstance(name, str) or not name or len(name) > 200:
+        raise KeysFileError(f"{where}: name must be a non-empty string (<= 200 characters)")
+    if not isinstance(digest, str) or not _HEX64.fullmatch(digest.lower()):
+        raise KeysFileError(f"{where} ({name}): sha256 must be 64 hex digits (the key's "
+                            "hash, as `kvroute keys hash` prints it), not the key itself")
+    return name, digest
+
+
+def _limits(rec: Mapping[str, object], where: str) -> tuple[float, float]:
+    """A key record's rate and burst (0: unlimited, and the rate's default)."""
+    rate, burst = rec.get("rate", 0), rec.get("burst", 0)
+    for fname, v in (("rate", rate), ("burst", burst)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not \
+                (math.isfinite(v) and 0 <= v <= MAX_RATE):
+            raise KeysFileError(f"{where}: {fname} must be a number in "
+                                f"[0, {MAX_RATE:g}], got {v!r}")
+    assert isinstance(rate, (int, float)) and isinstance(burst, (int, float))
+    if burst and not rate:
+        raise KeysFileError(f"{where}: burst needs a rate")
+    if rate and burst and burst < 1:
+        raise KeysFileError(f"{where}: burst must be at least 1")
+    return float(rate), float(burst)
 
 
 def parse_keys(text: str, where: str) -> dict[str, ApiKey]:

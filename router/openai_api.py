@@ -151,74 +151,99 @@ class OpenAIApi:
         a choice's last chunk its finish_reason; with include_usage every chunk has
         ``usage: null`` and a last chunk has the usage and no choices. The prompts of a
         batched completion run one after another."""
-        rid = jobs[0].served.request_id
-        base = {"id": ("chatcmpl-" if chat else "cmpl-") + rid,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": g.model}
-        resp: web.StreamResponse | None = None
-
-        async def send(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None,
-                       raw: dict[str, Any] | None = None) -> None:
-            assert resp is not None
-            if raw is None:
-                raw = {**base, "choices": [choice] if choice is not None else []}
-                if g.include_usage:
-                    raw["usage"] = usage
-            await resp.write(b"data: " + json.dumps(raw).encode() + b"\n\n")
-
-        def chunk(c: Choice, text: str, finish: str | None, first: bool = False,
-                  lp: dict[str, Any] | None = None) -> dict[str, Any]:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": text} if first \
-                    else ({"content": text} if text else {})
-                return {"index": c.index, "delta": delta, "logprobs": lp,
-                        "finish_reason": finish}
-            return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
-
+        sse = _Chunks(request, g, jobs[0].served.request_id, chat)
         for n, job in enumerate(jobs):
             try:
                 # aclosing: a failed write (the client gone) ends the generation now.
                 async with contextlib.aclosing(run(self._front.ready(), job)) as events:
                     async for kind, c in events:
                         if kind == "start":
-                            if resp is None:
-                                resp = web.StreamResponse(headers={
-                                    "content-type": "text/event-stream",
-                                    "cache-control": "no-cache", **self._front.headers([job])})
-                                await resp.prepare(request)
-                            if chat:
-                                for ch in job.choices:
-                                    await send(chunk(ch, "", None, first=True))
-                            continue
-                        assert c is not None
-                        if kind == "delta":
-                            text = reply_delta(c, job.model)
-                            if text:
-                                await send(chunk(c, text, None))
-                        elif kind == "done":
-                            text, calls = reply_end(c, job.model)  # the last tokens' text
+                            await sse.start(job, self._front.headers([job]))
+                        elif kind == "delta":
+                            assert c is not None
+                            await sse.text(c, reply_delta(c, job.model))
+                        else:
+                            assert c is not None
                             lp = self._logprobs(c, chat, job.model) if g.logprobs else None
-                            if text or lp:
-                                await send(chunk(c, text, None, lp=lp))
-                            if calls:
-                                await send({"index": c.index, "delta": {"tool_calls": [
-                                    {"index": k, **tool_call(t)} for k, t in enumerate(calls)]},
-                                    "logprobs": None, "finish_reason": None})
-                            await send(chunk(c, "", finish(c, calls)))
+                            await sse.end(c, *reply_end(c, job.model), lp)
             except RefusedError as exc:
                 err = refusal_error(exc, param, g.program_params)
-                if resp is None:
-                    if n == 0:
-                        raise err from None
-                    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-                    await resp.prepare(request)
-                # Tokens were sent: the error is the stream's last event (vLLM's way).
-                await send(None, raw=err.body())
-                await resp.write(b"data: [DONE]\n\n")
-                return resp
-        assert resp is not None
-        if g.include_usage:
-            await send(None, usage=self._usage(jobs))
+                if sse.resp is None and n == 0:
+                    raise err from None
+                return await sse.fail(err)  # tokens were sent: the stream's last event
+        return await sse.close(self._usage(jobs) if g.include_usage else None)
+
+
+class _Chunks:
+    """One response's OpenAI chunks as server-sent events."""
+
+    def __init__(self, request: web.Request, g: Generation, rid: str, chat: bool) -> None:
+        self._request, self._g, self._chat = request, g, chat
+        self._base = {"id": ("chatcmpl-" if chat else "cmpl-") + rid,
+                      "object": "chat.completion.chunk" if chat else "text_completion",
+                      "created": int(time.time()), "model": g.model}
+        self.resp: web.StreamResponse | None = None
+
+    async def _open(self, headers: dict[str, str]) -> web.StreamResponse:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={
+                "content-type": "text/event-stream", "cache-control": "no-cache", **headers})
+            await self.resp.prepare(self._request)
+        return self.resp
+
+    async def _send(self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None,
+                    raw: dict[str, Any] | None = None) -> None:
+        assert self.resp is not None
+        if raw is None:
+            raw = {**self._base, "choices": [choice] if choice is not None else []}
+            if self._g.include_usage:
+                raw["usage"] = usage
+        await self.resp.write(b"data: " + json.dumps(raw).encode() + b"\n\n")
+
+    def _chunk(self, c: Choice, text: str, finish: str | None, first: bool = False,
+               lp: dict[str, Any] | None = None) -> dict[str, Any]:
+        if not self._chat:
+            return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first \
+            else ({"content": text} if text else {})
+        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    async def start(self, job: Job, headers: dict[str, str]) -> None:
+        """A job's first response: the stream opens (at the first job), each chat choice's
+        role goes."""
+        await self._open(headers)
+        if self._chat:
+            for ch in job.choices:
+                await self._send(self._chunk(ch, "", None, first=True))
+
+    async def text(self, c: Choice, text: str) -> None:
+        if text:
+            await self._send(self._chunk(c, text, None))
+
+    async def end(self, c: Choice, text: str, calls: Sequence[ToolCall],
+                  lp: dict[str, Any] | None) -> None:
+        """A choice's end: its last text (and log-probabilities), its tool calls, its
+        finish reason."""
+        if text or lp:
+            await self._send(self._chunk(c, text, None, lp=lp))
+        if calls:
+            await self._send({"index": c.index, "delta": {"tool_calls": [
+                {"index": k, **tool_call(t)} for k, t in enumerate(calls)]},
+                "logprobs": None, "finish_reason": None})
+        await self._send(self._chunk(c, "", finish(c, calls)))
+
+    async def fail(self, err: ApiError) -> web.StreamResponse:
+        """The error as the stream's last event (vLLM's way), then [DONE]."""
+        resp = await self._open({})
+        await self._send(None, raw=err.body())
         await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
         return resp
+
+    async def close(self, usage: dict[str, Any] | None) -> web.StreamResponse:
+        """The usage chunk (with include_usage), then [DONE]."""
+        assert self.resp is not None
+        if usage is not None:
+            await self._send(None, usage=usage)
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()
+        return self.resp

@@ -206,42 +206,50 @@ COMPLETION_FIELDS = _COMMON | {"prompt"}
 
 
 def _constraint(body: Mapping[str, Any]) -> Constraint | None:
+    """``response_format`` or vLLM's ``structured_outputs`` (not both)."""
     rf = _object(body, "response_format")
     so = _object(body, "structured_outputs")
     if rf is not None and so is not None:
         raise invalid("structured_outputs", "give response_format or structured_outputs, "
                       "not both")
     if rf is not None:
-        kind = rf.get("type")
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return Constraint("json_schema", json.dumps({"type": "object"}))
-        if kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise invalid("response_format", "json_schema needs a \"json_schema\" object "
-                              "with a \"schema\" object")
-            return Constraint("json_schema", json.dumps(spec["schema"]))
-        raise invalid("response_format", f"type {json.dumps(kind)}: expected \"text\", "
-                      "\"json_object\" or \"json_schema\"")
-    if so is not None:
-        given = {k: v for k, v in so.items() if v is not None}
-        if len(given) != 1:
-            raise invalid("structured_outputs", "give exactly one of json, regex, choice, "
-                          "grammar")
-        (kind, v), = given.items()
-        if kind == "json" and isinstance(v, (dict, str)):
-            return Constraint("json_schema", v if isinstance(v, str) else json.dumps(v), SO)
-        if kind == "regex" and isinstance(v, str):
-            return Constraint("regex", v, SO)
-        if kind == "grammar" and isinstance(v, str):
-            return Constraint("lark", v, SO)
-        if kind == "choice" and isinstance(v, list) and v and all(isinstance(c, str) for c in v):
-            return Constraint("choices", tuple(v), SO)
-        raise invalid("structured_outputs", f"{kind}: expected json (an object), regex or "
-                      "grammar (a string) or choice (a list of strings)")
-    return None
+        return _response_format(rf)
+    return _structured_outputs(so) if so is not None else None
+
+
+def _response_format(rf: Mapping[str, Any]) -> Constraint | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_schema", json.dumps({"type": "object"}))
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise invalid("response_format", "json_schema needs a \"json_schema\" object "
+                          "with a \"schema\" object")
+        return Constraint("json_schema", json.dumps(spec["schema"]))
+    raise invalid("response_format", f"type {json.dumps(kind)}: expected \"text\", "
+                  "\"json_object\" or \"json_schema\"")
+
+
+def _structured_outputs(so: Mapping[str, Any]) -> Constraint:
+    given = {k: v for k, v in so.items() if v is not None}
+    if len(given) != 1:
+        raise invalid("structured_outputs", "give exactly one of json, regex, choice, "
+                      "grammar")
+    (kind, v), = given.items()
+    if kind == "json" and isinstance(v, (dict, str)):
+        return Constraint("json_schema", v if isinstance(v, str) else json.dumps(v), SO)
+    if kind in _TEXT_CONSTRAINTS and isinstance(v, str):
+        return Constraint(_TEXT_CONSTRAINTS[kind], v, SO)
+    if kind == "choice" and isinstance(v, list) and v and all(isinstance(c, str) for c in v):
+        return Constraint("choices", tuple(v), SO)
+    raise invalid("structured_outputs", f"{kind}: expected json (an object), regex or "
+                  "grammar (a string) or choice (a list of strings)")
+
+
+_TEXT_CONSTRAINTS = {"regex": "regex", "grammar": "lark"}  # field -> kvroute.v1.Constraint's
 
 
 def _top_k(body: Mapping[str, Any]) -> int | None:
@@ -398,24 +406,33 @@ def parse_completion(body: Any, max_generations: int = MAX_N) -> CompletionReque
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
         check_generations(len(prompt), common.get("n") or 1, max_generations)
-    prompts: list[str | list[int]]
+    prompts = _prompts(prompt)
+    lp = _int(body, "logprobs", 0, 5)
+    if lp is not None:
+        common["logprobs"] = True
+    return CompletionRequest(**common, prompts=prompts)
+
+
+def _ids(v: Any) -> bool:
+    """A non-empty list of token ids."""
+    return isinstance(v, list) and bool(v) and all(_is_int(t) for t in v)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """``prompt``: text, token ids, or a non-empty list of either; each id in uint32."""
     if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts: list[str | list[int]] = [prompt]
+    elif _ids(prompt):
         prompts = [list(prompt)]
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p))
-                  for p in prompt)):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p)
+                                                     for p in prompt):
         prompts = [p if isinstance(p, str) else list(p) for p in prompt]
     else:
         raise invalid("prompt", "required: a string, a list of token ids, or a non-empty "
                       "list of either")
     if any(not 0 <= t < 2**32 for p in prompts if isinstance(p, list) for t in p):
         raise invalid("prompt", "token ids must be in [0, 2**32)")
-    lp = _int(body, "logprobs", 0, 5)
-    if lp is not None:
-        common["logprobs"] = True
-    return CompletionRequest(**common, prompts=prompts)
+    return prompts
 
 
 def check_generations(prompts: int, n: int, limit: int) -> None:
