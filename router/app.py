@@ -99,28 +99,14 @@ class RouterApp:
         self.health_server = HealthPort("", 0)  # --health-port: bound at start
 
     async def start(self, *, wait_for_redis_s: float = 0.0) -> int:
+        """Listen (ports first: a taken one ends the start before anything needs stopping),
+        follow Redis, and serve; the gRPC port."""
         cfg = self.cfg
         self._loop = asyncio.get_running_loop()  # where /debug/mirror reads the mirror
-        # Ports first: a taken one ends the start before anything needs stopping.
         server = new_server(self.tls, api_interceptors(self.keys, [SERVICE], cfg.model.name))
         self.port = bind(server, cfg.listen.host, cfg.listen.port, tls=self.tls)
         self.health_server = HealthPort(cfg.listen.plain_host, cfg.listen.health_port)
-        if cfg.http.port:
-            self.http = HttpFront(cfg, self._tok,
-                                    middlewares=api_middlewares(self.keys, cfg.model.name),
-                                    models={p.name: p.model.tokenizer for p in self.pools},
-                                    adapters=self.adapters)
-            self.http_port = await self.http.bind(cfg.listen.host, cfg.http.port, tls=self.tls)
-            assert self.http.guard is not None
-            self.metrics.registry.register(GuardCollector(self.http.guard))
-        try:
-            self._metrics_http = start_metrics(cfg.listen.metrics_port, cfg.listen.plain_host,
-                                               self.metrics.registry,
-                                               routes={"/debug/mirror": self._debug_mirror})
-        except BaseException:  # a taken metrics port: the HTTP one is not left listening
-            if self.http is not None:
-                await self.http.stop()
-            raise
+        await self._bind_http_and_metrics()
         if len(self.pools) == 1:
             self.metrics.watch(self.mirror)
         else:  # each pool's index and workers, labelled with its model
@@ -131,18 +117,7 @@ class RouterApp:
                               for p in self.pools]
         self._mirror_task = self._mirror_tasks[0]
         if wait_for_redis_s > 0:
-            try:
-                await asyncio.wait_for(asyncio.gather(*(p.mirror.ready.wait()
-                                                        for p in self.pools)), wait_for_redis_s)
-            except TimeoutError:
-                # Why, as the mirror classified it (refused credentials, an ACL, TLS).
-                log.warning(f"redis not ready at start ({self.mirror.last_error or 'no answer'})"
-                            "; routing by load alone for now")
-            if self.discovery is not None:
-                try:
-                    await asyncio.wait_for(self.discovery.ready.wait(), wait_for_redis_s)
-                except TimeoutError:
-                    log.warning("worker pods not listed yet; no traffic until they are")
+            await self._wait_ready(wait_for_redis_s)
         for p in self.pools:
             p.service = RouterService(p.model.cfg, p.decider, p.mirror, p.registry,
                                       self.channels, self.metrics, p.model.tokenizer)
@@ -157,6 +132,46 @@ class RouterApp:
         self._server = server
         await self.health_server.start(self._health)
         await set_serving(self._health, [SERVICE], True)
+        self._log_serving()
+        return self.port
+
+    async def _bind_http_and_metrics(self) -> None:
+        cfg = self.cfg
+        if cfg.http.port:
+            self.http = HttpFront(cfg, self._tok,
+                                  middlewares=api_middlewares(self.keys, cfg.model.name),
+                                  models={p.name: p.model.tokenizer for p in self.pools},
+                                  adapters=self.adapters)
+            self.http_port = await self.http.bind(cfg.listen.host, cfg.http.port, tls=self.tls)
+            assert self.http.guard is not None
+            self.metrics.registry.register(GuardCollector(self.http.guard))
+        try:
+            self._metrics_http = start_metrics(cfg.listen.metrics_port, cfg.listen.plain_host,
+                                               self.metrics.registry,
+                                               routes={"/debug/mirror": self._debug_mirror})
+        except BaseException:  # a taken metrics port: the HTTP one is not left listening
+            if self.http is not None:
+                await self.http.stop()
+            raise
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        """Up to ``timeout_s`` for every pool's mirror (and the pod list, with discovery);
+        the router serves anyway after, by load alone."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.mirror.ready.wait()
+                                                    for p in self.pools)), timeout_s)
+        except TimeoutError:
+            # Why, as the mirror classified it (refused credentials, an ACL, TLS).
+            log.warning(f"redis not ready at start ({self.mirror.last_error or 'no answer'})"
+                        "; routing by load alone for now")
+        if self.discovery is not None:
+            try:
+                await asyncio.wait_for(self.discovery.ready.wait(), timeout_s)
+            except TimeoutError:
+                log.warning("worker pods not listed yet; no traffic until they are")
+
+    def _log_serving(self) -> None:
+        cfg = self.cfg
         native = native_builds()
         log.info("router serving", extra={"kv": {
             "port": self.port, "policy": cfg.policy.name, "model": cfg.model.name,
@@ -168,7 +183,6 @@ class RouterApp:
             log.warning("C builds missing, their pure-Python paths run (same results, several "
                         "times slower per decision; install with a C compiler)",
                         extra={"kv": {"missing": missing}})
-        return self.port
 
     def _debug_mirror(self, query: dict[str, list[str]]) -> object:
         """``/debug/mirror[?keys=1][?workers=0]`` on the metrics port: the mirror's counters

@@ -178,26 +178,28 @@ def _show(n: Node, ctx: str = "top") -> str:
         s = "".join(_show(p, "seq") for p in n.parts)
         return f"({s})" if ctx == "rep" else s
     if isinstance(n, _Alt):
-        others = [o for o in n.options if o is not _EMPTY]
-        s = "|".join(_show(o) for o in others)
-        if len(others) < len(n.options):  # the empty string is one of them
-            s = f"{s}?" if len(others) == 1 and isinstance(others[0], _Chars) else f"({s})?"
-            return f"({s})" if ctx == "rep" else s
-        return f"({s})" if ctx != "top" else s
-    inner = _show(n.node, "rep")
-    if n.lo == 0 and n.hi is None:
-        q = "*"
-    elif n.lo == 1 and n.hi is None:
-        q = "+"
-    elif n.lo == 0 and n.hi == 1:
-        q = "?"
-    elif n.hi is None:
-        q = f"{{{n.lo},}}"
-    elif n.lo == n.hi:
-        q = f"{{{n.lo}}}"
-    else:
-        q = f"{{{n.lo},{n.hi}}}"
-    return f"({inner}{q})" if ctx == "rep" else inner + q
+        return _show_alt(n, ctx)
+    inner = _show(n.node, "rep") + _quantifier(n.lo, n.hi)
+    return f"({inner})" if ctx == "rep" else inner
+
+
+def _show_alt(n: _Alt, ctx: str) -> str:
+    others = [o for o in n.options if o is not _EMPTY]
+    s = "|".join(_show(o) for o in others)
+    if len(others) < len(n.options):  # the empty string is one of them
+        s = f"{s}?" if len(others) == 1 and isinstance(others[0], _Chars) else f"({s})?"
+        return f"({s})" if ctx == "rep" else s
+    return f"({s})" if ctx != "top" else s
+
+
+def _quantifier(lo: int, hi: int | None) -> str:
+    """``{lo,hi}`` in its shortest form (``*``, ``+``, ``?``)."""
+    short = {(0, None): "*", (1, None): "+", (0, 1): "?"}.get((lo, hi))
+    if short is not None:
+        return short
+    if hi is None:
+        return f"{{{lo},}}"
+    return f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
 
 
 _CATEGORIES = {

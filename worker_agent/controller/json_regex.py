@@ -115,6 +115,22 @@ def _naturals(lo: int, hi: int | None) -> list[str]:
 def _integers(schema: Mapping[str, Any], where: str) -> str:
     """The integers within the schema's bounds (none: every integer, ``-0`` too, as the
     matcher takes it); bounds as the matcher reads them, ``-0`` left out of a bounded range."""
+    lo, hi = _integer_bounds(schema, where)
+    if lo is None and hi is None:
+        return _INTEGER
+    if lo is not None and hi is not None and hi < lo:
+        raise UnsupportedError(f"{where}: no integer lies within its bounds")
+    out: list[str] = []
+    if lo is None or lo < 0:  # the negative part, -1 down to lo: "-" and 1 .. -lo
+        neg_hi = -1 if hi is None or hi >= 0 else hi
+        out += ["-" + r for r in _naturals(-neg_hi, None if lo is None else -lo)]
+    if hi is None or hi >= 0:
+        out += _naturals(max(lo or 0, 0), hi)
+    return _group(out)
+
+
+def _integer_bounds(schema: Mapping[str, Any], where: str) -> tuple[int | None, int | None]:
+    """The least and greatest integer the schema's (exclusive) minimum and maximum allow."""
     lo: int | None = None
     hi: int | None = None
     for key in _BOUNDS:
@@ -129,17 +145,7 @@ def _integers(schema: Mapping[str, Any], where: str) -> str:
         else:
             b = math.floor(v) if key == "maximum" else math.ceil(v) - 1
             hi = b if hi is None else min(hi, b)
-    if lo is None and hi is None:
-        return _INTEGER
-    if lo is not None and hi is not None and hi < lo:
-        raise UnsupportedError(f"{where}: no integer lies within its bounds")
-    out: list[str] = []
-    if lo is None or lo < 0:  # the negative part, -1 down to lo: "-" and 1 .. -lo
-        neg_hi = -1 if hi is None or hi >= 0 else hi
-        out += ["-" + r for r in _naturals(-neg_hi, None if lo is None else -lo)]
-    if hi is None or hi >= 0:
-        out += _naturals(max(lo or 0, 0), hi)
-    return _group(out)
+    return lo, hi
 
 
 def _repeat(unit: str, lo: int, hi: int | None) -> str:
