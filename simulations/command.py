@@ -136,15 +136,23 @@ def prepare(args: argparse.Namespace) -> Setup | None:
                          "--capacity-blocks")
     base_rps = len(trace.requests) / max(trace.duration_s, 1e-9)
     capacity = capacity_rps(trace, args.workers, cap, cost)
-    print(f"trace {trace.source}: {len(trace.requests)} requests over {trace.duration_s:.0f} s "
-          f"({base_rps:.2f} req/s), block {trace.block_size} tokens; cluster: {args.workers} "
-          f"workers x {cap} blocks; capacity ~{capacity:.2f} req/s", flush=True)
-    if trace.warmup:
-        print(f"warm-up: the first {trace.warmup} requests run but are not measured "
-              f"({len(trace.measured)} are)", flush=True)
     replies = trace.reply_keys()
     n_replies = sum(1 for r in replies if r)
     reply_tokens = sum(map(len, replies)) * trace.block_size
+    _describe(trace, spec, args, base_rps, capacity, n_replies, reply_tokens)
+    return Setup(trace, spec, base_rps, capacity, n_replies, reply_tokens)
+
+
+def _describe(trace: Trace, spec: ClusterSpec, args: argparse.Namespace, base_rps: float,
+              capacity: float, n_replies: int, reply_tokens: int) -> None:
+    """What is replayed, on what cluster, behind what router."""
+    print(f"trace {trace.source}: {len(trace.requests)} requests over {trace.duration_s:.0f} s "
+          f"({base_rps:.2f} req/s), block {trace.block_size} tokens; cluster: {args.workers} "
+          f"workers x {spec.capacity_blocks} blocks; capacity ~{capacity:.2f} req/s",
+          flush=True)
+    if trace.warmup:
+        print(f"warm-up: the first {trace.warmup} requests run but are not measured "
+              f"({len(trace.measured)} are)", flush=True)
     n_next = sum(1 for j in trace.continuations() if j >= 0)
     print(f"replies: {n_replies} requests' replies are continued by a later prompt "
           f"({reply_tokens} tokens; cached where generated, as engines cache them)"
@@ -165,7 +173,6 @@ def prepare(args: argparse.Namespace) -> Setup | None:
               f"traffic in heartbeats every {spec.heartbeat_s * 1000:g} ms"
               + (f" and their decisions after {args.propagation_ms:g} ms (--share-inflight)"
                  if spec.share_inflight else " only (no --share-inflight)"), flush=True)
-    return Setup(trace, spec, base_rps, capacity, n_replies, reply_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -378,34 +378,38 @@ def jittered_from_json(data: object, where: str) -> list[Jittered]:
     """The inverse of :func:`jittered_to_json`, checked: ``where`` names the data in errors."""
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{where}: expected an object of policy -> list of metrics rows")
-    names = {f.name for f in fields(PolicyMetrics)}
-    required = {f.name for f in fields(PolicyMetrics) if f.default is MISSING}
     rows = []
-    # Written before a field was dropped: KV fetched from other workers, replays no more.
-    retired = {"fetched_ratio"}
     for policy, runs in data.items():
         if not isinstance(runs, list) or not runs:
             raise ValueError(f"{where}: {policy}: expected a non-empty list of metrics rows")
-        parsed = []
-        for i, row in enumerate(runs):
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: {policy}: row {i} is not an object")
-            row = {k: v for k, v in row.items() if k not in retired}
-            if bad := set(row) - names:
-                raise ValueError(f"{where}: {policy}: row {i}: unknown fields "
-                                 f"{', '.join(sorted(bad))}")
-            if missing := required - set(row):
-                raise ValueError(f"{where}: {policy}: row {i}: missing fields "
-                                 f"{', '.join(sorted(missing))}")
-            if not all(type(x) in (int, float) for k, x in row.items() if k != "policy"):
-                raise ValueError(f"{where}: {policy}: row {i}: every metric must be a number")
-            if row.get("policy") != policy:
-                raise ValueError(f"{where}: row {i} of {policy} is {row.get('policy')!r}'s")
-            parsed.append(PolicyMetrics(**row))
-        rows.append(Jittered(policy, tuple(parsed)))
+        rows.append(Jittered(policy, tuple(_metrics_row(row, f"{where}: {policy}: row {i}",
+                                                        policy)
+                                           for i, row in enumerate(runs))))
     if len({len(j.runs) for j in rows}) != 1:
         raise ValueError(f"{where}: the policies were not replayed at the same jitters")
     return rows
+
+
+_RETIRED = frozenset({"fetched_ratio"})
+"""Written before a field was dropped (KV fetched from other workers: replays no more)."""
+
+
+def _metrics_row(row: object, where: str, policy: str) -> PolicyMetrics:
+    """One policy's metrics row, checked."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where} is not an object")
+    row = {k: v for k, v in row.items() if k not in _RETIRED}
+    names = {f.name for f in fields(PolicyMetrics)}
+    required = {f.name for f in fields(PolicyMetrics) if f.default is MISSING}
+    if bad := set(row) - names:
+        raise ValueError(f"{where}: unknown fields {', '.join(sorted(bad))}")
+    if missing := required - set(row):
+        raise ValueError(f"{where}: missing fields {', '.join(sorted(missing))}")
+    if not all(type(x) in (int, float) for k, x in row.items() if k != "policy"):
+        raise ValueError(f"{where}: every metric must be a number")
+    if row.get("policy") != policy:
+        raise ValueError(f"{where} is {row.get('policy')!r}'s")
+    return PolicyMetrics(**row)
 
 
 def matched_to_json(matched: Sequence[Matched]) -> list[dict[str, object]]:

@@ -75,38 +75,44 @@ def measure(res: ReplayResult) -> PolicyMetrics:
     if np.isnan(ttft).any() or np.isnan(e2e).any():
         raise RuntimeError(f"{res.policy}: some requests never completed")
     prompt = sum(r.prompt_tokens for r in reqs)
-    cached = sum(r.cached_tokens for r in reqs)
     first = min(r.arrival_s for r in reqs)
-    span = max(r.finished_s for r in reqs) - first
-    sending = max(r.arrival_s for r in reqs) - first
     missed = missed_hits(res)[res.warmup:]
-    # What each worker prefilled for these requests and the copies their routing made (a
-    # request's uncached prompt tokens: a worker computes nothing else).
-    by_worker = dict.fromkeys((w.name for w in res.workers), 0)
     copies = res.measured_copies
-    for r in (*reqs, *copies):
-        by_worker[r.worker] += r.prompt_tokens - r.cached_tokens
-    prefilled = np.array(list(by_worker.values()), dtype=float)
     waited = [r.waited_s for r in reqs if r.waited_s > 0]
     tail = tail_of(reqs, ttft, res.workers[0].cost) if res.workers else Tail(0, 0.0, 0, 0)
     return PolicyMetrics(
-        policy=res.policy, requests=len(reqs), hit_ratio=cached / prompt,
+        policy=res.policy, requests=len(reqs),
+        hit_ratio=sum(r.cached_tokens for r in reqs) / prompt,
         ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
         ttft_p99_s=float(np.percentile(ttft, 99)), e2e_mean_s=float(e2e.mean()),
         e2e_p99_s=float(np.percentile(e2e, 99)),
-        throughput_rps=len(reqs) / span if span > 0 else math.inf,
-        imbalance=float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0,
-        wall_s=res.wall_s,
+        throughput_rps=_per_s(len(reqs), max(r.finished_s for r in reqs) - first),
+        imbalance=_imbalance(res), wall_s=res.wall_s,
         moved_ratio=sum(r.moved_tokens for r in reqs) / prompt,
         inflight_ratio=sum(m.flight for m in missed) / prompt,
         stale_ratio=sum(m.stale for m in missed) / prompt,
         evicted_ratio=sum(m.evicted for m in missed) / prompt,
         waited_ratio=len(waited) / len(reqs),
         waited_mean_s=float(np.mean(waited)) if waited else 0.0,
-        sent_rps=len(reqs) / sending if sending > 0 else math.inf,
+        sent_rps=_per_s(len(reqs), max(r.arrival_s for r in reqs) - first),
         copied_ratio=sum(c.prompt_tokens - c.cached_tokens for c in copies) / prompt,
         copies=len(copies), tail_requests=tail.requests, tail_own_share=tail.own_share,
         tail_held=tail.held, tail_queued=tail.queued)
+
+
+def _per_s(n: int, span_s: float) -> float:
+    return n / span_s if span_s > 0 else math.inf
+
+
+def _imbalance(res: ReplayResult) -> float:
+    """The busiest worker's prefill over the mean: what each worker prefilled for the
+    measured requests and the copies their routing made (a request's uncached prompt
+    tokens: a worker computes nothing else)."""
+    by_worker = dict.fromkeys((w.name for w in res.workers), 0)
+    for r in (*res.measured, *res.measured_copies):
+        by_worker[r.worker] += r.prompt_tokens - r.cached_tokens
+    prefilled = np.array(list(by_worker.values()), dtype=float)
+    return float(prefilled.max() / prefilled.mean()) if prefilled.mean() else 1.0
 
 
 class Tail(NamedTuple):

@@ -225,12 +225,10 @@ def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]],
     for name in rows[loads[0]]:
         for ax, field in ((a1, "ttft_mean_s"), (a2, "ttft_p99_s")):
             vals = [getattr(rows[ld][name], field) for ld in loads]
-            yerr = None
-            if jittered is not None:
-                spans = [[getattr(m, field) for m in jittered[ld][name]] for ld in loads]
-                yerr = [[v - min(sp) for v, sp in zip(vals, spans, strict=True)],
-                        [max(sp) - v for v, sp in zip(vals, spans, strict=True)]]
-            ax.errorbar(xs[name], vals, yerr=yerr, marker="o", capsize=3, label=name)
+            spans = None if jittered is None else \
+                [[getattr(m, field) for m in jittered[ld][name]] for ld in loads]
+            ax.errorbar(xs[name], vals, yerr=_bars(vals, spans), marker="o", capsize=3,
+                        label=name)
     if floor is not None:
         summary = floor_summary(floor)
         for ax, key in ((a1, "mean_s"), (a2, "p99_s")):
@@ -244,6 +242,14 @@ def plot_sweep(out: Path, sweep: dict[float, list[PolicyMetrics]],
         ax.grid(alpha=0.3)
     a1.legend(fontsize=8)
     return _save(fig, out / "sweep_ttft.png")
+
+
+def _bars(vals: list[float], spans: list[list[float]] | None) -> list[list[float]] | None:
+    """Error bars from each value down to its span's least and up to its greatest."""
+    if spans is None:
+        return None
+    return [[v - min(sp) for v, sp in zip(vals, spans, strict=True)],
+            [max(sp) - v for v, sp in zip(vals, spans, strict=True)]]
 
 
 def _save(fig, path: Path) -> Path:  # fig: a matplotlib Figure

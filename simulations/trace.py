@@ -28,6 +28,7 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -258,27 +259,37 @@ def parse_line(obj: object, default_block: int, hasher: BlockHasher | None
     out = _int(obj, "output_length", 0)
     program, session = _id(obj, "program"), _id(obj, "session")
     if "hash_ids" in obj:
-        length = _int(obj, "input_length", 1)
-        bs = obj.get("block_size", default_block)
-        if not isinstance(bs, int) or bs <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {bs!r}")
-        ids = obj["hash_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise ValueError("hash_ids must be a list of integers")
-        if len(ids) != math.ceil(length / bs):
-            raise ValueError(f"{len(ids)} hash_ids for input_length {length} at block size "
-                             f"{bs} (expected {math.ceil(length / bs)})")
-        keys = tuple(_hash_id_key(i) for i in ids[: length // bs])
-        return TraceRequest(ts / 1000.0, length, out, keys, program, session), bs
-    if "token_ids" in obj:
-        toks = obj["token_ids"]
-        if not isinstance(toks, list) or not toks or not all(
-                isinstance(t, int) and 0 <= t < 2**32 for t in toks):
-            raise ValueError("token_ids must be a non-empty list of uint32 token ids")
+        length, keys, bs = _hash_ids(obj, default_block)
+    elif "token_ids" in obj:
         assert hasher is not None
-        return TraceRequest(ts / 1000.0, len(toks), out, tuple(hasher.keys(toks)),
-                            program, session), hasher.block_size
-    raise ValueError("needs hash_ids (Mooncake format) or token_ids")
+        length, keys, bs = _token_ids(obj, hasher)
+    else:
+        raise ValueError("needs hash_ids (Mooncake format) or token_ids")
+    return TraceRequest(ts / 1000.0, length, out, keys, program, session), bs
+
+
+def _hash_ids(obj: dict[str, Any], default_block: int) -> tuple[int, tuple[int, ...], int]:
+    """A Mooncake record's prompt: its length, the keys of its full blocks, its block size."""
+    length = _int(obj, "input_length", 1)
+    bs = obj.get("block_size", default_block)
+    if not isinstance(bs, int) or bs <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {bs!r}")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError("hash_ids must be a list of integers")
+    if len(ids) != math.ceil(length / bs):
+        raise ValueError(f"{len(ids)} hash_ids for input_length {length} at block size "
+                         f"{bs} (expected {math.ceil(length / bs)})")
+    return length, tuple(_hash_id_key(i) for i in ids[: length // bs]), bs
+
+
+def _token_ids(obj: dict[str, Any], hasher: BlockHasher) -> tuple[int, tuple[int, ...], int]:
+    """A record of token ids: its length, its block keys (the router's), the block size."""
+    toks = obj["token_ids"]
+    if not isinstance(toks, list) or not toks or not all(
+            isinstance(t, int) and 0 <= t < 2**32 for t in toks):
+        raise ValueError("token_ids must be a non-empty list of uint32 token ids")
+    return len(toks), tuple(hasher.keys(toks)), hasher.block_size
 
 
 def load(path: str | Path, *, strict: bool = False, token_block_size: int = DEFAULT_BLOCK_SIZE,

@@ -69,22 +69,7 @@ def comparison_table(reports: Sequence[PolicyReport]) -> str:
     policies = list(runs)
     repeats = max(len(v) for v in runs.values())
     ratio = "kvroute" in runs and "round_robin" in runs
-    rows: list[tuple[str, list[str], str, str]] = []
-    beyond: list[str] = []
-    noise: list[str] = []
-    for m in METRICS:
-        cells = [m.fmt.format(statistics.median(m.get(r) for r in runs[p])) for p in policies]
-        cell = verdict = ""
-        if ratio and m.compared:
-            spread = RatioSpread.of([(m.get(a), m.get(b)) for a, b in
-                                     zip(runs["kvroute"], runs["round_robin"], strict=True)])
-            cell, verdict = spread.cell(), spread.verdict.value
-            name = m.name.split(" (")[0]
-            if spread.verdict in (Verdict.LOWER, Verdict.HIGHER):
-                beyond.append(f"{name} {spread.verdict.name.lower()} ({spread.median:.2f}x)")
-            elif spread.verdict is Verdict.NOISE:
-                noise.append(name)
-        rows.append((m.name, cells, cell, verdict))
+    rows, beyond, noise = _rows(runs, ratio)
     widths = [max(12, len(p)) for p in policies]
     first = f"median of {repeats}" if repeats > 1 else ""
     head = f"{first:<18}" + "".join(f"{p:>{w + 2}}" for p, w in zip(policies, widths,
@@ -100,17 +85,45 @@ def comparison_table(reports: Sequence[PolicyReport]) -> str:
     lines.append("* share of prompt tokens an earlier request had already computed, on any "
                  "worker:\n  the best any policy can do (new user messages and one-off "
                  "prompts never hit)")
-    if ratio and repeats > 1:
-        lines.append(f"The ratio is kvroute's value over round_robin's in the same repeat: "
-                     f"median (min-max) of {repeats}.\nA ratio is within run-to-run noise "
-                     "when its min-max range crosses 1.00x or its distance from\n1.00x is "
-                     "smaller than that range. The repeats run back to back: a slow spell "
-                     "of the\nmachine that lasts the whole demo is not in the range.")
-        lines.append("Beyond run-to-run noise, kvroute vs round_robin: "
-                     f"{', '.join(beyond) or 'nothing'}.")
-        lines.append(f"Within run-to-run noise (no difference shown): "
-                     f"{', '.join(noise) or 'nothing'}.")
-    elif ratio:
-        lines.append("One repeat gives no estimate of run-to-run noise: run with --repeats 2 "
-                     "or more before reading a difference into the ratios.")
+    if ratio:
+        lines += _reading(repeats, beyond, noise)
     return "\n".join(lines)
+
+
+def _rows(runs: dict[str, list[PolicyReport]], ratio: bool
+          ) -> tuple[list[tuple[str, list[str], str, str]], list[str], list[str]]:
+    """Per metric: its name, each policy's median, and (``ratio``) the kvroute/round_robin
+    spread and verdict; the metrics beyond noise, and those within it."""
+    rows: list[tuple[str, list[str], str, str]] = []
+    beyond: list[str] = []
+    noise: list[str] = []
+    for m in METRICS:
+        cells = [m.fmt.format(statistics.median(m.get(r) for r in rs)) for rs in runs.values()]
+        cell = verdict = ""
+        if ratio and m.compared:
+            spread = RatioSpread.of([(m.get(a), m.get(b)) for a, b in
+                                     zip(runs["kvroute"], runs["round_robin"], strict=True)])
+            cell, verdict = spread.cell(), spread.verdict.value
+            name = m.name.split(" (")[0]
+            if spread.verdict in (Verdict.LOWER, Verdict.HIGHER):
+                beyond.append(f"{name} {spread.verdict.name.lower()} ({spread.median:.2f}x)")
+            elif spread.verdict is Verdict.NOISE:
+                noise.append(name)
+        rows.append((m.name, cells, cell, verdict))
+    return rows, beyond, noise
+
+
+def _reading(repeats: int, beyond: list[str], noise: list[str]) -> list[str]:
+    """How to read the ratios, and what they say."""
+    if repeats <= 1:
+        return ["One repeat gives no estimate of run-to-run noise: run with --repeats 2 "
+                "or more before reading a difference into the ratios."]
+    return [f"The ratio is kvroute's value over round_robin's in the same repeat: "
+            f"median (min-max) of {repeats}.\nA ratio is within run-to-run noise "
+            "when its min-max range crosses 1.00x or its distance from\n1.00x is "
+            "smaller than that range. The repeats run back to back: a slow spell "
+            "of the\nmachine that lasts the whole demo is not in the range.",
+            "Beyond run-to-run noise, kvroute vs round_robin: "
+            f"{', '.join(beyond) or 'nothing'}.",
+            f"Within run-to-run noise (no difference shown): "
+            f"{', '.join(noise) or 'nothing'}."]

@@ -219,7 +219,7 @@ def test_runs_survive_json_and_bad_json_is_named() -> None:
         ({"k": [{x: v for x, v in good["k"][0].items() if x != "hit_ratio"}]},
          "missing fields hit_ratio"),
         ({"k": [{**good["k"][0], "hit_ratio": "high"}]}, "must be a number"),
-        ({"p": good["k"]}, "row 0 of p is 'k'"),
+        ({"p": good["k"]}, "p: row 0 is 'k'"),
         ({"k": good["k"], "p": good["p"][:1]}, "not replayed at the same jitters"),
     ]
     for bad, why in cases:
