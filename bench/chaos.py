@@ -13,7 +13,9 @@ whose router is down, or refuses with nothing sent, sends it to the other one
 * a router is SIGTERMed and started again on the same port;
 * Redis is FLUSHALLed (everything lost while it answers: the agents must notice and rewrite
   their state, the routers must keep every live worker);
-* a second agent is started under a live worker's id (it must refuse to start, exit 1).
+* a second agent is started under a live worker's id (it must refuse to start, exit 1);
+* one agent's snapshot key is deleted (as ``maxmemory`` eviction or a failover that lost
+  writes would lose it): the agent must notice and rewrite it, the routers reload it.
 
 Not done: dropping 1% of feed events. No real way exists without a hook in the agent's
 publisher (test-only logic in production code): routers read the feed as it is written, so
@@ -305,7 +307,9 @@ def schedule(args: argparse.Namespace) -> list[Fault]:
             Fault("router restarted", restart, restart, 2.0),
             # After the restart has healed (its stop and start take ~3 s).
             Fault("redis flushed", restart + 5, restart + 5, 5.0),
-            Fault("duplicate worker id", restart + 6, restart + 6, 2.0)]
+            Fault("duplicate worker id", restart + 6, restart + 6, 2.0),
+            # After the duplicate has been refused (~1 s): a snapshot the agent wrote, lost.
+            Fault("snapshot key lost", restart + 8, restart + 8, 5.0)]
 
 
 async def sleep_until(t0: float, t: float) -> None:
@@ -314,7 +318,7 @@ async def sleep_until(t0: float, t: float) -> None:
 
 async def faults(cl: Cluster, plan: list[Fault], t0: float, outcomes: list[Outcome]) -> None:
     rel = lambda: time.monotonic() - t0  # noqa: E731
-    redis_f, kill_f, stop_f, router_f, flush_f, dup_f = plan
+    redis_f, kill_f, stop_f, router_f, flush_f, dup_f, snap_f = plan
     await sleep_until(t0, redis_f.at)
     cl.redis.proc.send_signal(signal.SIGKILL)
     cl.redis.proc.wait()
@@ -372,6 +376,29 @@ async def faults(cl: Cluster, plan: list[Fault], t0: float, outcomes: list[Outco
     cl.duplicate_refused = code == 1 and "belongs to a live agent" in dup.log_tail(5)
     dup_f.note = (f"{'refused' if cl.duplicate_refused else 'NOT refused'}: exit {code} after "
                   f"{dup_f.healed_at - dup_f.done_at:.1f} s")
+
+    await sleep_until(t0, snap_f.at)
+    snap_f.note = await lose_snapshot(cl.url, "a3", snap_f, rel)
+
+
+async def lose_snapshot(url: str, worker: str, f: Fault, rel: Any, wait_s: float = 15.0) -> str:
+    """Delete ``worker``'s snapshot key and wait for its agent to write it again; the
+    fault's note says after how long (its meta and the routers' view are the divergence
+    check's, at the end)."""
+    key = RedisKeys(MODEL).snapshot(worker)
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.delete(key)
+        f.done_at = rel()
+        deadline = time.monotonic() + wait_s
+        while not await client.exists(key) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        back = bool(await client.exists(key))
+    finally:
+        await client.aclose()
+    f.healed_at = rel()
+    return (f"rewritten after {f.healed_at - f.done_at:.1f} s" if back
+            else f"NOT rewritten within {wait_s:g} s")
 
 
 def parse_blocks(text: str) -> dict[str, int]:
