@@ -26,7 +26,8 @@ import pytest
 from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
 from tests.support import free_port, stop_process
 from tests.worker_agent.engines.vllm.vllm_release import Release, read_release
-from tests.worker_agent.engines.vllm.vllm_wire import REPO, load_kv_events, vllm_sources
+from tests.worker_agent.engines.vllm.vllm_wire import load_kv_events, vllm_sources
+from tests.worker_agent.engines.wheels import REPO
 
 
 @pytest.fixture(scope="session", params=SUPPORTED, ids=lambda v: f"vllm-{v}")

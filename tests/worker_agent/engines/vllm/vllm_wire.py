@@ -27,64 +27,28 @@ vllm==VERSION``; only those files are kept, under ``.cache/vllm-VERSION/`` (giti
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import ipaddress
 import logging
-import os
 import queue
 import re
-import subprocess
-import sys
-import tempfile
 import threading
 import types
-import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import zmq
 
-REPO = Path(__file__).resolve().parents[4]
+from tests.worker_agent.engines.wheels import load_with_stubs, stub, wheel_files
+
 KV_FILES = ("vllm/distributed/kv_events.py", "vllm/config/kv_events.py")
 _KEEP = re.compile(r"vllm/(distributed/kv_events|config/kv_events|sampling_params|v1/request"
                    r"|entrypoints/.*protocol)\.py")
-_COMPLETE = ".kvroute-complete"  # written last: a tree without it is fetched again
 
 
 def vllm_sources(version: str, cache_dir: Path | None = None) -> Path:
     """A directory holding vLLM ``version``'s files (see the module doc); downloads the
     wheel the first time."""
-    env = os.environ.get("KVROUTE_VLLM_SOURCES")
-    if env:
-        root = Path(env) / f"vllm-{version}"
-        if not all((root / f).is_file() for f in KV_FILES):
-            raise RuntimeError(f"KVROUTE_VLLM_SOURCES={env} lacks vllm-{version}/"
-                               f"{{{', '.join(KV_FILES)}}}")
-        return root
-    root = (cache_dir or REPO / ".cache") / f"vllm-{version}"
-    if (root / _COMPLETE).is_file():
-        return root
-    with tempfile.TemporaryDirectory(prefix="vllm-wheel-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", f"vllm=={version}", "-d", tmp]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        wheels = list(Path(tmp).glob("vllm-*.whl"))
-        if res.returncode != 0 or not wheels:
-            raise RuntimeError(
-                f"cannot download the vLLM {version} wheel for its kv_events.py "
-                f"({' '.join(cmd)}): {res.stderr.strip()[-500:]}; set KVROUTE_VLLM_SOURCES to "
-                "a directory of unpacked vllm-VERSION trees to run these tests offline")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            for name in zf.namelist():
-                if _KEEP.fullmatch(name):
-                    dest = root / name
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_bytes(zf.read(name))
-    missing = [f for f in KV_FILES if not (root / f).is_file()]
-    if missing:
-        raise RuntimeError(f"the vLLM {version} wheel lacks {', '.join(missing)}")
-    (root / _COMPLETE).write_text(version)
-    return root
+    return wheel_files("vllm", version, _KEEP, KV_FILES, "KVROUTE_VLLM_SOURCES", cache_dir)
 
 
 def struct(cls: type, **fields: object) -> object:
@@ -93,23 +57,6 @@ def struct(cls: type, **fields: object) -> object:
     values are then dropped (a release that cannot carry them loses them on the wire too)."""
     have = cls.__struct_fields__  # type: ignore[attr-defined]
     return cls(**{k: v for k, v in fields.items() if k in have})
-
-
-def _stub(name: str, **attrs: object) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    mod.__path__ = []  # a package, so submodules resolve
-    for k, v in attrs.items():
-        setattr(mod, k, v)
-    return mod
-
-
-def _exec(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _split_zmq_path(path: str) -> tuple[str, str, str]:
@@ -129,33 +76,24 @@ def load_kv_events(src: Path) -> types.ModuleType:
     """Execute vLLM's ``kv_events.py`` from ``src`` with the stubs above; sys.modules is
     restored afterwards (the returned module keeps what it imported)."""
     stubs = {
-        "vllm": _stub("vllm"),
-        "vllm.config": _stub("vllm.config"),
-        "vllm.config.utils": _stub("vllm.config.utils", config=dataclasses.dataclass),
-        "vllm.logger": _stub("vllm.logger", init_logger=logging.getLogger),
-        "vllm.utils": _stub("vllm.utils"),
-        "vllm.utils.network_utils": _stub(
+        "vllm": stub("vllm"),
+        "vllm.config": stub("vllm.config"),
+        "vllm.config.utils": stub("vllm.config.utils", config=dataclasses.dataclass),
+        "vllm.logger": stub("vllm.logger", init_logger=logging.getLogger),
+        "vllm.utils": stub("vllm.utils"),
+        "vllm.utils.network_utils": stub(
             "vllm.utils.network_utils", get_ip=lambda: "127.0.0.1",
             get_tcp_uri=lambda ip, port: f"tcp://{ip}:{port}",
             is_valid_ipv6_address=_is_ipv6, split_zmq_path=_split_zmq_path),
-        "vllm.v1": _stub("vllm.v1"),
-        "vllm.v1.core": _stub("vllm.v1.core"),
-        "vllm.v1.core.kv_cache_utils": _stub("vllm.v1.core.kv_cache_utils",
+        "vllm.v1": stub("vllm.v1"),
+        "vllm.v1.core": stub("vllm.v1.core"),
+        "vllm.v1.core.kv_cache_utils": stub("vllm.v1.core.kv_cache_utils",
                                              ExternalBlockHash=bytes | int),
-        "vllm.distributed": _stub("vllm.distributed"),
+        "vllm.distributed": stub("vllm.distributed"),
     }
-    names = [*stubs, "vllm.config.kv_events", "vllm.distributed.kv_events"]
-    saved = {n: sys.modules.get(n) for n in names}
-    try:
-        sys.modules.update(stubs)
-        _exec("vllm.config.kv_events", src / "vllm/config/kv_events.py")
-        return _exec("vllm.distributed.kv_events", src / "vllm/distributed/kv_events.py")
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
+    return load_with_stubs(stubs, [
+        ("vllm.config.kv_events", src / "vllm/config/kv_events.py"),
+        ("vllm.distributed.kv_events", src / "vllm/distributed/kv_events.py")])
 
 
 class FrameForwarder:
