@@ -347,6 +347,10 @@ class Kvroute:
         top = longest_cached(query)
         if not rate or not top or query.cached_tokens(worker) < top:
             return None  # no demand, nothing cached, or the request brings it itself
+        if worker not in loads:
+            # The router's loads are its registry's live table: a worker that left it while
+            # the request waited (coalescing) has no load to weigh a copy against.
+            return None
         attn = self.attn
         wait_h = queued_wait(loads[worker], attn)
         copy = own_prefill(top, 0, attn)

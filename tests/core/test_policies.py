@@ -76,6 +76,19 @@ def test_the_router_runs_kvroute_and_two_baselines_never_a_peer() -> None:
         make_policy("llmd")
 
 
+def test_no_copy_is_placed_for_a_worker_that_left_the_loads() -> None:
+    # The router's loads are its registry's live table: the chosen worker may leave it while
+    # the request waits for a coalesced prefill, before the copy is weighed (found by
+    # bench/fuzz.py: a 500 from a KeyError).
+    busy = WorkerLoad(pending_prefill_tokens=8000, running=4)
+    loads = {"a": busy, "b": IDLE}
+    hot = RouteQuery(8192, 16, {"a": 512}, loads, 1, prefix_rate=100.0)
+    policy = Kvroute()
+    assert policy.replica(hot, "a") is not None  # a copy pays while a holds it
+    del loads["a"]
+    assert policy.replica(hot, "a") is None
+
+
 def test_every_policy_ranks_every_worker_and_declares_its_replicas() -> None:
     loads = {f"w{i}": WorkerLoad(running=i) for i in range(5)}
     hot = RouteQuery(1024, 16, {"w3": 8}, loads, 1, prefix_rate=100.0)
