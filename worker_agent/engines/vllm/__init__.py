@@ -9,35 +9,19 @@ vLLM is started with prefix caching and KV events, e.g.::
 and the agent beside it with ``--engine vllm --vllm-url http://127.0.0.1:8000
 --vllm-events tcp://127.0.0.1:5557 --vllm-replay tcp://127.0.0.1:5558 --block-size 16``.
 
-Modules, one job each:
+Modules, one job each (the KV events, the cache view, the load poller and the recovery
+contract are :mod:`..served`'s, shared with SGLang):
 
-* :mod:`.wire` -- frames and msgpack payloads, every released layout
-* :mod:`.blockmap` -- vLLM block hashes -> kvroute keys; what the engine holds
-* :mod:`.subscriber` -- ZMQ SUB + replay, seq tracking, gap healing, resets
 * :mod:`.openai` -- streaming ``/v1/completions`` with token ids
-* :mod:`.prom` -- load from vLLM's ``/metrics``, polled in the background
+* :mod:`.prom` -- load from vLLM's ``/metrics``
 * :mod:`.render_check` -- vLLM's chat rendering (``/tokenize``) against the router's
-* :mod:`.engine` -- :class:`VllmEngine`, the Engine protocol on top of these
+* :mod:`.engine` -- :class:`VllmEngine`, :class:`~..served.engine.EventedEngine` for vLLM
 * :mod:`.versions` -- :data:`SUPPORTED`, the vLLM releases supported (oldest, newest; both
   tested), and what differs between them in the requests
 
-What the router can believe, and for how long (the recovery contract):
-
-* Events reach the agent in ~1 ms; the publisher writes them to Redis in the next batch.
-* A lost batch that vLLM's replay buffer (``buffer_steps``, default 10000 batches) still holds
-  is re-applied in order: no divergence beyond the time to notice (the next frame, or
-  ``probe_s`` of silence).
-* A lost batch past the buffer, or a vLLM restart: the view is **reset** -- ``Op.CLEAR``
-  published, then re-learned from new events. The agent cannot list vLLM's cache, so from the
-  reset until vLLM stores (or, with ``kv_cache_report_mode=full``, which the agent requests
-  while its view is incomplete, reuses) a block again, the router **under-reports** that
-  block. It never reports a block the engine does not hold beyond the propagation delay.
-* vLLM unreachable (``/metrics`` silent for ``down_after_s``): every block is withdrawn at
-  once and :meth:`VllmEngine.healthy` is False, so the agent stops heartbeating until vLLM
-  answers again.
-* Redis restarts and outages are the publisher's (buffer, reconnect, snapshot rewrite under a
-  new epoch from :meth:`VllmEngine.cached_keys`); the mirror falls back to load-only routing
-  while Redis is away.
+What vLLM adds to that contract: after a reset, the agent cannot list vLLM's cache, so
+until vLLM stores (or, with ``kv_cache_report_mode=full``, which the agent requests while its
+view is incomplete, reuses) a block again, the router **under-reports** that block.
 """
 
 from __future__ import annotations

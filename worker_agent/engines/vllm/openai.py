@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from kvroute.core.blocks import split_adapter_salt
-from kvroute.worker_agent.engines.base import EngineError, RequestRefusedError
+from kvroute.worker_agent.engines.base import EngineError, EngineRequest, RequestRefusedError
+from kvroute.worker_agent.engines.served.stream import Chunk, error_text, sse_data
 from kvroute.worker_agent.engines.vllm.versions import StructuredDialect, guided_fields
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -52,16 +52,6 @@ _TOKEN_ID_PREFIX = "token_id:"
 # model's context, a bad parameter): the caller's doing, not the worker's failure.
 _REQUEST_CAUSED = {400: "INVALID_ARGUMENT", 413: "RESOURCE_EXHAUSTED",
                    422: "INVALID_ARGUMENT"}
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None
-    cached_tokens: int | None = None  # from the usage chunk (last)
-    prompt_tokens: int | None = None
-    usage: bool = False  # the final usage chunk
-    logprobs: tuple[float, ...] | None = None  # of token_ids, when asked for
 
 
 _STRUCTURED_KEYS = {"json_schema": "json", "regex": "regex", "lark": "grammar",
@@ -156,10 +146,17 @@ class CompletionsClient:
                               f"{resp.text[:200]!r}, not {{\"version\": ...}}")
         return version
 
-    async def stream(self, request_id: str, **kw: Any) -> AsyncIterator[Chunk]:
+    async def stream(self, request_id: str, request: EngineRequest, *,
+                     constraint: tuple[str, str | Sequence[str]] | None = None,
+                     report_reused: bool = False) -> AsyncIterator[Chunk]:
         """Chunks of one completion; see the module doc."""
+        structured = structured_outputs(*constraint) if constraint is not None else None
         for attempt in range(2):
-            body = self.body(**kw)
+            body = self.body(
+                list(request.token_ids), request.max_tokens, temperature=request.temperature,
+                top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                stop_token_ids=request.stop_token_ids, cache_salt=request.cache_salt,
+                report_reused=report_reused, structured=structured, logprobs=request.logprobs)
             try:
                 async for chunk in self._stream_once(request_id, body, first_try=attempt == 0):
                     yield chunk
@@ -178,11 +175,11 @@ class CompletionsClient:
                                          headers=headers) as resp:
                 if resp.status_code >= 400:
                     text = (await resp.aread()).decode("utf-8", "replace")
-                    message = f"vllm HTTP {resp.status_code}: {_error_text(text)}"
+                    message = f"vllm HTTP {resp.status_code}: {error_text(text)}"
                     if resp.status_code in _REQUEST_CAUSED:  # e.g. longer than the context
                         raise RequestRefusedError(message, _REQUEST_CAUSED[resp.status_code])
                     raise EngineError(message)
-                async for data in _sse_data(resp):
+                async for data in sse_data(resp):
                     if data == "[DONE]":
                         break
                     chunk = self._parse(data, probe=first_try and not yielded)
@@ -242,35 +239,3 @@ def _token_id(tok: str) -> int:
     if not isinstance(tok, str) or not tok.startswith(_TOKEN_ID_PREFIX):
         raise EngineError(f"vllm logprobs token {tok!r} is not token_id:N")
     return int(tok[len(_TOKEN_ID_PREFIX):])
-
-
-def _error_text(text: str) -> str:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return text[:300]
-    if isinstance(obj, dict):
-        err = obj.get("error", obj)
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])[:300]
-        if "message" in obj:
-            return str(obj["message"])[:300]
-    return text[:300]
-
-
-async def _sse_data(resp: httpx.Response) -> AsyncIterator[str]:
-    """The ``data`` of each server-sent event (multi-line data joined with newlines)."""
-    buf: list[str] = []
-    async for line in resp.aiter_lines():
-        if not line:
-            if buf:
-                yield "\n".join(buf)
-                buf = []
-            continue
-        if line.startswith(":"):
-            continue  # comment / keep-alive
-        name, _, value = line.partition(":")
-        if name == "data":
-            buf.append(value[1:] if value.startswith(" ") else value)
-    if buf:
-        yield "\n".join(buf)

@@ -7,8 +7,8 @@ import array
 from kvroute.core.blocks import BlockHasher, adapter_salt
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.vllm.blockmap import BlockMap
-from kvroute.worker_agent.engines.vllm.wire import Cleared, Removed, Stored
+from kvroute.worker_agent.engines.served.blockmap import BlockMap
+from kvroute.worker_agent.engines.served.wire import Cleared, Removed, Stored
 
 B = 4
 TOKS = list(range(1, 17))  # 4 blocks of 4

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.worker_agent.engines.vllm.prom import VllmMetrics, parse_metrics
+from kvroute.worker_agent.engines.served.poller import ServerMetrics
+from kvroute.worker_agent.engines.vllm.prom import parse_metrics
 
 CURRENT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -39,9 +40,9 @@ vllm:gpu_cache_usage_perc{model_name="m"} 0.9
 
 
 def test_current_and_old_metric_names() -> None:
-    assert parse_metrics(CURRENT) == VllmMetrics(5, 4, 0.375, 2000)
-    assert parse_metrics(OLD) == VllmMetrics(1, 2, 0.9, None)
-    assert parse_metrics("") == VllmMetrics()
+    assert parse_metrics(CURRENT) == ServerMetrics(5, 4, 0.375, 2000)
+    assert parse_metrics(OLD) == ServerMetrics(1, 2, 0.9, None)
+    assert parse_metrics("") == ServerMetrics()
 
 
 def test_not_prometheus_text_is_an_error() -> None:

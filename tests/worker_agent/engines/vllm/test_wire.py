@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
-from kvroute.worker_agent.engines.vllm.wire import (
+from kvroute.worker_agent.engines.served.wire import (
     Batch,
     Cleared,
     FrameError,

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from kvroute.core.blocks import BlockHasher, adapter_salt
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.vllm.wire import Cleared, EngineHash, Event, Removed, Stored
+from kvroute.worker_agent.engines.served.wire import Cleared, EngineHash, Event, Removed, Stored
 
 log = logging.getLogger("kvroute.agent.vllm")
 

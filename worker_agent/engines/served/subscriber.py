@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvroute.worker_agent.engines.vllm.wire import (
+from kvroute.worker_agent.engines.served.wire import (
     Batch,
     FrameError,
     decode_batch,
