@@ -398,7 +398,8 @@ class EngineSettings(Section):
     """The engine beside the agent, whatever its kind."""
 
     title = "Engine"
-    kind: str = opt("sim", "engine adapter: sim, tiny or vllm", flag="engine")
+    kind: str = opt("sim", "engine adapter", flag="engine",
+                    choices=("sim", "tiny", "vllm", "sglang"))
     endpoint: str = opt("", "host:port a gateway sends this worker's HTTP requests to (its "
                         "engine's OpenAI server: pod IP and vLLM port), published in "
                         "heartbeats for `kvroute epp` (default: not published)",
@@ -474,6 +475,17 @@ class VllmSettings(Section):
 
 
 @dataclass(frozen=True)
+class SglangSettings(Section):
+    prefix = "sglang"
+    title = "SGLang engine"
+    url: str = opt("http://127.0.0.1:30000", "sglang engine: its HTTP base URL (native "
+                   "/generate, /server_info, /metrics)")
+    events: str = opt("tcp://127.0.0.1:5557", "sglang engine: KV-events ZMQ PUB endpoint")
+    replay: str = opt("", "sglang engine: KV-events ZMQ replay (ROUTER) endpoint, optional")
+    topic: str = opt("", "sglang engine: KV-events topic to subscribe to ('' = all)")
+
+
+@dataclass(frozen=True)
 class AgentConfig(ServiceConfig):
     """``kvroute agent``."""
 
@@ -489,6 +501,7 @@ class AgentConfig(ServiceConfig):
     sim: SimSettings = field(default_factory=SimSettings)
     tiny: TinySettings = field(default_factory=TinySettings)
     vllm: VllmSettings = field(default_factory=VllmSettings)
+    sglang: SglangSettings = field(default_factory=SglangSettings)
 
     def __post_init__(self) -> None:
         if self.sim.chunked_prefill and not self.engine.max_batched_tokens:

@@ -79,7 +79,11 @@ def make_engine(cfg: AgentConfig, vocab: AgentVocabulary | None = None) -> Engin
         from kvroute.worker_agent.engines import vllm
 
         return vllm.from_agent_config(cfg, vocab)
-    raise SystemExit(f"unknown engine {cfg.engine.kind!r}; choose sim, tiny or vllm")
+    if cfg.engine.kind == "sglang":
+        from kvroute.worker_agent.engines import sglang
+
+        return sglang.from_agent_config(cfg)
+    raise SystemExit(f"unknown engine {cfg.engine.kind!r}; choose sim, tiny, vllm or sglang")
 
 
 class AgentService(worker_agent_pb2_grpc.WorkerAgentServicer):

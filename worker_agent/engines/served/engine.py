@@ -174,6 +174,10 @@ class EventedEngine(BatchSink):
     def _report_reused(self) -> bool:
         return False
 
+    def _capacity_blocks(self) -> int:
+        """The KV cache's size in blocks: the server's, else the configured one."""
+        return self.metrics.latest.num_gpu_blocks or self.config.capacity_blocks
+
     def _background(self) -> list[tuple[str, Callable[[], Any]]]:
         """Extra (name, coroutine function) run while started."""
         return []
@@ -278,7 +282,7 @@ class EventedEngine(BatchSink):
 
     def load(self) -> EngineLoad:
         m = self.metrics.latest
-        capacity = m.num_gpu_blocks or self.config.capacity_blocks
+        capacity = self._capacity_blocks()
         free = capacity if m.kv_usage is None else round(capacity * (1.0 - m.kv_usage))
         decoding = prefill = 0
         for st in self._inflight.values():

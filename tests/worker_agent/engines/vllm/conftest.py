@@ -56,12 +56,15 @@ def kv_events(vllm_src: Path) -> ModuleType:
 
 
 @dataclass
-class FakeVllmProc:
-    """The fake vLLM server subprocess (tests/worker_agent/engines/vllm/fake_vllm.py), by PID."""
+class FakeServerProc:
+    """A fake server subprocess (``module``: fake_vllm.py, or SGLang's fake_sglang.py), by PID:
+    started with its ports, ``release_args`` (its release's sources) and ``args``."""
 
-    vllm_src: Path
-    release: Release
+    module: str
+    release_args: list[str]
     args: list[str] = field(default_factory=list)
+    release: Any = None
+    """What the release's code declares (a vLLM ``Release``), for tests to read."""
     http_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     upstream_port: int = field(default_factory=free_port)
@@ -82,14 +85,13 @@ class FakeVllmProc:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
     def start(self) -> None:
-        fd, path = tempfile.mkstemp(prefix="fake-vllm-", suffix=".log")
+        fd, path = tempfile.mkstemp(prefix="fake-server-", suffix=".log")
         self.log = Path(path)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.worker_agent.engines.vllm.fake_vllm",
+            [sys.executable, "-m", self.module,
              "--http-port", str(self.http_port), "--events-port", str(self.events_port),
              "--upstream-port", str(self.upstream_port), "--replay-port", str(self.replay_port),
-             "--vllm-src", str(self.vllm_src), "--vllm-version", self.release.version,
-             *self.args],
+             *self.release_args, *self.args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=fd,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         os.close(fd)
@@ -106,7 +108,7 @@ class FakeVllmProc:
             if self.proc.poll() is not None:
                 break
         self.stop()
-        raise RuntimeError(f"fake vLLM did not start: {self.log_text()[-2000:]}")
+        raise RuntimeError(f"{self.module} did not start: {self.log_text()[-2000:]}")
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -142,15 +144,13 @@ class FakeVllmProc:
         return httpx.post(self.url + "/reset_prefix_cache").status_code
 
 
-@pytest.fixture
-def fake_vllm(vllm_src: Path, vllm_release: Release
-              ) -> Iterator[Callable[..., FakeVllmProc]]:
-    """``start(*args)`` launches a fake vLLM of the release under test; every one is stopped
-    at the end of the test."""
-    procs: list[FakeVllmProc] = []
+def fake_servers(module: str, release_args: list[str], release: Any = None
+                 ) -> Iterator[Callable[..., FakeServerProc]]:
+    """``start(*args)`` launches a fake server; every one is stopped at the end."""
+    procs: list[FakeServerProc] = []
 
-    def start(*args: str) -> FakeVllmProc:
-        p = FakeVllmProc(vllm_src, vllm_release, list(args))
+    def start(*args: str) -> FakeServerProc:
+        p = FakeServerProc(module, release_args, list(args), release)
         p.start()
         procs.append(p)
         return p
@@ -161,3 +161,13 @@ def fake_vllm(vllm_src: Path, vllm_release: Release
         if p.log is not None:
             with contextlib.suppress(OSError):
                 p.log.unlink()
+
+
+@pytest.fixture
+def fake_vllm(vllm_src: Path, vllm_release: Release
+              ) -> Iterator[Callable[..., FakeServerProc]]:
+    """``start(*args)`` launches a fake vLLM of the release under test; every one is stopped
+    at the end of the test."""
+    yield from fake_servers("tests.worker_agent.engines.vllm.fake_vllm",
+                            ["--vllm-src", str(vllm_src), "--vllm-version",
+                             vllm_release.version], vllm_release)

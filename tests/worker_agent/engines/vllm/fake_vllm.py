@@ -107,8 +107,9 @@ class FakeVllm:
         self.ignored: set[str] = set()  # request fields this release would ignore
         self.fwd = fwd
         self.bs = args.block_size
+        # The rank positionally: vLLM names it data_parallel_rank, SGLang attn_dp_rank.
         self.publisher = kv.ZmqEventPublisher(
-            data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{args.upstream_port}",
+            0, endpoint=f"tcp://127.0.0.1:{args.upstream_port}",
             replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}",
             buffer_steps=args.buffer_steps, topic=args.topic)
         self.cached: dict[bytes, _Block] = {}
@@ -214,13 +215,17 @@ class FakeVllm:
             self.pending.append(self._stored(r, 0, hit, None))
         return True
 
-    def _stored(self, r: _Req, lo: int, hi: int, parent: bytes | None) -> Any:
+    def _stored(self, r: _Req, lo: int, hi: int, parent: bytes | None,
+                tokens: list[int] | None = None) -> Any:
+        """A ``BlockStored`` of ``r``'s blocks ``lo..hi`` (their tokens from ``tokens``,
+        default the prompt), with the fields the release's struct has."""
         bs = self.bs
         return struct(
             self.kv.BlockStored,
             block_hashes=[self.ext(h) for h in r.hashes[lo:hi]],
             parent_block_hash=self.ext(parent) if parent is not None else None,
-            token_ids=r.prompt[lo * bs:hi * bs], block_size=bs, medium="GPU",
+            token_ids=(r.prompt if tokens is None else tokens)[lo * bs:hi * bs],
+            block_size=bs, medium="GPU",
             extra_keys=self.extra_keys(r, lo, hi), group_idx=0, **self.lora_fields(r))
 
     def commit(self, r: _Req, tokens: list[int], computed: int) -> None:
@@ -254,13 +259,7 @@ class FakeVllm:
             r.pinned.append(h)
         if new_lo is not None:
             parent = r.hashes[new_lo - 1] if new_lo else None
-            bsz = self.bs
-            self.pending.append(struct(
-                self.kv.BlockStored, block_hashes=[self.ext(h) for h in r.hashes[new_lo:full]],
-                parent_block_hash=self.ext(parent) if parent is not None else None,
-                token_ids=tokens[new_lo * bsz: full * bsz], block_size=bsz, medium="GPU",
-                extra_keys=self.extra_keys(r, new_lo, full), group_idx=0,
-                **self.lora_fields(r)))
+            self.pending.append(self._stored(r, new_lo, full, parent, tokens))
 
     def release(self, r: _Req) -> None:
         for h in reversed(r.pinned):  # vLLM frees tail blocks first: they are evicted first
@@ -337,6 +336,36 @@ class FakeVllm:
         as_ids = body.get("logprobs") is not None and body.get("return_tokens_as_token_ids")
         want_lp = body.get("logprobs") is not None
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        created = int(time.time())
+
+        async def token(t: int, tok: int, finish: str | None) -> None:
+            choice: dict[str, Any] = {"index": 0, "text": f" t{tok}", "logprobs": None,
+                                      "finish_reason": finish, "stop_reason":
+                                      tok if tok in r.stop else None}
+            if token_ids:
+                choice["prompt_token_ids"] = r.prompt if t == 0 else None
+                choice["token_ids"] = [tok]
+            if want_lp:
+                choice["logprobs"] = {"text_offset": [0], "token_logprobs": [fake_logprob(tok)],
+                                      "tokens": [f"token_id:{tok}" if as_ids else f" t{tok}"],
+                                      "top_logprobs": [None]}
+            await write({"id": r.rid, "object": "text_completion", "created": created,
+                         "model": body.get("model"), "choices": [choice]})
+            if finish and usage:
+                u: dict[str, Any] = {"prompt_tokens": len(r.prompt),
+                                     "total_tokens": len(r.prompt) + len(r.out),
+                                     "completion_tokens": len(r.out)}
+                if self.a.prompt_tokens_details:
+                    u["prompt_tokens_details"] = {"cached_tokens": r.cached_tokens}
+                await write({"id": r.rid, "object": "text_completion", "created": created,
+                             "model": body.get("model"), "choices": [], "usage": u})
+
+        await self.run(r, forced, token)
+
+    async def run(self, r: _Req, forced: list[int] | None, token: Any) -> None:
+        """Admit ``r`` (waiting for room), then make its tokens one step at a time: each is
+        cached as vLLM does and handed to ``await token(step, id, finish reason or None)``;
+        ``forced``: the tokens to make instead (a constraint's answer)."""
         self.waiting += 1
         try:
             while not self.admit(r):
@@ -344,9 +373,7 @@ class FakeVllm:
         finally:
             self.waiting -= 1
         self.running += 1
-        created = int(time.time())
         out = r.out
-        finish = None
         try:
             base = (sum(r.prompt) * 31 + r.seed) % self.a.vocab
             for t in range(r.max_tokens):
@@ -355,32 +382,14 @@ class FakeVllm:
                 out.append(tok)
                 self.commit(r, r.prompt + out, len(r.prompt) + len(out) - 1)
                 self.flush()
+                finish = None
                 if tok in r.stop or (forced is not None and len(out) == len(forced)):
                     finish = "stop"
                 elif len(out) == r.max_tokens:
                     finish = "length"
-                choice: dict[str, Any] = {"index": 0, "text": f" t{tok}", "logprobs": None,
-                                          "finish_reason": finish, "stop_reason":
-                                          tok if tok in r.stop else None}
-                if token_ids:
-                    choice["prompt_token_ids"] = r.prompt if t == 0 else None
-                    choice["token_ids"] = [tok]
-                if want_lp:
-                    choice["logprobs"] = {"text_offset": [0], "token_logprobs": [fake_logprob(tok)],
-                                          "tokens": [f"token_id:{tok}" if as_ids else f" t{tok}"],
-                                          "top_logprobs": [None]}
-                await write({"id": r.rid, "object": "text_completion", "created": created,
-                             "model": body.get("model"), "choices": [choice]})
+                await token(t, tok, finish)
                 if finish:
                     break
-            if usage:
-                u: dict[str, Any] = {"prompt_tokens": len(r.prompt),
-                                     "total_tokens": len(r.prompt) + len(out),
-                                     "completion_tokens": len(out)}
-                if self.a.prompt_tokens_details:
-                    u["prompt_tokens_details"] = {"cached_tokens": r.cached_tokens}
-                await write({"id": r.rid, "object": "text_completion", "created": created,
-                             "model": body.get("model"), "choices": [], "usage": u})
         finally:
             self.running -= 1
             self.release(r)
@@ -438,18 +447,55 @@ async def _respond(w: asyncio.StreamWriter, status: int, body: bytes,
     await w.drain()
 
 
+async def read_request(r: asyncio.StreamReader) -> tuple[str, str, dict[str, Any]] | None:
+    """(method, path, JSON body) of one HTTP/1.1 request; None at end of stream."""
+    line = await r.readline()
+    if not line:
+        return None
+    method, path, _ = line.decode().split(" ", 2)
+    headers: dict[str, str] = {}
+    while (h := await r.readline()) not in (b"\r\n", b"\n", b""):
+        k, _, v = h.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    raw = await r.readexactly(int(headers.get("content-length", "0")))
+    return method, path, json.loads(raw) if raw else {}
+
+
+async def control(fake: FakeVllm, method: str, path: str, body: dict[str, Any],
+                  w: asyncio.StreamWriter) -> bool:
+    """The test-only ``/control/*`` routes; False for any other path."""
+    if method == "GET" and path == "/control/state":
+        await _respond(w, 200, json.dumps({
+            "keys": fake.truth(), "published": fake.published,
+            "forwarded": fake.fwd.forwarded, "dropped": fake.fwd.dropped,
+            "ignored_fields": sorted(fake.ignored)}).encode())
+    elif method == "GET" and path == "/control/requests":
+        await _respond(w, 200, json.dumps(fake.received).encode())
+    elif method == "GET" and path == "/control/tokenize":
+        await _respond(w, 200, json.dumps(fake.received_tokenize).encode())
+    elif method == "POST" and path == "/control/drop":
+        fake.fwd.drop(body.get("seqs", ()), int(body.get("next", 0)))
+        await _respond(w, 200, b"{}")
+    elif method == "POST" and path == "/control/inject":
+        fake.fwd.inject([bytes.fromhex(x) for x in body["frames"]])
+        await _respond(w, 200, b"{}")
+    elif method == "POST" and path == "/control/evict":
+        n = 0
+        while n < int(body.get("n", 1)) and fake.evict_one():
+            n += 1
+        fake.flush()
+        await _respond(w, 200, json.dumps({"evicted": n}).encode())
+    else:
+        return False
+    return True
+
+
 async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
     try:
-        line = await r.readline()
-        if not line:
+        req = await read_request(r)
+        if req is None:
             return
-        method, path, _ = line.decode().split(" ", 2)
-        headers: dict[str, str] = {}
-        while (h := await r.readline()) not in (b"\r\n", b"\n", b""):
-            k, _, v = h.decode().partition(":")
-            headers[k.strip().lower()] = v.strip()
-        raw = await r.readexactly(int(headers.get("content-length", "0")))
-        body = json.loads(raw) if raw else {}
+        method, path, body = req
         if method == "GET" and path == "/version":
             if fake.a.report_version == "none":
                 await _respond(w, 404, b'{"detail": "Not Found"}')
@@ -466,28 +512,7 @@ async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWrite
         elif method == "POST" and path == "/reset_prefix_cache":
             ok = fake.reset_prefix_cache()
             await _respond(w, 200 if ok else 400, b"{}")
-        elif method == "GET" and path == "/control/state":
-            await _respond(w, 200, json.dumps({
-                "keys": fake.truth(), "published": fake.published,
-                "forwarded": fake.fwd.forwarded, "dropped": fake.fwd.dropped,
-                "ignored_fields": sorted(fake.ignored)}).encode())
-        elif method == "GET" and path == "/control/requests":
-            await _respond(w, 200, json.dumps(fake.received).encode())
-        elif method == "GET" and path == "/control/tokenize":
-            await _respond(w, 200, json.dumps(fake.received_tokenize).encode())
-        elif method == "POST" and path == "/control/drop":
-            fake.fwd.drop(body.get("seqs", ()), int(body.get("next", 0)))
-            await _respond(w, 200, b"{}")
-        elif method == "POST" and path == "/control/inject":
-            fake.fwd.inject([bytes.fromhex(x) for x in body["frames"]])
-            await _respond(w, 200, b"{}")
-        elif method == "POST" and path == "/control/evict":
-            n = 0
-            while n < int(body.get("n", 1)) and fake.evict_one():
-                n += 1
-            fake.flush()
-            await _respond(w, 200, json.dumps({"evicted": n}).encode())
-        else:
+        elif not await control(fake, method, path, body, w):
             await _respond(w, 404, b'{"error": "not found"}')
     except (ConnectionError, asyncio.IncompleteReadError):
         pass
@@ -504,6 +529,11 @@ async def _completions(fake: FakeVllm, body: dict[str, Any], w: asyncio.StreamWr
         await _respond(w, 400, json.dumps({"error": {"message": "prompt must be token ids",
                                                      "type": "BadRequestError"}}).encode())
         return
+    await stream_sse(w, lambda write: fake.generate(body, write))
+
+
+async def stream_sse(w: asyncio.StreamWriter, produce: Any) -> None:
+    """A 200 event stream: ``produce(write)`` writes its ``data:`` objects, then ``[DONE]``."""
     w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
 
@@ -515,7 +545,7 @@ async def _completions(fake: FakeVllm, body: dict[str, Any], w: asyncio.StreamWr
     async def write(obj: dict[str, Any]) -> None:
         await send(f"data: {json.dumps(obj)}\n\n")
 
-    await fake.generate(body, write)
+    await produce(write)
     await send("data: [DONE]\n\n")
     w.write(b"0\r\n\r\n")
     await w.drain()

@@ -16,8 +16,8 @@ import zmq
 from kvroute.core.blocks import BlockHasher
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
-from kvroute.worker_agent.engines.vllm import VllmConfig, VllmEngine
 from kvroute.worker_agent.engines.served.wire import encode_seq
+from kvroute.worker_agent.engines.vllm import VllmConfig, VllmEngine
 from tests.support import free_port, wait_for
 from tests.worker_agent.engines.vllm.test_wire import V09BlockStored, V09EventBatch
 from tests.worker_agent.engines.vllm.vllm_wire import struct

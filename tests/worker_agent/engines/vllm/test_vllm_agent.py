@@ -17,8 +17,8 @@ from kvroute.core.blocks import BlockHasher
 from kvroute.core.load import EngineLoad, PrefillMode
 from kvroute.core.redis_schema import FeedEvent, Op, RedisKeys, unpack_keys
 from kvroute.worker_agent.engines.base import EngineError, EngineRequest
-from kvroute.worker_agent.engines.vllm import VllmConfig, VllmEngine
 from kvroute.worker_agent.engines.served.wire import encode_seq
+from kvroute.worker_agent.engines.vllm import VllmConfig, VllmEngine
 from tests.support import free_port, generate, wait_for
 
 KEYS = RedisKeys("default")

@@ -10,7 +10,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
 from kvroute.worker_agent.engines.served.wire import (
     Batch,
     Cleared,
@@ -22,6 +21,7 @@ from kvroute.worker_agent.engines.served.wire import (
     parse_live,
     parse_replay,
 )
+from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
 from tests.worker_agent.engines.vllm.vllm_wire import struct
 
 # -- vLLM 0.10.2, vllm/distributed/kv_events.py: batch and events array_like ---------------

@@ -41,7 +41,7 @@ class Release:
         return self.fields("CompletionRequest") & wanted
 
 
-def _class_fields(tree: ast.Module) -> dict[str, frozenset[str]]:
+def class_fields(tree: ast.Module) -> dict[str, frozenset[str]]:
     out: dict[str, frozenset[str]] = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
@@ -57,7 +57,7 @@ def read_release(version: str, src: Path) -> Release:
     files.append(src / "vllm/sampling_params.py")
     classes: dict[str, frozenset[str]] = {}
     for path in files:
-        for name, fields in _class_fields(ast.parse(path.read_text())).items():
+        for name, fields in class_fields(ast.parse(path.read_text())).items():
             classes.setdefault(name, fields)
     if "CompletionRequest" not in classes:
         raise RuntimeError(f"no CompletionRequest in vLLM {version}'s sources under {src}")

@@ -1,0 +1,57 @@
+"""The SGLang releases this adapter supports, and what differs between them on the wire.
+
+``SUPPORTED`` is the one statement of the range; both ends are tested
+(tests/worker_agent/engines/sglang/: SGLang's own ``kv_events.py`` of each release executed
+from its wheel, and a test server answering as that release's HTTP code does). The agent
+reads the server's version from ``GET /server_info`` (``/get_server_info`` before 0.5.12)
+and warns, without refusing, when it is outside.
+
+What differs across the range (from each release's own code):
+
+* KV events (``sglang/srt/disaggregation/kv_events.py``): arrays before 0.5.12, tagged maps
+  with ``medium`` after; ``cache_salt`` in ``BlockStored`` since :data:`CACHE_SALT_SINCE`.
+  :mod:`..served.wire` decodes every layout, whatever the version.
+* ``cache_salt`` in ``/generate`` (``GenerateReqInput``): since :data:`CACHE_SALT_SINCE`, the
+  release whose events name it too. Older releases isolate by ``extra_key`` but do not say so
+  in their events, so the agent could not key those blocks as the router does: a salted
+  request to them is refused.
+* ``sampling_params.sampling_seed``: since 0.5.3; older ``SamplingParams`` reject unknown
+  names, so the seed is sent only to releases that take it.
+* Streamed ``output_ids``: whole so far, or only the new ones (``--stream-output`` before
+  0.5.12, ``--incremental-streaming-output`` after): the client takes the new ones from
+  ``meta_info.completion_tokens`` either way, so the flag does not matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvroute.worker_agent.engines.vllm.versions import Version, parse_version
+
+SUPPORTED: tuple[str, str] = ("0.5.1", "0.5.23")
+"""(oldest, newest) SGLang release supported, both tested."""
+
+CACHE_SALT_SINCE: Version = (0, 5, 18)
+SAMPLING_SEED_SINCE: Version = (0, 5, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What a release's ``/generate`` takes beyond the fields every supported one has."""
+
+    cache_salt: bool = True
+    sampling_seed: bool = True
+
+    @classmethod
+    def of(cls, version: Version | None) -> Features:
+        """The newest's when ``version`` is unknown."""
+        if version is None:
+            return cls()
+        return cls(cache_salt=version >= CACHE_SALT_SINCE,
+                   sampling_seed=version >= SAMPLING_SEED_SINCE)
+
+
+def is_supported(text: str) -> bool:
+    version = parse_version(text)
+    lo, hi = (parse_version(v) for v in SUPPORTED)
+    return version is not None and lo is not None and hi is not None and lo <= version <= hi
