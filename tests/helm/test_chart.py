@@ -223,6 +223,45 @@ def test_vllm_worker_renders_prefix_caching_and_kv_events(rendered: dict[str, st
     assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
 
 
+def test_a_mixed_pool_renders_sglang_workers_beside_vllm_ones(rendered: dict[str, str]
+                                                              ) -> None:
+    m = manifests(rendered, "mixed-pool")
+    main, extra = m.one("StatefulSet", "-worker"), m.one("StatefulSet", "-worker-sglang")
+    assert (main["spec"]["replicas"], extra["spec"]["replicas"]) == (2, 1)
+    # One routing pool: the router's selector and the headless Service find both sets' pods;
+    # each StatefulSet selects only its own.
+    env = env_of(container(m.one("Deployment", "-router"), "router"))
+    labels = [s["spec"]["template"]["metadata"]["labels"] for s in (main, extra)]
+    assert all(selector_matches(env["KVROUTE_K8S_SELECTOR"], lb) for lb in labels)
+    service = m.one("Service", "-worker")["spec"]["selector"]
+    assert all(service.items() <= lb.items() for lb in labels)
+    assert extra["spec"]["selector"]["matchLabels"]["kvroute.io/pool"] == "sglang"
+    assert not (extra["spec"]["selector"]["matchLabels"].items() <= labels[0].items())
+    assert [c["name"] for c in pod_spec(main)["containers"]] == ["vllm", "agent"]
+    sglang = container(extra, "sglang")
+    args = sglang["args"]
+    assert flag(args, "--model-path") == "Qwen/Qwen2.5-7B-Instruct"
+    assert "--enable-metrics" in args and flag(args, "--grammar-backend") == "llguidance"
+    assert (flag(args, "--chunked-prefill-size"), flag(args, "--context-length")) == \
+        ("4096", "8192")
+    kv = json.loads(flag(args, "--kv-events-config"))
+    assert kv["publisher"] == "zmq" and kv["endpoint"] == "tcp://*:5557"
+    assert kv["replay_endpoint"] == "tcp://*:5558"
+    # What workers.sglang does not set comes from workers.vllm (a GPU, the caches).
+    assert sglang["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {v["name"] for v in pod_spec(extra)["volumes"]} >= {"dshm", "hf-cache"}
+    argv, agent_env = agent_argv(extra)
+    ns = build_parser().parse_args(argv)
+    assert ns.engine == "sglang" and ns.sglang_url == "http://127.0.0.1:30000"
+    assert (ns.sglang_events, ns.sglang_replay) == ("tcp://127.0.0.1:5557",
+                                                     "tcp://127.0.0.1:5558")
+    assert ns.sglang_topic == kv["topic"]
+    # SGLang's page size is the block size both agents and the router key with.
+    cfg = from_env(AgentConfig, agent_env)
+    assert cfg.model.block_size == int(flag(args, "--page-size")) == 16
+    assert ns.model_source == "hf:Qwen/Qwen2.5-0.5B-Instruct"
+
+
 def test_a_long_prefill_threshold_goes_to_vllm_and_its_agent(helm: Path) -> None:
     sts = Manifests.parse(template(
         helm, sets=("workers.vllm.longPrefillTokenThreshold=2048",))).one("StatefulSet",
