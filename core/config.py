@@ -483,6 +483,15 @@ class SglangSettings(Section):
     events: str = opt("tcp://127.0.0.1:5557", "sglang engine: KV-events ZMQ PUB endpoint")
     replay: str = opt("", "sglang engine: KV-events ZMQ replay (ROUTER) endpoint, optional")
     topic: str = opt("", "sglang engine: KV-events topic to subscribe to ('' = all)")
+    dp_rank: int = opt(-1, "sglang engine run with data parallelism (--dp-size): the rank "
+                       "this agent serves as one worker. It follows that rank's KV events (the "
+                       "endpoints' ports plus the rank, as SGLang offsets them), reads its "
+                       "load and sends every request there (-1: the whole server)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dp_rank < -1:
+            raise SystemExit(f"--sglang-dp-rank must be a rank (>= 0) or -1, got {self.dp_rank}")
 
 
 @dataclass(frozen=True)

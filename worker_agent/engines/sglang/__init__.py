@@ -29,9 +29,11 @@ What is exact and what is not:
 * A LoRA adapter's request (a router's ``--lora``) is sent with ``lora_path``; its blocks are
   keyed from the events' ``lora_name`` as vLLM's are. This path is not yet tested against
   SGLang's own publisher.
-* Data parallelism (``--dp-size``): each rank publishes on its own port (the endpoint's port
-  plus the rank); one agent follows one endpoint, so run one agent per rank's endpoint, or
-  none of the other ranks' blocks are seen.
+* Data parallelism (``--dp-size N``): each rank has its own cache and publishes its own
+  events (on the endpoint's port plus the rank). Run one agent per rank, each with
+  ``--sglang-dp-rank R`` and its own ``--worker-id``, all given the same endpoints: each
+  follows its rank's events, reads its rank's load and pins its requests to its rank, so the
+  router routes among ranks by their caches (SGLang's own DP controller does not).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from kvroute.worker_agent.engines.served.engine import EventedConfig
 from kvroute.worker_agent.engines.sglang.engine import SglangEngine
-from kvroute.worker_agent.engines.sglang.versions import SUPPORTED
+from kvroute.worker_agent.engines.sglang.versions import SUPPORTED, rank_endpoint
 
 if TYPE_CHECKING:
     from kvroute.core.config import AgentConfig
@@ -49,16 +51,21 @@ __all__ = ["SUPPORTED", "SglangEngine", "from_agent_config"]
 
 
 def from_agent_config(cfg: AgentConfig) -> SglangEngine:
+    rank = cfg.sglang.dp_rank
+    try:
+        events, replay = (rank_endpoint(e, rank) for e in (cfg.sglang.events, cfg.sglang.replay))
+    except ValueError as exc:
+        raise SystemExit(f"--sglang-dp-rank {rank}: {exc}") from None
     return SglangEngine(EventedConfig(
         url=cfg.sglang.url,
         model=cfg.model.name,
         block_size=cfg.model.block_size,
-        events=cfg.sglang.events,
-        replay=cfg.sglang.replay,
+        events=events,
+        replay=replay,
         topic=cfg.sglang.topic,
         capacity_blocks=cfg.engine.capacity_blocks,
         max_num_seqs=0,  # from /server_info's max_running_requests
         max_num_batched_tokens=cfg.engine.max_batched_tokens,
         # Load is published once per heartbeat: two polls per beat keep it fresh.
         metrics_interval_s=min(1.0, max(0.05, cfg.worker.heartbeat_s / 2)),
-    ))
+    ), dp_rank=rank)

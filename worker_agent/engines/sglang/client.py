@@ -11,6 +11,7 @@ both ends of :data:`.versions.SUPPORTED`)::
                          "sampling_seed": s (if set and the release takes it),
                          "json_schema" | "regex" | "ebnf": constraint (a constrained gen)},
      "return_logprob": true (when asked), "lora_path": ADAPTER (a LoRA adapter's request),
+     "routed_dp_rank" (before 0.5.10 "data_parallel_rank"): R (an agent of one DP rank),
      "cache_salt": salt (if any; refused by releases without it, see :mod:`.versions`)}
 
 Each streamed ``data:`` object is ``{"output_ids": [...], "meta_info": {"completion_tokens":
@@ -64,8 +65,10 @@ def grammar_field(kind: str, source: str | Sequence[str]) -> dict[str, str]:
 
 
 class GenerateClient:
-    def __init__(self, base_url: str, *, connect_timeout_s: float = 5.0,
+    def __init__(self, base_url: str, *, dp_rank: int = -1, connect_timeout_s: float = 5.0,
                  read_timeout_s: float = 600.0) -> None:
+        """``dp_rank``: the data-parallel rank every request is pinned to (-1: none)."""
+        self.dp_rank = dp_rank
         self.features = Features()
         """Set from the server's version by the engine."""
         self.version_tried = ""  # the last info path asked
@@ -96,6 +99,8 @@ class GenerateClient:
                              "stream": True, "rid": rid}
         if request.logprobs:
             b["return_logprob"] = True
+        if self.dp_rank >= 0:
+            b[self.features.dp_rank_field] = self.dp_rank
         adapter, salt = split_adapter_salt(request.cache_salt)
         if adapter:
             b["lora_path"] = adapter

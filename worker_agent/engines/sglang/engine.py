@@ -30,10 +30,14 @@ class SglangEngine(EventedEngine):
     kind = "sglang"
     product = "SGLang"
 
-    def __init__(self, config: EventedConfig) -> None:
-        self.client: GenerateClient = GenerateClient(config.url)
+    def __init__(self, config: EventedConfig, dp_rank: int = -1) -> None:
+        """``dp_rank``: serve that data-parallel rank only (``config``'s event endpoints are
+        already that rank's; see :func:`.versions.rank_endpoint`); -1: the whole server."""
+        self.dp_rank = dp_rank
+        self.client: GenerateClient = GenerateClient(config.url, dp_rank=dp_rank)
         super().__init__(config, self.client,
-                         functools.partial(parse_metrics, block_size=config.block_size), log)
+                         functools.partial(parse_metrics, block_size=config.block_size,
+                                           dp_rank=dp_rank), log)
         self.server_info: dict[str, Any] = {}
         """``/server_info`` as the server answered it (empty until then)."""
         self._info_capacity: int | None = None
@@ -53,11 +57,6 @@ class SglangEngine(EventedEngine):
         self.config = dataclasses.replace(self.config, **self._learned(info))
         return text
 
-    def _version_info(self) -> dict[str, Any]:
-        f = self.client.features
-        return {"cache_salt": f.cache_salt, "sampling_seed": f.sampling_seed,
-                "info_path": self.client.version_tried}
-
     def _learned(self, info: dict[str, Any]) -> dict[str, Any]:
         """Config fields the server's arguments fill (only those the agent was not given)."""
         cfg = self.config
@@ -69,9 +68,10 @@ class SglangEngine(EventedEngine):
         if isinstance(chunk, int) and not cfg.long_prefill_token_threshold:
             out["chunked_prefill"] = chunk > 0
             out["long_prefill_token_threshold"] = max(0, chunk)
-        tokens = info.get("max_total_num_tokens")
+        tokens = info.get("max_total_num_tokens")  # one rank's
         if isinstance(tokens, int) and tokens > 0:
-            self._info_capacity = tokens // cfg.block_size
+            ranks = 1 if self.dp_rank >= 0 else _dp_size(info)
+            self._info_capacity = tokens * ranks // cfg.block_size
         return out
 
     def _check_settings(self, info: dict[str, Any]) -> None:
@@ -84,10 +84,29 @@ class SglangEngine(EventedEngine):
         if "kv_events_config" in info and not info.get("kv_events_config"):
             log.error("SGLang runs without --kv-events-config: it publishes no KV events, so "
                       "the routers see none of its cache")
+        dp = _dp_size(info)
+        if dp > 1 and self.dp_rank < 0:
+            log.error(f"SGLang runs {dp} data-parallel ranks, each publishing its own KV events "
+                      "(the endpoint's port plus the rank): this agent follows one endpoint, "
+                      "so it sees one rank's cache but is sent the whole server's requests. "
+                      "Run one agent per rank with --sglang-dp-rank", extra={"kv": {"dp_size": dp}})
+        if self.dp_rank >= dp:
+            log.error(f"--sglang-dp-rank {self.dp_rank} but SGLang runs {dp} data-parallel "
+                      "rank(s): its requests are refused", extra={"kv": {"dp_size": dp}})
         if info.get("enable_metrics") is False:
             log.error("SGLang runs without --enable-metrics: the agent reads its load and "
                       "liveness from /metrics and takes it for down until it has them")
 
+    def _version_info(self) -> dict[str, Any]:
+        f = self.client.features
+        return {"cache_salt": f.cache_salt, "sampling_seed": f.sampling_seed,
+                "info_path": self.client.version_tried, "dp_rank": self.dp_rank}
+
     def _capacity_blocks(self) -> int:
         return (self.metrics.latest.num_gpu_blocks or self._info_capacity
                 or self.config.capacity_blocks)
+
+
+def _dp_size(info: dict[str, Any]) -> int:
+    dp = info.get("dp_size")
+    return dp if isinstance(dp, int) and dp > 0 else 1

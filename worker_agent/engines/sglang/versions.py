@@ -17,6 +17,9 @@ What differs across the range (from each release's own code):
   request to them is refused.
 * ``sampling_params.sampling_seed``: since 0.5.3; older ``SamplingParams`` reject unknown
   names, so the seed is sent only to releases that take it.
+* The data-parallel rank a request is pinned to: ``data_parallel_rank``, renamed
+  ``routed_dp_rank`` in 0.5.10 (:data:`ROUTED_DP_RANK_SINCE`; the old name is read by some
+  later releases with a deprecation warning, by others not at all).
 * Streamed ``output_ids``: whole so far, or only the new ones (``--stream-output`` before
   0.5.12, ``--incremental-streaming-output`` after): the client takes the new ones from
   ``meta_info.completion_tokens`` either way, so the flag does not matter.
@@ -33,6 +36,7 @@ SUPPORTED: tuple[str, str] = ("0.5.1", "0.5.23")
 
 CACHE_SALT_SINCE: Version = (0, 5, 18)
 SAMPLING_SEED_SINCE: Version = (0, 5, 3)
+ROUTED_DP_RANK_SINCE: Version = (0, 5, 10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,7 @@ class Features:
 
     cache_salt: bool = True
     sampling_seed: bool = True
+    dp_rank_field: str = "routed_dp_rank"
 
     @classmethod
     def of(cls, version: Version | None) -> Features:
@@ -48,7 +53,27 @@ class Features:
         if version is None:
             return cls()
         return cls(cache_salt=version >= CACHE_SALT_SINCE,
-                   sampling_seed=version >= SAMPLING_SEED_SINCE)
+                   sampling_seed=version >= SAMPLING_SEED_SINCE,
+                   dp_rank_field="routed_dp_rank" if version >= ROUTED_DP_RANK_SINCE
+                   else "data_parallel_rank")
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Data-parallel rank ``rank``'s KV-event endpoint, as SGLang's publisher derives it from
+    the configured one (``offset_endpoint_port``): a ``tcp://`` port plus the rank, an
+    ``inproc://`` name with ``_dp<rank>``; rank 0 unchanged. ValueError for another scheme
+    (SGLang's publisher refuses it too)."""
+    if not endpoint or rank <= 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if "tcp" in endpoint:
+        if ":" not in endpoint:
+            return endpoint
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + rank}"
+    raise ValueError(f"{endpoint!r}: SGLang gives data-parallel ranks their own endpoints "
+                     "only for tcp:// and inproc:// ones")
 
 
 def is_supported(text: str) -> bool:

@@ -20,7 +20,10 @@ It plays one release (``--sglang-version``, with that release's files from its w
   ``GenerateReqInput`` lacks are ignored and listed in ``/control/state``. ``GET
   /server_info`` (0.5.12 and later) and ``/get_server_info``; ``GET /metrics`` (SGLang's
   names, ``max_total_num_tokens`` only from 0.5.12); ``POST /flush_cache``; and the test-only
-  ``/control/*`` routes of the fake vLLM.
+  ``/control/*`` routes of the fake vLLM (``?rank=R`` for a rank's).
+* **Data parallelism** (``--dp-size N``): N caches and publishers, rank R's on the ports plus
+  R; ``/generate`` runs on the rank the release's rank field names (``data_parallel_rank``, or
+  ``routed_dp_rank`` from 0.5.10), else round robin; ``/metrics`` labels samples ``dp_rank``.
 * **Grammars:** recorded, not enforced; answered as the fake vLLM answers them (``regex`` of
   literal alternatives with the first, a ``json_schema`` with ``examples`` with the first).
 
@@ -88,7 +91,7 @@ class FakeSglang(FakeVllm):
                 "max_total_num_tokens": self.a.capacity * self.bs,
                 "enable_metrics": not self.a.no_metrics,
                 "kv_events_config": json.dumps({"publisher": "zmq"}),
-                "served_model_name": self.a.model}
+                "served_model_name": self.a.model, "dp_size": self.a.dp_size}
 
     def refusal(self, body: dict[str, Any]) -> str | None:
         ids = body.get("input_ids")
@@ -135,18 +138,28 @@ class FakeSglang(FakeVllm):
 
         await self.run(r, forced, token)
 
-    def metrics(self) -> str:
-        labels = f'model_name="{self.a.model}",engine_type="unified",tp_rank="0",pp_rank="0"'
+    def metric_rows(self) -> list[tuple[str, float]]:
         usage = (self.used() - len(self.free_lru)) / self.a.capacity
         rows = [("num_running_reqs", self.running), ("num_queue_reqs", self.waiting),
                 ("token_usage", usage), ("num_used_tokens", self.used() * self.bs)]
         if self.version >= (0, 5, 12):
             rows.append(("max_total_num_tokens", self.a.capacity * self.bs))
-        out = []
-        for name, value in rows:
-            out += [f"# HELP sglang:{name} {name}.", f"# TYPE sglang:{name} gauge",
-                    f"sglang:{name}{{{labels}}} {float(value)}"]
-        return "\n".join(out) + "\n"
+        return rows
+
+
+def metrics(fakes: list[FakeSglang]) -> str:
+    """SGLang's scheduler gauges, one sample per data-parallel rank (labelled ``dp_rank``
+    when there are several)."""
+    a = fakes[0].a
+    out: list[str] = []
+    for i, (name, _) in enumerate(fakes[0].metric_rows()):
+        out += [f"# HELP sglang:{name} {name}.", f"# TYPE sglang:{name} gauge"]
+        for rank, fake in enumerate(fakes):
+            labels = f'model_name="{a.model}",engine_type="unified",tp_rank="0",pp_rank="0"'
+            if len(fakes) > 1:
+                labels += f',dp_rank="{rank}"'
+            out.append(f"sglang:{name}{{{labels}}} {float(fake.metric_rows()[i][1])}")
+    return "\n".join(out) + "\n"
 
 
 def _as_structured(sp: dict[str, Any]) -> dict[str, Any] | None:
@@ -160,27 +173,47 @@ def _as_structured(sp: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-async def handle(fake: FakeSglang, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+class Ranks:
+    """The server's data-parallel ranks, each its own cache and publisher."""
+
+    def __init__(self, fakes: list[FakeSglang]) -> None:
+        self.fakes = fakes
+        self.next = 0
+
+    def pick(self, body: dict[str, Any]) -> FakeSglang:
+        """The rank a request names in the field its release reads, else round robin."""
+        io = self.fakes[0].io_fields
+        field = "routed_dp_rank" if "routed_dp_rank" in io else "data_parallel_rank"
+        rank = body.get(field)
+        if not isinstance(rank, int):
+            rank, self.next = self.next % len(self.fakes), self.next + 1
+        return self.fakes[rank]
+
+
+async def handle(ranks: Ranks, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
     try:
         req = await read_request(r)
         if req is None:
             return
         method, path, body = req
+        path, _, query = path.partition("?")
+        fake = ranks.fakes[int(query.removeprefix("rank=") or 0)]
         new_info = fake.version >= (0, 5, 12)
         if method == "GET" and (path == "/get_server_info"
                                 or (path == "/server_info" and new_info)):
             await _respond(w, 200, json.dumps(fake.server_info()).encode())
         elif method == "GET" and path == "/metrics" and not fake.a.no_metrics:
-            await _respond(w, 200, fake.metrics().encode(), "text/plain; version=0.0.4")
+            await _respond(w, 200, metrics(ranks.fakes).encode(), "text/plain; version=0.0.4")
         elif method == "POST" and path == "/generate":
             refusal = fake.refusal(body)
             if refusal is not None or not body.get("stream"):
                 msg = refusal or "this fake only streams"
                 await _respond(w, 400, json.dumps({"error": {"message": msg}}).encode())
             else:
-                await stream_sse(w, lambda write: fake.generate_native(body, write))
+                rank = ranks.pick(body)
+                await stream_sse(w, lambda write: rank.generate_native(body, write))
         elif method in ("GET", "POST") and path == "/flush_cache":
-            ok = fake.reset_prefix_cache()
+            ok = all([f.reset_prefix_cache() for f in ranks.fakes])
             await _respond(w, 200 if ok else 400, b"{}")
         elif not await control(fake, method, path, body, w):
             await _respond(w, 404, b'{"detail": "Not Found"}')
@@ -193,12 +226,18 @@ async def handle(fake: FakeSglang, r: asyncio.StreamReader, w: asyncio.StreamWri
 
 async def main(args: argparse.Namespace) -> None:
     kv = load_kv_events(Path(args.sglang_src))
-    fwd = FrameForwarder(f"tcp://127.0.0.1:{args.upstream_port}",
-                         f"tcp://127.0.0.1:{args.events_port}")
-    fake = FakeSglang(args, kv, fwd)
-    server = await asyncio.start_server(lambda r, w: handle(fake, r, w), "127.0.0.1",
+    fakes: list[FakeSglang] = []
+    for rank in range(args.dp_size):
+        # Each rank publishes on the configured ports plus its rank, as SGLang's does.
+        a = argparse.Namespace(**{**vars(args), **{
+            k: getattr(args, k) + rank for k in ("upstream_port", "replay_port", "events_port")}})
+        fwd = FrameForwarder(f"tcp://127.0.0.1:{a.upstream_port}",
+                             f"tcp://127.0.0.1:{a.events_port}")
+        fakes.append(FakeSglang(a, kv, fwd))
+    ranks = Ranks(fakes)
+    server = await asyncio.start_server(lambda r, w: handle(ranks, r, w), "127.0.0.1",
                                         args.http_port)
-    await asyncio.sleep(0.2)  # let the PUB finish connecting to the forwarder
+    await asyncio.sleep(0.2)  # let the PUBs finish connecting to the forwarders
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,8 +245,9 @@ async def main(args: argparse.Namespace) -> None:
     print("READY " + json.dumps({"pid": os.getpid()}), flush=True)
     await stop.wait()
     server.close()
-    fake.publisher.shutdown()
-    fwd.close()
+    for fake in fakes:
+        fake.publisher.shutdown()
+        fake.fwd.close()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -231,6 +271,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--incremental", action="store_true",
                     help="stream only the new output ids")
     ap.add_argument("--no-metrics", action="store_true", help="as without --enable-metrics")
+    ap.add_argument("--dp-size", type=int, default=1,
+                    help="data-parallel ranks, each its own cache and publisher (ports + rank)")
     ap.add_argument("--context-len", type=int, default=0,
                     help="refuse (400) a prompt plus max_new_tokens past it (0: no limit)")
     ap.add_argument("--sglang-src", required=True, help="sglang_wire.sglang_sources(version)")

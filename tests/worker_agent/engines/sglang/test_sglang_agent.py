@@ -210,3 +210,33 @@ async def test_an_sglang_and_a_vllm_worker_serve_one_pool(cluster, fake_sglang) 
         await asyncio.to_thread(vl.stop)
         for _ in vllm_gen:
             pass
+
+
+async def test_one_agent_per_data_parallel_rank(cluster, fake_sglang) -> None:
+    """SGLang with two DP ranks, an agent per rank given the same endpoints: each follows its
+    rank's events and load and pins its requests there, so the router routes between ranks
+    by their caches."""
+    fake = fake_sglang("--dp-size", "2")
+    agents = [await cluster.agent(f"r{rank}", engine="sglang", sglang_url=fake.url,
+                                  sglang_events=fake.events, sglang_replay=fake.replay,
+                                  sglang_topic="kv-events", sglang_dp_rank=rank)
+              for rank in (0, 1)]
+    router = await cluster.router()
+    await wait_for(lambda: {"r0", "r1"} <= set(router.registry.loads), what="both ranks")
+    systems = [prompt(160, 50 + i) for i in range(4)]
+    firsts = await asyncio.gather(*(generate(router.port, s + prompt(20, 60 + i),
+                                             max_tokens=16) for i, s in enumerate(systems)))
+    homes = [f[0].worker_id for f in firsts]
+    assert set(homes) == {"r0", "r1"}, homes
+    for rank, agent in enumerate(agents):
+        w = f"r{rank}"
+        # The rank's own cache, and only its requests, each pinned by the release's field.
+        await wait_for(lambda a=agent, r=rank, w=w: set(a.engine.cached_keys()) ==
+                       fake.truth(r) == router.mirror.index.keys_of(w), what=f"{w} mirrored")
+        sent = fake.requests(rank)
+        assert len(sent) == homes.count(w)
+        assert all(agent.engine.client.features.dp_rank_field in b for b in sent)
+        assert agent.engine.load().capacity_blocks == 256  # its rank's, not the server's
+    for i, s in enumerate(systems):
+        again = await generate(router.port, s + prompt(20, 70 + i), max_tokens=2)
+        assert again[0].worker_id == homes[i] and again[-1].cached_tokens == 160

@@ -121,15 +121,16 @@ class FakeServerProc:
 
     # -- control (test-only endpoints) -------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/control/state").json()
+    def state(self, rank: int = 0) -> dict[str, Any]:
+        """``rank``: a fake SGLang's data-parallel rank's."""
+        return httpx.get(self.url + f"/control/state?rank={rank}").json()
 
-    def truth(self) -> set[int]:
-        return set(self.state()["keys"])
+    def truth(self, rank: int = 0) -> set[int]:
+        return set(self.state(rank)["keys"])
 
-    def requests(self) -> list[dict[str, Any]]:
+    def requests(self, rank: int = 0) -> list[dict[str, Any]]:
         """Every completion request body received, in order."""
-        return httpx.get(self.url + "/control/requests").json()
+        return httpx.get(self.url + f"/control/requests?rank={rank}").json()
 
     def drop(self, seqs: list[int] | None = None, next_n: int = 0) -> None:
         httpx.post(self.url + "/control/drop", json={"seqs": seqs or [], "next": next_n})

@@ -496,6 +496,7 @@ async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWrite
         if req is None:
             return
         method, path, body = req
+        path = path.partition("?")[0]  # (a fake SGLang's ?rank=R; one rank here)
         if method == "GET" and path == "/version":
             if fake.a.report_version == "none":
                 await _respond(w, 404, b'{"detail": "Not Found"}')
