@@ -27,8 +27,8 @@ What is exact and what is not:
 * Blocks are published as SGLang reports them; a block SGLang keeps only in HiCache's host
   memory (``CPU_PINNED``) counts as cached until its last tier drops it.
 * A LoRA adapter's request (a router's ``--lora``) is sent with ``lora_path``; its blocks are
-  keyed from the events' ``lora_name`` as vLLM's are. This path is not yet tested against
-  SGLang's own publisher.
+  keyed from the events' ``lora_name`` as vLLM's are (SGLang 0.5.22 and later; older events
+  do not name the adapter, see :mod:`.versions`).
 * Data parallelism (``--dp-size N``): each rank has its own cache and publishes its own
   events (on the endpoint's port plus the rank). Run one agent per rank, each with
   ``--sglang-dp-rank R`` and its own ``--worker-id``, all given the same endpoints: each

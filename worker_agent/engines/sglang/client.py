@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -46,6 +47,8 @@ from kvroute.core.blocks import split_adapter_salt
 from kvroute.worker_agent.engines.base import EngineError, EngineRequest, RequestRefusedError
 from kvroute.worker_agent.engines.served.stream import Chunk, error_text, sse_data
 from kvroute.worker_agent.engines.sglang.versions import Features
+
+log = logging.getLogger("kvroute.agent.sglang")
 
 _REQUEST_CAUSED = {400: "INVALID_ARGUMENT", 413: "RESOURCE_EXHAUSTED",
                    422: "INVALID_ARGUMENT"}
@@ -72,6 +75,7 @@ class GenerateClient:
         self.features = Features()
         """Set from the server's version by the engine."""
         self.version_tried = ""  # the last info path asked
+        self._warned_lora = False
         self._ids = itertools.count()
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
@@ -104,6 +108,12 @@ class GenerateClient:
         adapter, salt = split_adapter_salt(request.cache_salt)
         if adapter:
             b["lora_path"] = adapter
+            if not self.features.lora_events and not self._warned_lora:
+                self._warned_lora = True
+                log.warning("this SGLang release's KV events do not name LoRA adapters (0.5.22 "
+                            "and later do): the blocks of adapter requests are published as "
+                            "the base model's, so routers match them wrongly",
+                            extra={"kv": {"adapter": adapter}})
         if salt:
             if not self.features.cache_salt:
                 raise RequestRefusedError(

@@ -20,6 +20,10 @@ What differs across the range (from each release's own code):
 * The data-parallel rank a request is pinned to: ``data_parallel_rank``, renamed
   ``routed_dp_rank`` in 0.5.10 (:data:`ROUTED_DP_RANK_SINCE`; the old name is read by some
   later releases with a deprecation warning, by others not at all).
+* LoRA: ``lora_path`` in ``/generate`` in every supported release, but ``BlockStored`` names
+  the adapter (``lora_name``) only from :data:`LORA_EVENTS_SINCE`. Before, an adapter's blocks
+  look like the base model's: the agent serves the request and warns once that the router's
+  view of adapter blocks is wrong on that server.
 * Streamed ``output_ids``: whole so far, or only the new ones (``--stream-output`` before
   0.5.12, ``--incremental-streaming-output`` after): the client takes the new ones from
   ``meta_info.completion_tokens`` either way, so the flag does not matter.
@@ -37,6 +41,7 @@ SUPPORTED: tuple[str, str] = ("0.5.1", "0.5.23")
 CACHE_SALT_SINCE: Version = (0, 5, 18)
 SAMPLING_SEED_SINCE: Version = (0, 5, 3)
 ROUTED_DP_RANK_SINCE: Version = (0, 5, 10)
+LORA_EVENTS_SINCE: Version = (0, 5, 22)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,8 @@ class Features:
     cache_salt: bool = True
     sampling_seed: bool = True
     dp_rank_field: str = "routed_dp_rank"
+    lora_events: bool = True
+    """Its ``BlockStored`` names a LoRA adapter's blocks (``lora_name``)."""
 
     @classmethod
     def of(cls, version: Version | None) -> Features:
@@ -55,7 +62,8 @@ class Features:
         return cls(cache_salt=version >= CACHE_SALT_SINCE,
                    sampling_seed=version >= SAMPLING_SEED_SINCE,
                    dp_rank_field="routed_dp_rank" if version >= ROUTED_DP_RANK_SINCE
-                   else "data_parallel_rank")
+                   else "data_parallel_rank",
+                   lora_events=version >= LORA_EVENTS_SINCE)
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:

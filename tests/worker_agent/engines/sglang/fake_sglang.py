@@ -83,7 +83,9 @@ class FakeSglang(FakeVllm):
         return int.from_bytes(h[:8], "big", signed=True)
 
     def lora_fields(self, r: _Req) -> dict[str, Any]:
-        return {**super().lora_fields(r), "cache_salt": r.salt or None}
+        """As SGLang's recorder fills them: no ``lora_id``; the adapter's name (releases with
+        ``lora_name``); the salt on every block."""
+        return {"lora_id": None, "lora_name": r.lora or None, "cache_salt": r.salt or None}
 
     def server_info(self) -> dict[str, Any]:
         return {"version": self.a.sglang_version, "page_size": self.a.page_size or self.bs,

@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from kvroute.core.blocks import BlockHasher
+from kvroute.core.blocks import BlockHasher, adapter_salt
 from kvroute.worker_agent.engines.base import EngineRequest, RequestRefusedError
 from kvroute.worker_agent.engines.served.engine import EventedConfig
 from kvroute.worker_agent.engines.sglang import SglangEngine
@@ -240,3 +240,35 @@ async def test_one_agent_per_data_parallel_rank(cluster, fake_sglang) -> None:
     for i, s in enumerate(systems):
         again = await generate(router.port, s + prompt(20, 70 + i), max_tokens=2)
         assert again[0].worker_id == homes[i] and again[-1].cached_tokens == 160
+
+
+async def test_a_lora_adapters_blocks_are_keyed_as_the_router_keys_them(fake_sglang,
+                                                                         caplog) -> None:
+    fake = fake_sglang("--lora-modules", "ad1")
+    eng = engine(fake)
+    caplog.set_level(logging.WARNING, "kvroute.agent.sglang")
+    await eng.start()
+    try:
+        await wait_for(lambda: eng.server_version is not None, what="version read")
+        a = prompt(40, 9)
+        for _ in range(2):
+            await run(eng, a, 2, cache_salt=adapter_salt("ad1", ""))
+        assert fake.requests()[-1]["lora_path"] == "ad1"
+        ours = set(BlockHasher(16, "default", adapter_salt("ad1", "")).keys(a[:32]))
+        await converged_quiet(fake, eng)
+        if eng.client.features.lora_events:
+            # The events name the adapter: its blocks get the adapter's keys, as the router's.
+            assert set(eng.cached_keys()) == fake.truth() and ours <= fake.truth()
+            assert "do not name LoRA adapters" not in caplog.text
+        else:
+            # The events do not: published as the base model's, and said so once.
+            assert not ours & set(eng.cached_keys())
+            assert set(BlockHasher(16, "default").keys(a[:32])) <= set(eng.cached_keys())
+            assert caplog.text.count("do not name LoRA adapters") == 1
+    finally:
+        await eng.stop()
+
+
+async def converged_quiet(fake, eng) -> None:
+    await wait_for(lambda: eng.events.stats.last_seq == fake.state()["published"] - 1,
+                   what="all batches applied")
