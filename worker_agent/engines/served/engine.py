@@ -30,12 +30,13 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvroute.core.cache_events import CacheEvent, CacheListener
 from kvroute.core.load import EngineLoad, PrefillMode
 from kvroute.worker_agent.engines.base import EngineError, EngineRequest, TokenChunk
 from kvroute.worker_agent.engines.served.blockmap import BlockMap
+from kvroute.worker_agent.engines.served.metrics import adapter_families
 from kvroute.worker_agent.engines.served.poller import MetricsPoller, ServerMetrics
 from kvroute.worker_agent.engines.served.stream import Chunk
 from kvroute.worker_agent.engines.served.subscriber import (
@@ -405,50 +406,5 @@ class EventedEngine(BatchSink):
 
     def metric_families(self) -> Iterator[Metric]:
         """Adapter counters for the agent's /metrics (see kvroute.worker_agent.metrics)."""
-        s, b, m = self.events.stats, self.blocks.stats, self.metrics.stats
-        p = f"kvroute_agent_{self.kind}_"
-        product = self.product
-        rej = CounterMetricFamily(p + "frames_rejected", "KV-event frames rejected, by reason",
-                                  labels=["reason"])
-        for reason, n in sorted(s.rejected.items()):
-            rej.add_metric([reason], n)
-        yield rej
-        skipped = CounterMetricFamily(p + "blocks_skipped",
-                                      f"{product} blocks not published, by reason",
-                                      labels=["reason"])
-        for reason, n in (("block_size", b.block_size_mismatch),
-                          ("unknown_parent", b.unknown_parent), ("opaque", b.opaque_blocks),
-                          ("unknown_removal", b.unknown_removals),
-                          ("key_conflict", b.key_conflicts)):
-            skipped.add_metric([reason], n)
-        yield skipped
-        for name, doc, value in (
-            ("frames", "Live KV-event frames received", s.frames),
-            ("batches", "KV-event batches applied (live or replayed)", s.batches),
-            ("events", "KV events applied", s.events),
-            ("unknown_events", "KV events of an unknown type skipped", s.unknown_events),
-            ("duplicates", "Live batches already applied from a replay", s.duplicates),
-            ("replayed_batches", "Batches applied from the replay socket", s.replayed_batches),
-            ("gaps_healed", "Seq gaps healed from the replay socket", s.gaps_healed),
-            ("replay_failures", "Replay requests unanswered or cut short", s.replay_failures),
-            ("silent_recoveries", "Idle replay probes that found batches while the live "
-             f"stream never delivered a frame ({product}'s publisher connecting instead of "
-             "binding)", s.silent_recoveries),
-            ("view_resets", "Cache-view resets (CLEAR, then re-learn): new epochs", s.resets),
-            ("publisher_restarts", f"{product} event-publisher restarts detected", s.restarts),
-            ("metrics_errors", f"Failed polls of {product}'s /metrics", m.errors),
-        ):
-            yield CounterMetricFamily(p + name, doc, value=value)
-        for name, doc, value in (
-            ("last_seq", "Last KV-event seq applied", s.last_seq),
-            ("view_complete", f"1 if the cache view covers {product}'s whole event history",
-             int(s.complete)),
-            ("engine_hashes", f"{product} block hashes tracked", self.blocks.engine_hashes),
-            ("cached_keys", "kvroute block keys published as cached", self.blocks.cached_count),
-            ("metrics_up", f"1 if the last poll of {product}'s /metrics succeeded", int(m.up)),
-            ("up", f"1 while {product} answers; at 0 its blocks are withdrawn and the agent "
-             "sends no heartbeat", int(self._alive)),
-            ("metrics_age_seconds", "Seconds since the last good /metrics poll",
-             time.monotonic() - m.last_ok if m.last_ok else -1.0),
-        ):
-            yield GaugeMetricFamily(p + name, doc, value=value)
+        return adapter_families(self.kind, self.product, self.events.stats,
+                                self.blocks, self.metrics.stats, self._alive)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+
+from kvroute.worker_agent.engines.base import EngineError
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +21,18 @@ class Chunk:
     prompt_tokens: int | None = None
     usage: bool = False  # the final usage chunk
     logprobs: tuple[float, ...] | None = None  # of token_ids, when asked for
+
+
+def json_object(data: str, product: str) -> dict[str, Any]:
+    """One streamed ``data:`` payload as a JSON object; EngineError naming ``product`` when
+    it is not one."""
+    try:
+        obj = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise EngineError(f"{product} sent a non-JSON stream chunk: {data[:200]!r}") from exc
+    if not isinstance(obj, dict):
+        raise EngineError(f"{product} sent an unexpected stream chunk: {data[:200]!r}")
+    return obj
 
 
 def error_text(text: str) -> str:

@@ -45,7 +45,7 @@ import httpx
 
 from kvroute.core.blocks import split_adapter_salt
 from kvroute.worker_agent.engines.base import EngineError, EngineRequest, RequestRefusedError
-from kvroute.worker_agent.engines.served.stream import Chunk, error_text, sse_data
+from kvroute.worker_agent.engines.served.stream import Chunk, error_text, json_object, sse_data
 from kvroute.worker_agent.engines.sglang.versions import Features
 
 log = logging.getLogger("kvroute.agent.sglang")
@@ -180,12 +180,7 @@ class GenerateClient:
 
 def _parse(data: str, seen: int) -> tuple[Chunk, dict[str, Any], int]:
     """One ``data:`` object -> (its chunk of new ids, its meta_info, ids seen after it)."""
-    try:
-        obj = json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise EngineError(f"SGLang sent a non-JSON stream chunk: {data[:200]!r}") from exc
-    if not isinstance(obj, dict):
-        raise EngineError(f"SGLang sent an unexpected stream chunk: {data[:200]!r}")
+    obj = json_object(data, "SGLang")
     if "error" in obj:
         raise EngineError(f"SGLang error: {error_text(data)}")
     meta = obj.get("meta_info")

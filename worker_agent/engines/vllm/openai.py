@@ -44,7 +44,7 @@ import httpx
 
 from kvroute.core.blocks import split_adapter_salt
 from kvroute.worker_agent.engines.base import EngineError, EngineRequest, RequestRefusedError
-from kvroute.worker_agent.engines.served.stream import Chunk, error_text, sse_data
+from kvroute.worker_agent.engines.served.stream import Chunk, error_text, json_object, sse_data
 from kvroute.worker_agent.engines.vllm.versions import StructuredDialect, guided_fields
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -194,12 +194,7 @@ class CompletionsClient:
             raise EngineError("vllm stream ended without a finish reason")
 
     def _parse(self, data: str, *, probe: bool) -> Chunk | None:
-        try:
-            obj = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise EngineError(f"vllm sent a non-JSON stream chunk: {data[:200]!r}") from exc
-        if not isinstance(obj, dict):
-            raise EngineError(f"vllm sent an unexpected stream chunk: {data[:200]!r}")
+        obj = json_object(data, "vllm")
         if "error" in obj or obj.get("object") == "error":
             err = obj.get("error", obj)
             msg = err.get("message", err) if isinstance(err, dict) else err

@@ -37,8 +37,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +47,11 @@ from tests.worker_agent.engines.vllm.fake_vllm import (
     FakeVllm,
     _Req,
     _respond,
+    common_args,
     control,
     fake_logprob,
     read_request,
+    serve,
     stream_sse,
 )
 from tests.worker_agent.engines.vllm.vllm_wire import FrameForwarder
@@ -237,37 +237,14 @@ async def main(args: argparse.Namespace) -> None:
                              f"tcp://127.0.0.1:{a.events_port}")
         fakes.append(FakeSglang(a, kv, fwd))
     ranks = Ranks(fakes)
-    server = await asyncio.start_server(lambda r, w: handle(ranks, r, w), "127.0.0.1",
-                                        args.http_port)
-    await asyncio.sleep(0.2)  # let the PUBs finish connecting to the forwarders
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print("READY " + json.dumps({"pid": os.getpid()}), flush=True)
-    await stop.wait()
-    server.close()
-    for fake in fakes:
-        fake.publisher.shutdown()
-        fake.fwd.close()
+    await serve(args, lambda r, w: handle(ranks, r, w),
+                [c for f in fakes for c in (f.publisher.shutdown, f.fwd.close)])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--http-port", type=int, required=True)
-    ap.add_argument("--events-port", type=int, required=True, help="the agent subscribes here")
-    ap.add_argument("--upstream-port", type=int, required=True, help="SGLang PUB -> forwarder")
-    ap.add_argument("--replay-port", type=int, required=True)
-    ap.add_argument("--topic", default="kv-events")
-    ap.add_argument("--model", default="fake-model", help="served model name")
-    ap.add_argument("--kvroute-model", default="default", help="for the kvroute-key oracle")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap = common_args("SGLang", topic="kv-events")
     ap.add_argument("--page-size", type=int, default=0,
                     help="what /server_info reports (default: --block-size)")
-    ap.add_argument("--capacity", type=int, default=256, help="KV blocks")
-    ap.add_argument("--buffer-steps", type=int, default=10_000)
-    ap.add_argument("--step-s", type=float, default=0.001)
-    ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--tokenizer", choices=("byte", "gpt2"), default="byte",
                     help="encodes the answers to literal-regex and example-schema grammars")
     ap.add_argument("--incremental", action="store_true",
@@ -279,8 +256,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="refuse (400) a prompt plus max_new_tokens past it (0: no limit)")
     ap.add_argument("--sglang-src", required=True, help="sglang_wire.sglang_sources(version)")
     ap.add_argument("--sglang-version", required=True, help="the release it plays")
-    ap.add_argument("--lora-modules", default="",
-                    help="comma-separated LoRA adapters served beside --model")
     args = ap.parse_args(argv)
     args.int_hashes = True
     args.chat_model = ""

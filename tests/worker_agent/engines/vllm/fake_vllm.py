@@ -552,16 +552,11 @@ async def stream_sse(w: asyncio.StreamWriter, produce: Any) -> None:
     await w.drain()
 
 
-async def main(args: argparse.Namespace) -> None:
-    src = Path(args.vllm_src)
-    kv = load_kv_events(src)
-    release = read_release(args.vllm_version, src)
-    fwd = FrameForwarder(f"tcp://127.0.0.1:{args.upstream_port}",
-                         f"tcp://127.0.0.1:{args.events_port}")
-    fake = FakeVllm(args, kv, fwd, release)
-    server = await asyncio.start_server(lambda r, w: handle(fake, r, w), "127.0.0.1",
-                                        args.http_port)
-    await asyncio.sleep(0.2)  # let vLLM's PUB finish connecting to the forwarder
+async def serve(args: argparse.Namespace, handler: Any, closers: list[Any]) -> None:
+    """Serve HTTP on ``--http-port`` with ``handler(reader, writer)``, print ``READY`` and
+    run until SIGTERM; then call each of ``closers``."""
+    server = await asyncio.start_server(handler, "127.0.0.1", args.http_port)
+    await asyncio.sleep(0.2)  # let the PUBs finish connecting to the forwarders
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -569,17 +564,28 @@ async def main(args: argparse.Namespace) -> None:
     print("READY " + json.dumps({"pid": os.getpid()}), flush=True)
     await stop.wait()
     server.close()
-    fake.publisher.shutdown()
-    fwd.close()
+    for close in closers:
+        close()
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+async def main(args: argparse.Namespace) -> None:
+    src = Path(args.vllm_src)
+    kv = load_kv_events(src)
+    release = read_release(args.vllm_version, src)
+    fwd = FrameForwarder(f"tcp://127.0.0.1:{args.upstream_port}",
+                         f"tcp://127.0.0.1:{args.events_port}")
+    fake = FakeVllm(args, kv, fwd, release)
+    await serve(args, lambda r, w: handle(fake, r, w), [fake.publisher.shutdown, fwd.close])
+
+
+def common_args(product: str, topic: str = "") -> argparse.ArgumentParser:
+    """The fakes' shared arguments (ports, model, cache, tokens)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--http-port", type=int, required=True)
     ap.add_argument("--events-port", type=int, required=True, help="the agent subscribes here")
-    ap.add_argument("--upstream-port", type=int, required=True, help="vLLM PUB -> forwarder")
+    ap.add_argument("--upstream-port", type=int, required=True, help=f"{product} PUB -> forwarder")
     ap.add_argument("--replay-port", type=int, required=True)
-    ap.add_argument("--topic", default="")
+    ap.add_argument("--topic", default=topic)
     ap.add_argument("--model", default="fake-model", help="served model name")
     ap.add_argument("--kvroute-model", default="default", help="for the kvroute-key oracle")
     ap.add_argument("--block-size", type=int, default=16)
@@ -587,6 +593,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--buffer-steps", type=int, default=10_000)
     ap.add_argument("--step-s", type=float, default=0.001)
     ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--lora-modules", default="",
+                    help="comma-separated LoRA adapters served beside --model")
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = common_args("vLLM")
     ap.add_argument("--tokenizer", choices=("byte", "gpt2"), default="byte",
                     help="encodes the answers to choice / literal-regex structured outputs")
     ap.add_argument("--int-hashes", action="store_true")
@@ -596,8 +609,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     action="store_false")
     ap.add_argument("--vllm-src", required=True, help="vllm_wire.vllm_sources(version)")
     ap.add_argument("--vllm-version", required=True, help="the release it plays")
-    ap.add_argument("--lora-modules", default="",
-                    help="comma-separated LoRA adapters served beside --model")
     ap.add_argument("--chat-model", default="",
                     help="a HF model directory whose chat template /tokenize renders with")
     ap.add_argument("--report-version", default="",
