@@ -20,12 +20,12 @@ class SglangEngine(EventedEngine):
     """Implements the :class:`~kvroute.worker_agent.engines.base.Engine` protocol.
 
     What the server says of itself (``/server_info``) fills what the agent was not told:
-    ``max_running_requests`` -> the load's ``max_running``, ``chunked_prefill_size`` -> its
-    prefill mode and chunk, ``max_total_num_tokens`` -> its capacity (when ``/metrics`` does
-    not say). Settings that make the agent's view wrong are logged at ERROR: a
-    ``page_size`` other than the agent's block size (every block would be skipped), no
-    ``kv_events_config`` (no cache view), ``enable_metrics`` off (no load, and the agent
-    takes the server for down)."""
+    ``max_running_requests`` -> the load's ``max_running``, ``max_prefill_tokens`` -> its
+    ``max_batched_tokens``, ``chunked_prefill_size`` -> its prefill mode and chunk,
+    ``max_total_num_tokens`` -> its capacity (when ``/metrics`` does not say). Settings
+    that make the agent's view wrong are logged at ERROR: a ``page_size`` other than the
+    agent's block size (every block would be skipped), no ``kv_events_config`` (no cache
+    view), ``enable_metrics`` off (no load, and the agent takes the server for down)."""
 
     kind = "sglang"
     product = "SGLang"
@@ -64,7 +64,10 @@ class SglangEngine(EventedEngine):
         running = info.get("max_running_requests")
         if not cfg.max_num_seqs and isinstance(running, int) and running > 0:
             out["max_num_seqs"] = running
-        chunk = info.get("chunked_prefill_size")
+        budget = info.get("max_prefill_tokens")  # the prompt tokens of one prefill batch
+        if not cfg.max_num_batched_tokens and isinstance(budget, int) and budget > 0:
+            out["max_num_batched_tokens"] = budget
+        chunk = info.get("chunked_prefill_size")  # the most of one prompt per iteration
         if isinstance(chunk, int) and not cfg.long_prefill_token_threshold:
             out["chunked_prefill"] = chunk > 0
             out["long_prefill_token_threshold"] = max(0, chunk)

@@ -90,6 +90,7 @@ class FakeSglang(FakeVllm):
     def server_info(self) -> dict[str, Any]:
         return {"version": self.a.sglang_version, "page_size": self.a.page_size or self.bs,
                 "max_running_requests": 48, "chunked_prefill_size": 2048,
+                "max_prefill_tokens": 16384,
                 "max_total_num_tokens": self.a.capacity * self.bs,
                 "enable_metrics": not self.a.no_metrics,
                 "kv_events_config": json.dumps({"publisher": "zmq"}),

@@ -84,9 +84,11 @@ async def test_server_info_fills_the_load_and_the_version(fake_sglang) -> None:
         assert eng.server_version == fake.release
         await wait_for(eng.healthy, what="SGLang answers")
         load = eng.load()
-        # max_running_requests and chunked_prefill_size from /server_info; the capacity from
-        # /metrics (0.5.12 and later) or /server_info's max_total_num_tokens (older).
+        # max_running_requests, max_prefill_tokens and chunked_prefill_size from
+        # /server_info; the capacity from /metrics (0.5.12 and later) or /server_info's
+        # max_total_num_tokens (older).
         assert load.max_running == 48 and load.max_prefill_chunk == 2048
+        assert load.max_batched_tokens == 16384
         assert load.capacity_blocks == 300
         assert load.free_blocks == 300 and load.running == 0
     finally:
