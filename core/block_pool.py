@@ -11,6 +11,12 @@ A block's life::
 
 A free cached block is still findable by :meth:`BlockPool.lookup`; pinning it again
 (``allocate(..., hits=...)``) revives it without recomputation — that is the prefix cache hit.
+
+With ``host_blocks`` the pool has a lower tier (CPU memory, as vLLM's offloading and SGLang's
+HiCache keep): a key evicted from the GPU is written back there (``Op.LOWER``) and stays,
+least recently used first out (``Op.EVICT`` when no tier holds it any more). A prompt's blocks
+found there after its GPU hits (:meth:`BlockPool.host_prefix`) are loaded into fresh blocks
+and committed again (``Op.STORE``: in GPU memory again; the host copy stays).
 """
 
 from __future__ import annotations
@@ -45,16 +51,26 @@ class BlockPool:
        key becomes findable, ``Op.EVICT`` when it stops being findable through eviction,
        ``Op.CLEAR`` when every key was dropped. The emitted key set therefore always equals
        :meth:`cached_keys`.
+    6. The host tier holds at most ``host_blocks`` keys; a key's last event says its best
+       tier: ``Op.STORE`` iff it is in the key map, else ``Op.LOWER`` iff it is in the host
+       tier (:meth:`lower_keys`), else ``Op.EVICT``.
     """
 
-    __slots__ = ("_block_of", "_free", "_key_of", "_ref", "capacity_blocks", "listener")
+    __slots__ = ("_block_of", "_free", "_host", "_key_of", "_ref", "capacity_blocks",
+                 "host_blocks", "listener")
 
     def __init__(
-        self, capacity_blocks: int, listener: Callable[[CacheEvent], None] | None = None
+        self, capacity_blocks: int, listener: Callable[[CacheEvent], None] | None = None,
+        host_blocks: int = 0,
     ) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks}")
+        if host_blocks < 0:
+            raise ValueError(f"host_blocks must be >= 0, got {host_blocks}")
         self.capacity_blocks = capacity_blocks
+        self.host_blocks = host_blocks
+        # The host tier's keys, least recently used first (a GPU-held key may be here too).
+        self._host: OrderedDict[int, None] = OrderedDict()
         self.listener = listener
         self._ref: list[int] = [0] * capacity_blocks
         self._key_of: list[int | None] = [None] * capacity_blocks
@@ -80,8 +96,27 @@ class BlockPool:
         return self._key_of[block]
 
     def cached_keys(self) -> list[int]:
-        """Every key currently findable (in-use and free cached blocks)."""
-        return list(self._block_of)
+        """Every key currently findable (in-use and free cached blocks), and those of the
+        host tier."""
+        if not self._host:
+            return list(self._block_of)
+        return list(self._block_of.keys() | self._host.keys())
+
+    def lower_keys(self) -> list[int]:
+        """The keys held only in the host tier."""
+        block_of = self._block_of
+        return [k for k in self._host if k not in block_of]
+
+    def host_prefix(self, keys: Iterable[int]) -> int:
+        """How many leading ``keys`` the host tier holds (those after a prompt's GPU hits:
+        what it loads instead of computing)."""
+        host = self._host
+        n = 0
+        for k in keys:
+            if k not in host:
+                break
+            n += 1
+        return n
 
     def lookup(self, keys: Iterable[int]) -> list[int]:
         """Blocks of the longest run of leading ``keys`` that are cached. No side effects.
@@ -157,8 +192,38 @@ class BlockPool:
             ref[b] = 1
             fresh.append(b)
         if evicted:
-            self._emit(Op.EVICT, tuple(evicted))
+            if self.host_blocks:
+                self._write_back(evicted)
+            else:
+                self._emit(Op.EVICT, tuple(evicted))
         return [*hits, *fresh] if hits else fresh
+
+    def _write_back(self, evicted: list[int]) -> None:
+        """Keys evicted from the GPU go to the host tier, whose least recently used keys
+        make room: one ``Op.EVICT`` for those no tier holds now, one ``Op.LOWER`` for
+        those only the host tier does."""
+        host, block_of, most = self._host, self._block_of, self.host_blocks
+        changed = dict.fromkeys(evicted)
+        for k in evicted:
+            host[k] = None
+            host.move_to_end(k)
+        while len(host) > most:
+            victim = host.popitem(last=False)[0]
+            if victim not in block_of:
+                changed[victim] = None
+        gone = tuple(k for k in changed if k not in host)
+        lowered = tuple(k for k in changed if k in host)
+        if gone:
+            self._emit(Op.EVICT, gone)
+        if lowered:
+            self._emit(Op.LOWER, lowered)
+
+    def load_from_host(self, keys: Sequence[int]) -> None:
+        """``keys`` (host-tier keys a prompt is about to load) are used now: last out."""
+        host = self._host
+        for k in keys:
+            if k in host:
+                host.move_to_end(k)
 
     def commit(self, blocks: Sequence[int], keys: Sequence[int]) -> list[int]:
         """Register each now-full in-use ``blocks[i]`` under ``keys[i]``; one ``Op.STORE``.
@@ -215,8 +280,9 @@ class BlockPool:
         key_of = self._key_of
         for b in self._block_of.values():
             key_of[b] = None
-        n = len(self._block_of)
+        n = len(self._block_of.keys() | self._host.keys())
         self._block_of.clear()
+        self._host.clear()
         self._emit(Op.CLEAR, ())
         return n
 

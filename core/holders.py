@@ -60,6 +60,10 @@ class HolderMap(Protocol):
     def leading(self, keys: Sequence[int], limit: int, slot: int) -> int:
         """How many of ``keys[:limit]`` ``slot`` really holds, leading ones only."""
 
+    def first_held(self, keys: Sequence[int], limit: int, slot: int) -> int:
+        """The position of the first of ``keys[:limit]`` ``slot`` really holds (their
+        number if none)."""
+
     def count(self, slot: int) -> int:
         """Keys ``slot`` really holds."""
 
@@ -121,14 +125,7 @@ class DictHolders:
 
     def add_packed(self, members: Iterable[bytes] | bytes, slot: int,
                    replace: bool = False) -> None:
-        if isinstance(members, bytes):
-            keys = unpack_keys(members)  # ValueError for a blob not of whole keys
-        else:
-            members = list(members)
-            bad = next((m for m in members if len(m) != 8), None)
-            if bad is not None:
-                raise ValueError(f"snapshot member of {len(bad)} bytes is not one 8-byte key")
-            keys = unpack_keys(b"".join(members))
+        keys = unpack_keys(packed(members))
         if replace:
             self.clear_slot(slot)
         self.add(keys, slot)
@@ -167,6 +164,11 @@ class DictHolders:
 
     def leading(self, keys: Sequence[int], limit: int, slot: int) -> int:
         return leading_held(keys, limit, self._real.get(slot, {}))
+
+    def first_held(self, keys: Sequence[int], limit: int, slot: int) -> int:
+        real = self._real.get(slot, {})
+        head = keys[:limit]
+        return next((i for i, k in enumerate(head) if k in real), len(head))
 
     def count(self, slot: int) -> int:
         return len(self._real.get(slot, ()))
@@ -211,6 +213,21 @@ def _record(mask: int, depth: int, out: dict[Any, int], names: list[str] | None)
         slot = low.bit_length() - 1
         out[slot if names is None else names[slot]] = depth
         mask ^= low
+
+
+def packed(members: Iterable[bytes] | bytes) -> bytes:
+    """Snapshot members (8 big-endian bytes each: a sequence of members, or one ``bytes``
+    of them end to end) as one ``bytes``; ValueError for a member of another size or a blob
+    not of whole keys."""
+    if isinstance(members, bytes):
+        if len(members) % 8:
+            raise ValueError(f"key blob of {len(members)} bytes is not a multiple of 8")
+        return members
+    members = list(members)
+    bad = next((m for m in members if len(m) != 8), None)
+    if bad is not None:
+        raise ValueError(f"snapshot member of {len(bad)} bytes is not one 8-byte key")
+    return b"".join(members)
 
 
 def leading_held(keys: Sequence[int], limit: int, held: Container[int]) -> int:

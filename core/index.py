@@ -19,6 +19,12 @@ Design (the hot path of every routing decision):
   that, the earliest deadline's go first. Their deadlines are a dict per worker (bounded by
   ``max_predicted``).
 
+* *Tiers*: a second holder map keeps, per worker whose engine has a lower tier (CPU memory
+  behind its GPU cache), the keys it holds only there. The main map holds every key whatever
+  its tier (``match`` and ``count`` see them all); ``lower_blocks`` says how much of a match
+  must be loaded back, ``gpu_count`` how many keys fill the GPU cache. A worker without
+  tiers costs the second map nothing.
+
 * No Python container holds the real keys: CPython's cyclic collector traverses every entry
   of a tracked container on each full collection, and with the keys in sets a 1M-entry index
   made each full collection a ~100 ms stall of every in-flight routing decision
@@ -33,6 +39,8 @@ Invariants:
   really iff ``w``'s engine stores it (as its events and snapshots said), predicted iff
   ``k`` is in ``_pred_of[w]``; never both (a real store confirms a prediction, and a key
   really held is not predicted).
+* ``_lower`` holds ``(k, s)`` only if ``_holders`` really does, and then iff ``w``'s engine
+  holds ``k`` in no tier above its lowest (its events' ``Op.LOWER``).
 * ``count``, ``keys_of``, ``holds``, ``confirmed`` and ``entries`` report real keys only;
   ``match`` counts both.
 * A slot is reused only after its worker has been removed and all its keys and predictions
@@ -44,11 +52,11 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 # leading_held is re-exported: the replay's metrics count leading blocks the same way.
 from kvroute.core.holders import leading_held as leading_held
-from kvroute.core.holders import make_holders
+from kvroute.core.holders import make_holders, packed
 
 # The most predicted keys kept waiting for their deadline (~40 MB of key tuples): 3,000 cold
 # 5k-token prompts of 16-token blocks, 30 s of a 100-request/s router at the default TTL.
@@ -60,6 +68,7 @@ class PrefixIndex:
 
     def __init__(self, native: bool = True, max_predicted: int = MAX_PREDICTED_KEYS) -> None:
         self._holders = make_holders(native)  # the C map when built (same results, faster)
+        self._lower = make_holders(native)  # keys held only in a worker's lower tier
         # Predictions wait in the heap until their deadline, confirmed or not: bounding the
         # keys it holds bounds the memory a burst of cold prompts takes (oldest go first).
         self._max_predicted = max_predicted
@@ -103,14 +112,23 @@ class PrefixIndex:
         Returns the number of keys dropped. (It visits the worker's key log in the map:
         its own keys, not the whole map's.)"""
         slot = self._slot_of.get(worker)
-        return 0 if slot is None else self._holders.clear_slot(slot)
+        if slot is None:
+            return 0
+        self._lower.clear_slot(slot)
+        return self._holders.clear_slot(slot)
 
     # -- keys ----------------------------------------------------------------------------
 
-    def add(self, worker: str, keys: Iterable[int]) -> None:
+    def add(self, worker: str, keys: Iterable[int], lower: bool = False) -> None:
+        """``worker`` holds ``keys``: in GPU memory, or with ``lower`` only in its lower
+        tier."""
         slot = self._slot(worker)
         keys = _listed(keys)
         self._holders.add(keys, slot)
+        if lower:
+            self._lower.add(keys, slot)
+        elif self._lower.count(slot):
+            self._lower.remove(keys, slot)  # brought back into GPU memory
         pred = self._pred_of[worker]
         if pred:
             for k in keys:
@@ -119,7 +137,10 @@ class PrefixIndex:
     def remove(self, worker: str, keys: Iterable[int]) -> None:
         slot = self._slot_of.get(worker)
         if slot is not None:
+            keys = _listed(keys)
             self._holders.remove(keys, slot)  # keys it does not really hold: ignored
+            if self._lower.count(slot):
+                self._lower.remove(keys, slot)
 
     def predict(self, worker: str, keys: Iterable[int], deadline: float) -> tuple[int, ...]:
         """``worker`` is expected to store ``keys`` soon: match them as held until
@@ -184,14 +205,20 @@ class PrefixIndex:
         self.clear_worker(worker)
         self.add(worker, keys)
 
-    def replace_worker_packed(self, worker: str, members: Iterable[bytes] | bytes) -> None:
+    def replace_worker_packed(self, worker: str, members: Iterable[bytes] | bytes,
+                              lower: Iterable[bytes] | bytes = b"") -> None:
         """``replace_worker`` with the keys as a snapshot's members read from Redis (8
         big-endian bytes each, ``redis_schema.pack_keys``; a sequence of members or one
         ``bytes`` of them end to end), decoded in the map: no int object per key on a
-        bootstrap of millions. ValueError, before any change, for a member of another size
-        or a blob not of whole keys."""
+        bootstrap of millions. ``lower``: those of them held only in its lower tier, packed
+        alike. ValueError, before any change to either map, for a member of another size or
+        a blob not of whole keys."""
         slot = self._slot(worker)
+        if lower or self._lower.count(slot):
+            lower = packed(lower)  # checked before the main map changes
         self._holders.add_packed(members, slot, True)
+        if lower or self._lower.count(slot):
+            self._lower.add_packed(lower, slot, True)
         pred = self._pred_of[worker]
         if pred:
             for k in [k for k in pred if self._holders.holds(k, slot)]:
@@ -201,6 +228,18 @@ class PrefixIndex:
         """Keys ``worker`` really holds."""
         slot = self._slot_of.get(worker)
         return 0 if slot is None else self._holders.count(slot)
+
+    def gpu_count(self, worker: str) -> int:
+        """Keys ``worker`` really holds in GPU memory: what fills its GPU cache."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return 0
+        return max(0, self._holders.count(slot) - self._lower.count(slot))
+
+    def lower_keys_of(self, worker: str) -> set[int]:
+        """The keys ``worker`` holds only in its lower tier."""
+        slot = self._slot_of.get(worker)
+        return set() if slot is None else set(self._lower.keys_of(slot))
 
     def keys_of(self, worker: str) -> set[int]:
         """The keys ``worker`` really holds (from its key log in the map: not per
@@ -224,6 +263,24 @@ class PrefixIndex:
         Stops consuming ``keys`` at the first block that no worker still matching holds.
         """
         return self._holders.walk(keys, self._worker_of_slot)
+
+    def lower_blocks(self, keys: Sequence[int], matched: Mapping[str, int]) -> dict[str, int]:
+        """For each worker of ``matched`` (``match``'s depths over ``keys``) with a lower
+        tier, how many of its matched blocks its engine must load from there: those from
+        the first one it holds only below GPU memory (its engine hits GPU blocks, then
+        loads what follows). Workers with none are left out."""
+        out: dict[str, int] = {}
+        if not len(self._lower):
+            return out
+        lower, slot_of = self._lower, self._slot_of
+        for w, depth in matched.items():
+            slot = slot_of.get(w)
+            if slot is None or not lower.count(slot):
+                continue
+            first = lower.first_held(keys, depth, slot)
+            if first < depth:
+                out[w] = depth - first
+        return out
 
 
 def _listed(keys: Iterable[int]) -> Sequence[int]:

@@ -92,6 +92,9 @@ class EngineLoad:
     its agent measures it)."""
     prefill_rate: float = 0.0
     """Uncached prompt tokens per second its engine was given lately (as ``arrival_rate``)."""
+    lower_tier_s_per_token: float = 0.0
+    """Seconds its engine takes to bring one token's KV from its lower tier (CPU memory)
+    into GPU memory (0: no tier, or not reported)."""
 
     def to_proto(self, worker_id: str) -> common_pb2.WorkerLoad:
         """The gRPC API's ``kvroute.v1.WorkerLoad`` (it carries no rates)."""
@@ -149,6 +152,7 @@ class WorkerLoad:
     prefill_rate: float = 0.0
     prefill_mode: PrefillMode = PrefillMode.UNKNOWN
     max_prefill_chunk: int = 0
+    lower_tier_s_per_token: float = 0.0
     # Derived in __post_init__: a policy reads them for every worker on every decision, and
     # a load changes far less often than it is read (128 workers: ~15 us less per ranking).
     busy: int = field(init=False, repr=False, compare=False)

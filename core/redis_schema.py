@@ -9,9 +9,14 @@ key                                type    content
 =================================  ======  ====================================================
 ``kvr:{M}:feed``                   stream  change feed of cache events for model M, one entry
                                            per batch: ``w`` worker, ``e`` epoch, ``s`` seq,
-                                           ``op`` (store | evict | clear | resync), ``k`` keys
+                                           ``op`` (store | lower | evict | clear | resync),
+                                           ``k`` keys (kvroute.core.cache_events: store is
+                                           held in GPU memory, lower in a lower tier only)
 ``kvr:{M}:snap:<worker>``          set     the worker's cached block keys (8-byte big-endian);
                                            TTL :data:`STATE_TTL_S` from its agent's last write
+``kvr:{M}:low:<worker>``           set     those of its snapshot's keys held only in a lower
+                                           tier (CPU offload, HiCache); absent: none. TTL as
+                                           the snapshot's
 ``kvr:{M}:meta:<worker>``          hash    ``epoch``, ``seq`` of the last event in the snapshot;
                                            TTL as the snapshot's
 ``kvr:{M}:hb:<worker>``            string  heartbeat JSON (address, load, block size,
@@ -26,12 +31,14 @@ key                                type    content
 
 Feed semantics: per worker, ``seq`` counts 1, 2, 3... within an ``epoch``. A new epoch starts
 with ``op=clear, seq=1`` (a fresh, empty cache) or ``op=resync, seq=1`` (the snapshot was
-rewritten whole: reload it). Snapshot and meta are updated in the same transaction as the feed
-entry, so a snapshot read with its meta is always consistent with some feed position.
+rewritten whole: reload it). Snapshot, lower-tier set and meta are updated in the same
+transaction as the feed entry, so a snapshot read with its meta is always consistent with some
+feed position.
 
-Ownership: an agent writes its own snapshot, meta and heartbeat, appends to the feed and adds
-itself to the workers set; its keys expire on their own once it stops writing, and agents prune
-the set (worker_agent/members.py). A router writes nothing but the decisions stream.
+Ownership: an agent writes its own snapshot, lower-tier set, meta and heartbeat, appends to the
+feed and adds itself to the workers set; its keys expire on their own once it stops writing,
+and agents prune the set (worker_agent/members.py). A router writes nothing but the decisions
+stream.
 """
 
 from __future__ import annotations
@@ -118,12 +125,16 @@ class RedisKeys:
     def meta(self, worker: str) -> str:
         return f"{self._base}:meta:{worker}"
 
+    def lower(self, worker: str) -> str:
+        return f"{self._base}:low:{worker}"
+
     def heartbeat(self, worker: str) -> str:
         return f"{self._base}:hb:{worker}"
 
 
 class Op(StrEnum):
     STORE = "store"
+    LOWER = "lower"
     EVICT = "evict"
     CLEAR = "clear"
     RESYNC = "resync"
@@ -224,6 +235,9 @@ HEARTBEAT_INT_MAX = {
     "max_prefill_chunk": 1 << 32, "block_size": 1 << 16, "vocab_size": 1 << 32,
 }
 HEARTBEAT_RATE_MAX = 1e12  # arrival_rate (requests/s) and prefill_rate (tokens/s)
+# The float fields and their bounds (a second per token is far beyond any real tier).
+HEARTBEAT_FLOAT_MAX = {"arrival_rate": HEARTBEAT_RATE_MAX, "prefill_rate": HEARTBEAT_RATE_MAX,
+                       "lower_tier_s_per_token": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +314,7 @@ class Heartbeat:
         """Parse and validate; :class:`RecordError` (a ValueError) says what is wrong.
 
         Every number must be finite and within its bound (:data:`HEARTBEAT_INT_MAX`,
-        :data:`HEARTBEAT_RATE_MAX`, ``0 < ttl_s <=`` :data:`MAX_TTL_S`): one absurd record
+        :data:`HEARTBEAT_FLOAT_MAX`, ``0 < ttl_s <=`` :data:`MAX_TTL_S`): one absurd record
         must not overflow the routing arithmetic for the whole cluster."""
         if len(raw) > MAX_HEARTBEAT_BYTES:
             raise RecordError(f"heartbeat of {len(raw)} bytes exceeds "
@@ -337,14 +351,14 @@ def _check_numbers(hb: Heartbeat) -> None:
         if not 0 <= v <= high:
             raise RecordError(f"heartbeat field {name} must be a non-negative int at "
                               f"most {high}, got {_number(v)}", "out_of_range")
-    for name in ("arrival_rate", "prefill_rate"):
+    for name, high in HEARTBEAT_FLOAT_MAX.items():
         rate = getattr(hb.load, name)
         if isinstance(rate, bool) or not isinstance(rate, int | float):
             raise RecordError(f"heartbeat field {name} must be a non-negative finite "
                               f"number, got {rate!r:.80}", "bad_type")
-        if not (math.isfinite(rate) and 0 <= rate <= HEARTBEAT_RATE_MAX):
+        if not (math.isfinite(rate) and 0 <= rate <= high):
             raise RecordError(f"heartbeat field {name} must be a non-negative finite "
-                              f"number at most {HEARTBEAT_RATE_MAX:g}, got {_number(rate)}",
+                              f"number at most {high:g}, got {_number(rate)}",
                               "out_of_range")
     if isinstance(hb.ttl_s, bool) or not isinstance(hb.ttl_s, int | float):
         raise RecordError(f"heartbeat field ttl_s must be a number, got {hb.ttl_s!r:.80}",
@@ -423,7 +437,8 @@ def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> l
     password) a ``role`` ("agent" or "router") needs for ``model``: no command or key beyond
     what kvroute sends, no pub/sub channel.
 
-    An agent given its ``worker`` id may write only its own snapshot, meta and heartbeat;
+    An agent given its ``worker`` id may write only its own snapshot, lower-tier set, meta
+    and heartbeat;
     the feed stream and the workers set are one key per model that every agent appends to,
     so an ACL cannot stop one agent from writing an entry in another's name (see
     docs/security.md); it reads the others' heartbeats and metas (to prune dead members).
@@ -433,8 +448,10 @@ def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> l
     base = f"{prefix}:{{{model}}}"
     head = ["resetkeys", "resetchannels", "-@all", *_ACL_COMMON]
     if role == "agent":
-        own = ([k.snapshot(check_name("worker", worker)), k.meta(worker), k.heartbeat(worker)]
-               if worker else [f"{base}:snap:*", f"{base}:meta:*", f"{base}:hb:*"])
+        own = ([k.snapshot(check_name("worker", worker)), k.lower(worker), k.meta(worker),
+                k.heartbeat(worker)]
+               if worker else [f"{base}:snap:*", f"{base}:low:*", f"{base}:meta:*",
+                               f"{base}:hb:*"])
         # Others' heartbeats and metas, read-only: placement and pruning read them.
         peers = [f"%R~{base}:hb:*", f"%R~{base}:meta:*"] if worker else []
         return [*head, *_ACL_AGENT, *(f"~{key}" for key in (k.feed, k.workers, *own)),

@@ -24,6 +24,11 @@ Rules (``B`` = block size):
       hit_blocks    = min(longest cached prefix of the prompt's keys, (prompt - 1) // B)
       cached_tokens = hit_blocks * B
 
+  With a host tier (``BlockPool.host_blocks``) the blocks that follow the hits in it, up to
+  the same cap, are loaded into fresh blocks instead of computed: they count in
+  ``cached_tokens``, are staged for the cache at admission, and the iteration's
+  ``loaded_tokens`` says what the driver spends on the transfer.
+
 * **Reservation**: an admitted sequence pins its hit blocks and takes the rest of its blocks
   fresh, up front for its whole life, so it never runs out and nothing is preempted (vLLM
   allocates as it goes and preempts instead; up front, the blocks are the ones vLLM ends
@@ -56,9 +61,10 @@ Rules (``B`` = block size):
 Invariants (between calls): a sequence is in exactly one of ``waiting``, ``prefilling``,
 ``running``, or none (finished/aborted: its blocks freed, ``blocks == []``); a prefilling or
 running sequence holds exactly ``blocks_needed`` blocks, its first ``cached_tokens // B``
-the hits; ``0 <= prefill_left <= prompt - cached_tokens``, and ``prefill_left == 0`` for a
-running one; ``len(running) + len(prefilling) <= max_batch``; ``stored_blocks * B`` never
-exceeds the tokens whose KV is computed. A sequence aborted between :meth:`schedule` and
+the hits and the blocks loaded from the host tier; ``0 <= prefill_left <= prompt -
+cached_tokens``, and ``prefill_left == 0`` for a running one; ``len(running) +
+len(prefilling) <= max_batch``; ``stored_blocks * B`` never exceeds the tokens whose KV is
+computed. A sequence aborted between :meth:`schedule` and
 :meth:`complete` (a cancel while the iteration runs) is skipped by the latter.
 """
 
@@ -108,6 +114,8 @@ class Iteration(Generic[S]):
     """Admitted in this iteration (their hits are pinned, ``cached_tokens`` set)."""
     decodes: int = 0
     """Sequences decoding in it (``len(running)`` when scheduled)."""
+    loaded_tokens: int = 0
+    """Prompt tokens its admissions load from the host tier instead of computing."""
 
     @property
     def prefill_tokens(self) -> int:
@@ -144,6 +152,7 @@ class Scheduler(Generic[S]):
         self._running: dict[int, S] = {}
         self._stage_blocks: list[int] = []
         self._stage_keys: list[int] = []
+        self._loaded = 0  # host-tier tokens the admissions so far load (schedule's)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -218,6 +227,7 @@ class Scheduler(Generic[S]):
                 chunks.append((r, r.prefill_left))
                 if budget is not None:
                     budget -= r.prefill_left
+        it.loaded_tokens, self._loaded = self._loaded, 0
         return it
 
     def _admit_head(self, max_new: int | None) -> bool:
@@ -226,14 +236,22 @@ class Scheduler(Generic[S]):
         bs, pool = self.block_size, self.pool
         r = self.waiting[0]
         hits = self.hit_blocks(r)
-        if max_new is not None and r.prompt_tokens - len(hits) * bs > max_new:
+        h = len(hits)
+        loaded = (pool.host_prefix(r.keys[h:(r.prompt_tokens - 1) // bs])
+                  if pool.host_blocks else 0)
+        if max_new is not None and r.prompt_tokens - (h + loaded) * bs > max_new:
             return False
-        need = blocks_needed(r.prompt_tokens, r.output_tokens, bs) - len(hits)
+        need = blocks_needed(r.prompt_tokens, r.output_tokens, bs) - h
         if not pool.can_allocate(need, hits):
             return False
+        if loaded:  # used now: the evictions this allocation writes back go after them
+            pool.load_from_host(r.keys[h:h + loaded])
         r.blocks = pool.allocate(need, hits)
-        r.cached_tokens = len(hits) * bs
-        r.stored_blocks = len(hits)
+        r.cached_tokens = (h + loaded) * bs
+        r.stored_blocks = h
+        if loaded:
+            self.store(r, h + loaded, r.keys)
+            self._loaded += loaded * bs
         r.prefill_left = r.prompt_tokens - r.cached_tokens
         self._prefilling[id(r)] = r
         return True

@@ -119,7 +119,8 @@ def rank_request(
                 del matched[w]
     top = max(matched.values(), default=0)  # blocks of the longest prefix cached anywhere
     rate = demand.observe(keys[top - 1], now) if demand is not None and top else 0.0
-    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, rate)
+    lower = index.lower_blocks(keys, matched) if index is not None and matched else {}
+    query = RouteQuery(prompt_tokens, block_size, matched, loads, affinity, rate, lower)
     return Decision(policy.rank(query), query, keys if isinstance(keys, list) else ())
 
 
@@ -131,6 +132,7 @@ def rerank_confirmed(policy: Policy, index: PrefixIndex, d: Decision,
     prompt's block keys; the loads, affinity and prefix rate stay ``d``'s."""
     q = d.query
     matched = {w: n for w, m in q.matched_blocks.items() if (n := index.confirmed(w, keys, m))}
-    query = dataclasses.replace(q, matched_blocks=matched)
+    query = dataclasses.replace(q, matched_blocks=matched,
+                                lower_blocks=index.lower_blocks(keys, matched))
     return Decision(policy.rank(query), query, d.keys)
 

@@ -161,6 +161,7 @@ def _seen_load(inflight: int, pending_prefill: int, cached_blocks: int, arrival_
         arrival_rate=max(hb.arrival_rate, arrival_rate),
         pending_prefill_context=pending_context,  # engines report tokens only
         prefill_rate=max(hb.prefill_rate, prefill_rate),  # as the arrival rate
+        lower_tier_s_per_token=hb.lower_tier_s_per_token,
     )
 
 

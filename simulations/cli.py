@@ -13,6 +13,7 @@ from kvroute.core import config
 from kvroute.core.config import COALESCE_SHARE, PREDICT_TTL_S
 from kvroute.core.policies import Policy
 from kvroute.simulations.policies import REPLAY_REGISTRY, make_replay_policy
+from kvroute.simulations.replay import LOWER_TIER_VIEWS
 from kvroute.simulations.trace import Trace
 
 # The loads a sweep replays at, light to saturated, as fractions of the cluster's capacity
@@ -85,6 +86,14 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-blocks", type=COUNT, default=0,
                    help="KV blocks per worker (default: 480k tokens' worth, an A100-80GB "
                         "serving Llama-3.1-8B)")
+    p.add_argument("--host-blocks", type=COUNT, default=0,
+                   help="KV blocks per worker in a host (CPU) tier behind its GPU cache "
+                        "(vLLM's offloading, SGLang's HiCache): evicted blocks go there and "
+                        "load back at the cost model's PCIe rate (default: 0, no tier)")
+    p.add_argument("--lower-tier", choices=LOWER_TIER_VIEWS, default="weighted",
+                   help="with --host-blocks: what the router makes of the host tier: "
+                        "'weighted' (a hit to load, at its cost: kvroute's router), 'gpu' "
+                        "(counted as GPU hits), 'ignore' (no hit at all)")
     p.add_argument("--propagation-ms", type=NON_NEGATIVE, default=50.0,
                    help="delay before the router sees a cache event (agent -> Redis -> router)")
     p.add_argument("--routers", type=AT_LEAST_ONE, default=1,

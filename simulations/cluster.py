@@ -102,7 +102,8 @@ def _held(r: SimRequest, now: float) -> bool:
 
 class SimWorker:
     def __init__(self, name: str, capacity_blocks: int, block_size: int, cost: CostModel,
-                 sink: EventSink, *, max_batch: int = 256, prefill_budget: int = 16384,
+                 sink: EventSink, *, host_blocks: int = 0, max_batch: int = 256,
+                 prefill_budget: int = 16384,
                  chunked_prefill: bool = False, long_prefill_threshold: int = 0) -> None:
         self.name = name
         self.block_size = block_size
@@ -113,7 +114,7 @@ class SimWorker:
         self.long_prefill_threshold = long_prefill_threshold
         self._sink = sink
         self._now = 0.0
-        self.pool = BlockPool(capacity_blocks, listener=self._emit)
+        self.pool = BlockPool(capacity_blocks, listener=self._emit, host_blocks=host_blocks)
         # Owns the queue and the prefills in progress; ``running`` below indexes its
         # decoding set by finish step.
         self.sched: Scheduler[SimRequest] = Scheduler(
@@ -201,7 +202,9 @@ class SimWorker:
             arrival_rate=arrival_rate, pending_prefill_context=context,
             prefill_rate=prefill_rate,
             prefill_mode=PrefillMode.of(self.chunked_prefill),
-            max_prefill_chunk=self.long_prefill_threshold if self.chunked_prefill else 0)
+            max_prefill_chunk=self.long_prefill_threshold if self.chunked_prefill else 0,
+            lower_tier_s_per_token=self.cost.lower_tier_s_per_token
+            if self.pool.host_blocks else 0.0)
 
     def submit(self, req: SimRequest, now: float) -> None:
         if blocks_needed(req.prompt_tokens, req.output_tokens, self.block_size) \
@@ -272,6 +275,9 @@ class SimWorker:
         cost = self.cost
         # Each chunk attends to the prompt tokens computed before it.
         work = sum(cost.prefill_s(take, r.prompt_tokens - r.prefill_left) for r, take in it.chunks)
+        # Blocks loaded from the host tier: transferred before the forward pass, not hidden
+        # behind it (a bound: engines overlap part of it layer by layer).
+        work += cost.load_s(it.loaded_tokens)
         end = start + work + cost.decode_step_s(len(self.running))
         self._now = end
         done = sched.complete(it)

@@ -77,6 +77,7 @@ class Setup:
         return {"trace": self.trace.source, "requests": len(self.trace.requests),
                 "warmup": self.trace.warmup,
                 "workers": sp.workers, "capacity_blocks": sp.capacity_blocks,
+                "host_blocks": sp.host_blocks, "lower_tier": sp.lower_tier,
                 "max_batch": sp.max_batch, "prefill_budget": sp.prefill_budget,
                 "chunked_prefill": sp.chunked_prefill,
                 "long_prefill_threshold": sp.long_prefill_threshold, "programs": sp.programs,
@@ -115,6 +116,7 @@ def prepare(args: argparse.Namespace) -> Setup | None:
     cap = args.capacity_blocks or 480_000 // trace.block_size
     try:
         spec = ClusterSpec(workers=args.workers, capacity_blocks=cap,
+                           host_blocks=args.host_blocks, lower_tier=args.lower_tier,
                            propagation_s=args.propagation_ms / 1000, cost=cost,
                            predict_ttl_s=args.predict_ttl_ms / 1000,
                            coalesce_share=args.coalesce_share, programs=args.programs,
@@ -148,7 +150,9 @@ def _describe(trace: Trace, spec: ClusterSpec, args: argparse.Namespace, base_rp
     """What is replayed, on what cluster, behind what router."""
     print(f"trace {trace.source}: {len(trace.requests)} requests over {trace.duration_s:.0f} s "
           f"({base_rps:.2f} req/s), block {trace.block_size} tokens; cluster: {args.workers} "
-          f"workers x {spec.capacity_blocks} blocks; capacity ~{capacity:.2f} req/s",
+          f"workers x {spec.capacity_blocks} blocks"
+          + (f" (+{spec.host_blocks} host-tier blocks, seen as {spec.lower_tier!r})"
+             if spec.host_blocks else "") + f"; capacity ~{capacity:.2f} req/s",
           flush=True)
     if trace.warmup:
         print(f"warm-up: the first {trace.warmup} requests run but are not measured "

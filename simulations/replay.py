@@ -95,10 +95,19 @@ class _ForkGroup:
             req.routed_uncached = req.prompt_tokens - self.cached_tokens
 
 
+LOWER_TIER_VIEWS = ("weighted", "gpu", "ignore")
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     workers: int = 16
     capacity_blocks: int = 937
+    # > 0: each worker keeps this many blocks in a host (CPU) tier behind its GPU cache,
+    # loaded back at CostModel.lower_tier_s_per_token (core/block_pool.py)
+    host_blocks: int = 0
+    # What the router makes of the host tier's events: "weighted" (as kvroute's router: a
+    # hit to load, at its cost), "gpu" (counted as GPU hits), "ignore" (as no hit at all).
+    lower_tier: str = "weighted"
     max_batch: int = 256
     prefill_budget: int = 16384
     chunked_prefill: bool = False  # vLLM V1's scheduler (see simulations/cluster.py)
@@ -128,6 +137,11 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.routers < 1:
             raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if self.host_blocks < 0:
+            raise ValueError(f"host_blocks must be >= 0, got {self.host_blocks}")
+        if self.lower_tier not in LOWER_TIER_VIEWS:
+            raise ValueError(f"lower_tier must be one of {', '.join(LOWER_TIER_VIEWS)}, got "
+                             f"{self.lower_tier!r}")
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if self.long_prefill_threshold < 0:
@@ -195,7 +209,7 @@ class Replayer:
         self._seq = itertools.count()
         self.workers = [
             SimWorker(f"w{i:02d}", spec.capacity_blocks, trace.block_size, spec.cost,
-                      self._on_event, max_batch=spec.max_batch,
+                      self._on_event, host_blocks=spec.host_blocks, max_batch=spec.max_batch,
                       prefill_budget=spec.prefill_budget,
                       chunked_prefill=spec.chunked_prefill,
                       long_prefill_threshold=spec.long_prefill_threshold)
@@ -213,12 +227,16 @@ class Replayer:
         ``propagation_s`` late)."""
         ev_heap = self._events
         indexes = [rt.index for rt in self.routers] or [self.index]
+        lower = self.spec.lower_tier
         while ev_heap and ev_heap[0][0] <= now:
             _, _, worker, ev = heapq.heappop(ev_heap)
+            op = ev.op
+            if op is Op.LOWER and lower != "weighted":
+                op = Op.STORE if lower == "gpu" else Op.EVICT
             for index in indexes:
-                if ev.op is Op.STORE:
-                    index.add(worker, ev.keys)
-                elif ev.op is Op.EVICT:
+                if op is Op.STORE or op is Op.LOWER:
+                    index.add(worker, ev.keys, lower=op is Op.LOWER)
+                elif op is Op.EVICT:
                     index.remove(worker, ev.keys)
                 elif ev.op is Op.CLEAR:
                     index.clear_worker(worker)

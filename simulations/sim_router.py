@@ -90,7 +90,7 @@ class SimRouter:
     def loads(self, workers: Sequence[SimWorker], now: float,
               beats: dict[str, WorkerLoad]) -> dict[str, WorkerLoad]:
         if self.alone:
-            return {w.name: w.load(self.index.count(w.name), now) for w in workers}
+            return {w.name: w.load(self.index.gpu_count(w.name), now) for w in workers}
         out = {}
         for w in workers:
             mine = self.out[w.name] = [r for r in self.out[w.name] if not r.finished_s <= now]
@@ -98,7 +98,7 @@ class SimRouter:
             sent = self.sent[w.name]
             own = WorkerLoad(inflight=len(mine),
                              pending_prefill_tokens=sum(r.routed_uncached for r in pending),
-                             cached_blocks=self.index.count(w.name),
+                             cached_blocks=self.index.gpu_count(w.name),
                              arrival_rate=sent.arrivals.at(now),
                              pending_prefill_context=sum(r.routed_context for r in pending),
                              prefill_rate=sent.prefills.at(now))

@@ -75,6 +75,7 @@ class CachePublisher:
         snapshot: Callable[[], list[int]],
         heartbeat: Callable[[], Heartbeat | None],
         *,
+        lower: Callable[[], list[int]] | None = None,
         heartbeat_s: float = 1.0,
         heartbeat_ttl_s: float = 3.0,
         max_pending: int = 100_000,
@@ -83,13 +84,18 @@ class CachePublisher:
         state_ttl_s: float = STATE_TTL_S,
         prune_every_s: float = PRUNE_EVERY_S,
     ) -> None:
-        """``state_ttl_s``: how long our snapshot and meta outlive our last write;
+        """``snapshot``: every key the engine caches, whatever its tier; ``lower``: those
+        held only in a lower tier (None: an engine without tiers);
+        ``state_ttl_s``: how long our snapshot and meta outlive our last write;
         ``prune_every_s``: how often the model's agents together prune its workers set
         (worker_agent/members.py)."""
         self._r = client
         self._keys = keys
         self._worker = worker_id
         self._snapshot = snapshot
+        self._lower = lower
+        # Whether we may have written a lower-tier set: until then its writes are skipped.
+        self._tiered = False
         self._heartbeat = heartbeat
         self._hb_s = heartbeat_s
         self._ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
@@ -210,7 +216,8 @@ class CachePublisher:
     async def _deregister(self) -> None:
         k = self._keys
         pipe = self._r.pipeline(transaction=True)
-        pipe.delete(k.heartbeat(self._worker), k.snapshot(self._worker), k.meta(self._worker))
+        pipe.delete(k.heartbeat(self._worker), k.snapshot(self._worker), k.meta(self._worker),
+                    k.lower(self._worker))
         pipe.srem(k.workers, self._worker)
         await pipe.execute()
 
@@ -279,6 +286,8 @@ class CachePublisher:
         k = self._keys
         pipe.pexpire(k.snapshot(self._worker), self._state_ttl_ms)
         pipe.pexpire(k.meta(self._worker), self._state_ttl_ms)
+        if self._tiered:
+            pipe.pexpire(k.lower(self._worker), self._state_ttl_ms)
         hb = hb or self._heartbeat()
         if hb is None:
             return
@@ -329,17 +338,7 @@ class CachePublisher:
             ev = FeedEvent(self._worker, self.epoch, seq, op, tuple(keys))
             pipe.xadd(k.feed, ev.to_fields(), maxlen=self._maxlen, approximate=True)
             writes.append("xadd")
-            if op is Op.CLEAR:
-                pipe.delete(k.snapshot(self._worker))
-                writes.append("del")
-            elif keys:
-                members = [pack_keys((x,)) for x in keys]
-                if op is Op.STORE:
-                    pipe.sadd(k.snapshot(self._worker), *members)
-                    writes.append("sadd")
-                else:
-                    pipe.srem(k.snapshot(self._worker), *members)
-                    writes.append("srem")
+            writes.extend(self._write_op(pipe, op, keys))
         pipe.hset(k.meta(self._worker), mapping={"epoch": self.epoch, "seq": seq})
         self._beat_in(pipe, self.epoch)  # its replies come after the ones read below
         epoch, size, *replies = await pipe.execute()
@@ -362,10 +361,38 @@ class CachePublisher:
         self._set_up(True)
         return bool(self._pending)
 
+    def _write_op(self, pipe: Any, op: Op, keys: list[int]) -> list[str]:
+        """Add one feed entry's change of the snapshot (and lower-tier set) to ``pipe``;
+        returns the name of each command whose reply counts the snapshot's size ("sadd",
+        "srem", "del"), "" for the others."""
+        k, w = self._keys, self._worker
+        if op is Op.CLEAR:
+            pipe.delete(k.snapshot(w), k.lower(w))
+            return ["del"]
+        if not keys:
+            return []
+        members = [pack_keys((x,)) for x in keys]
+        if op is Op.LOWER:
+            self._tiered = True
+            pipe.sadd(k.snapshot(w), *members)
+            pipe.sadd(k.lower(w), *members)
+            return ["sadd", ""]
+        if op is Op.STORE:
+            pipe.sadd(k.snapshot(w), *members)
+            written = ["sadd"]
+        else:
+            pipe.srem(k.snapshot(w), *members)
+            written = ["srem"]
+        if self._tiered:
+            pipe.srem(k.lower(w), *members)
+            written.append("")
+        return written
+
     async def _resync(self) -> None:
         # Read the engine's state and drop the buffer in one synchronous step: every buffered
         # event is already reflected in this snapshot.
         keys = self._snapshot()
+        lower = self._lower() if self._lower is not None else []
         self._pending.clear()
         self.stats.pending = 0  # else the pending gauge keeps the pre-resync count
         self._needs_resync = False  # events from here on queue behind this snapshot
@@ -376,10 +403,12 @@ class CachePublisher:
         op = Op.RESYNC if keys else Op.CLEAR
         k = self._keys
         pipe = self._r.pipeline(transaction=True)
-        pipe.delete(k.snapshot(self._worker))
-        for i in range(0, len(keys), _SADD_CHUNK):
-            chunk = keys[i : i + _SADD_CHUNK]
-            pipe.sadd(k.snapshot(self._worker), *(pack_keys((x,)) for x in chunk))
+        pipe.delete(k.snapshot(self._worker), k.lower(self._worker))
+        for key, members in ((k.snapshot(self._worker), keys), (k.lower(self._worker), lower)):
+            for i in range(0, len(members), _SADD_CHUNK):
+                chunk = members[i : i + _SADD_CHUNK]
+                pipe.sadd(key, *(pack_keys((x,)) for x in chunk))
+        self._tiered = self._tiered or bool(lower)
         pipe.hset(k.meta(self._worker), mapping={"epoch": epoch, "seq": 1})
         pipe.sadd(k.workers, self._worker)
         self._beat_in(pipe, epoch)
@@ -395,15 +424,16 @@ class CachePublisher:
         self._synced = True
         self.stats.resyncs += 1
         self._set_up(True)
-        log.info("published snapshot", extra={"kv": {"worker": self._worker, "epoch": epoch,
-                                                     "blocks": len(keys), "op": op.value}})
+        log.info("published snapshot", extra={"kv": {
+            "worker": self._worker, "epoch": epoch, "blocks": len(keys),
+            "lower_blocks": len(lower), "op": op.value}})
 
 
 def _coalesce(events: list[CacheEvent]) -> list[tuple[Op, list[int]]]:
     """Merge runs of same-op events into one feed entry each (order preserved)."""
     out: list[tuple[Op, list[int]]] = []
     for ev in events:
-        if out and out[-1][0] is ev.op and ev.op in (Op.STORE, Op.EVICT):
+        if out and out[-1][0] is ev.op and ev.op in (Op.STORE, Op.LOWER, Op.EVICT):
             out[-1][1].extend(ev.keys)
         else:
             out.append((ev.op, list(ev.keys)))

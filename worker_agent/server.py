@@ -343,7 +343,8 @@ class AgentApp:
 
         pub = CachePublisher(
             connect_config(cfg.redis), RedisKeys(cfg.model.name), self.worker_id,
-            engine.cached_keys, heartbeat, heartbeat_s=cfg.worker.heartbeat_s,
+            engine.cached_keys, heartbeat, lower=getattr(engine, "lower_keys", None),
+            heartbeat_s=cfg.worker.heartbeat_s,
             heartbeat_ttl_s=cfg.worker.heartbeat_ttl_s,
             max_pending=cfg.worker.publish_buffer, feed_maxlen=cfg.worker.feed_maxlen,
         )

@@ -726,6 +726,27 @@ static PyObject *HolderMap_leading(HolderMap *m, PyObject *args) {
     return PyLong_FromSsize_t(held);
 }
 
+static PyObject *HolderMap_first_held(HolderMap *m, PyObject *args) {
+    PyObject *keys;
+    Py_ssize_t limit, s, n;
+    if (!PyArg_ParseTuple(args, "Onn", &keys, &limit, &s) || check_slot(s) < 0) return NULL;
+    if (limit < 0) { /* as keys[:limit] */
+        Py_ssize_t len = PyObject_Length(keys);
+        if (len < 0) return NULL;
+        limit = len + limit > 0 ? len + limit : 0;
+    }
+    uint64_t *ks = keys_all(keys, &n, limit);
+    if (ks == NULL) return NULL;
+    Py_ssize_t at = 0;
+    for (; at < n; at++) {
+        Entry *e = find(m, ks[at]);
+        uint32_t pos;
+        if (e != NULL && state_of(e, (uint32_t)s, &pos) == REAL) break;
+    }
+    PyMem_Free(ks);
+    return PyLong_FromSsize_t(at);
+}
+
 static PyObject *HolderMap_count(HolderMap *m, PyObject *arg) {
     Py_ssize_t s = PyLong_AsSsize_t(arg);
     if (s == -1 && PyErr_Occurred()) return NULL;
@@ -964,6 +985,9 @@ static PyMethodDef HolderMap_methods[] = {
     {"leading", (PyCFunction)HolderMap_leading, METH_VARARGS,
      "leading(keys, limit, slot) -> int: how many of keys[:limit] slot really holds, "
      "leading ones only"},
+    {"first_held", (PyCFunction)HolderMap_first_held, METH_VARARGS,
+     "first_held(keys, limit, slot) -> int: the position of the first of keys[:limit] slot "
+     "really holds (their number if none)"},
     {"count", (PyCFunction)HolderMap_count, METH_O, "count(slot) -> keys slot really holds"},
     {"keys_of", (PyCFunction)HolderMap_keys_of, METH_O,
      "keys_of(slot) -> list: the keys slot really holds, sorted (from its key log)"},

@@ -9,7 +9,7 @@ no caller probes it for attributes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress, count, islice
 from operator import eq
 from typing import ClassVar, NamedTuple, Protocol, overload
@@ -32,6 +32,10 @@ class RouteQuery:
     ``prefix_rate`` is how many requests per second lately had the same longest cached
     prefix (:class:`~kvroute.core.load.PrefixDemand`): a hot shared document's is high, a
     session's ~0. It is counted only for a policy that places replicas (0 otherwise).
+    ``lower_blocks`` says, per worker of ``matched_blocks`` whose engine keeps a lower tier,
+    how many of its matched blocks (the last ones: a prefix is its GPU blocks, then those
+    the engine loads from below) are held only in that tier; a worker absent holds them all
+    in GPU memory.
     """
 
     prompt_tokens: int
@@ -40,9 +44,18 @@ class RouteQuery:
     loads: Mapping[str, WorkerLoad]
     affinity: int = 0
     prefix_rate: float = 0.0
+    lower_blocks: Mapping[str, int] = field(default_factory=dict)
 
     def cached_tokens(self, worker: str) -> int:
         return min(self.matched_blocks.get(worker, 0) * self.block_size, self.prompt_tokens)
+
+    def lower_tokens(self, worker: str) -> int:
+        """Of :meth:`cached_tokens`, those held only in ``worker``'s lower tier."""
+        low = self.lower_blocks.get(worker, 0)
+        if not low:
+            return 0
+        gpu = (self.matched_blocks.get(worker, 0) - low) * self.block_size
+        return self.cached_tokens(worker) - min(gpu, self.prompt_tokens)
 
 
 class Scored(NamedTuple):

@@ -29,6 +29,11 @@ Default constants: Llama-3.1-8B, BF16, vLLM, one NVIDIA A100 40GB.
   for KV; Llama-3.1-8B's KV is 128 KiB per token (2 x 32 layers x 8 KV heads x 128 x 2
   bytes), so ~480k tokens: 937 blocks of 512 tokens. (The 40 GB part holds ~160k tokens,
   too few for the longest requests of the Mooncake trace.)
+* Lower tier (CPU memory behind the GPU cache: vLLM's offloading, SGLang's HiCache): a
+  token's KV comes back over the host link, 128 KiB at ~25 GB/s (PCIe 4.0 x16's 32 GB/s at
+  ~80% efficiency, the A100's link): ``lower_tier_s_per_token = 131072 / 25e9 = 5.2e-6``,
+  0.061 of the token's linear prefill. So a prefix held only in CPU memory is ~16x cheaper
+  than recomputing it, but not free: a 32k-token one takes ~0.17 s to load.
 """
 
 from __future__ import annotations
@@ -44,11 +49,16 @@ class CostModel:
     attn_s_per_token_pair: float = 2.8e-9
     decode_base_s: float = 13.3e-3
     decode_per_seq_s: float = 0.41e-3
+    lower_tier_s_per_token: float = 131072 / 25e9
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         n = new_tokens
         return n * self.linear_s_per_token + n * (cached_tokens + n / 2) * \
             self.attn_s_per_token_pair
+
+    def load_s(self, tokens: int) -> float:
+        """Seconds to bring ``tokens`` tokens' KV from the lower tier into GPU memory."""
+        return tokens * self.lower_tier_s_per_token
 
     def decode_step_s(self, batch: int) -> float:
         return self.decode_base_s + batch * self.decode_per_seq_s if batch else 0.0

@@ -141,7 +141,8 @@ class Kvroute:
 
         score_w = first_w + decode_w + externality_w + pressure_w
 
-        first_w       = wait_w + own_w                     # its prefill ends
+        first_w       = wait_w + load_w + own_w            # its prefill ends
+        load_w        = l_w * tier_s_w / unit_s
         own_w         = n_w * (1 + attn * (c_w + n_w / 2))  n_w = P - c_w
         wait_w        = queued_w - elapsed_w
         queued_w      = pending_w + attn * context_w
@@ -154,17 +155,20 @@ class Kvroute:
 
     ``P`` is the prompt's tokens, ``c_w`` those of its longest prefix cached on ``w`` (with
     the router's predicted blocks: what requests already sent there will have stored when
-    this one starts), ``c*`` the longest on any worker; ``pending_w`` / ``context_w`` the
-    prefill queued there and the context it attends to, ``elapsed_w`` the half of its first
-    iteration done on average when a request comes, ``busy_w`` its running sequences,
-    ``budget_w`` its prefill tokens per iteration (0: unknown, one iteration), ``room_w``
-    the tokens of its cache holding no prefix. ``k * wait`` later requests wait
-    out all of a prefill placed now (those reaching the average worker, ``lambda`` a second,
+    this one starts), ``l_w`` those of ``c_w`` its engine holds only in a lower tier (CPU
+    memory) and must load back first, ``tier_s_w`` the seconds a token takes to load (the
+    worker's report, else ``lower_tier_s``), ``c*`` the longest on any worker;
+    ``pending_w`` / ``context_w`` the prefill queued there and the context it attends to,
+    ``elapsed_w`` the half of its first iteration done on average when a request comes,
+    ``busy_w`` its running sequences, ``budget_w`` its prefill tokens per iteration (0:
+    unknown, one iteration), ``room_w`` the tokens of its cache holding no prefix. ``k *
+    wait`` later requests wait out all of a prefill placed now (those reaching the average worker, ``lambda`` a second,
     before its ``wait`` drains at utilisation ``rho``: the M/G/1 busy period), and the ``k *
     own_w`` arriving while it runs half of it. ``rho`` is the higher of the rates' estimate
     (``pi`` uncached tokens a second) and the queue's (``L`` requests waiting; M/M/1).
     ``first_w`` and ``decode_w`` are when the request's first token comes on ``w``; the
-    rest is what it costs others. :meth:`replica` names the copy.
+    rest is what it costs others. ``load_w`` is a transfer over the host link, not compute:
+    it delays this request's first token, not the others'. :meth:`replica` names the copy.
     """
 
     attn: float = param(_MODEL.attn_s_per_token_pair / _MODEL.linear_s_per_token,
@@ -186,6 +190,10 @@ class Kvroute:
     reuse: float = param(0.5, Range(0, 1),
                          "chance an evicted cache block is asked for again (0.5: LRU "
                          "victims are as likely to come back as not)")
+    lower_tier_s: float = param(_MODEL.lower_tier_s_per_token, Range(0, 1),
+                                "seconds to load one token's KV from a lower tier when its "
+                                "worker does not report it (cost model: 128 KiB over 25 GB/s "
+                                "PCIe 4.0 x16 = 5.2e-6 s)")
     name: str = "kvroute"
     places_replicas: ClassVar[bool] = True
 
@@ -208,7 +216,7 @@ class Kvroute:
         queued = queued_prefill(ld, self.attn)
         done = -elapsed(ld, queued)
         k, wait = later
-        return {"wait": queued, "elapsed": done, "own": own,
+        return {"wait": queued, "elapsed": done, "load": self.load(query, worker), "own": own,
                 "decode": decode_delay(ld, queued + done + own, self.decode),
                 "arrivals": drain_delay(own, k, wait), "extension": extension_delay(own, k),
                 "pressure": cache_pressure(n, top - c, ld, query.block_size, self.reuse)}
@@ -219,7 +227,7 @@ class Kvroute:
         :meth:`rank` is checked against."""
         t = self.terms(query, worker, later, top)
         return (t["wait"] + t["elapsed"] + t["own"] + t["decode"]
-                + (t["arrivals"] + t["extension"]) + t["pressure"])
+                + (t["arrivals"] + t["extension"]) + t["pressure"] + t["load"])
 
     def rank(self, query: RouteQuery) -> Sequence[Scored]:
         """Workers by :meth:`score`, the terms inlined: a decision ranks every worker, and
@@ -265,6 +273,9 @@ class Kvroute:
                     dup = top - c
                     cost += reuse * (dup if dup < evicted else evicted)
             costs[w] = cost
+        for w in query.lower_blocks:
+            if w in costs:
+                costs[w] += self.load(query, w)
         return rank_by_cost(query, costs)
 
     def rank_columns(self, query: RouteQuery, loads: LoadTable) -> Sequence[Scored]:
@@ -310,11 +321,24 @@ class Kvroute:
         evicted = n - np.maximum((capacity - d[Column.CACHED]) * bs, 0.0)
         pressure = (c < top) & (capacity > 0) & (evicted > 0)
         cost = np.where(pressure, cost + self.reuse * np.minimum(top - c, evicted), cost)
+        for w in query.lower_blocks:
+            if (i := rows.get(w)) is not None:
+                cost[i] += self.load(query, w)
         # Not a stable sort, and need not be: equal costs go in rendezvous order after.
         idx = np.argsort(cost)
         ranked = cost[idx]
         tied = np.flatnonzero(ranked[1:] == ranked[:-1]).tolist()
         return ranking_of(query, names[idx].tolist(), ranked.tolist(), tied)
+
+    def load(self, query: RouteQuery, worker: str) -> float:
+        """``load_w``: loading the prompt's blocks ``worker`` holds only in a lower tier
+        back into GPU memory, in units (the transfer, not compute: it delays this request
+        only)."""
+        lower = query.lower_tokens(worker)
+        if not lower:
+            return 0.0
+        tier_s = query.loads[worker].lower_tier_s_per_token or self.lower_tier_s
+        return lower * tier_s / self.unit_s
 
     def costs_by_terms(self, query: RouteQuery) -> dict[str, float]:
         """Every worker's :meth:`score` (the oracle, for tests and docs)."""

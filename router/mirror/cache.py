@@ -49,10 +49,11 @@ class MirroredCache:
         self.positions.pop(worker, None)
         return self.index.remove_worker(worker)
 
-    def install(self, worker: str, meta: dict[bytes, bytes], members: list[bytes] | bytes
-                ) -> None:
-        """Make ``worker``'s cache its snapshot as read (no meta: no state; a malformed
-        one is rejected and leaves no state either)."""
+    def install(self, worker: str, meta: dict[bytes, bytes], members: list[bytes] | bytes,
+                lower: list[bytes] | bytes = b"") -> None:
+        """Make ``worker``'s cache its snapshot as read, ``lower`` the members it holds
+        only in its lower tier (no meta: no state; a malformed one is rejected and leaves
+        no state either)."""
         self._stats.snapshot_loads += 1
         if not meta:
             self.remove(worker)
@@ -62,7 +63,7 @@ class MirroredCache:
             # not into an int object per key first: a bootstrap reads millions.
             epoch, seq = parse_meta(meta)
             try:
-                self.index.replace_worker_packed(worker, members)
+                self.index.replace_worker_packed(worker, members, lower)
             except ValueError as exc:  # a member not one 8-byte key: no change made
                 raise RecordError(f"{exc}", "bad_type") from exc
         except RecordError as exc:
@@ -90,8 +91,8 @@ class MirroredCache:
             log.warning("feed gap; reloading snapshot", extra={"kv": {
                 "worker": ev.worker, "expected": pos.seq + 1, "got": ev.seq}})
             return False
-        if ev.op is Op.STORE:
-            self.index.add(ev.worker, ev.keys)
+        if ev.op is Op.STORE or ev.op is Op.LOWER:
+            self.index.add(ev.worker, ev.keys, lower=ev.op is Op.LOWER)
         elif ev.op is Op.EVICT:
             self.index.remove(ev.worker, ev.keys)
         elif ev.op is Op.CLEAR:

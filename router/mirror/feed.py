@@ -86,7 +86,7 @@ class FeedFollower(MirrorTask):
         now = time.monotonic()
         if self._touched and (caught_up or now >= self._counts_due):
             for w in self._touched:
-                self._registry.set_cached_blocks(w, self._cache.index.count(w))
+                self._registry.set_cached_blocks(w, self._cache.index.gpu_count(w))
             self._touched.clear()
             self._counts_due = now + _COUNTS_EVERY_S
 

@@ -123,7 +123,7 @@ class HeartbeatScan(MirrorTask):
                 "worker": w, "address": hb.address,
                 "vocabulary": str(Vocabulary(hb.tokenizer, hb.vocab_size))}})
             # The feed may have indexed its blocks before its first heartbeat came.
-            self._registry.set_cached_blocks(w, self._cache.index.count(w))
+            self._registry.set_cached_blocks(w, self._cache.index.gpu_count(w))
 
     async def _load_new(self, beats: dict[str, Heartbeat], dead: set[str]) -> list[str]:
         """Read the snapshot of each live worker the cache holds nothing of: it registered
@@ -144,7 +144,7 @@ class HeartbeatScan(MirrorTask):
                 group = [w for w in wanted[i:i + LOAD_CONCURRENCY] if not cache.holds(w)]
                 await self._snapshots.load_many(group)
             for w in group:
-                self._registry.set_cached_blocks(w, cache.index.count(w))
+                self._registry.set_cached_blocks(w, cache.index.gpu_count(w))
                 if cache.holds(w):
                     due.pop(w, None)
                 else:

@@ -164,7 +164,7 @@ class IndexMirror:
         self.heartbeats.reset()
         await self.snapshots.load_many(await self.heartbeats.scan(load=False))
         for w in self.index.workers():
-            self.registry.set_cached_blocks(w, self.index.count(w))
+            self.registry.set_cached_blocks(w, self.index.gpu_count(w))
         self.stats.bootstraps += 1
         log.info("mirror bootstrapped", extra={"kv": {
             "workers": len(self.cache.positions), "blocks": self.index.entries(),

@@ -1,7 +1,8 @@
 """Reading workers' snapshots from Redis, each as of one moment, many at once.
 
-A snapshot is a worker's meta hash (epoch, seq) and its set of 8-byte block keys; every
-agent write to the set is in the transaction that also moves the meta's (epoch, seq)
+A snapshot is a worker's meta hash (epoch, seq), its set of 8-byte block keys and the set of
+those held only in its lower tier (absent without tiers); every agent write to the sets is in
+the transaction that also moves the meta's (epoch, seq)
 (worker_agent/publisher.py), so a read bracketed by two equal meta reads is one moment.
 """
 
@@ -22,11 +23,12 @@ log = logging.getLogger("kvroute.router.mirror")
 # Snapshots read at once when many are due (a bootstrap, many workers joining): each is one
 # round trip, so 1,000 workers read one by one took 1,000 round trips end to end.
 LOAD_CONCURRENCY = 32
-_SNAPSHOT_SCRIPT = "return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2])}"
+_SNAPSHOT_SCRIPT = ("return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2]), "
+                    "redis.call('SMEMBERS', KEYS[3])}")
 
-Snapshot = tuple[dict[bytes, bytes], list[bytes] | bytes]
-"""A worker's meta as read (empty: none) and its members: one ``bytes`` of 8-byte keys end to
-end (read by DUMP) or a list of them (SMEMBERS)."""
+Snapshot = tuple[dict[bytes, bytes], list[bytes] | bytes, list[bytes]]
+"""A worker's meta as read (empty: none), its members: one ``bytes`` of 8-byte keys end to
+end (read by DUMP) or a list of them (SMEMBERS), and those of its lower tier (a list)."""
 
 
 class SnapshotReader:
@@ -82,7 +84,7 @@ class SnapshotReader:
             if "WRONGTYPE" not in str(exc):
                 raise
             self._reject("snapshot", "wrong_type", worker, exc)
-            return {}, []
+            return {}, [], []
 
     async def _read(self, worker: str) -> Snapshot:
         """One pipeline (one round trip; both keys share the model's slot) reads the meta,
@@ -100,7 +102,7 @@ class SnapshotReader:
             # parses one bulk string, not one object per member (0.5 of 1.7 ms a 10k
             # snapshot on this side, the node's own cost the same).
             try:
-                before, payload, after = await self._bracketed(worker, "dump")
+                before, payload, lower, after = await self._bracketed(worker, "dump")
             except NoPermissionError as exc:  # an ACL from before DUMP was needed
                 if self.dump:  # once, not for each read of the batch it refused
                     self.dump = False
@@ -111,23 +113,24 @@ class SnapshotReader:
             members = dumped_keys(payload)
             if members is None:  # another encoding (small, numeric)
                 self._stats.snapshot_smembers += 1
-                before, members, after = await self._bracketed(worker, "smembers")
+                before, members, lower, after = await self._bracketed(worker, "smembers")
         else:
-            before, members, after = await self._bracketed(worker, "smembers")
+            before, members, lower, after = await self._bracketed(worker, "smembers")
         if before == after:
-            return before, members
+            return before, members, lower
         k = self._keys
-        flat, members = await self._r.eval_ro(_SNAPSHOT_SCRIPT, 2, k.meta(worker),
-                                           k.snapshot(worker))
-        return dict(zip(flat[::2], flat[1::2], strict=True)), members
+        flat, members, lower = await self._r.eval_ro(_SNAPSHOT_SCRIPT, 3, k.meta(worker),
+                                                  k.snapshot(worker), k.lower(worker))
+        return dict(zip(flat[::2], flat[1::2], strict=True)), members, lower
 
     async def _bracketed(self, worker: str, read: str) -> list:
-        """``worker``'s meta, its snapshot read by ``read`` (``dump`` or ``smembers``) and
-        its meta again, in one pipeline."""
+        """``worker``'s meta, its snapshot read by ``read`` (``dump`` or ``smembers``), its
+        lower-tier set and its meta again, in one pipeline."""
         k = self._keys
         pipe = self._r.pipeline(transaction=False)
         pipe.hgetall(k.meta(worker))
         getattr(pipe, read)(k.snapshot(worker))
+        pipe.smembers(k.lower(worker))
         pipe.hgetall(k.meta(worker))
         return await pipe.execute()
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,7 +211,7 @@ def test_the_collector_has_nothing_to_walk_per_key(native: bool) -> None:
 
 _WORKERS = [f"w{i}" for i in range(6)]
 _index_ops = st.lists(st.tuples(
-    st.sampled_from(["add", "remove", "predict", "expire", "withdraw", "clear_worker",
+    st.sampled_from(["add", "lower", "remove", "predict", "expire", "withdraw", "clear_worker",
                      "remove_worker", "replace_worker", "match"]),
     st.sampled_from(_WORKERS),
     st.lists(st.integers(0, 9), max_size=8),
@@ -225,8 +226,13 @@ def test_random_operations_give_identical_indexes_on_both_backends(
     c, d = PrefixIndex(native=True, max_predicted=12), PrefixIndex(native=False, max_predicted=12)
     for name, w, keys, t in ops:
         if name == "match":
-            assert list(c.match(keys).items()) == list(d.match(keys).items())
+            matched = c.match(keys)
+            assert list(matched.items()) == list(d.match(keys).items())
             assert c.confirmed(w, keys, t) == d.confirmed(w, keys, t)
+            assert c.lower_blocks(keys, matched) == d.lower_blocks(keys, matched)
+        elif name == "lower":
+            c.add(w, keys, lower=True)
+            d.add(w, keys, lower=True)
         elif name in ("predict", "withdraw"):
             assert getattr(c, name)(w, keys, float(t)) == getattr(d, name)(w, keys, float(t))
         elif name == "expire":
@@ -240,6 +246,9 @@ def test_random_operations_give_identical_indexes_on_both_backends(
     for w in _WORKERS:
         assert (c.count(w), c.keys_of(w), c.predicted(w)) == (d.count(w), d.keys_of(w),
                                                              d.predicted(w))
+        assert (c.gpu_count(w), c.lower_keys_of(w)) == (d.gpu_count(w), d.lower_keys_of(w))
+        assert c.lower_keys_of(w) <= c.keys_of(w)
+        assert c.gpu_count(w) == len(c.keys_of(w) - c.lower_keys_of(w))
         assert [c.holds(w, k) for k in range(10)] == [d.holds(w, k) for k in range(10)]
     assert c.entries() == sum(c.count(w) for w in _WORKERS)
 
@@ -256,3 +265,39 @@ def test_a_packed_snapshot_load_is_replace_worker(native: bool) -> None:
     assert idx.keys_of("a") == ref.keys_of("a") == {2, 4, 9}
     assert idx.predicted("a") == ref.predicted("a") == 1  # 4 confirmed, 5 still predicted
     assert idx.match([2, 4, 5]) == ref.match([2, 4, 5]) == {"a": 3}
+
+
+def test_a_prefix_is_its_gpu_blocks_then_those_loaded_from_below(native: bool) -> None:
+    """Per worker, the best tier of each key: ``lower_blocks`` counts a match's blocks
+    from the first one held only in the lower tier; a store in GPU memory promotes it."""
+    idx = PrefixIndex(native=native)
+    idx.add("a", [1, 2])
+    idx.add("a", [3, 4], lower=True)  # offloaded: only the CPU tier holds them
+    idx.add("b", [1, 2, 3])
+    keys = [1, 2, 3, 4, 5]
+    matched = idx.match(keys)
+    assert matched == {"a": 4, "b": 3}  # a lower-tier block is a hit...
+    assert idx.lower_blocks(keys, matched) == {"a": 2}  # ...to load first; b has no tier
+    assert idx.count("a") == 4 and idx.gpu_count("a") == 2
+    idx.add("a", [3])  # loaded back: in GPU memory again
+    assert idx.lower_blocks(keys, matched) == {"a": 1}
+    assert idx.lower_keys_of("a") == {4} and idx.gpu_count("a") == 3
+    # A lower-tier block before GPU ones: the engine hits the GPU prefix, loads the rest.
+    idx.add("a", [1], lower=True)
+    assert idx.lower_blocks(keys, matched) == {"a": 4}
+    idx.remove("a", [1, 4])
+    assert idx.lower_keys_of("a") == set() and idx.lower_blocks(keys, idx.match(keys)) == {}
+
+
+def test_a_snapshot_load_sets_the_lower_tier_too(native: bool) -> None:
+    from kvroute.core.redis_schema import pack_keys
+
+    idx = PrefixIndex(native=native)
+    idx.add("a", [7], lower=True)
+    idx.replace_worker_packed("a", pack_keys((1, 2, 3)), [pack_keys((3,))])
+    assert idx.keys_of("a") == {1, 2, 3} and idx.lower_keys_of("a") == {3}
+    with pytest.raises(ValueError, match="8-byte"):
+        idx.replace_worker_packed("a", pack_keys((5,)), [b"bad"])
+    assert idx.keys_of("a") == {1, 2, 3}  # nothing changed
+    idx.replace_worker_packed("a", pack_keys((1, 2)))
+    assert idx.lower_keys_of("a") == set() and idx.gpu_count("a") == 2

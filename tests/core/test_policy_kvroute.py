@@ -31,8 +31,8 @@ BS = 16
 
 
 def q(matched: dict[str, int], loads: dict[str, WorkerLoad], prompt: int = 1024,
-      affinity: int = 1) -> RouteQuery:
-    return RouteQuery(prompt, BS, matched, loads, affinity)
+      affinity: int = 1, lower: dict[str, int] | None = None) -> RouteQuery:
+    return RouteQuery(prompt, BS, matched, loads, affinity, lower_blocks=lower or {})
 
 
 def best(pol: Kvroute, query: RouteQuery) -> str:
@@ -231,6 +231,28 @@ def roomy_copy() -> WorkerLoad:
     return WorkerLoad(capacity_blocks=1000, cached_blocks=0)
 
 
+def test_a_prefix_in_a_lower_tier_costs_its_load_not_its_prefill() -> None:
+    """A worker holding the prompt's prefix only in CPU memory loads it back (tokens x the
+    tier's seconds per token / unit_s): dearer than the same prefix in GPU memory, far
+    cheaper than recomputing it; the worker's own report of its tier beats the default."""
+    pol = Kvroute()
+    idle = WorkerLoad()
+    loads = {"gpu": idle, "cpu": idle, "cold": idle}
+    query = q({"gpu": 256, "cpu": 256}, loads, prompt=4096, lower={"cpu": 256})
+    costs = pol.costs_by_terms(query)
+    assert costs["gpu"] < costs["cpu"] < costs["cold"]
+    load = pol.terms(query, "cpu", pol.later(query), longest_cached(query))["load"]
+    assert load == pytest.approx(4096 * CostModel().lower_tier_s_per_token / pol.unit_s)
+    assert load == pytest.approx(4096 * 0.061, rel=0.01)  # 6% of a prefill per token
+    assert costs["cpu"] - costs["gpu"] == pytest.approx(load)
+    # Only the blocks after the GPU ones load: 100 of 256 below, 1,600 tokens.
+    part = q({"cpu": 256}, {"cpu": idle}, prompt=4096, lower={"cpu": 100})
+    assert pol.load(part, "cpu") == pytest.approx(1600 * 0.061, rel=0.01)
+    # A slow tier (a disk at 0.5 GB/s: 2.6e-4 s a token, 3x the prefill) is worse than a miss.
+    slow = {"cpu": WorkerLoad(lower_tier_s_per_token=131072 / 0.5e9), "cold": idle}
+    assert best(pol, q({"cpu": 256}, slow, prompt=4096, lower={"cpu": 256})) == "cold"
+
+
 def test_ranks_every_worker_and_empty_loads() -> None:
     loads = {f"w{i}": WorkerLoad(queued=i % 3, pending_prefill_tokens=100 * i)
              for i in range(9)}
@@ -246,20 +268,28 @@ loads_st = st.builds(
     max_running=st.sampled_from([0, 64]), max_batched_tokens=st.sampled_from([0, 8192, 16384]),
     arrival_rate=st.floats(0, 20), pending_prefill_context=st.integers(0, 10**10),
     prefill_rate=st.floats(0, 50_000),
-    prefill_mode=st.sampled_from(list(PrefillMode)))
+    prefill_mode=st.sampled_from(list(PrefillMode)),
+    lower_tier_s_per_token=st.sampled_from([0.0, 5e-6, 1e-4]))
+
+
+def some_lower(matched: dict[str, int], lowers: list[int]) -> dict[str, int]:
+    """Of each match, the last ``lowers[i]`` blocks held only in a lower tier."""
+    return {w: min(m, low) for (w, m), low in zip(matched.items(), lowers, strict=False)
+            if low}
 
 
 @settings(max_examples=300, deadline=None)
 @given(loads=st.lists(loads_st, min_size=1, max_size=12),
        matches=st.lists(st.integers(0, 700), min_size=12, max_size=12),
        prompt=st.integers(1, 12_000), delay=st.sampled_from([0.0, 1.0, 3.0]),
-       reuse=st.sampled_from([0.0, 0.5, 1.0]))
+       reuse=st.sampled_from([0.0, 0.5, 1.0]),
+       lowers=st.lists(st.integers(0, 700), max_size=12))
 def test_inlined_ranking_equals_the_term_by_term_oracle(
         loads: list[WorkerLoad], matches: list[int], prompt: int, delay: float,
-        reuse: float) -> None:
+        reuse: float, lowers: list[int]) -> None:
     named = {f"w{i}": ld for i, ld in enumerate(loads)}
     matched = {w: m for w, m in zip(named, matches, strict=False) if m}
-    query = q(matched, named, prompt, affinity=prompt)
+    query = q(matched, named, prompt, affinity=prompt, lower=some_lower(matched, lowers))
     pol = Kvroute(delay=delay, reuse=reuse)
     oracle = pol.costs_by_terms(query)
     ranked = pol.rank(query)
@@ -272,9 +302,11 @@ def test_inlined_ranking_equals_the_term_by_term_oracle(
 @given(loads=st.lists(loads_st, min_size=1, max_size=80),
        matches=st.lists(st.integers(0, 700), min_size=80, max_size=80),
        prompt=st.integers(1, 12_000), delay=st.sampled_from([0.0, 1.0, 3.0]),
-       reuse=st.sampled_from([0.0, 0.5, 1.0]), removed=st.integers(0, 79))
+       reuse=st.sampled_from([0.0, 0.5, 1.0]), removed=st.integers(0, 79),
+       lowers=st.lists(st.integers(0, 700), max_size=80))
 def test_the_columns_rank_as_the_loop(loads: list[WorkerLoad], matches: list[int], prompt: int,
-                                      delay: float, reuse: float, removed: int) -> None:
+                                      delay: float, reuse: float, removed: int,
+                                      lowers: list[int]) -> None:
     """Over a LoadTable (the router's loads, kept in columns) the ranking is the loop's: the
     same workers in the same order, the same costs but for the averages' last bits; rows
     stay in step with the dict as workers come, change and go."""
@@ -288,10 +320,11 @@ def test_the_columns_rank_as_the_loop(loads: list[WorkerLoad], matches: list[int
     if not table:
         return
     matched = {w: m for w, m in zip(table, matches, strict=False) if m}
-    query = q(matched, table, prompt, affinity=prompt)
+    lower = some_lower(matched, lowers)
+    query = q(matched, table, prompt, affinity=prompt, lower=lower)
     pol = Kvroute(delay=delay, reuse=reuse)
     columns = pol.rank_columns(query, table)
-    loop = pol.rank(q(matched, dict(table), prompt, affinity=prompt))
+    loop = pol.rank(q(matched, dict(table), prompt, affinity=prompt, lower=lower))
     assert [s.worker for s in columns] == [s.worker for s in loop]
     assert [s.cost for s in columns] == pytest.approx([s.cost for s in loop], rel=1e-12)
 

@@ -77,7 +77,9 @@ class RequestRefusedError(EngineError):
 
 class Engine(Protocol):
     """Optional: ``metric_families() -> Iterable[prometheus Metric]``, which the agent's
-    /metrics exports alongside its own (the vllm adapter's frame and replay counters)."""
+    /metrics exports alongside its own (the vllm adapter's frame and replay counters), and
+    ``lower_keys() -> list[int]``, the keys of ``cached_keys`` held only in a lower tier
+    (an engine with tiers: core/cache_events.py)."""
 
     block_size: int
     model: str

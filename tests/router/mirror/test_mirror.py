@@ -365,6 +365,9 @@ async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis
                     for i in range(seq % 40 + 1)}
         return {seq * 1000 + i for i in range(seq % 40 + 1)}
 
+    def lower_of(seq: int) -> set[int]:  # what it holds only in its lower tier
+        return set(sorted(members_of(seq))[::2])
+
     stop = threading.Event()
 
     def agent() -> None:  # an agent rewriting its snapshot as fast as it can
@@ -373,8 +376,9 @@ async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis
         while not stop.is_set():
             seq += 1
             pipe = c.pipeline(transaction=True)
-            pipe.delete(KEYS.snapshot("w"))
+            pipe.delete(KEYS.snapshot("w"), KEYS.lower("w"))
             pipe.sadd(KEYS.snapshot("w"), *(pack_keys((k,)) for k in members_of(seq)))
+            pipe.sadd(KEYS.lower("w"), *(pack_keys((k,)) for k in lower_of(seq)))
             pipe.hset(KEYS.meta("w"), mapping={"epoch": "e1", "seq": seq})
             pipe.execute()
 
@@ -383,11 +387,12 @@ async def test_a_snapshot_read_agrees_with_its_meta_while_the_agent_writes(redis
     try:
         seen = set()
         for _ in range(300):
-            meta, members = await mirror.snapshots.read("w")
+            meta, members, lower = await mirror.snapshots.read("w")
             if not meta:
                 continue  # before the first write
             seq = int(meta[b"seq"])
             assert read_keys(members) == members_of(seq)
+            assert read_keys(lower) == lower_of(seq)  # the lower tier of the same moment
             seen.add(seq)
         assert len(seen) > 10  # the reads did fall between many writes
         assert mirror.stats.snapshot_smembers > 0  # both kinds of read were made

@@ -8,8 +8,11 @@ parent block's engine hash maps to. The map is kept for removals and for childre
 Residency is counted per ``(engine hash, group_idx, medium)``: hybrid models emit one event per
 KV-cache group with the *same* hashes, and offloading tiers (medium CPU, ...) hold copies, so a
 removal from one group or tier must not drop a block another still holds. A kvroute key is
-published (``Op.STORE``) when its first residency appears and withdrawn (``Op.EVICT``) when the
-last one goes; re-stores (vLLM re-reports reused blocks) are idempotent.
+published when its first residency appears and withdrawn (``Op.EVICT``) when the last one goes;
+re-stores (vLLM re-reports reused blocks) are idempotent. Its tier (core/cache_events.py) is the
+best medium holding it: ``Op.STORE`` when a GPU residency appears (medium ``GPU`` or none),
+``Op.LOWER`` when it is first held, or left held, only in another medium (vLLM's ``CPU``,
+SGLang's ``CPU_PINNED``, any disk or external tier: one lower tier, its cost the engine's).
 
 Cache salt (what seeds the chain at a root block, ``parent_block_hash is None``):
 
@@ -50,7 +53,7 @@ log = logging.getLogger("kvroute.agent.vllm")
 
 OPAQUE = -1  # no kvroute request can hit it (other LoRA, multimodal, prompt embeds)
 UNKNOWN = -2  # its parent chain is unknown (learned after an unhealed gap)
-_DEFAULT_MEDIUM = "GPU"
+_GPU = "GPU"  # the medium of the GPU cache (and of events that name none)
 
 
 @dataclass
@@ -67,13 +70,15 @@ class BlockMapStats:
 
 
 class _Entry:
-    """One engine hash: its kvroute key (or OPAQUE/UNKNOWN) and how many residencies."""
+    """One engine hash: its kvroute key (or OPAQUE/UNKNOWN) and how many residencies, how
+    many of them in GPU memory."""
 
-    __slots__ = ("key", "refs")
+    __slots__ = ("gpu", "key", "refs")
 
     def __init__(self, key: int) -> None:
         self.key = key
         self.refs = 0
+        self.gpu = 0
 
 
 class BlockMap:
@@ -87,13 +92,20 @@ class BlockMap:
         self._entries: dict[EngineHash, _Entry] = {}
         self._resident: set[tuple[EngineHash, int, str]] = set()
         self._key_refs: dict[int, int] = {}  # published key -> residencies mapping to it
+        self._gpu_refs: dict[int, int] = {}  # of those, the ones in GPU memory (if any)
         self._hashers: dict[str, BlockHasher] = {}
         self._warned_sizes: set[tuple[int, int]] = set()
 
     # -- queries -----------------------------------------------------------------------------
 
     def cached_keys(self) -> list[int]:
+        """Every published key, whatever its tier."""
         return list(self._key_refs)
+
+    def lower_keys(self) -> list[int]:
+        """The published keys held only in a lower tier."""
+        gpu = self._gpu_refs
+        return [k for k in self._key_refs if k not in gpu]
 
     def __contains__(self, key: int) -> bool:
         return key in self._key_refs
@@ -137,6 +149,7 @@ class BlockMap:
         self._entries.clear()
         self._resident.clear()
         self._key_refs.clear()
+        self._gpu_refs.clear()
         self.stats.clears += 1
         out.append(CacheEvent(Op.CLEAR))
 
@@ -158,9 +171,11 @@ class BlockMap:
             return
         keys = self._keys_for(ev)
         group = ev.group_idx or 0
-        medium = ev.medium or _DEFAULT_MEDIUM
-        entries, resident, key_refs = self._entries, self._resident, self._key_refs
-        new: list[int] = []
+        medium = ev.medium or _GPU
+        on_gpu = medium == _GPU
+        entries, resident = self._entries, self._resident
+        new_gpu: list[int] = []
+        new_lower: list[int] = []
         for h, key in zip(ev.block_hashes, keys, strict=True):
             ent = entries.get(h)
             if ent is None:
@@ -170,10 +185,7 @@ class BlockMap:
                     # Upgrade UNKNOWN/OPAQUE -> a real key: every residency now counts.
                     ent.key = key
                     if ent.refs:
-                        c = key_refs.get(key, 0)
-                        key_refs[key] = c + ent.refs
-                        if c == 0:
-                            new.append(key)
+                        self._count(key, ent.refs, ent.gpu, new_gpu, new_lower)
                 else:
                     st.key_conflicts += 1
             r = (h, group, medium)
@@ -182,23 +194,42 @@ class BlockMap:
                 continue
             resident.add(r)
             ent.refs += 1
+            ent.gpu += on_gpu
             st.stored_blocks += 1
             if ent.key >= 0:
-                c = key_refs.get(ent.key, 0)
-                key_refs[ent.key] = c + 1
-                if c == 0:
-                    new.append(ent.key)
+                self._count(ent.key, 1, int(on_gpu), new_gpu, new_lower)
             elif ent.key == OPAQUE:
                 st.opaque_blocks += 1
-        if new:
-            out.append(CacheEvent(Op.STORE, tuple(new)))
+        if new_gpu:
+            out.append(CacheEvent(Op.STORE, tuple(new_gpu)))
+        if new_lower:
+            out.append(CacheEvent(Op.LOWER, tuple(new_lower)))
+
+    def _count(self, key: int, refs: int, gpu: int, new_gpu: list[int],
+               new_lower: list[int]) -> None:
+        """Add ``refs`` residencies of ``key`` (``gpu`` of them in GPU memory); note the key
+        in ``new_gpu`` if it now reaches GPU memory, in ``new_lower`` if it is new and
+        held only below it."""
+        key_refs, gpu_refs = self._key_refs, self._gpu_refs
+        c = key_refs.get(key, 0)
+        key_refs[key] = c + refs
+        if gpu:
+            g = gpu_refs.get(key, 0)
+            gpu_refs[key] = g + gpu
+            if g == 0:
+                new_gpu.append(key)
+        elif c == 0:
+            new_lower.append(key)
 
     def _remove(self, ev: Removed, out: list[CacheEvent]) -> None:
         st = self.stats
         group = ev.group_idx or 0
-        medium = ev.medium or _DEFAULT_MEDIUM
-        entries, resident, key_refs = self._entries, self._resident, self._key_refs
+        medium = ev.medium or _GPU
+        on_gpu = medium == _GPU
+        entries, resident = self._entries, self._resident
+        key_refs, gpu_refs = self._key_refs, self._gpu_refs
         gone: list[int] = []
+        lowered: list[int] = []
         for h in ev.block_hashes:
             r = (h, group, medium)
             if r not in resident:
@@ -208,15 +239,28 @@ class BlockMap:
             st.removed_blocks += 1
             ent = entries[h]
             ent.refs -= 1
-            if ent.key >= 0:
-                c = key_refs[ent.key] - 1
+            ent.gpu -= on_gpu
+            key = ent.key
+            if key >= 0:
+                c = key_refs[key] - 1
                 if c:
-                    key_refs[ent.key] = c
+                    key_refs[key] = c
                 else:
-                    del key_refs[ent.key]
-                    gone.append(ent.key)
+                    del key_refs[key]
+                if on_gpu:
+                    g = gpu_refs[key] - 1
+                    if g:
+                        gpu_refs[key] = g
+                    else:
+                        del gpu_refs[key]
+                        if c:
+                            lowered.append(key)  # a lower tier still holds it
+                if not c:
+                    gone.append(key)
             if ent.refs == 0:
                 del entries[h]
+        if lowered:
+            out.append(CacheEvent(Op.LOWER, tuple(lowered)))
         if gone:
             out.append(CacheEvent(Op.EVICT, tuple(gone)))
 

@@ -81,9 +81,31 @@ def test_residency_per_group_and_medium_and_idempotent_restores() -> None:
               stored([1], medium="CPU"), stored([1], group_idx=0))
     assert out == [CacheEvent(Op.STORE, (KEYS[0],))]
     assert m.stats.duplicate_stores == 1
-    assert run(m, Removed([1], group_idx=1), Removed([1], medium="GPU")) == []
+    assert run(m, Removed([1], group_idx=1)) == []  # group 0 still holds it in GPU memory
+    # The last GPU residency goes, the CPU copy stays: the key moves to the lower tier.
+    assert run(m, Removed([1], medium="GPU")) == [CacheEvent(Op.LOWER, (KEYS[0],))]
+    assert m.cached_keys() == [KEYS[0]] and m.lower_keys() == [KEYS[0]]
     assert run(m, Removed([1], medium="CPU")) == [CacheEvent(Op.EVICT, (KEYS[0],))]
     assert m.cached_keys() == [] and m.engine_hashes == 0
+
+
+def test_a_key_is_published_at_the_best_tier_holding_it() -> None:
+    """GPU first, a lower tier (vLLM's CPU, SGLang's CPU_PINNED) below it: STORE when a
+    GPU copy appears, LOWER when only a lower tier holds the key."""
+    m = BlockMap(B, "m")
+    # Offloaded and then evicted from the GPU before the router saw it: lower from the start.
+    assert run(m, stored([1, 2], medium="CPU_PINNED")) == [
+        CacheEvent(Op.LOWER, (KEYS[0], KEYS[1]))]
+    assert sorted(m.lower_keys()) == sorted(KEYS[:2])
+    # Loaded back into the GPU (a hit on the host tier): promoted, the host copy stays.
+    assert run(m, stored([1])) == [CacheEvent(Op.STORE, (KEYS[0],))]
+    assert m.lower_keys() == [KEYS[1]]
+    # A second host residency of a GPU-held key changes nothing.
+    assert run(m, stored([1], medium="CPU")) == []
+    assert run(m, Removed([1], medium="CPU_PINNED"), Removed([1], medium="CPU")) == []
+    assert run(m, Removed([1])) == [CacheEvent(Op.EVICT, (KEYS[0],))]
+    assert run(m, Removed([2], medium="CPU_PINNED")) == [CacheEvent(Op.EVICT, (KEYS[1],))]
+    assert m.cached_keys() == [] and m.lower_keys() == []
 
 
 def test_unknown_parents_are_withheld_until_restored_from_a_known_chain() -> None:
