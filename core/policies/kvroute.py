@@ -164,8 +164,9 @@ class Kvroute:
     unknown, one iteration), ``room_w`` the tokens of its cache holding no prefix. ``k *
     wait`` later requests wait out all of a prefill placed now (those reaching the average
     worker, ``lambda`` a second, before its ``wait`` drains at utilisation ``rho``: the
-    M/G/1 busy period), and the ``k * own_w`` arriving while it runs half of it. ``rho`` is the higher of the rates' estimate
-    (``pi`` uncached tokens a second) and the queue's (``L`` requests waiting; M/M/1).
+    M/G/1 busy period), and the ``k * own_w`` arriving while it runs half of it. ``rho`` is
+    the higher of the rates' estimate (``pi`` uncached tokens a second) and the queue's
+    (``L`` requests waiting; M/M/1).
     ``first_w`` and ``decode_w`` are when the request's first token comes on ``w``; the
     rest is what it costs others. ``load_w`` is a transfer over the host link, not compute:
     it delays this request's first token, not the others'. :meth:`replica` names the copy.
