@@ -114,8 +114,12 @@ class Iteration(Generic[S]):
     """Admitted in this iteration (their hits are pinned, ``cached_tokens`` set)."""
     decodes: int = 0
     """Sequences decoding in it (``len(running)`` when scheduled)."""
-    loaded_tokens: int = 0
-    """Prompt tokens its admissions load from the host tier instead of computing."""
+    loaded: list[tuple[S, int]] = field(default_factory=list)
+    """``(sequence, prompt tokens it loads from the host tier instead of computing)``."""
+
+    @property
+    def loaded_tokens(self) -> int:
+        return sum(n for _, n in self.loaded)
 
     @property
     def prefill_tokens(self) -> int:
@@ -152,7 +156,7 @@ class Scheduler(Generic[S]):
         self._running: dict[int, S] = {}
         self._stage_blocks: list[int] = []
         self._stage_keys: list[int] = []
-        self._loaded = 0  # host-tier tokens the admissions so far load (schedule's)
+        self._loaded: list[tuple[S, int]] = []  # this schedule()'s loads from the host tier
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -227,7 +231,7 @@ class Scheduler(Generic[S]):
                 chunks.append((r, r.prefill_left))
                 if budget is not None:
                     budget -= r.prefill_left
-        it.loaded_tokens, self._loaded = self._loaded, 0
+        it.loaded, self._loaded = self._loaded, []
         return it
 
     def _admit_head(self, max_new: int | None) -> bool:
@@ -251,7 +255,7 @@ class Scheduler(Generic[S]):
         r.stored_blocks = h
         if loaded:
             self.store(r, h + loaded, r.keys)
-            self._loaded += loaded * bs
+            self._loaded.append((r, loaded * bs))
         r.prefill_left = r.prompt_tokens - r.cached_tokens
         self._prefilling[id(r)] = r
         return True

@@ -80,6 +80,7 @@ class SimRequest:
     routed_uncached: int = 0  # the router's estimate when it chose the worker
     routed_context: int = 0  # ... and what those tokens attend to (prefill_context)
     cached_tokens: int = 0
+    loaded_tokens: int = 0  # of cached_tokens, those loaded from its worker's host tier
     first_token_s: float = math.nan
     finished_s: float = math.nan
     blocks: list[int] = field(default_factory=list)
@@ -278,6 +279,8 @@ class SimWorker:
         # Blocks loaded from the host tier: transferred before the forward pass, not hidden
         # behind it (a bound: engines overlap part of it layer by layer).
         work += cost.load_s(it.loaded_tokens)
+        for r, n in it.loaded:
+            r.loaded_tokens = n
         end = start + work + cost.decode_step_s(len(self.running))
         self._now = end
         done = sched.complete(it)

@@ -70,6 +70,7 @@ def make_engine(cfg: AgentConfig, vocab: AgentVocabulary | None = None) -> Engin
             vocab_size=vocab.size, max_batch=cfg.engine.max_batch, time_scale=cfg.sim.time_scale,
             prefill_budget=cfg.engine.max_batched_tokens, chunked_prefill=cfg.sim.chunked_prefill,
             long_prefill_threshold=cfg.sim.long_prefill_threshold,
+            host_blocks=cfg.sim.host_blocks, host_load_s_per_token=cfg.tier.s_per_token,
         ))
     if cfg.engine.kind == "tiny":
         from kvroute.worker_agent.engines import tiny

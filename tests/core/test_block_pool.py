@@ -39,7 +39,7 @@ def check_invariants(pool: BlockPool) -> None:
     free = list(pool._free)
     assert set(free) == {b for b in range(cap) if refs[b] == 0}
     assert pool.free_blocks == len(free)
-    cached = pool.cached_keys()
+    cached = list(pool._block_of)  # the GPU's (cached_keys adds a host tier's)
     assert len(cached) == len(set(cached)) == pool.num_cached
     holders = [b for b in range(cap) if pool.block_key(b) is not None]
     assert sorted(pool.block_key(b) for b in holders) == sorted(cached)
@@ -294,3 +294,35 @@ def test_randomized_operations_keep_invariants_and_event_stream_consistent() -> 
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError):
         BlockPool(0)
+
+
+def test_a_host_tier_keeps_what_the_gpu_evicts_and_reports_each_keys_best_tier() -> None:
+    """Evicted keys go to the host tier (LOWER), its LRU keys leave it (EVICT); a key's last
+    event is its best tier, and the events replay to cached_keys / lower_keys."""
+    events: list[CacheEvent] = []
+    pool = BlockPool(4, events.append, host_blocks=3)
+    rng = random.Random(5)
+    for step in range(300):
+        n = rng.randint(1, 3)
+        base = rng.randrange(12)
+        keys = [base + i for i in range(n)]
+        hits = pool.lookup(keys)
+        loaded = pool.host_prefix(keys[len(hits):])
+        pool.load_from_host(keys[len(hits):len(hits) + loaded])
+        blocks = pool.allocate(n - len(hits), hits)
+        pool.commit(blocks[len(hits):], keys[len(hits):])
+        pool.free(blocks)
+        best: dict[int, Op] = {}
+        for ev in events:
+            for k in ev.keys:
+                if ev.op is Op.EVICT:
+                    best.pop(k, None)
+                else:
+                    best[k] = ev.op
+        assert set(best) == set(pool.cached_keys()), step
+        assert {k for k, op in best.items() if op is Op.LOWER} == set(pool.lower_keys())
+        assert len(pool._host) <= 3
+        check_invariants(pool)
+    assert {Op.LOWER, Op.EVICT} <= {ev.op for ev in events}
+    assert pool.clear() == len(pool.cached_keys()) or not pool.cached_keys()
+    assert pool.lower_keys() == [] and pool.cached_keys() == []

@@ -277,3 +277,25 @@ def test_pending_prefill_counts_queued_prompts_and_unfinished_chunks() -> None:
 def test_bad_settings_are_named(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make(**kw)
+
+
+def test_blocks_in_the_host_tier_are_loaded_not_computed() -> None:
+    events: list[CacheEvent] = []
+    pool = BlockPool(5, events.append, host_blocks=16)
+    sched = Scheduler(pool, B, max_batch=8)
+    first = req(16, output=1, base=100)  # 4 blocks
+    sched.add(first)
+    run(sched)
+    sched.finish(first)
+    other = req(20, output=1, base=200)  # 5 blocks: evicts first's into the host tier
+    sched.add(other)
+    run(sched)
+    sched.finish(other)
+    assert set(first.keys) <= set(pool.lower_keys())
+    again = req(20, output=1, base=100)  # first's 4 blocks, then a new one
+    sched.add(again)
+    it, _ = run(sched)
+    assert it.loaded_tokens == 16 and again.cached_tokens == 16  # loaded, counted cached
+    assert it.prefill_tokens == 4  # only the new block's tokens computed
+    assert not set(first.keys) & set(pool.lower_keys())  # in GPU memory again
+    assert pool.lookup(first.keys) != []

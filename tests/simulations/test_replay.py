@@ -608,3 +608,25 @@ def test_the_router_sees_each_workers_arrival_rate() -> None:
     # A request every 2 s on each worker for 39 s: 0.5/s, not the 0.36 of an uncorrected
     # sum (0.5/s x (1 - e^(-39/30))), less a little for the count's steps.
     assert 0.45 < min(seen[-1].values()) <= max(seen[-1].values()) < 0.55
+
+
+def test_a_host_tier_behind_each_worker_is_a_hit_the_router_weighs(mooncake: Trace) -> None:
+    """Workers with a host tier load evicted prefixes back instead of computing them; a
+    router that follows the tier's events (weighted, or as GPU hits) finds them, one that
+    drops them (ignore) only by chance."""
+    tr = head(mooncake, 800, 2.0)
+    spec = dict(workers=4, capacity_blocks=600)
+    none = measure(run(tr, "kvroute", **spec))
+    runs = {view: run(tr, "kvroute", **spec, host_blocks=2400, lower_tier=view)
+            for view in ("weighted", "gpu", "ignore")}
+    hits = {view: measure(res).hit_ratio for view, res in runs.items()}
+    assert hits["weighted"] > none.hit_ratio + 0.05  # the tier holds what the GPU evicted
+    assert hits["ignore"] < hits["weighted"] - 0.02  # unseen, it is hit by chance only
+    for res in runs.values():
+        every = [*res.requests, *res.copies]
+        loaded = sum(r.loaded_tokens for r in every)
+        assert 0 < loaded <= sum(r.cached_tokens for r in every)
+        assert sum(w.prefill_tokens for w in res.workers) + sum(
+            r.cached_tokens for r in every) == sum(r.prompt_tokens for r in every)
+    with pytest.raises(ValueError, match="lower_tier must be one of"):
+        ClusterSpec(lower_tier="cpu")

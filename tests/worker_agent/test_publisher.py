@@ -19,11 +19,13 @@ from tests.support import wait_for
 KEYS = RedisKeys("default")
 
 
-def make(redis_url: str, capacity: int = 256, **kw: object) -> tuple[SimEngine, CachePublisher]:
-    engine = SimEngine(SimConfig(capacity_blocks=capacity, model="default", time_scale=0.0))
+def make(redis_url: str, capacity: int = 256, host_blocks: int = 0,
+         **kw: object) -> tuple[SimEngine, CachePublisher]:
+    engine = SimEngine(SimConfig(capacity_blocks=capacity, model="default", time_scale=0.0,
+                                 host_blocks=host_blocks))
     pub = CachePublisher(
         connect(redis_url), KEYS, "w1", engine.cached_keys,
-        lambda: Heartbeat("w1", "127.0.0.1:1", pub.epoch),
+        lambda: Heartbeat("w1", "127.0.0.1:1", pub.epoch), lower=engine.lower_keys,
         **{"heartbeat_s": 0.05, "heartbeat_ttl_s": 1.0, **kw})  # type: ignore[arg-type]
     engine.add_listener(pub.on_event)
     return engine, pub
@@ -37,6 +39,10 @@ async def run(engine: SimEngine, n_tokens: int, seed: int) -> None:
 
 def snapshot(client, worker: str = "w1") -> set[int]:
     return {unpack_keys(m)[0] for m in client.smembers(KEYS.snapshot(worker))}
+
+
+def lower_set(client, worker: str = "w1") -> set[int]:
+    return {unpack_keys(m)[0] for m in client.smembers(KEYS.lower(worker))}
 
 
 def feed(client) -> list[FeedEvent]:
@@ -120,6 +126,43 @@ async def ten_blocks_published(redis_server, **kw: object
     finally:
         await pub.stop()
         await engine.stop()
+
+
+async def test_a_host_tier_is_published_beside_the_snapshot(redis_server) -> None:
+    """Blocks evicted to the host tier: LOWER entries, the lower-tier set equal to the
+    engine's; a resync rewrites it whole; replaying the feed gives both sets."""
+    engine, pub = make(redis_server.url, capacity=64, host_blocks=48)
+    await engine.start()
+    await pub.start()
+    client = redis_server.client()
+    try:
+        for i in range(8):  # 8 x 20 blocks through 64 GPU + 48 host blocks: both evict
+            await run(engine, 320, i)
+        await wait_for(lambda: pub.stats.pending == 0 and snapshot(client)
+                       == set(engine.cached_keys()) and lower_set(client)
+                       == set(engine.lower_keys()), what="both sets equal the engine's")
+        assert 0 < len(lower_set(client)) <= 48
+        events = feed(client)
+        assert {Op.LOWER, Op.EVICT, Op.STORE} <= {e.op for e in events}
+        held: dict[int, Op] = {}  # key -> its best tier, replayed from the feed
+        for e in events:
+            for key in e.keys:
+                if e.op is Op.EVICT:
+                    held.pop(key, None)
+                else:
+                    held[key] = e.op
+        assert set(held) == snapshot(client)
+        assert {k for k, op in held.items() if op is Op.LOWER} == lower_set(client)
+        client.delete(KEYS.snapshot("w1"))  # a lost key: the resync rewrites both sets
+        old = pub.epoch
+        await wait_for(lambda: pub.epoch != old and lower_set(client)
+                       == set(engine.lower_keys()) and snapshot(client)
+                       == set(engine.cached_keys()), 5, "rewritten whole")
+        assert client.pttl(KEYS.lower("w1")) > 0  # it expires with the snapshot
+    finally:
+        await pub.stop()
+        await engine.stop()
+    assert not client.exists(KEYS.lower("w1"))  # a clean stop deregisters it too
 
 
 async def test_lost_snapshot_is_rewritten_under_a_new_epoch(redis_server) -> None:

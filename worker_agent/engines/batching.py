@@ -118,17 +118,22 @@ class BatchingEngine:
 
     def __init__(self, *, capacity_blocks: int, block_size: int, model: str,
                  max_batch: int, prefill_budget: int = 0, chunked_prefill: bool = False,
-                 long_prefill_threshold: int = 0) -> None:
+                 long_prefill_threshold: int = 0, host_blocks: int = 0,
+                 lower_tier_s_per_token: float = 0.0) -> None:
         """``prefill_budget``: most prompt tokens computed per step (0: no limit; whole
         prompts are admitted the first of a step however long); ``chunked_prefill`` and
         ``long_prefill_threshold``: vLLM V1's chunked prefill and its chunk cap (the
         :class:`~kvroute.core.scheduler.Scheduler`'s rules; only for an engine whose
-        ``_next_tokens`` can compute part of a prompt)."""
+        ``_next_tokens`` can compute part of a prompt); ``host_blocks``: a host tier
+        behind the pool (:class:`BlockPool`; only for an engine whose ``_next_tokens`` need
+        no KV data: blocks loaded from it hold none), loading a token's KV back in
+        ``lower_tier_s_per_token``, reported in the load."""
         self.block_size = block_size
         self.model = model
         self.max_batch = max_batch
         self.stats = EngineStats()
-        self.pool = BlockPool(capacity_blocks, self._emit)
+        self.pool = BlockPool(capacity_blocks, self._emit, host_blocks=host_blocks)
+        self.lower_tier_s_per_token = lower_tier_s_per_token
         self.sched: Scheduler[Seq] = Scheduler(
             self.pool, block_size, max_batch=max_batch, prefill_budget=prefill_budget,
             chunked=chunked_prefill, long_prefill_threshold=long_prefill_threshold)
@@ -139,11 +144,12 @@ class BatchingEngine:
 
     # -- hooks -----------------------------------------------------------------------------
 
-    async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int
+    async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int, loaded_tokens: int = 0
                            ) -> Sequence[int | BaseException]:
         """One token per sequence of ``seqs``, in order (step 2), or an exception that fails
         just that request. ``prefill_tokens`` counts the prompt tokens computed in this step
-        (of ``seqs`` and, chunked, of prefills not done yet)."""
+        (of ``seqs`` and, chunked, of prefills not done yet), ``loaded_tokens`` those its
+        admissions load from the host tier."""
         raise NotImplementedError
 
     def _validate(self, request: EngineRequest) -> None:
@@ -204,10 +210,15 @@ class BatchingEngine:
             max_batched_tokens=sched.prefill_budget,
             prefill_mode=PrefillMode.of(sched.chunked),
             max_prefill_chunk=sched.long_prefill_threshold if sched.chunked else 0,
+            lower_tier_s_per_token=self.lower_tier_s_per_token if self.pool.host_blocks else 0.0,
         )
 
     def cached_keys(self) -> list[int]:
         return self.pool.cached_keys()
+
+    def lower_keys(self) -> list[int]:
+        """The keys held only in the host tier."""
+        return self.pool.lower_keys()
 
     def add_listener(self, listener: CacheListener) -> None:
         self._listeners.append(listener)
@@ -301,7 +312,7 @@ class BatchingEngine:
             return
         stats.steps += 1
         stats.max_running = max(stats.max_running, sched.num_running + sched.num_prefilling)
-        tokens = await self._next_tokens(seqs, it.prefill_tokens)
+        tokens = await self._next_tokens(seqs, it.prefill_tokens, it.loaded_tokens)
         sched.complete(it)  # stages the prompt blocks the step's chunks filled
 
         chunks: list[tuple[Seq, TokenChunk | BaseException]] = []

@@ -13,6 +13,7 @@ simulator's workers run the same scheduler. The defaults admit whole prompts wit
 
     step_s = prefill_s_per_token * (prompt tokens computed in the step)
            + decode_step_base_s + decode_step_per_seq_s * (sequences given a token)
+           + host_load_s_per_token * (prompt tokens loaded from the host tier in the step)
 
 The prompt tokens of a step are the uncached prompts admitted in it, or with
 ``chunked_prefill`` the chunks the shared scheduler sizes under ``prefill_budget``.
@@ -107,12 +108,18 @@ class SimConfig:
     long_prefill_threshold: int = 0
     """With ``chunked_prefill``: most tokens of one prefill per step (vLLM's
     --long-prefill-token-threshold, reported as max_prefill_chunk; 0: the budget)."""
+    host_blocks: int = 0
+    """Blocks of a host (CPU) tier behind the cache: evicted blocks go there and a prompt
+    loads them back instead of computing them (0: none)."""
+    host_load_s_per_token: float = 131072 / 25e9
+    """Seconds a token's KV takes to load back from the host tier (reported to routers):
+    the cost model's PCIe 4.0 x16 rate."""
 
     def __post_init__(self) -> None:
         for name in ("capacity_blocks", "block_size", "vocab_size", "max_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SimConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("prefill_budget", "long_prefill_threshold"):
+        for name in ("prefill_budget", "long_prefill_threshold", "host_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.chunked_prefill and self.prefill_budget <= 0:
@@ -122,7 +129,7 @@ class SimConfig:
             raise ValueError("SimConfig.long_prefill_threshold caps the chunks of a chunked "
                              "prefill: it needs chunked_prefill")
         for name in ("prefill_s_per_token", "decode_step_base_s", "decode_step_per_seq_s",
-                     "time_scale"):
+                     "time_scale", "host_load_s_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -151,17 +158,20 @@ class SimEngine(BatchingEngine):
         super().__init__(capacity_blocks=cfg.capacity_blocks, block_size=cfg.block_size,
                          model=cfg.model, max_batch=cfg.max_batch,
                          prefill_budget=cfg.prefill_budget, chunked_prefill=cfg.chunked_prefill,
-                         long_prefill_threshold=cfg.long_prefill_threshold)
+                         long_prefill_threshold=cfg.long_prefill_threshold,
+                         host_blocks=cfg.host_blocks,
+                         lower_tier_s_per_token=cfg.host_load_s_per_token)
 
     def _new_seq(self, **fields: Any) -> Seq:
         request = fields["request"]
         return _Seq(**fields, base=sim_token_base(fields["tokens"], request.seed))
 
-    async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int
+    async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int, loaded_tokens: int = 0
                            ) -> Sequence[int | BaseException]:
         cfg = self.config
         step_s = (cfg.prefill_s_per_token * prefill_tokens + cfg.decode_step_base_s
-                  + cfg.decode_step_per_seq_s * len(seqs))
+                  + cfg.decode_step_per_seq_s * len(seqs)
+                  + cfg.host_load_s_per_token * loaded_tokens)
         await asyncio.sleep(step_s * cfg.time_scale)
         vocab = cfg.vocab_size
         return [0 if seq.done else self._choose(cast(_Seq, seq), vocab) for seq in seqs]

@@ -184,7 +184,7 @@ class TinyEngine(BatchingEngine):
             rng = np.random.default_rng(seed)
         return _TinySeq(**fields, rng=rng)
 
-    async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int
+    async def _next_tokens(self, seqs: list[Seq], prefill_tokens: int, loaded_tokens: int = 0
                            ) -> Sequence[int | BaseException]:
         # Snapshot inputs on the loop: the thread must not read objects the loop may change.
         items = [ForwardItem(seq.tokens[seq.kv_tokens:], seq.kv_tokens, list(seq.blocks))

@@ -78,6 +78,9 @@ class EventedConfig:
     long_prefill_token_threshold: int = 0
     """The most tokens of one prefill per iteration (0: none), reported as the load's
     ``max_prefill_chunk`` when it chunks."""
+    lower_tier_s_per_token: float = 0.0
+    """Seconds the server takes to load one token's KV from its lower tier (CPU offloading,
+    HiCache), reported as the load's ``lower_tier_s_per_token`` (0: unknown)."""
     metrics_interval_s: float = 0.5
     replay_timeout_s: float = 1.0
     probe_s: float = 1.0
@@ -298,10 +301,15 @@ class EventedEngine(BatchSink):
             capacity_blocks=capacity, pending_prefill_tokens=prefill,
             max_running=cfg.max_num_seqs, max_batched_tokens=cfg.max_num_batched_tokens,
             prefill_mode=PrefillMode.of(cfg.chunked_prefill),
-            max_prefill_chunk=cfg.long_prefill_token_threshold if cfg.chunked_prefill else 0)
+            max_prefill_chunk=cfg.long_prefill_token_threshold if cfg.chunked_prefill else 0,
+            lower_tier_s_per_token=cfg.lower_tier_s_per_token)
 
     def cached_keys(self) -> list[int]:
         return self.blocks.cached_keys()
+
+    def lower_keys(self) -> list[int]:
+        """The keys the server holds only in its lower tier (CPU offloading, HiCache)."""
+        return self.blocks.lower_keys()
 
     def cached_blocks(self, token_ids: Sequence[int], cache_salt: str = "") -> int:
         """Leading full blocks of ``token_ids`` in the server's cache, as far as its events

@@ -66,6 +66,7 @@ def from_agent_config(cfg: AgentConfig) -> SglangEngine:
         capacity_blocks=cfg.engine.capacity_blocks,
         max_num_seqs=0,  # from /server_info's max_running_requests
         max_num_batched_tokens=cfg.engine.max_batched_tokens,
+        lower_tier_s_per_token=cfg.tier.s_per_token,
         # Load is published once per heartbeat: two polls per beat keep it fresh.
         metrics_interval_s=min(1.0, max(0.05, cfg.worker.heartbeat_s / 2)),
     ), dp_rank=rank)

@@ -54,6 +54,7 @@ def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary | None = None) ->
         capacity_blocks=cfg.engine.capacity_blocks,
         max_num_seqs=cfg.engine.max_batch,
         max_num_batched_tokens=cfg.engine.max_batched_tokens,
+        lower_tier_s_per_token=cfg.tier.s_per_token,
         chunked_prefill=cfg.vllm.chunked_prefill,
         long_prefill_token_threshold=cfg.vllm.long_prefill_threshold,
         # Load is published once per heartbeat: two polls per beat keep it fresh.
