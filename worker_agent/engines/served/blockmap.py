@@ -13,6 +13,10 @@ re-stores (vLLM re-reports reused blocks) are idempotent. Its tier (core/cache_e
 best medium holding it: ``Op.STORE`` when a GPU residency appears (medium ``GPU`` or none),
 ``Op.LOWER`` when it is first held, or left held, only in another medium (vLLM's ``CPU``,
 SGLang's ``CPU_PINNED``, any disk or external tier: one lower tier, its cost the engine's).
+SGLang's HiCache describes its host copies in full (token ids, parent); vLLM's offloading
+connector names them by hash alone (no token ids, no parent; ``block_size`` 0, or its own
+block of ``k`` of ours, named by the last of them), so those are mapped through the hashes the
+GPU's events taught: each entry keeps its parent's hash for that walk.
 
 Cache salt (what seeds the chain at a root block, ``parent_block_hash is None``):
 
@@ -54,6 +58,7 @@ log = logging.getLogger("kvroute.agent.vllm")
 OPAQUE = -1  # no kvroute request can hit it (other LoRA, multimodal, prompt embeds)
 UNKNOWN = -2  # its parent chain is unknown (learned after an unhealed gap)
 _GPU = "GPU"  # the medium of the GPU cache (and of events that name none)
+_U64 = (1 << 64) - 1
 
 
 @dataclass
@@ -66,17 +71,19 @@ class BlockMapStats:
     opaque_blocks: int = 0  # blocks stored that no kvroute request can hit
     block_size_mismatch: int = 0  # blocks of an event whose block_size is not ours (skipped)
     key_conflicts: int = 0  # one engine hash, two different computed keys (kept the first)
+    unknown_copies: int = 0  # a lower tier's copies of blocks we never saw (skipped)
     clears: int = 0
 
 
 class _Entry:
-    """One engine hash: its kvroute key (or OPAQUE/UNKNOWN) and how many residencies, how
-    many of them in GPU memory."""
+    """One engine hash: its kvroute key (or OPAQUE/UNKNOWN), how many residencies, how many
+    of them in GPU memory, and its parent's engine hash (None at a root)."""
 
-    __slots__ = ("gpu", "key", "refs")
+    __slots__ = ("gpu", "key", "parent", "refs")
 
-    def __init__(self, key: int) -> None:
+    def __init__(self, key: int, parent: EngineHash | None) -> None:
         self.key = key
+        self.parent = parent
         self.refs = 0
         self.gpu = 0
 
@@ -93,6 +100,8 @@ class BlockMap:
         self._resident: set[tuple[EngineHash, int, str]] = set()
         self._key_refs: dict[int, int] = {}  # published key -> residencies mapping to it
         self._gpu_refs: dict[int, int] = {}  # of those, the ones in GPU memory (if any)
+        # A lower tier's block covering k > 1 of ours -> the hashes of those (last first).
+        self._chunks: dict[tuple[EngineHash, int, str], list[EngineHash]] = {}
         self._hashers: dict[str, BlockHasher] = {}
         self._warned_sizes: set[tuple[int, int]] = set()
 
@@ -150,60 +159,139 @@ class BlockMap:
         self._resident.clear()
         self._key_refs.clear()
         self._gpu_refs.clear()
+        self._chunks.clear()
         self.stats.clears += 1
         out.append(CacheEvent(Op.CLEAR))
 
     def _store(self, ev: Stored, out: list[CacheEvent]) -> None:
         st = self.stats
         n = len(ev.block_hashes)
+        if not ev.token_ids and n and (ev.medium or _GPU) != _GPU:
+            self._store_copies(ev, out)
+            return
         if ev.block_size != self.block_size:
             st.block_size_mismatch += n
-            group = ev.group_idx or 0
-            if (group, ev.block_size) not in self._warned_sizes:
-                self._warned_sizes.add((group, ev.block_size))
-                # Hybrid models publish other groups at other granularities: expected there.
-                # If no group matches, nothing is ever published: say so loudly.
-                level = logging.WARNING if st.stored_blocks else logging.ERROR
-                log.log(level, "skipping vLLM blocks of another block size; if no group "
-                        "matches, set the agent's --block-size to vLLM's", extra={"kv": {
-                            "group_idx": group, "event_block_size": ev.block_size,
-                            "agent_block_size": self.block_size}})
+            self._warn_size(ev.group_idx or 0, ev.block_size)
             return
         keys = self._keys_for(ev)
         group = ev.group_idx or 0
         medium = ev.medium or _GPU
-        on_gpu = medium == _GPU
-        entries, resident = self._entries, self._resident
+        entries = self._entries
         new_gpu: list[int] = []
         new_lower: list[int] = []
+        parent = ev.parent
         for h, key in zip(ev.block_hashes, keys, strict=True):
             ent = entries.get(h)
             if ent is None:
-                ent = entries[h] = _Entry(key)
+                ent = entries[h] = _Entry(key, parent)
             elif ent.key != key and key >= 0:
                 if ent.key < 0:
                     # Upgrade UNKNOWN/OPAQUE -> a real key: every residency now counts.
                     ent.key = key
+                    ent.parent = parent
                     if ent.refs:
                         self._count(key, ent.refs, ent.gpu, new_gpu, new_lower)
                 else:
                     st.key_conflicts += 1
-            r = (h, group, medium)
-            if r in resident:
-                st.duplicate_stores += 1
+            self._hold(h, ent, group, medium, new_gpu, new_lower)
+            parent = h
+        self._emit_new(new_gpu, new_lower, out)
+
+    def _store_copies(self, ev: Stored, out: list[CacheEvent]) -> None:
+        """A lower tier's copies of blocks the GPU stored, named by hash alone (vLLM's
+        offloading connector sends no token ids and no parent): each hash is a block we
+        know, or, when the tier's block is ``k`` of ours (its ``block_size``; 0: ours), the
+        last of ``k`` chained blocks. Unknown hashes are counted and skipped."""
+        st = self.stats
+        k = self._blocks_per(ev.block_size, ev.group_idx)
+        if not k:
+            st.block_size_mismatch += len(ev.block_hashes)
+            return
+        group, medium = ev.group_idx or 0, ev.medium or _GPU
+        new_gpu: list[int] = []
+        new_lower: list[int] = []
+        for raw in ev.block_hashes:
+            h = self._known(raw)
+            covered = None if h is None else self._chain(h, k)
+            if covered is None:
+                st.unknown_copies += 1
                 continue
-            resident.add(r)
-            ent.refs += 1
-            ent.gpu += on_gpu
-            st.stored_blocks += 1
-            if ent.key >= 0:
-                self._count(ent.key, 1, int(on_gpu), new_gpu, new_lower)
-            elif ent.key == OPAQUE:
-                st.opaque_blocks += 1
+            if k > 1:
+                self._chunks[(h, group, medium)] = covered
+            for c in covered:
+                self._hold(c, self._entries[c], group, medium, new_gpu, new_lower)
+        self._emit_new(new_gpu, new_lower, out)
+
+    def _blocks_per(self, block_size: int, group: int | None) -> int:
+        """How many of our blocks one of ``block_size`` tokens is (0 and ours: 1); 0 (and
+        a warning, once) if it is not a whole number of them."""
+        if block_size in (0, self.block_size):
+            return 1
+        if block_size > 0 and block_size % self.block_size == 0:
+            return block_size // self.block_size
+        self._warn_size(group or 0, block_size)
+        return 0
+
+    def _known(self, h: EngineHash) -> EngineHash | None:
+        """``h`` as the GPU's events named it, or None: a lower tier's event may carry the
+        whole digest where the GPU's carry its low 64 bits (vLLM converts the hashes of its
+        own events, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, not its connectors')."""
+        if h in self._entries:
+            return h
+        if isinstance(h, bytes):
+            low = int.from_bytes(h, "big") & _U64
+            if low in self._entries:
+                return low
+        return None
+
+    def _chain(self, h: EngineHash, k: int) -> list[EngineHash] | None:
+        """``h`` and its ``k - 1`` nearest ancestors (all known), else None."""
+        entries = self._entries
+        out: list[EngineHash] = []
+        cur: EngineHash | None = h
+        while len(out) < k:
+            if cur is None or cur not in entries:
+                return None
+            out.append(cur)
+            cur = entries[cur].parent
+        return out
+
+    def _hold(self, h: EngineHash, ent: _Entry, group: int, medium: str,
+              new_gpu: list[int], new_lower: list[int]) -> None:
+        """Add the residency ``(h, group, medium)`` unless held (idempotent re-stores)."""
+        st = self.stats
+        r = (h, group, medium)
+        if r in self._resident:
+            st.duplicate_stores += 1
+            return
+        self._resident.add(r)
+        on_gpu = medium == _GPU
+        ent.refs += 1
+        ent.gpu += on_gpu
+        st.stored_blocks += 1
+        if ent.key >= 0:
+            self._count(ent.key, 1, int(on_gpu), new_gpu, new_lower)
+        elif ent.key == OPAQUE:
+            st.opaque_blocks += 1
+
+    @staticmethod
+    def _emit_new(new_gpu: list[int], new_lower: list[int], out: list[CacheEvent]) -> None:
         if new_gpu:
             out.append(CacheEvent(Op.STORE, tuple(new_gpu)))
         if new_lower:
             out.append(CacheEvent(Op.LOWER, tuple(new_lower)))
+
+    def _warn_size(self, group: int, block_size: int) -> None:
+        if (group, block_size) in self._warned_sizes:
+            return
+        self._warned_sizes.add((group, block_size))
+        # Hybrid models publish other groups at other granularities: expected there. If no
+        # group matches, nothing is ever published: say so loudly.
+        level = logging.WARNING if self.stats.stored_blocks else logging.ERROR
+        log.log(level, "skipping engine blocks of another block size; if no group matches, "
+                "set the agent's --block-size to the engine's", extra={"kv": {
+                    "group_idx": group, "event_block_size": block_size,
+                    "agent_block_size": self.block_size}})
 
     def _count(self, key: int, refs: int, gpu: int, new_gpu: list[int],
                new_lower: list[int]) -> None:
@@ -230,7 +318,11 @@ class BlockMap:
         key_refs, gpu_refs = self._key_refs, self._gpu_refs
         gone: list[int] = []
         lowered: list[int] = []
-        for h in ev.block_hashes:
+        hashes: Iterable[EngineHash] = ev.block_hashes
+        if not on_gpu:  # a lower tier's: its hashes as ours, its blocks of several of ours
+            known = [self._known(h) or h for h in hashes]
+            hashes = [c for h in known for c in self._chunks.pop((h, group, medium), (h,))]
+        for h in hashes:
             r = (h, group, medium)
             if r not in resident:
                 st.unknown_removals += 1

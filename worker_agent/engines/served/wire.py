@@ -78,7 +78,9 @@ class FrameError(ValueError):
 class Stored:
     block_hashes: list[EngineHash]
     parent: EngineHash | None
-    token_ids: array.array  # validated uint32 token ids, len == len(block_hashes) * block_size
+    # validated uint32 token ids, len == len(block_hashes) * block_size; empty for a lower
+    # tier's copies named by hash alone (then block_size may be 0)
+    token_ids: array.array
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -262,12 +264,16 @@ def _stored(f: dict[str, Any]) -> Stored:
     if parent is not None and not (isinstance(parent, bytes) or _is_int(parent)):
         raise FrameError("event", f"parent_block_hash is {type(parent).__name__}")
     bs = f.get("block_size")
-    if not _is_int(bs) or bs <= 0:
-        raise FrameError("event", f"block_size is {bs!r}")
     tokens = f.get("token_ids")
     if not isinstance(tokens, list | tuple):
         raise FrameError("event", f"token_ids is {type(tokens).__name__}")
-    if len(tokens) != len(hashes) * bs:
+    medium = _opt(f.get("medium"), str, "medium")
+    # A lower tier's copies named by hash alone (vLLM's offloading connector): no token ids,
+    # block_size 0 (older releases) or the tier's own.
+    copies = not tokens and medium not in (None, "GPU")
+    if not _is_int(bs) or bs < 0 or (bs == 0 and not copies):
+        raise FrameError("event", f"block_size is {bs!r}")
+    if len(tokens) != len(hashes) * bs and not copies:
         raise FrameError("event", f"{len(tokens)} token ids for {len(hashes)} blocks of {bs}")
     try:
         toks = array.array("I", tokens)  # C-speed check: every id an int in uint32
@@ -282,7 +288,7 @@ def _stored(f: dict[str, Any]) -> Stored:
         token_ids=toks,
         block_size=bs,
         lora_id=_opt(f.get("lora_id"), int, "lora_id"),
-        medium=_opt(f.get("medium"), str, "medium"),
+        medium=medium,
         lora_name=_opt(f.get("lora_name"), str, "lora_name"),
         extra_keys=list(extra) if extra is not None else None,
         group_idx=_opt(f.get("group_idx"), int, "group_idx"),

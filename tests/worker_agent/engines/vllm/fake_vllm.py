@@ -114,6 +114,8 @@ class FakeVllm:
             buffer_steps=args.buffer_steps, topic=args.topic)
         self.cached: dict[bytes, _Block] = {}
         self.free_lru: OrderedDict[bytes, None] = OrderedDict()  # refs == 0, oldest first
+        # --offload-blocks: the OffloadingConnector's CPU tier, hash -> kvroute key, LRU first
+        self.cpu: OrderedDict[bytes, int] = OrderedDict()
         self.uncached = 0
         self.running = 0
         self.waiting = 0
@@ -195,6 +197,12 @@ class FakeVllm:
             if h not in self.cached:
                 break
             hit += 1
+        loaded = 0  # the connector's hits after the GPU's: loaded, not computed
+        for h in r.hashes[hit: (n - 1) // bs] if self.a.offload_blocks else ():
+            if h not in self.cpu:
+                break
+            self.cpu.move_to_end(h)
+            loaded += 1
         # Pin the hits before allocating (vLLM's touch()), so eviction cannot take them.
         for h in r.hashes[:hit]:
             b = self.cached[h]
@@ -210,7 +218,7 @@ class FakeVllm:
                 return False
         r.uncached = need
         self.uncached += need
-        r.cached_tokens = hit * bs
+        r.cached_tokens = (hit + loaded) * bs
         if hit and r.report_full:
             self.pending.append(self._stored(r, 0, hit, None))
         return True
@@ -260,6 +268,30 @@ class FakeVllm:
         if new_lo is not None:
             parent = r.hashes[new_lo - 1] if new_lo else None
             self.pending.append(self._stored(r, new_lo, full, parent, tokens))
+        if self.a.offload_blocks:
+            self.offload(r, have, full)
+
+    def offload(self, r: _Req, lo: int, hi: int) -> None:
+        """The OffloadingConnector's write-through of blocks ``lo..hi``, as it reports it: by
+        the whole digest alone (no token ids, no parent, its block size), medium CPU; its LRU
+        evictions as BlockRemoved of medium CPU."""
+        new = []
+        for i in range(lo, hi):
+            h = r.hashes[i]
+            if h in self.cpu:
+                self.cpu.move_to_end(h)
+            else:
+                self.cpu[h] = r.keys[i]
+                new.append(h)
+        if new:
+            self.pending.append(struct(
+                self.kv.BlockStored, block_hashes=new, parent_block_hash=None, token_ids=[],
+                block_size=self.bs, lora_id=None, medium="CPU", lora_name=None))
+        gone = []
+        while len(self.cpu) > self.a.offload_blocks:
+            gone.append(self.cpu.popitem(last=False)[0])
+        if gone:
+            self.pending.append(struct(self.kv.BlockRemoved, block_hashes=gone, medium="CPU"))
 
     def release(self, r: _Req) -> None:
         for h in reversed(r.pinned):  # vLLM frees tail blocks first: they are evicted first
@@ -282,6 +314,10 @@ class FakeVllm:
 
     def truth(self) -> list[int]:
         return [b.key for b in self.cached.values()]
+
+    def lower_truth(self) -> list[int]:
+        """The keys only the CPU tier holds."""
+        return [key for h, key in self.cpu.items() if h not in self.cached]
 
     # -- generation --------------------------------------------------------------------------
 
@@ -466,7 +502,7 @@ async def control(fake: FakeVllm, method: str, path: str, body: dict[str, Any],
     """The test-only ``/control/*`` routes; False for any other path."""
     if method == "GET" and path == "/control/state":
         await _respond(w, 200, json.dumps({
-            "keys": fake.truth(), "published": fake.published,
+            "keys": fake.truth(), "lower": fake.lower_truth(), "published": fake.published,
             "forwarded": fake.fwd.forwarded, "dropped": fake.fwd.dropped,
             "ignored_fields": sorted(fake.ignored)}).encode())
     elif method == "GET" and path == "/control/requests":
@@ -590,6 +626,8 @@ def common_args(product: str, topic: str = "") -> argparse.ArgumentParser:
     ap.add_argument("--kvroute-model", default="default", help="for the kvroute-key oracle")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--capacity", type=int, default=256, help="KV blocks")
+    ap.add_argument("--offload-blocks", type=int, default=0,
+                    help="a CPU tier of this many blocks, as vLLM's OffloadingConnector")
     ap.add_argument("--buffer-steps", type=int, default=10_000)
     ap.add_argument("--step-s", type=float, default=0.001)
     ap.add_argument("--vocab", type=int, default=50257)

@@ -126,3 +126,41 @@ def test_other_block_sizes_are_skipped_and_clears_drop_everything() -> None:
     assert run(m, Cleared()) == [CacheEvent(Op.CLEAR)]
     assert m.cached_keys() == [] and m.engine_hashes == 0
     assert run(m, Removed([1])) == [] and m.stats.unknown_removals == 1
+
+
+def test_offloaded_copies_named_by_hash_alone_map_through_the_gpu_blocks() -> None:
+    """vLLM's offloading connector: BlockStored with no token ids and no parent, block_size
+    0 (older) or its own block (here two of ours, named by the last), medium CPU."""
+    m = BlockMap(B, "m")
+    run(m, stored([1, 2, 3, 4]))
+    copies = Stored(block_hashes=[1, 2], parent=None, token_ids=array.array("I"),
+                    block_size=0, medium="CPU")
+    assert run(m, copies) == []  # held in GPU memory too: no change of tier
+    assert run(m, Removed([1, 2], medium="GPU")) == [CacheEvent(Op.LOWER, tuple(KEYS[:2]))]
+    assert m.lower_keys() == list(KEYS[:2])
+    pair = Stored(block_hashes=[4], parent=None, token_ids=array.array("I"), block_size=2 * B,
+                  medium="CPU")  # one CPU block of two of ours: blocks 3 and 4
+    assert run(m, pair) == []
+    assert run(m, Removed([3, 4], medium="GPU")) == [CacheEvent(Op.LOWER, tuple(KEYS[2:4]))]
+    assert run(m, Removed([4], medium="CPU")) == [CacheEvent(Op.EVICT, (KEYS[3], KEYS[2]))]
+    assert sorted(m.cached_keys()) == sorted(KEYS[:2])
+    unknown = Stored(block_hashes=[99], parent=None, token_ids=array.array("I"), block_size=0,
+                     medium="CPU")
+    odd = Stored(block_hashes=[1], parent=None, token_ids=array.array("I"), block_size=B + 1,
+                 medium="CPU")
+    assert run(m, unknown, odd) == []
+    assert m.stats.unknown_copies == 1 and m.stats.block_size_mismatch == 1
+
+
+def test_a_copy_named_by_its_whole_digest_finds_the_gpu_blocks_64_bit_hash() -> None:
+    """vLLM sends its own events' hashes as the digest's low 64 bits, its connectors' as the
+    whole digest: both name one block."""
+    digest = bytes(range(32))
+    low = int.from_bytes(digest, "big") & ((1 << 64) - 1)
+    m = BlockMap(B, "m")
+    run(m, stored([low]))
+    copy = Stored(block_hashes=[digest], parent=None, token_ids=array.array("I"),
+                  block_size=0, medium="CPU")
+    assert run(m, copy, Removed([low])) == [CacheEvent(Op.LOWER, (KEYS[0],))]
+    assert run(m, Removed([digest], medium="CPU")) == [CacheEvent(Op.EVICT, (KEYS[0],))]
+    assert m.stats.unknown_removals == 0

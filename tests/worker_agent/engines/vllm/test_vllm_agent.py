@@ -323,3 +323,36 @@ async def test_a_dead_vllm_leaves_the_router_at_once_and_rejoins_when_back(
     again = await generate(router.port, system + prompt(40, 5), max_tokens=2)
     assert again[-1].usage.cached_tokens == 160  # its cache serves the turn again
     print(f"\ndead vLLM: out of the router's mirror and registry {gone_s:.2f} s after SIGKILL")
+
+
+@pytest.mark.parametrize("int_hashes", [False, True], ids=["bytes", "int"])
+async def test_an_offloading_tier_is_published_as_the_lower_tier(cluster, fake_vllm,
+                                                                  redis_server,
+                                                                  int_hashes: bool) -> None:
+    """vLLM with its OffloadingConnector (a CPU tier written through, named by the whole
+    digest alone): its copies reach the router as lower-tier blocks, the GPU's evictions
+    demote them, a prompt hitting them is counted cached; nothing is rejected."""
+    args = ["--capacity", "24", "--offload-blocks", "64"] + (["--int-hashes"] * int_hashes)
+    fake = fake_vllm(*args)
+    agent, router = await start(cluster, fake)
+    doc = prompt(160, 1)  # 10 blocks
+    await generate(router.port, doc, max_tokens=2)
+    for seed in (2, 3):  # other prompts through a 24-block GPU cache: doc's blocks leave it
+        await generate(router.port, prompt(160, seed), max_tokens=2)
+
+    def lower() -> set[int]:
+        return set(fake.state()["lower"])
+
+    await wait_for(lambda: lower() and set(agent.engine.lower_keys()) == lower()
+                   and router.mirror.index.lower_keys_of(W) == lower()
+                   and router.mirror.index.keys_of(W) == fake.truth() | lower(),
+                   10, "the CPU tier mirrored as the lower tier")
+    doc_keys = BlockHasher(16, "default").keys(doc)
+    assert set(doc_keys[:9]) & lower(), "doc's blocks were demoted to the CPU tier"
+    stats = agent.engine.events.stats
+    assert not stats.rejected, stats.rejected  # no batch refused for its CPU events
+    assert agent.engine.blocks.stats.unknown_copies == 0
+    out = await generate(router.port, doc + prompt(20, 9), max_tokens=2)
+    assert out[-1].usage.cached_tokens >= 144  # loaded from the CPU tier, not computed
+    await wait_for(lambda: not set(doc_keys[:9]) & router.mirror.index.lower_keys_of(W),
+                   10, "loaded blocks back in GPU memory at the router")

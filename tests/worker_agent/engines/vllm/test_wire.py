@@ -286,6 +286,24 @@ def test_transcriptions_are_the_releases_own_structs(kv_events, vllm_version: st
         _check_full(decode_batch(raw), theirs, hashes, parent)
 
 
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_an_offloading_connectors_copies_by_hash_alone_decode(version: str) -> None:
+    """vLLM's OffloadingConnector sends its CPU copies with no token ids and no parent,
+    block_size 0 (or its own), in the batch beside the GPU's events: the batch decodes."""
+    batch, stored, removed, _ = TRANSCRIBED[version]
+    for size in (0, 32):
+        raw = msgspec.msgpack.encode(batch(ts=1.0, events=[
+            struct(stored, block_hashes=[11, 12], parent_block_hash=None, token_ids=TOKENS,
+                   block_size=16, lora_id=None, medium="GPU", lora_name=None),
+            struct(stored, block_hashes=[H1], parent_block_hash=None, token_ids=[],
+                   block_size=size, lora_id=None, medium="CPU", lora_name=None),
+            struct(removed, block_hashes=[H1], medium="CPU")]))
+        gpu, copy, gone = decode_batch(raw).events
+        assert isinstance(copy, Stored) and copy.block_hashes == [H1]
+        assert (copy.block_size, len(copy.token_ids), copy.medium) == (size, 0, "CPU")
+        assert gpu.block_size == 16 and gone == Removed([H1], medium="CPU")
+
+
 def test_v09_all_array_layout_with_int_hashes() -> None:
     raw = msgspec.msgpack.encode(V09EventBatch(ts=2.0, events=[
         V09BlockStored([11, 12], 10, TOKENS, 16, None), V09BlockRemoved([11]),
@@ -335,6 +353,9 @@ def test_unknown_event_types_are_skipped_and_counted() -> None:
     (msgspec.msgpack.encode([1.0, [["BlockStored", [1.5], None, [1], 1]]]), "event"),
     (msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [-1], 1]]]), "event"),
     (msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1], 0]]]), "event"),
+    (msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [], 0]]]), "event"),  # GPU
+    (msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [], -1, None, "CPU"]]]),
+     "event"),
     (msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1], 1, None, 7]]]), "event"),
     (msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved"}]]), "event"),
     (msgspec.msgpack.encode([1.0, [["BlockStored", [1, 2], None, [1, 2], 1, None, None, None,
