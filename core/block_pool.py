@@ -22,7 +22,7 @@ and committed again (``Op.STORE``: in GPU memory again; the host copy stays).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from kvroute.core.cache_events import CacheEvent
 from kvroute.core.redis_schema import Op
@@ -110,13 +110,7 @@ class BlockPool:
     def host_prefix(self, keys: Iterable[int]) -> int:
         """How many leading ``keys`` the host tier holds (those after a prompt's GPU hits:
         what it loads instead of computing)."""
-        host = self._host
-        n = 0
-        for k in keys:
-            if k not in host:
-                break
-            n += 1
-        return n
+        return _leading_in(keys, self._host)
 
     def lookup(self, keys: Iterable[int]) -> list[int]:
         """Blocks of the longest run of leading ``keys`` that are cached. No side effects.
@@ -135,13 +129,7 @@ class BlockPool:
 
     def longest_cached_prefix(self, keys: Iterable[int]) -> int:
         """Number of leading ``keys`` that are cached."""
-        cached = self._block_of
-        n = 0
-        for k in keys:
-            if k not in cached:
-                break
-            n += 1
-        return n
+        return _leading_in(keys, self._block_of)
 
     def can_allocate(self, n_new: int, hits: Sequence[int] = ()) -> bool:
         """Whether ``allocate(n_new, hits)`` would succeed.
@@ -289,3 +277,13 @@ class BlockPool:
     def _emit(self, op: Op, keys: tuple[int, ...]) -> None:
         if self.listener is not None:
             self.listener(CacheEvent(op, keys))
+
+
+def _leading_in(keys: Iterable[int], held: Container[int]) -> int:
+    """How many leading ``keys`` are in ``held`` (consumes ``keys`` only that far)."""
+    n = 0
+    for k in keys:
+        if k not in held:
+            break
+        n += 1
+    return n

@@ -217,6 +217,9 @@ class _MirrorCollector(Collector):
             labels=["worker"])
         blocks = GaugeMetricFamily("kvroute_router_worker_cached_blocks",
                                    "Blocks the index holds per worker", labels=["worker"])
+        lower = GaugeMetricFamily("kvroute_router_worker_lower_blocks",
+                                  "Of those, the blocks its engine holds only in a lower tier "
+                                  "(CPU offload, HiCache)", labels=["worker"])
         arrivals = GaugeMetricFamily(
             "kvroute_router_worker_arrival_rate",
             "Requests per second reaching each worker lately (30 s window; the larger of this "
@@ -267,6 +270,7 @@ class _MirrorCollector(Collector):
             pending.add_metric([w], ld.pending_prefill_tokens if ld else 0)
             context.add_metric([w], ld.pending_prefill_context if ld else 0)
             blocks.add_metric([w], m.index.count(w))
+            lower.add_metric([w], m.index.count(w) - m.index.gpu_count(w))
             arrivals.add_metric([w], ld.arrival_rate if ld else 0.0)
             prefills.add_metric([w], ld.prefill_rate if ld else 0.0)
             mode = ld.prefill_mode if ld else PrefillMode.UNKNOWN
@@ -275,5 +279,5 @@ class _MirrorCollector(Collector):
             chunk_caps.add_metric([w], ld.max_prefill_chunk if ld else 0)
             up.add_metric([w], int(ld is not None))
             incompatible.add_metric([w], int(not info.compatible))
-        yield from (inflight, pending, context, blocks, arrivals, prefills, modes, chunk_caps,
-                    up, incompatible, excluded, conflicts)
+        yield from (inflight, pending, context, blocks, lower, arrivals, prefills, modes,
+                    chunk_caps, up, incompatible, excluded, conflicts)

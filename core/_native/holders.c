@@ -705,7 +705,9 @@ static PyObject *HolderMap_holds(HolderMap *m, PyObject *args) {
     return PyBool_FromLong(e != NULL && state_of(e, (uint32_t)s, &at) == REAL);
 }
 
-static PyObject *HolderMap_leading(HolderMap *m, PyObject *args) {
+/* The number of leading keys of keys[:limit] whose state on the slot is (real == want_real):
+ * leading() counts those it really holds, first_held() those it does not. */
+static PyObject *leading_run(HolderMap *m, PyObject *args, int want_real) {
     PyObject *keys;
     Py_ssize_t limit, s, n;
     if (!PyArg_ParseTuple(args, "Onn", &keys, &limit, &s) || check_slot(s) < 0) return NULL;
@@ -716,35 +718,23 @@ static PyObject *HolderMap_leading(HolderMap *m, PyObject *args) {
     }
     uint64_t *ks = keys_all(keys, &n, limit);
     if (ks == NULL) return NULL;
-    Py_ssize_t held = 0;
-    for (; held < n; held++) {
-        Entry *e = find(m, ks[held]);
+    Py_ssize_t run = 0;
+    for (; run < n; run++) {
+        Entry *e = find(m, ks[run]);
         uint32_t at;
-        if (e == NULL || state_of(e, (uint32_t)s, &at) != REAL) break;
+        int real = e != NULL && state_of(e, (uint32_t)s, &at) == REAL;
+        if (real != want_real) break;
     }
     PyMem_Free(ks);
-    return PyLong_FromSsize_t(held);
+    return PyLong_FromSsize_t(run);
+}
+
+static PyObject *HolderMap_leading(HolderMap *m, PyObject *args) {
+    return leading_run(m, args, 1);
 }
 
 static PyObject *HolderMap_first_held(HolderMap *m, PyObject *args) {
-    PyObject *keys;
-    Py_ssize_t limit, s, n;
-    if (!PyArg_ParseTuple(args, "Onn", &keys, &limit, &s) || check_slot(s) < 0) return NULL;
-    if (limit < 0) { /* as keys[:limit] */
-        Py_ssize_t len = PyObject_Length(keys);
-        if (len < 0) return NULL;
-        limit = len + limit > 0 ? len + limit : 0;
-    }
-    uint64_t *ks = keys_all(keys, &n, limit);
-    if (ks == NULL) return NULL;
-    Py_ssize_t at = 0;
-    for (; at < n; at++) {
-        Entry *e = find(m, ks[at]);
-        uint32_t pos;
-        if (e != NULL && state_of(e, (uint32_t)s, &pos) == REAL) break;
-    }
-    PyMem_Free(ks);
-    return PyLong_FromSsize_t(at);
+    return leading_run(m, args, 0);
 }
 
 static PyObject *HolderMap_count(HolderMap *m, PyObject *arg) {

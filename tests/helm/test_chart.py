@@ -272,6 +272,17 @@ def test_a_long_prefill_threshold_goes_to_vllm_and_its_agent(helm: Path) -> None
     assert build_parser().parse_args(argv).vllm_long_prefill_threshold == 2048
 
 
+def test_a_lower_tiers_rate_goes_to_the_agent(helm: Path) -> None:
+    sts = Manifests.parse(template(
+        helm, sets=("workers.agent.lowerTier.kvBytesPerToken=163840",
+                    "workers.agent.lowerTier.gbps=50"))).one("StatefulSet", "-worker")
+    argv, _ = agent_argv(sts)
+    args = build_parser().parse_args(argv)
+    assert (args.tier_kv_bytes_per_token, args.tier_gbps) == (163840, 50.0)
+    plain = agent_argv(Manifests.parse(template(helm)).one("StatefulSet", "-worker"))[0]
+    assert "--tier-gbps" not in plain  # 0: the agent's defaults
+
+
 def test_everything_on_uses_block_size_and_gpu_settings(rendered: dict[str, str]) -> None:
     m = manifests(rendered, "everything")
     sts = m.one("StatefulSet", "-worker")

@@ -133,6 +133,11 @@ class BlockMap:
         return len(self._key_refs)
 
     @property
+    def lower_count(self) -> int:
+        """Published keys held only in a lower tier."""
+        return len(self._key_refs) - len(self._gpu_refs)
+
+    @property
     def engine_hashes(self) -> int:
         return len(self._entries)
 
@@ -334,19 +339,9 @@ class BlockMap:
             ent.gpu -= on_gpu
             key = ent.key
             if key >= 0:
-                c = key_refs[key] - 1
-                if c:
-                    key_refs[key] = c
-                else:
-                    del key_refs[key]
-                if on_gpu:
-                    g = gpu_refs[key] - 1
-                    if g:
-                        gpu_refs[key] = g
-                    else:
-                        del gpu_refs[key]
-                        if c:
-                            lowered.append(key)  # a lower tier still holds it
+                c = _release(key_refs, key)
+                if on_gpu and not _release(gpu_refs, key) and c:
+                    lowered.append(key)  # a lower tier still holds it
                 if not c:
                     gone.append(key)
             if ent.refs == 0:
@@ -434,3 +429,13 @@ class BlockMap:
             if item != lora_name:
                 strings += 1
         return strings <= (1 if first else 0)
+
+
+def _release(refs: dict[int, int], key: int) -> int:
+    """One reference of ``key`` fewer (deleted at none); returns how many are left."""
+    c = refs[key] - 1
+    if c:
+        refs[key] = c
+    else:
+        del refs[key]
+    return c

@@ -30,6 +30,7 @@ def adapter_families(kind: str, product: str, s: SubscriberStats, blocks: BlockM
     for reason, n in (("block_size", b.block_size_mismatch),
                       ("unknown_parent", b.unknown_parent), ("opaque", b.opaque_blocks),
                       ("unknown_removal", b.unknown_removals),
+                      ("unknown_copy", b.unknown_copies),
                       ("key_conflict", b.key_conflicts)):
         skipped.add_metric([reason], n)
     yield skipped
@@ -56,6 +57,8 @@ def adapter_families(kind: str, product: str, s: SubscriberStats, blocks: BlockM
          int(s.complete)),
         ("engine_hashes", f"{product} block hashes tracked", blocks.engine_hashes),
         ("cached_keys", "kvroute block keys published as cached", blocks.cached_count),
+        ("lower_keys", "Of those, the keys held only in a lower tier (CPU offload, HiCache)",
+         blocks.lower_count),
         ("metrics_up", f"1 if the last poll of {product}'s /metrics succeeded", int(m.up)),
         ("up", f"1 while {product} answers; at 0 its blocks are withdrawn and the agent "
          "sends no heartbeat", int(alive)),
