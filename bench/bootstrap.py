@@ -61,7 +61,7 @@ class StoresNothing:
     def __init__(self, index: PrefixIndex) -> None:
         self._index = index
 
-    def replace_worker_packed(self, worker: str, members: object) -> None:
+    def replace_worker_packed(self, worker: str, members: object, lower: object = b"") -> None:
         pass
 
     def __getattr__(self, name: str) -> object:

@@ -108,6 +108,9 @@ CASES = {
     # other than a stream past its first token on the killed agent, a request hung past its
     # deadline, a fault after which routing never turned cache-aware again, a request left
     # waiting on the stopped agent for its whole stop, a mirror diverging from the snapshots.
+    # A host tier behind each worker, seen weighted, as GPU hits, not at all, and no tier.
+    "tiers.py": (["--quick", "--loads", "0.8"],
+                 ["load 0.80", "weighted", "ignore", "mean/gpu"]),
     "chaos.py": (["--quick"],
                  ["  unallowed:            0 ", "hung past deadline:     0",
                   "stop, 0 requests left to the hang",
