@@ -48,7 +48,6 @@ async def write(url: str, keys: RedisKeys, workers: int, blocks: int) -> None:
         for j in range(0, blocks, 5000):
             pipe.sadd(keys.snapshot(w), *members[j:j + 5000])
         pipe.hset(keys.meta(w), mapping={"epoch": "e", "seq": 1})
-        pipe.sadd(keys.workers, w)
         pipe.set(keys.heartbeat(w), Heartbeat(w, f"127.0.0.1:{i + 1}", "e", ttl_s=3600,
                                               block_size=BLOCK).to_json(), px=3_600_000)
         await pipe.execute()

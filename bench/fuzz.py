@@ -329,12 +329,10 @@ async def redis_garbage(url: str, rng: random.Random, stop: asyncio.Event,
                                      "epoch": "e", "running": 2e70}).encode(),
                          json.dumps({"worker_id": fake, "address": "127.0.0.1:1",
                                      "epoch": "e", "ttl_s": 1e300}).encode()]), px=2000)
-                    await r.sadd(keys.workers, fake)
                 elif pick == 2:  # a fake worker at a dead address, well-formed
                     hb = Heartbeat("evil", "127.0.0.1:1", "e", ttl_s=3600.0,
                                    block_size=16, vocab_size=VOCAB)
                     await r.set(keys.heartbeat("evil"), hb.to_json(), px=3000)
-                    await r.sadd(keys.workers, "evil")
                 elif pick == 3:
                     await r.sadd(keys.snapshot(fake), rng.randbytes(rng.choice([1, 8, 9])),
                                  pack_keys([rng.randrange(1 << 64)]))
@@ -345,7 +343,9 @@ async def redis_garbage(url: str, rng: random.Random, stop: asyncio.Event,
                     await r.delete(keys.snapshot(fake))
                     await r.set(keys.snapshot(fake), b"not a set")
                 elif pick == 6:
-                    await r.sadd(keys.workers, rng.choice(["bad name", "*", "x" * 300, "ghost"]))
+                    # A heartbeat key naming no worker (the registry is these keys).
+                    bad = rng.choice(["bad name", "x" * 300, "\u00e9t\u00e9"])
+                    await r.set(keys.heartbeat(bad), b"{}", px=2000)
                 else:
                     await r.delete(keys.heartbeat(fake))
                 counts[["feed", "heartbeat", "fake_worker", "snapshot", "meta", "wrong_type",

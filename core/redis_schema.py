@@ -20,9 +20,9 @@ key                                type    content
 ``kvr:{M}:meta:<worker>``          hash    ``epoch``, ``seq`` of the last event in the snapshot;
                                            TTL as the snapshot's
 ``kvr:{M}:hb:<worker>``            string  heartbeat JSON (address, load, block size,
-                                           tokenizer and vocabulary size); has TTL
-``kvr:{M}:workers``                set     worker ids that have published; agents remove
-                                           those with neither heartbeat nor meta left
+                                           tokenizer and vocabulary size); has TTL. It is the
+                                           worker's registration: routers find workers by
+                                           SCAN over these keys
 ``kvr:{M}:decisions``              stream  routers' shared decisions (``--share-decisions``):
                                            ``r`` router, ``op`` (sent | done), ``q`` request,
                                            ``t`` wall ms; sent: ``w`` worker, ``u`` uncached
@@ -35,10 +35,9 @@ rewritten whole: reload it). Snapshot, lower-tier set and meta are updated in th
 transaction as the feed entry, so a snapshot read with its meta is always consistent with some
 feed position.
 
-Ownership: an agent writes its own snapshot, lower-tier set, meta and heartbeat, appends to the
-feed and adds itself to the workers set; its keys expire on their own once it stops writing,
-and agents prune the set (worker_agent/members.py). A router writes nothing but the decisions
-stream.
+Ownership: an agent writes its own snapshot, lower-tier set, meta and heartbeat and appends to
+the feed, the one key agents share; its keys expire on their own once it stops writing, so
+nothing needs pruning. A router writes nothing but the decisions stream.
 """
 
 from __future__ import annotations
@@ -80,16 +79,21 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-def worker_members(raw: Iterable[bytes]) -> tuple[list[str], dict[bytes, ValueError]]:
-    """The workers set's members as read: those that are worker names, and the others with
-    why each is not (bad UTF-8 or a name outside :func:`check_name`'s alphabet)."""
+def heartbeat_workers(keys: RedisKeys, raw: Iterable[bytes]
+                      ) -> tuple[list[str], dict[bytes, ValueError]]:
+    """The workers named by heartbeat keys as a SCAN of :attr:`RedisKeys.heartbeat_match`
+    read them (a key read twice counts once): those that are worker names, and the other keys
+    with why each is not (bad UTF-8 or a name outside :func:`check_name`'s alphabet)."""
+    prefix = keys.heartbeat("").encode()
     names: list[str] = []
     bad: dict[bytes, ValueError] = {}
-    for m in raw:
+    for key in dict.fromkeys(raw):
         try:
-            names.append(check_name("worker", m.decode()))
+            if not key.startswith(prefix):
+                raise ValueError(f"key {key!r:.80} is not a heartbeat of model {keys.model}")
+            names.append(check_name("worker", key[len(prefix):].decode()))
         except ValueError as exc:  # also bad UTF-8
-            bad[m] = exc
+            bad[key] = exc
     return names, bad
 
 
@@ -112,10 +116,6 @@ class RedisKeys:
         return f"{self._base}:feed"
 
     @property
-    def workers(self) -> str:
-        return f"{self._base}:workers"
-
-    @property
     def decisions(self) -> str:
         return f"{self._base}:decisions"
 
@@ -130,6 +130,12 @@ class RedisKeys:
 
     def heartbeat(self, worker: str) -> str:
         return f"{self._base}:hb:{worker}"
+
+    @property
+    def heartbeat_match(self) -> str:
+        """The SCAN pattern of every worker's heartbeat: the model's registry. Model and
+        worker names hold no glob character (check_name), so it matches nothing else."""
+        return self.heartbeat("*")
 
 
 class Op(StrEnum):
@@ -188,7 +194,7 @@ def dumped_keys(payload: bytes | None) -> bytes | None:
     return rows[:, 1:].tobytes()
 
 
-# What the router's mirror reads (a member is one of the workers set's), and why it may
+# What the router's mirror reads (a member is a key the registry's SCAN found), and why it may
 # refuse a record: the labels of kvroute_router_records_rejected_total.
 RECORD_KINDS = ("heartbeat", "feed", "snapshot", "member")
 REJECT_REASONS = ("not_json", "too_large", "missing_field", "bad_type", "out_of_range",
@@ -415,21 +421,21 @@ def parse_meta(meta: Mapping[bytes, bytes]) -> tuple[str, int]:
 # (AUTH is always allowed; kvroute.core.redis_conn turns redis-py's CLIENT SETINFO off.)
 _ACL_COMMON = ("+multi", "+exec", "+discard", "+select", "+cluster|slots", "+cluster|shards",
                "+command", "+asking")
-# What kvroute.worker_agent.publisher sends: the heartbeat (SET PX, SADD, HGET of its meta,
-# SCARD of its snapshot, PEXPIRE of its snapshot and meta), feed batches (HGET and SCARD
-# first, XADD MAXLEN ~, SADD/SREM/DEL of its snapshot, HSET of its meta), the resync, DEL of
-# its keys and SREM of itself on a clean stop, GET of another worker's heartbeat (a program's
-# placement may send fork children only to a live worker, at its heartbeat's address), and
-# the pruning of dead members (SMEMBERS, MGET of heartbeats, EXISTS of metas, SREM:
-# kvroute.worker_agent.members).
+# What kvroute.worker_agent.publisher sends: the heartbeat (SET PX, HGET of its meta, SCARD of
+# its snapshot, PEXPIRE of its snapshot, lower-tier set and meta), feed batches (HGET and SCARD
+# first, XADD MAXLEN ~, SADD/SREM/DEL of its snapshot and lower-tier set, HSET of its meta),
+# the resync, DEL of its keys on a clean stop, and GET of another worker's heartbeat (a
+# program's placement may send fork children only to a live worker, at its heartbeat's
+# address).
 _ACL_AGENT = ("+set", "+sadd", "+srem", "+scard", "+del", "+hget", "+hset", "+xadd", "+get",
-              "+pexpire", "+smembers", "+mget", "+exists")
+              "+pexpire")
 # What kvroute.router.mirror sends: feed reads (XREVRANGE, XREAD BLOCK), the heartbeat scan
-# (SMEMBERS, MGET), snapshot reads (HGETALL of the meta and DUMP of the set, SMEMBERS for a
-# set DUMP gives in another encoding; the EVAL_RO running HGETALL and SMEMBERS), and the
-# shared decisions (XADD MAXLEN ~ to the decisions stream: kvroute.router.shared).
-_ACL_ROUTER = ("+xrevrange", "+xread", "+smembers", "+mget", "+eval_ro", "+hgetall", "+dump",
-               "+xadd")
+# (SCAN MATCH of the heartbeat keys, MGET), snapshot reads (HGETALL of the meta and DUMP of the
+# set, SMEMBERS for a set DUMP gives in another encoding; the EVAL_RO running HGETALL and
+# SMEMBERS), and the shared decisions (XADD MAXLEN ~ to the decisions stream:
+# kvroute.router.shared).
+_ACL_ROUTER = ("+xrevrange", "+xread", "+scan", "+smembers", "+mget", "+eval_ro", "+hgetall",
+               "+dump", "+xadd")
 
 
 def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> list[str]:
@@ -438,10 +444,10 @@ def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> l
     what kvroute sends, no pub/sub channel.
 
     An agent given its ``worker`` id may write only its own snapshot, lower-tier set, meta
-    and heartbeat;
-    the feed stream and the workers set are one key per model that every agent appends to,
-    so an ACL cannot stop one agent from writing an entry in another's name (see
-    docs/security.md); it reads the others' heartbeats and metas (to prune dead members).
+    and heartbeat (its registration), append to the feed and GET the others' heartbeats (a
+    program's placement), nothing else. The feed is one stream per model that every agent
+    appends to, so an ACL cannot stop one agent from writing an entry in another's name
+    (docs/security.md bounds what that can do).
     A router reads the model's keys and appends to the decisions stream: it writes nothing
     else. Needs Redis >= 7.0 (``%R~`` read-only keys, EVAL_RO)."""
     k = RedisKeys(model, prefix)
@@ -452,10 +458,13 @@ def acl_rules(role: str, model: str, worker: str = "", prefix: str = "kvr") -> l
                 k.heartbeat(worker)]
                if worker else [f"{base}:snap:*", f"{base}:low:*", f"{base}:meta:*",
                                f"{base}:hb:*"])
-        # Others' heartbeats and metas, read-only: placement and pruning read them.
-        peers = [f"%R~{base}:hb:*", f"%R~{base}:meta:*"] if worker else []
-        return [*head, *_ACL_AGENT, *(f"~{key}" for key in (k.feed, k.workers, *own)),
-                *peers]
+        # Selectors (Redis >= 7.0) grant one command on one shared key: the feed takes only
+        # appends (not DEL, SET or PEXPIRE, which would take it from every router), others'
+        # heartbeats only GET (a program's placement reads them).
+        shared = [f"(~{k.feed} +xadd)"]
+        if worker:
+            shared.append(f"(%R~{k.heartbeat_match} +get)")
+        return [*head, *_ACL_AGENT, *(f"~{key}" for key in own), *shared]
     if role == "router":
         # Everything read-only but the one key it writes.
         return [*head, *_ACL_ROUTER, f"%R~{base}:*", f"~{k.decisions}"]

@@ -1,7 +1,7 @@
 """Workers whose heartbeat Redis no longer holds but that are still there.
 
-A heartbeat can go missing with its agent alive: a FLUSHALL empties the workers set and
-every heartbeat at once, and a Redis Cluster failover takes longer than a heartbeat's TTL
+A heartbeat can go missing with its agent alive: a FLUSHALL deletes every heartbeat (the
+registry) at once, and a Redis Cluster failover takes longer than a heartbeat's TTL
 (Redis's default ``cluster-node-timeout`` is 15 s, the TTL 3 s), so every heartbeat has
 expired on the promoted replica before any agent can write again. Read naively, every
 healthy worker has died.
@@ -9,8 +9,8 @@ healthy worker has died.
 Contract: a known worker missing from a heartbeat scan leaves the registry only when its
 agent does not answer its gRPC health check SERVING. It answers NOT_SERVING while its engine
 is down, and not at all once it is stopped, killed or frozen. A worker whose agent answers
-stays, routed on its last known load, until it beats again (agents write their heartbeat,
-workers-set entry and record together; worker_agent/publisher.py) or fails a probe (one per
+stays, routed on its last known load, until it beats again (agents write their heartbeat
+and record together; worker_agent/publisher.py) or fails a probe (one per
 scan, concurrently)."""
 
 from __future__ import annotations

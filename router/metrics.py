@@ -161,6 +161,10 @@ class _MirrorCollector(Collector):
             ("kvroute_router_snapshot_loads", "Per-worker snapshot loads", st.snapshot_loads),
             ("kvroute_router_feed_gaps", "Gaps or unannounced epochs healed from snapshots",
              st.gaps),
+            ("kvroute_router_epoch_mismatches", "Workers whose cache this mirror held under "
+             "another epoch than their heartbeat's at two scans running, healed from their "
+             "snapshots (a lost resync entry, or a feed entry written in their name)",
+             st.epoch_mismatches),
             ("kvroute_router_feed_malformed", "Malformed feed entries, snapshots, heartbeats",
              st.malformed),
             ("kvroute_router_bootstraps", "Full bootstraps from Redis", st.bootstraps),
@@ -183,9 +187,9 @@ class _MirrorCollector(Collector):
             yield outcomes
         rejected = CounterMetricFamily(
             "kvroute_router_records_rejected",
-            "Redis records the mirror refused, by kind (heartbeat, feed, snapshot, member of "
-            "the workers set) and reason; the worker a record is about is left out of routing "
-            "until it publishes a valid one", labels=["kind", "reason"])
+            "Redis records the mirror refused, by kind (heartbeat, feed, snapshot, member: a "
+            "heartbeat key naming no valid worker) and reason; the worker a record is about "
+            "is left out of routing until it publishes a valid one", labels=["kind", "reason"])
         for kind in RECORD_KINDS:
             for reason in REJECT_REASONS:
                 rejected.add_metric([kind, reason], st.rejected[kind, reason])

@@ -24,7 +24,11 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_rules_are_acl_rules_on_one_line() -> None:
     out = run("--role", "agent", "--model", "m", "--worker", "w-1")
-    assert out.returncode == 0 and out.stdout.split() == acl_rules("agent", "m", "w-1")
+    # A selector, "(~key +command)", is one rule with a space: Redis merges its words back
+    # (ACL SETUSER as an aclfile line).
+    assert out.returncode == 0 and out.stdout.split() == " ".join(
+        acl_rules("agent", "m", "w-1")).split()
+    assert "(~kvr:{m}:feed +xadd)" in out.stdout
 
 
 def test_a_router_of_two_models_resets_once_and_keeps_both_models_keys() -> None:

@@ -65,8 +65,6 @@ class _StateCollector(Collector):
             ("kvroute_agent_redis_state_losses", "Times Redis was found without this worker's "
              "epoch or with another snapshot size than its writes left (each rewrites it)",
              st.state_losses),
-            ("kvroute_agent_members_pruned", "Dead workers this agent removed from the model's "
-             "workers set (worker_agent/members.py)", st.members_pruned),
             ("kvroute_agent_feed_seq", "Last feed seq written in this epoch", self._pub.seq),
         ):
             yield GaugeMetricFamily(name, doc, value=value)

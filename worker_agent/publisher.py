@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,7 +35,6 @@ from kvroute.core.redis_schema import (
     RedisKeys,
     pack_keys,
 )
-from kvroute.worker_agent.members import PRUNE_EVERY_S, prune_dead_members
 
 log = logging.getLogger("kvroute.agent.publisher")
 
@@ -59,7 +57,6 @@ class PublisherStats:
     entries_written: int = 0
     resyncs: int = 0
     state_losses: int = 0  # times Redis was found without our epoch or snapshot
-    members_pruned: int = 0  # dead workers this agent removed from the workers set
     redis_up: bool = False
     pending: int = 0
 
@@ -82,13 +79,10 @@ class CachePublisher:
         feed_maxlen: int = 1_000_000,
         max_batch_events: int = 512,
         state_ttl_s: float = STATE_TTL_S,
-        prune_every_s: float = PRUNE_EVERY_S,
     ) -> None:
         """``snapshot``: every key the engine caches, whatever its tier; ``lower``: those
         held only in a lower tier (None: an engine without tiers);
-        ``state_ttl_s``: how long our snapshot and meta outlive our last write;
-        ``prune_every_s``: how often the model's agents together prune its workers set
-        (worker_agent/members.py)."""
+        ``state_ttl_s``: how long our snapshot and meta outlive our last write."""
         self._r = client
         self._keys = keys
         self._worker = worker_id
@@ -100,7 +94,6 @@ class CachePublisher:
         self._hb_s = heartbeat_s
         self._ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
         self._state_ttl_ms = max(1, int(state_ttl_s * 1000))
-        self._prune_s = prune_every_s
         self._max_pending = max_pending
         self._maxlen = feed_maxlen
         self._max_batch = max_batch_events
@@ -153,12 +146,11 @@ class CachePublisher:
         self._tasks = [
             asyncio.create_task(self._feed_loop(), name="publisher-feed"),
             asyncio.create_task(self._heartbeat_loop(), name="publisher-heartbeat"),
-            asyncio.create_task(self._prune_loop(), name="publisher-prune"),
         ]
 
     async def stop(self, *, deregister: bool = True) -> None:
         """Flush what is pending (best effort), then stop. A clean stop (``deregister``)
-        removes our heartbeat, snapshot, meta and membership, so routers forget us at once
+        removes our heartbeat (our registration), snapshot and meta, so routers forget us at once
         instead of after the TTL.
 
         The loops are asked to stop between Redis commands (cancelling redis-py mid-command
@@ -218,30 +210,7 @@ class CachePublisher:
         pipe = self._r.pipeline(transaction=True)
         pipe.delete(k.heartbeat(self._worker), k.snapshot(self._worker), k.meta(self._worker),
                     k.lower(self._worker))
-        pipe.srem(k.workers, self._worker)
         await pipe.execute()
-
-    async def _prune_loop(self) -> None:
-        """Prune the workers set (worker_agent/members.py) after ``prune_every_s`` times
-        the members last seen, jittered: the model's agents together scan it about once
-        per ``prune_every_s``."""
-        members = 1
-        while not self._stopping.is_set():
-            wait = self._prune_s * max(1, members) * random.uniform(0.5, 1.5)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), wait)
-            if self._stopping.is_set():
-                return
-            try:
-                pruned = await prune_dead_members(self._r, self._keys)
-            except _LOOP_ERRORS:
-                continue  # the heartbeat loop reports Redis's state
-            members = pruned.members
-            if pruned.removed:
-                self.stats.members_pruned += len(pruned.removed)
-                log.info("pruned dead workers from the workers set", extra={"kv": {
-                    "worker": self._worker, "removed": list(pruned.removed[:20]),
-                    "count": len(pruned.removed)}})
 
     def _set_up(self, up: bool, exc: BaseException | None = None) -> None:
         # Logged on each change, and the first time either way: a Redis never reached (a
@@ -277,8 +246,8 @@ class CachePublisher:
                 self._check_state(expected, epoch, size)
 
     def _beat_in(self, pipe: Any, epoch: str, hb: Heartbeat | None = None) -> None:
-        """Add the heartbeat (under ``epoch``), the workers-set entry and our state's new
-        TTL to ``pipe``, a transaction that writes this worker's record (after the
+        """Add the heartbeat (under ``epoch``; our registration) and our state's new TTL to
+        ``pipe``, a transaction that writes this worker's record (after the
         snapshot's writes: a key a DEL recreated needs its TTL again): after Redis lost
         them, the first write brings back the record and the heartbeat together, so
         routers keep the worker on its agent's health check no longer than that
@@ -292,7 +261,6 @@ class CachePublisher:
         if hb is None:
             return
         pipe.set(k.heartbeat(self._worker), replace(hb, epoch=epoch).to_json(), px=self._ttl_ms)
-        pipe.sadd(k.workers, self._worker)
 
     def _check_state(self, expected: tuple[str, int], epoch: bytes | None, size: int) -> None:
         """Redis's copy of our state against what we wrote: a missing or other epoch, or a
@@ -410,7 +378,6 @@ class CachePublisher:
                 pipe.sadd(key, *(pack_keys((x,)) for x in chunk))
         self._tiered = self._tiered or bool(lower)
         pipe.hset(k.meta(self._worker), mapping={"epoch": epoch, "seq": 1})
-        pipe.sadd(k.workers, self._worker)
         self._beat_in(pipe, epoch)
         ev = FeedEvent(self._worker, epoch, 1, op)
         pipe.xadd(k.feed, ev.to_fields(), maxlen=self._maxlen, approximate=True)

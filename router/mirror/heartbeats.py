@@ -1,11 +1,11 @@
 """Scanning workers' heartbeats: who joins the registry, who leaves it and the index.
 
-A scan reads the model's workers set and every member's heartbeat: a new worker joins the
-registry and its snapshot is read; a worker whose heartbeat expired leaves the registry and
-the index (unless its agent still answers: router/lost.py). It only reads Redis: dead members
-and their keys are the agents' to remove (worker_agent/members.py). It runs beside the feed,
-in parts (:data:`SCAN_CHUNK` heartbeats each), and changes the cache only holding the
-mirror's lock.
+A scan finds the model's workers by their heartbeat keys (SCAN: each agent registers by its
+own key, which expires on its own, so no agent edits a shared list) and reads every heartbeat:
+a new worker joins the registry and its snapshot is read; a worker whose heartbeat expired
+leaves the registry and the index (unless its agent still answers: router/lost.py). It only
+reads Redis. It runs beside the feed, in parts (:data:`SCAN_CHUNK` heartbeats each), and
+changes the cache only holding the mirror's lock.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import contextlib
 import logging
 import time
 
-from kvroute.core.redis_schema import Heartbeat, RecordError, worker_members
+from kvroute.core.redis_schema import Heartbeat, RecordError, heartbeat_workers
 from kvroute.router.lost import LostWorkers
 from kvroute.router.mirror.parts import MirrorParts, MirrorTask
 from kvroute.router.mirror.snapshots import LOAD_CONCURRENCY
+from kvroute.router.mirror.stats import MirrorStats
 from kvroute.router.registry import Vocabulary
 
 log = logging.getLogger("kvroute.router.mirror")
@@ -27,6 +28,9 @@ log = logging.getLogger("kvroute.router.mirror")
 # a whole scan of 1,000 workers in one go (~15-40 ms of CPU on a quiet core, 50-100 ms on a
 # loaded machine) made every feed entry that arrived meanwhile wait for all of it.
 SCAN_CHUNK = 100
+# Keys one SCAN call examines: the model's keys are ~4 a worker, so 1,000 workers take a few
+# calls (per primary, on a Redis Cluster).
+SCAN_COUNT = 2000
 # How long before a live worker whose snapshot held no readable state (none written yet, or
 # malformed) is read again: at every scan, a malformed one would be logged and counted twice
 # a second.
@@ -36,19 +40,23 @@ _SNAPSHOT_RETRY_S = 5.0
 class HeartbeatScan(MirrorTask):
     """One instance for the mirror's life; :meth:`reset` before each bootstrap."""
 
-    def __init__(self, parts: MirrorParts, lost: LostWorkers | None) -> None:
+    def __init__(self, parts: MirrorParts, stats: MirrorStats, lost: LostWorkers | None
+                 ) -> None:
         super().__init__(parts)
+        self._stats = stats
         self._lost = lost
         self._expire_from = 0.0
         # When a live worker whose snapshot held no readable state may be read again.
         self._snapshot_due: dict[str, float] = {}
         self._bad_beats: dict[str, bytes] = {}  # worker -> its rejected heartbeat, counted once
-        self._bad_members: set[bytes] = set()  # invalid members seen, each counted once
+        self._bad_members: set[bytes] = set()  # bad heartbeat keys seen, each counted once
         # Workers the cache held that the last scan's members lacked (_unlisted_twice).
         self._unlisted: set[str] = set()
         # worker -> (its heartbeat as last read, parsed): an unchanged record is not parsed
         # again at the next scan (agents beat every second, routers scan twice as often).
         self._beat_cache: dict[str, tuple[bytes, Heartbeat]] = {}
+        # worker -> its heartbeat's epoch, where the last scan found its cache under another.
+        self._epoch_off: dict[str, str] = {}
 
     def reset(self) -> None:
         """Before a bootstrap: Redis may have restarted empty, and then shows no heartbeats
@@ -58,9 +66,11 @@ class HeartbeatScan(MirrorTask):
         self._snapshot_due.clear()
 
     async def _members(self) -> list[str]:
-        """The workers set's members that are valid worker names; another is rejected,
-        counted once while it stays in the set (agents remove it)."""
-        names, bad = worker_members(await self._r.smembers(self._keys.workers))
+        """The workers whose heartbeat keys a SCAN finds (the registry); a key that names
+        no valid worker is rejected, counted once while it stays."""
+        k = self._keys
+        names, bad = heartbeat_workers(k, [key async for key in self._r.scan_iter(
+            match=k.heartbeat_match, count=SCAN_COUNT)])
         for m, exc in bad.items():
             if m not in self._bad_members:
                 self._reject("member", "bad_name", repr(m)[:80], exc)
@@ -93,11 +103,34 @@ class HeartbeatScan(MirrorTask):
             kept = await self._lost.keep(self._registry, missing)
         expired = self._registry.expire_missing(beats.keys() | kept, expire=expire)
         self._joined(added, beats)
+        await self._heal_epochs(beats)
         loaded = await self._load_new(beats, set(expired)) if load else []
         await self._forget(expired, self._unlisted_twice(members))
         if added or expired or any(self._cache.holds(w) for w in loaded):
             self._on_change()
         return members
+
+    async def _heal_epochs(self, beats: dict[str, Heartbeat]) -> None:
+        """Read again the snapshot of each worker whose cache is held under another epoch
+        than its heartbeat names, at two scans running with the same heartbeat epoch (one
+        can fall between an agent's resync and the feed's applying its entry). The agent
+        writes its heartbeat's epoch in the same transaction as its snapshot's, so they
+        differ only when the feed lost the resync entry or carried a new epoch in the
+        worker's name that its agent never wrote (a forged ``clear``: docs/security.md)."""
+        positions = self._cache.positions
+        off = {w: hb.epoch for w, hb in beats.items()
+               if (pos := positions.get(w)) is not None and pos.epoch != hb.epoch}
+        due = [w for w, epoch in off.items() if self._epoch_off.get(w) == epoch]
+        self._epoch_off = {w: e for w, e in off.items() if w not in due}
+        if not due:
+            return
+        self._stats.epoch_mismatches += len(due)
+        for w in due:
+            log.warning("worker's cache is held under another epoch than its heartbeat's; "
+                        "reloading its snapshot", extra={"kv": {
+                            "worker": w, "held": positions[w].epoch, "heartbeat": off[w]}})
+        async with self._lock:
+            await self._snapshots.load_many(due)
 
     async def _read_beats(self, members: list[str]) -> tuple[dict[str, Heartbeat], list[str]]:
         """Every member's valid heartbeat, read, parsed and given to the registry a part at
@@ -154,9 +187,9 @@ class HeartbeatScan(MirrorTask):
 
     def _unlisted_twice(self, members: list[str]) -> list[str]:
         """Workers the cache holds that neither this scan's members nor the last one's
-        include: their agents pruned them (dead, never registered). Twice, because a
-        worker's first feed entry and its membership are one write, which may fall
-        between this scan's read of the set and the feed's applying that entry."""
+        include: their heartbeats are gone (dead, never registered). Twice, because a
+        worker's first feed entry and its heartbeat are one write, which may fall between
+        this scan's SCAN and the feed's applying that entry."""
         listed = set(members)
         unlisted = {w for w in self._cache.positions if w not in listed}
         twice, self._unlisted = unlisted & self._unlisted, unlisted

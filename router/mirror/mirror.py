@@ -78,7 +78,7 @@ class IndexMirror:
         parts = MirrorParts(client, keys, self.cache, self.snapshots, registry, reject, lock,
                             poll_interval_s, self._on_change)
         self.feed = FeedFollower(parts, self.stats)
-        self.heartbeats = HeartbeatScan(parts, self.lost)
+        self.heartbeats = HeartbeatScan(parts, self.stats, self.lost)
 
     @property
     def index(self) -> PrefixIndex:
@@ -156,8 +156,8 @@ class IndexMirror:
 
     async def _bootstrap(self) -> None:
         """A new index: the feed's position first, then every member's heartbeat and
-        snapshot. Every snapshot in one :meth:`SnapshotReader.load_many`, in the workers
-        set's order, as the scan registered them: loaded sorted by name instead, the gRPC
+        snapshot. Every snapshot in one :meth:`SnapshotReader.load_many`, in the order the
+        registry's SCAN found and registered them: loaded sorted by name instead, the gRPC
         decision's p50 at 1,000 workers was 1.3-1.7 ms, not 0.86 (docs/scaling.md)."""
         await self.feed.start_here()
         self.cache.reset()
@@ -184,7 +184,7 @@ class IndexMirror:
 
         * Cache state is changed by the feed only while it holds the lock (a whole XREAD
           batch, its snapshot reloads included) and by the scan only while it holds it too
-          (loading new workers' snapshots, removing expired and pruned workers), so a
+          (loading new workers' snapshots, removing expired and unlisted workers), so a
           worker's (epoch, seq) and blocks change as on one loop: no snapshot load overlaps
           another load or the feed's events of that worker, and none completes after the
           worker was removed. The scan decides whom to load before taking the lock and

@@ -1,7 +1,7 @@
 """What the mirror counts, and the one way it refuses a record (:class:`Rejects`).
 
 Whatever anyone wrote into Redis, one record never takes the mirror down: a heartbeat, feed
-entry, snapshot or workers-set member that breaks the schema is rejected, counted in
+entry, snapshot or heartbeat key (member) that breaks the schema is rejected, counted in
 :attr:`MirrorStats.rejected` by kind and reason, and logged at most once per
 :data:`REJECT_LOG_S` per kind and worker.
 """
@@ -29,6 +29,7 @@ class MirrorStats:
     snapshot_loads: int = 0
     snapshot_smembers: int = 0  # of them read by SMEMBERS: DUMP's payload another encoding
     gaps: int = 0
+    epoch_mismatches: int = 0  # caches held under another epoch than the heartbeat's
     malformed: int = 0
     bootstraps: int = 0
     # Records refused, by (kind, reason): redis_schema's RECORD_KINDS and REJECT_REASONS.

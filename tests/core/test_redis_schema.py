@@ -16,7 +16,8 @@ from kvroute.core.redis_schema import (
 
 def test_all_keys_of_a_model_share_one_hash_tag() -> None:
     k = RedisKeys("meta-llama/Llama-3-8B")
-    names = [k.feed, k.workers, k.snapshot("w1"), k.meta("w1"), k.heartbeat("w1")]
+    names = [k.feed, k.decisions, k.snapshot("w1"), k.lower("w1"), k.meta("w1"),
+             k.heartbeat("w1")]
     tags = {n[n.index("{") + 1 : n.index("}")] for n in names}
     assert tags == {"meta-llama/Llama-3-8B"}
     assert len(set(names)) == len(names)

@@ -117,7 +117,7 @@ async def test_routing_over_a_redis_cluster(redis_cluster: list[int]) -> None:
         keys = RedisKeys("default")
         rc = redis.RedisCluster(host="127.0.0.1", port=redis_cluster[0])
         slot = rc.keyslot(keys.feed)
-        names = [keys.feed, keys.workers, keys.snapshot(w), keys.meta(w), keys.heartbeat(w)]
+        names = [keys.feed, keys.snapshot(w), keys.meta(w), keys.heartbeat(w)]
         assert {rc.keyslot(n) for n in names} == {slot}
         assert rc.exists(*names) == len(names)
         rc.close()

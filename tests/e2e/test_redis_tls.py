@@ -177,10 +177,8 @@ def test_the_acl_users_can_do_their_job_and_nothing_else(tls_redis: TlsRedis) ->
     agent.sadd(KEYS.snapshot("a"), b"\x00" * 8)
     agent.xadd(KEYS.feed, {"w": "a", "e": "e", "s": 1, "op": "clear"})
     assert router.smembers(KEYS.snapshot("a")) == {b"\x00" * 8}
-    # Heartbeats are read-only to other agents (a placement goes only to a live worker), and
-    # metas too (pruning the workers set reads them).
+    # Heartbeats are read-only to other agents (a placement goes only to a live worker).
     assert agent.get(KEYS.heartbeat("a")) == b"{}"
-    assert agent.exists(KEYS.meta("b")) == 0
     denied = [
         (agent, lambda c: c.flushall()),
         (agent, lambda c: c.config_get("*")),
@@ -196,7 +194,7 @@ def test_the_acl_users_can_do_their_job_and_nothing_else(tls_redis: TlsRedis) ->
         (router, lambda c: c.config_set("requirepass", "x")),
         (router, lambda c: c.xadd(KEYS.feed, {"w": "a", "e": "e", "s": 2, "op": "clear"})),
         (router, lambda c: c.set(KEYS.heartbeat("evil"), "{}")),  # routers register no one
-        (router, lambda c: c.srem(KEYS.workers, "a")),  # ... nor prune anyone
+        (router, lambda c: c.delete(KEYS.heartbeat("a"))),  # ... nor forget anyone
         (router, lambda c: c.delete(KEYS.snapshot("a"))),
         (router, lambda c: c.eval("return 1", 0)),  # scripts only read-only (EVAL_RO)
         (router, lambda c: c.get("kvr:{other}:hb:a")),
@@ -207,6 +205,57 @@ def test_the_acl_users_can_do_their_job_and_nothing_else(tls_redis: TlsRedis) ->
             call(client)
     agent.close()
     router.close()
+
+
+# Each command the agent ACL grants, as an agent's client sends it against ``key``.
+AGENT_CALLS = {
+    "+set": lambda c, key: c.set(key, "{}"),
+    "+sadd": lambda c, key: c.sadd(key, b"\x01" * 8),
+    "+srem": lambda c, key: c.srem(key, b"\x01" * 8),
+    "+scard": lambda c, key: c.scard(key),
+    "+del": lambda c, key: c.delete(key),
+    "+hget": lambda c, key: c.hget(key, "epoch"),
+    "+hset": lambda c, key: c.hset(key, "seq", 9),
+    "+xadd": lambda c, key: c.xadd(key, {"w": "b", "e": "x", "s": 1, "op": "clear"},
+                                   maxlen=0),
+    "+get": lambda c, key: c.get(key),
+    "+pexpire": lambda c, key: c.pexpire(key, 1),
+}
+
+
+def test_an_agent_credential_reaches_no_other_workers_keys(tls_redis: TlsRedis) -> None:
+    """Every command the per-worker agent user has, against every key of another worker
+    and every shared key of the model (and another model's): Redis refuses all but reading
+    another's heartbeat and appending to the feed (docs/security.md says what those allow).
+    The command list is the ACL's own, so a command granted later is tried here too."""
+    from kvroute.core.redis_schema import _ACL_AGENT
+
+    assert set(AGENT_CALLS) == set(_ACL_AGENT), "try every command the agent ACL grants"
+    agent = acl_client(tls_redis, "kvr-agent-a", AGENT_PW["a"])
+    other = {"snapshot": KEYS.snapshot("b"), "lower": KEYS.lower("b"), "meta": KEYS.meta("b"),
+             "heartbeat": KEYS.heartbeat("b"), "feed": KEYS.feed, "decisions": KEYS.decisions,
+             "other model": "kvr:{other}:hb:a", "unknown": "kvr:{default}:workers"}
+    allowed = {("+get", "heartbeat"), ("+xadd", "feed")}
+    granted: set[tuple[str, str]] = set()
+    for command, call in AGENT_CALLS.items():
+        for name, key in other.items():
+            try:
+                call(agent, key)
+            except redis.exceptions.NoPermissionError:
+                continue
+            except redis.exceptions.ResponseError:
+                pass  # past the ACL (a wrong type, say): granted
+            granted.add((command, name))
+    assert granted == allowed
+    # Nor in a transaction: one denied command fails the whole of it, nothing is applied.
+    tls_redis.proc.client().set(KEYS.heartbeat("b"), "b's", px=60_000)
+    pipe = agent.pipeline(transaction=True)
+    pipe.set(KEYS.heartbeat("a"), "{}")
+    pipe.delete(KEYS.heartbeat("b"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        pipe.execute()
+    assert tls_redis.proc.client().get(KEYS.heartbeat("b")) == b"b's"
+    agent.close()
 
 
 async def run_mirror(url: str, access: RedisAccess) -> tuple[IndexMirror, asyncio.Task[None]]:

@@ -129,7 +129,6 @@ async def test_routers_converge_heal_and_bootstrap_at_scale(
         rc.set(keys.heartbeat(hand), Heartbeat(worker_id=hand, address="127.0.0.1:9",
                                                epoch="h1", block_size=16,
                                                ttl_s=60).to_json(), px=60_000)
-        rc.sadd(keys.workers, hand)
         publish(1, Op.CLEAR, ())
         publish(2, Op.STORE, (11, 12))
         await wait_for(lambda: converged(routers, truth()), 30, "the hand worker seen")

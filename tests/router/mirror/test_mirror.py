@@ -19,7 +19,9 @@ KEYS = RedisKeys("default")
 
 
 def publish(client, ev: FeedEvent, snapshot: set[int] | None = None) -> None:
-    """What an agent does, written out by hand: feed entry + snapshot + meta."""
+    """What an agent does, written out by hand: feed entry + snapshot + meta, and its
+    heartbeat (its registration) under the entry's epoch, keeping a TTL :func:`beat` gave
+    it (else one of a minute)."""
     pipe = client.pipeline(transaction=True)
     pipe.xadd(KEYS.feed, ev.to_fields())
     if snapshot is not None:
@@ -27,7 +29,9 @@ def publish(client, ev: FeedEvent, snapshot: set[int] | None = None) -> None:
         if snapshot:
             pipe.sadd(KEYS.snapshot(ev.worker), *(pack_keys((k,)) for k in snapshot))
     pipe.hset(KEYS.meta(ev.worker), mapping={"epoch": ev.epoch, "seq": ev.seq})
-    pipe.sadd(KEYS.workers, ev.worker)
+    hb = Heartbeat(ev.worker, "127.0.0.1:1", ev.epoch, ttl_s=1.0)
+    pipe.set(KEYS.heartbeat(ev.worker), hb.to_json(), keepttl=True)
+    pipe.pexpire(KEYS.heartbeat(ev.worker), 60_000, nx=True)
     pipe.execute()
 
 
@@ -38,10 +42,9 @@ def read_keys(members: list[bytes] | bytes) -> set[int]:
     return {unpack_keys(m)[0] for m in members}
 
 
-def beat(client, worker: str, block_size: int = 16) -> None:
-    hb = Heartbeat(worker, "127.0.0.1:1", "e", block_size=block_size, ttl_s=1.0)
+def beat(client, worker: str, block_size: int = 16, epoch: str = "e1") -> None:
+    hb = Heartbeat(worker, "127.0.0.1:1", epoch, block_size=block_size, ttl_s=1.0)
     client.set(KEYS.heartbeat(worker), hb.to_json(), px=1000)
-    client.sadd(KEYS.workers, worker)
 
 
 @pytest.fixture
@@ -94,7 +97,6 @@ async def test_malformed_entries_are_skipped_and_counted(redis_server, mirror) -
     beat(c, "w")
     c.xadd(KEYS.feed, {"w": "w", "op": "store"})
     c.set(KEYS.heartbeat("bad"), "not json")
-    c.sadd(KEYS.workers, "bad")
     publish(c, FeedEvent("w", "e1", 1, Op.CLEAR))
     publish(c, FeedEvent("w", "e1", 2, Op.STORE, (4,)))
     await wait_for(lambda: mirror.index.keys_of("w") == {4}, what="good entries applied")
@@ -186,13 +188,12 @@ async def test_the_bootstrapped_index_adds_nothing_per_block_to_a_full_collectio
 
 def raw_beat(client, worker: str, **fields: object) -> str:
     """A heartbeat JSON as anyone with write access could put it, ``fields`` overriding a
-    valid one's; registered in the workers set like an agent's."""
+    valid one's."""
     import json
     data = json.loads(Heartbeat(worker, "127.0.0.1:1", "e", ttl_s=1.0).to_json())
     data.update(fields)
     raw = json.dumps(data)
     client.set(KEYS.heartbeat(worker), raw, px=5000)
-    client.sadd(KEYS.workers, worker)
     return raw
 
 
@@ -228,8 +229,9 @@ async def test_garbage_heartbeats_feed_entries_snapshots_and_members_are_rejecte
     raw_beat(c, "good")
     for name, raw in (("deep", "[" * 50_000), ("huge", "x" * 100_000), ("bytes", b"\xff\xfe")):
         c.set(KEYS.heartbeat(name), raw, px=5000)
-        c.sadd(KEYS.workers, name)
-    c.sadd(KEYS.workers, b"\xff\xfe", "bad name*")  # not worker names at all
+    bad_keys = [KEYS.heartbeat("").encode() + b"\xff\xfe", KEYS.heartbeat("bad name*")]
+    for key in bad_keys:  # heartbeat keys naming no worker at all
+        c.set(key, Heartbeat("x", "127.0.0.1:1", "e").to_json(), px=5000)
     # Snapshots: a member that is not one 8-byte key, a meta that is not a hash, a huge seq.
     raw_beat(c, "snap16")
     c.hset(KEYS.meta("snap16"), mapping={"epoch": "e", "seq": 1})
@@ -257,11 +259,11 @@ async def test_garbage_heartbeats_feed_entries_snapshots_and_members_are_rejecte
     assert rej["snapshot", "bad_type"] >= 1 and rej["snapshot", "out_of_range"] >= 1
     assert rej["feed", "out_of_range"] == 1 and rej["feed", "bad_type"] == 2
     assert rej["feed", "bad_name"] == 1
-    # Invalid members are counted once, not at every scan; the router leaves them (it
-    # writes nothing: agents prune the set).
+    # Keys naming no worker are counted once, not at every scan; the router leaves them (it
+    # writes nothing: they expire).
     await asyncio.sleep(0.3)
     assert rej["member", "bad_name"] == 2
-    assert c.smismember(KEYS.workers, [b"\xff\xfe", "bad name*"]) == [1, 1]
+    assert c.exists(*bad_keys) == 2
     assert mirror.available and "good" in mirror.registry.loads
     for w in ("snap16", "snaptype", "snapseq"):  # live, but with no cache believed
         assert w in mirror.registry.loads and mirror.index.count(w) == 0
@@ -331,7 +333,6 @@ async def test_feed_entries_are_applied_while_a_large_heartbeat_scan_runs(
         w = f"hb{i:05d}"
         pipe.set(KEYS.heartbeat(w), Heartbeat(w, "127.0.0.1:1", "e", ttl_s=60.0).to_json(),
                  px=60_000)
-        pipe.sadd(KEYS.workers, w)
     pipe.execute()
     publish(c, FeedEvent("w", "e1", 1, Op.CLEAR))
     box: list[IndexMirror] = []
@@ -345,7 +346,7 @@ async def test_feed_entries_are_applied_while_a_large_heartbeat_scan_runs(
         await asyncio.wait_for(m.ready.wait(), 30)
         await wait_for(lambda: m.index.count("w") == 0 and "w" in m.view(),
                        what="seq 1 applied")
-        assert len(m.registry.loads) == n
+        assert len(m.registry.loads) == n + 1  # and "w", registered by its heartbeat
         probe.state = "armed"
         await wait_for(lambda: probe.state == "done", 30, "a probed scan")
         assert len(probe.parts) == n // 100  # the scan's parts after the first (n + 1 members)
@@ -436,3 +437,20 @@ async def test_a_bootstrap_reads_snapshots_whole_and_falls_back_to_smembers(
         assert m.snapshots.dump is dump_allowed
     finally:
         await m.stop(task)
+
+
+async def test_a_new_epoch_forged_in_a_workers_name_is_undone_by_its_heartbeat(
+        redis_server, mirror) -> None:
+    """Any agent may append to the feed: an entry in another worker's name that starts an
+    epoch (a ``clear``) empties that worker's cache on the routers. Its heartbeat, which only
+    its own agent writes, still names its real epoch: after two scans the mirror reads its
+    snapshot again, and the cache is back."""
+    c = redis_server.client()
+    publish(c, FeedEvent("w", "e1", 1, Op.RESYNC), snapshot={1, 2, 3})
+    await wait_for(lambda: mirror.index.keys_of("w") == {1, 2, 3}, what="w indexed")
+    c.xadd(KEYS.feed, FeedEvent("w", "forged", 1, Op.CLEAR).to_fields())
+    await wait_for(lambda: mirror.stats.epoch_mismatches == 1
+                   and mirror.index.keys_of("w") == {1, 2, 3}, 5, "the forged epoch undone")
+    assert mirror.cache.positions["w"].epoch == "e1"
+    await asyncio.sleep(0.3)  # several scans: nothing more to heal
+    assert mirror.stats.epoch_mismatches == 1
