@@ -15,7 +15,13 @@ whose router is down, or refuses with nothing sent, sends it to the other one
   their state, the routers must keep every live worker);
 * a second agent is started under a live worker's id (it must refuse to start, exit 1);
 * one agent's snapshot key is deleted (as ``maxmemory`` eviction or a failover that lost
-  writes would lose it): the agent must notice and rewrite it, the routers reload it.
+  writes would lose it): the agent must notice and rewrite it, the routers reload it;
+* one agent's credential is misused: with its own ACL user (every agent and router logs in
+  as the least user docs/security.md gives it), every command it has is tried against the
+  other workers' keys and the feed (each must be refused), then what it may do is done:
+  the feed trimmed to nothing and, in each other worker's name, a new epoch and blocks it
+  does not hold. Every worker must stay routable on every router throughout, and every
+  router must undo the forged epochs (its ``/debug/mirror`` then holds none).
 
 Not done: dropping 1% of feed events. No real way exists without a hook in the agent's
 publisher (test-only logic in production code): routers read the feed as it is written, so
@@ -55,6 +61,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import re
 import signal
@@ -68,10 +75,14 @@ from typing import Any
 
 import aiohttp
 import grpc
+import redis
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError, ResponseError
+from scale import redis_cluster
 
 from kvroute.core.config import WorkerSettings
-from kvroute.core.redis_schema import RedisKeys
+from kvroute.core.redis_conn import RedisClient, connect
+from kvroute.core.redis_schema import FeedEvent, Op, RedisKeys, acl_rules
 from kvroute.demo.procs import Child, Children, find_redis_server, wait_redis
 from kvroute.router.refusal import OUTPUT_SENT
 from kvroute.v1 import common_pb2, router_pb2_grpc
@@ -128,10 +139,44 @@ class Cluster:
     args: argparse.Namespace
     up: list[bool] = field(default_factory=lambda: [True] * ROUTERS)
     duplicate_refused: bool = False
+    misuse_contained: bool = False
+    # --redis-cluster: every node's port, and the one the model's slot master is on (the
+    # failover's victim); redis_port is then another master's, the one clients start from.
+    cluster_ports: list[int] = field(default_factory=list)
+    victim_port: int = 0
+
+    def _url(self, auth: str) -> str:
+        if self.cluster_ports:
+            return f"redis+cluster://{auth}127.0.0.1:{self.redis_port}"
+        return f"redis://{auth}127.0.0.1:{self.redis_port}/0"
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        """The bench's own access (the default user: flushes, deletes, SCARDs)."""
+        return self._url("")
+
+    def user_url(self, user: str) -> str:
+        return self._url(f"{user}:pw-{user}@")
+
+    def client(self, url: str = "") -> RedisClient:
+        return connect(url or self.url)
+
+    async def start_redis(self) -> None:
+        """Redis started (empty; on a cluster, its nodes already are) and given the least
+        ACL users agents and routers log in as (docs/security.md), on every node; until
+        then they are refused, and retry."""
+        if not self.cluster_ports:
+            await wait_redis(self.url, self.spawn_redis(), 10.0)
+        users = [(f"kvr-agent-a{i}", acl_rules("agent", MODEL, f"a{i}")) for i in range(AGENTS)]
+        users.append(("kvr-router", acl_rules("router", MODEL)))
+        for port in self.cluster_ports or [self.redis_port]:
+            admin = aioredis.Redis(port=port)
+            try:
+                for user, rules in users:
+                    await admin.execute_command("ACL", "SETUSER", user, "reset", "on",
+                                                f">pw-{user}", *rules)
+            finally:
+                await admin.aclose()
 
     def spawn_redis(self) -> Child:
         self.redis = self.children.spawn("redis", [
@@ -143,7 +188,7 @@ class Cluster:
         """Agent a{i}; ``duplicate``: a second one under that id, on a port of its own."""
         port = self.children.free_port() if duplicate else self.agent_ports[i]
         child = self.children.spawn(f"agent-a{i}{'-duplicate' if duplicate else ''}", [
-            sys.executable, "-m", "kvroute", "agent", "--redis", self.url,
+            sys.executable, "-m", "kvroute", "agent", "--redis", self.user_url(f"kvr-agent-a{i}"),
             "--port", str(port), "--worker-id", f"a{i}", "--engine", "sim",
             "--time-scale", str(self.args.time_scale), "--capacity-blocks", "512",
             "--heartbeat-s", "0.5", "--heartbeat-ttl-s", "3"])
@@ -157,7 +202,7 @@ class Cluster:
 
     def spawn_router(self, i: int) -> Child:
         child = self.children.spawn(f"router-{i}", [
-            sys.executable, "-m", "kvroute", "router", "--redis", self.url,
+            sys.executable, "-m", "kvroute", "router", "--redis", self.user_url("kvr-router"),
             "--port", str(self.router_ports[i]), "--metrics-port", str(self.metrics_ports[i]),
             "--poll-interval-s", "0.2", "--redis-retry-s", "0.5",
             *self.args.router_flags.split()])
@@ -300,7 +345,8 @@ def schedule(args: argparse.Namespace) -> list[Fault]:
     d = args.duration
     down = args.redis_down_s
     restart = max(0.78 * d, 0.5 * d + 7)
-    return [Fault("redis killed", 0.08 * d, 0.08 * d + down, 5.0),
+    first = "slot master killed" if args.redis_cluster else "redis killed"
+    return [Fault(first, 0.08 * d, 0.08 * d + down, 5.0),
             Fault("agent killed mid-stream", 0.38 * d, 0.38 * d + 2.0, 2.0),
             Fault("agent stopped 5 s", 0.5 * d, 0.5 * d + 5.0, 2.0),
             # 2 s after the SIGCONT at least: each fault's recovery measured on its own.
@@ -309,7 +355,9 @@ def schedule(args: argparse.Namespace) -> list[Fault]:
             Fault("redis flushed", restart + 5, restart + 5, 5.0),
             Fault("duplicate worker id", restart + 6, restart + 6, 2.0),
             # After the duplicate has been refused (~1 s): a snapshot the agent wrote, lost.
-            Fault("snapshot key lost", restart + 8, restart + 8, 5.0)]
+            Fault("snapshot key lost", restart + 8, restart + 8, 5.0),
+            # After the snapshot is back (~1 s).
+            Fault("agent credential misused", restart + 10, restart + 10, 2.0)]
 
 
 async def sleep_until(t0: float, t: float) -> None:
@@ -318,14 +366,17 @@ async def sleep_until(t0: float, t: float) -> None:
 
 async def faults(cl: Cluster, plan: list[Fault], t0: float, outcomes: list[Outcome]) -> None:
     rel = lambda: time.monotonic() - t0  # noqa: E731
-    redis_f, kill_f, stop_f, router_f, flush_f, dup_f, snap_f = plan
+    redis_f, kill_f, stop_f, router_f, flush_f, dup_f, snap_f, misuse_f = plan
     await sleep_until(t0, redis_f.at)
-    cl.redis.proc.send_signal(signal.SIGKILL)
-    cl.redis.proc.wait()
-    redis_f.done_at = rel()
-    await sleep_until(t0, redis_f.heal_at)
-    await wait_redis(cl.url, cl.spawn_redis(), 10.0)
-    redis_f.healed_at = rel()
+    if cl.cluster_ports:
+        redis_f.note = await fail_over(cl, redis_f, rel)
+    else:
+        cl.redis.proc.send_signal(signal.SIGKILL)
+        cl.redis.proc.wait()
+        redis_f.done_at = rel()
+        await sleep_until(t0, redis_f.heal_at)
+        await cl.start_redis()
+        redis_f.healed_at = rel()
 
     await sleep_until(t0, kill_f.at)
     # Mid-stream: wait (up to 3 s) for a live stream past its first token on the victim.
@@ -361,9 +412,12 @@ async def faults(cl: Cluster, plan: list[Fault], t0: float, outcomes: list[Outco
     router_f.note = f"down {router_f.healed_at - router_f.done_at:.1f} s (stop + start)"
 
     await sleep_until(t0, flush_f.at)
-    client = aioredis.Redis.from_url(cl.url)
+    client = cl.client()
     try:
-        await client.flushall()
+        if isinstance(client, aioredis.RedisCluster):
+            await client.flushall(target_nodes=aioredis.RedisCluster.PRIMARIES)
+        else:
+            await client.flushall()
     finally:
         await client.aclose()
     flush_f.done_at = flush_f.healed_at = rel()
@@ -378,15 +432,136 @@ async def faults(cl: Cluster, plan: list[Fault], t0: float, outcomes: list[Outco
                   f"{dup_f.healed_at - dup_f.done_at:.1f} s")
 
     await sleep_until(t0, snap_f.at)
-    snap_f.note = await lose_snapshot(cl.url, "a3", snap_f, rel)
+    snap_f.note = await lose_snapshot(cl, "a3", snap_f, rel)
+
+    await sleep_until(t0, misuse_f.at)
+    misuse_f.note = await misuse_credential(cl, misuse_f, rel)
 
 
-async def lose_snapshot(url: str, worker: str, f: Fault, rel: Any, wait_s: float = 15.0) -> str:
+async def router_metrics(http: aiohttp.ClientSession, port: int) -> str:
+    try:
+        async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            return await resp.text()
+    except aiohttp.ClientError:
+        return ""
+
+
+async def mirror_view(http: aiohttp.ClientSession, port: int) -> dict[str, Any]:
+    """A router's ``/debug/mirror``: its counters and per-worker feed positions."""
+    try:
+        async with http.get(f"http://127.0.0.1:{port}/debug/mirror") as resp:
+            return dict(await resp.json())
+    except (aiohttp.ClientError, ValueError):
+        return {}
+
+
+def healings(view: dict[str, Any]) -> int:
+    """Snapshot reloads a router made to heal: gaps and unannounced epochs in the feed, and
+    caches held under another epoch than the heartbeat's."""
+    return int(view.get("gaps", 0)) + int(view.get("epoch_mismatches", 0))
+
+
+async def misuse_credential(cl: Cluster, f: Fault, rel: Any, wait_s: float = 10.0) -> str:
+    """Agent a0's credential used against the others (see the module's docstring); sets
+    ``cl.misuse_contained``. The note: commands refused, forged epochs undone, and whether
+    any worker left any router's registry meanwhile."""
+    keys = RedisKeys(MODEL)
+    others = [f"a{i}" for i in range(1, AGENTS)]
+    c = cl.client(cl.user_url("kvr-agent-a0"))
+    refused = tried = 0
+    async with aiohttp.ClientSession() as http:
+        before = [healings(await mirror_view(http, p)) for p in cl.metrics_ports]
+        try:
+            attempts = [call for w in others for key in (
+                keys.heartbeat(w), keys.snapshot(w), keys.lower(w), keys.meta(w))
+                for call in (lambda k=key: c.delete(k), lambda k=key: c.set(k, "{}"),
+                             lambda k=key: c.pexpire(k, 1), lambda k=key: c.sadd(k, b"x"),
+                             lambda k=key: c.hset(k, "seq", 1))]
+            attempts += [lambda: c.delete(keys.feed), lambda: c.set(keys.feed, "x"),
+                         lambda: c.pexpire(keys.feed, 1)]
+            for call in attempts:
+                tried += 1
+                try:
+                    await call()
+                except NoPermissionError:
+                    refused += 1
+                except ResponseError:
+                    pass  # past the ACL (a wrong type): not refused
+            f.done_at = rel()
+            # What it may do: trim the feed to nothing, then in each other's name a new
+            # epoch and 64 blocks it does not hold.
+            rng = random.Random(7)
+            for n, w in enumerate(others):
+                forged = f"forged-{n}"
+                await c.xadd(keys.feed, FeedEvent(w, forged, 1, Op.CLEAR).to_fields(),
+                             maxlen=0 if n == 0 else None)
+                claim = tuple(rng.getrandbits(63) for _ in range(64))
+                await c.xadd(keys.feed, FeedEvent(w, forged, 2, Op.STORE, claim).to_fields())
+        finally:
+            await c.aclose()
+        # Until no router holds a forged epoch, and for 3 s at least: every worker in every
+        # router's registry at every look.
+        deadline, watch = time.monotonic() + wait_s, time.monotonic() + 3.0
+        looks = missing = forged_seen = 0
+        undone = False
+        while time.monotonic() < deadline and not (undone and time.monotonic() >= watch):
+            views = [await mirror_view(http, p) for p in cl.metrics_ports]
+            texts = [await router_metrics(http, p) for p in cl.metrics_ports]
+            looks += 1
+            missing += sum(len({f"a{i}" for i in range(AGENTS)} - parse_blocks(t).keys())
+                           for t in texts)
+            forged_now = sum(str(row.get("epoch", "")).startswith("forged-")
+                             for v in views for row in v.get("workers", {}).values())
+            forged_seen += forged_now
+            if not undone and all(views) and forged_now == 0:
+                undone, f.healed_at = True, rel()
+            await asyncio.sleep(0.05)
+        after = [healings(await mirror_view(http, p)) for p in cl.metrics_ports]
+    if not undone:
+        f.healed_at = rel()
+    cl.misuse_contained = refused == tried and undone and missing == 0
+    healed = [a - b for a, b in zip(after, before, strict=True)]
+    return (f"{refused}/{tried} commands refused; forged epochs "
+            f"{f'undone after {f.healed_at - f.done_at:.1f} s' if undone else 'NOT undone'} "
+            f"({forged_seen} seen held, snapshot reloads per router {healed}); "
+            f"{missing} workers missing from a router in {looks} looks")
+
+
+async def fail_over(cl: Cluster, f: Fault, rel: Any, wait_s: float = 60.0) -> str:
+    """SIGKILL the node that is the model's slot master (by the PID it reports) and wait
+    until the cluster serves every slot again without it: its replica promoted."""
+    node = aioredis.Redis(port=cl.victim_port)
+    try:
+        pid = int((await node.info("server"))["process_id"])
+    finally:
+        await node.aclose()
+    os.kill(pid, signal.SIGKILL)
+    f.done_at = rel()
+    seed = aioredis.Redis(port=cl.redis_port)
+    deadline = time.monotonic() + wait_s
+    promoted = False
+    try:
+        while not promoted and time.monotonic() < deadline:
+            nodes = await seed.execute_command("CLUSTER", "NODES")
+            text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+            failed = any(f"127.0.0.1:{cl.victim_port}@" in line and "fail" in line.split()[2]
+                         for line in text.splitlines() if line.strip())
+            promoted = failed and (await seed.cluster("INFO"))["cluster_state"] == "ok"
+            await asyncio.sleep(0.05)
+    finally:
+        await seed.aclose()
+    f.healed_at = rel()
+    return (f"replica promoted after {f.healed_at - f.done_at:.1f} s" if promoted
+            else f"NOT promoted within {wait_s:g} s")
+
+
+async def lose_snapshot(cl: Cluster, worker: str, f: Fault, rel: Any, wait_s: float = 15.0
+                        ) -> str:
     """Delete ``worker``'s snapshot key and wait for its agent to write it again; the
     fault's note says after how long (its meta and the routers' view are the divergence
     check's, at the end)."""
     key = RedisKeys(MODEL).snapshot(worker)
-    client = aioredis.Redis.from_url(url)
+    client = cl.client()
     try:
         await client.delete(key)
         f.done_at = rel()
@@ -414,7 +589,7 @@ async def divergence(cl: Cluster, timeout_s: float) -> tuple[dict[str, int], flo
     agent missing from its index counts its snapshot + 1), polled until all are 0 or
     ``timeout_s``; the seconds that took; the blocks of all snapshots."""
     keys = RedisKeys(MODEL)
-    r = aioredis.Redis.from_url(cl.url)
+    r = cl.client()
     t = time.monotonic()
     diff: dict[str, int] = {}
     try:
@@ -423,11 +598,7 @@ async def divergence(cl: Cluster, timeout_s: float) -> tuple[dict[str, int], flo
                 truth = {f"a{i}": int(await r.scard(keys.snapshot(f"a{i}")))
                          for i in range(AGENTS)}
                 for i, port in enumerate(cl.metrics_ports):
-                    try:
-                        async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
-                            seen = parse_blocks(await resp.text())
-                    except aiohttp.ClientError:
-                        seen = {}
+                    seen = parse_blocks(await router_metrics(http, port))
                     diff[f"router-{i}"] = sum(abs(seen.get(w, -1) - n) if w in seen else n + 1
                                               for w, n in truth.items())
                 if not any(diff.values()) or time.monotonic() - t > timeout_s:
@@ -473,15 +644,38 @@ def hang_wait(outs: list[Outcome], f: Fault, hung: str, grace_s: float
     return worst, n, left
 
 
+async def slot_master(ports: list[int]) -> tuple[int, int]:
+    """The port of the model's slot master, and of another master (clients start there: a
+    client started after the failover must not start from the dead node)."""
+    rc = redis.RedisCluster(host="127.0.0.1", port=ports[0])
+    try:
+        victim = rc.get_node_from_key(RedisKeys(MODEL).feed).port
+        other = next(n.port for n in rc.get_primaries() if n.port != victim)
+    finally:
+        rc.close()
+    return int(victim), int(other)
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.redis_cluster:
+        return await run_on(args, [])
+    with redis_cluster(3, 1, ["--cluster-node-timeout", str(args.node_timeout_ms)]) as ports:
+        return await run_on(args, list(ports))
+
+
+async def run_on(args: argparse.Namespace, cluster_ports: list[int]) -> dict[str, Any]:
+    """The run, on one Redis of its own, or (``cluster_ports``) on that Redis Cluster."""
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-chaos-"))
     children = Children(tmp)
     cl = Cluster(children, children.free_port(), None,  # type: ignore[arg-type]
                  [children.free_port() for _ in range(AGENTS)], [],
                  [children.free_port() for _ in range(ROUTERS)],
                  [children.free_port() for _ in range(ROUTERS)], [], args)
+    if cluster_ports:
+        cl.cluster_ports = cluster_ports
+        cl.victim_port, cl.redis_port = await slot_master(cluster_ports)
     try:
-        await wait_redis(cl.url, cl.spawn_redis(), 10.0)
+        await cl.start_redis()
         for i in range(AGENTS):
             cl.spawn_agent(i)
         for i in range(ROUTERS):
@@ -559,7 +753,10 @@ async def load(cl: Cluster, stubs: list[Any], args: argparse.Namespace,
             "stop_s": round(plan[2].healed_at - plan[2].done_at, 1),
             "faults": [asdict(f) for f in plan], "divergence": diff, "truth": truth,
             "heal_s": round(heal_s, 1), "died": died,
-            "duplicate_refused": cl.duplicate_refused, "logs": str(tmp)}
+            "duplicate_refused": cl.duplicate_refused,
+            "misuse_contained": cl.misuse_contained, "logs": str(tmp),
+            "redis": (f"a Redis Cluster of 3+3 (node timeout {args.node_timeout_ms} ms)"
+                      if cl.cluster_ports else "one Redis")}
 
 
 def ok(res: dict[str, Any]) -> bool:
@@ -568,12 +765,12 @@ def ok(res: dict[str, Any]) -> bool:
             and res["truth"] > 0
             and all(f["resume_s"] is not None for f in res["faults"])
             and res["hang_wait_s"] < res["stop_s"] and res["left_to_hang"] == 0
-            and not res["died"] and res["duplicate_refused"])
+            and not res["died"] and res["duplicate_refused"] and res["misuse_contained"])
 
 
 def report(res: dict[str, Any]) -> None:
     print(f"chaos: {res['duration_s']:g} s of load ({res['elapsed_s']} s with the last fault), "
-          f"{res['clients']} clients, 4 agents, 2 routers, seed {res['seed']}")
+          f"{res['clients']} clients, 4 agents, 2 routers, {res['redis']}, seed {res['seed']}")
     print(f"requests accepted:      {res['accepted']}")
     print(f"succeeded:              {res['succeeded']}")
     print("failed by status:       " + (", ".join(
@@ -596,6 +793,8 @@ def report(res: dict[str, Any]) -> None:
         + f" blocks ({res['heal_s']} s to heal; agents' snapshots hold {res['truth']} blocks)")
     print(f"processes died:         {len(res['died'])} {res['died'] or ''}")
     print(f"duplicate worker id:    {'refused' if res['duplicate_refused'] else 'NOT refused'}")
+    print(f"agent credential:       "
+          f"{'contained' if res['misuse_contained'] else 'NOT contained'}")
     print(f"invariants: {'ok' if ok(res) else 'FAILED'} (logs: {res['logs']})")
 
 
@@ -613,15 +812,26 @@ def main() -> None:
                     "the hung-agent invariant fail")
     ap.add_argument("--quick", action="store_true",
                     help="the suite's bounded run: 18 s, 6 clients, Redis down 3 s (the last "
-                    "faults end ~10 s later)")
+                    "faults end ~12 s later)")
+    ap.add_argument("--redis-cluster", action="store_true",
+                    help="run on a Redis Cluster of 3 masters and 3 replicas: the first fault "
+                    "SIGKILLs the model's slot master (its replica takes over) instead of "
+                    "killing the one Redis")
+    ap.add_argument("--node-timeout-ms", type=int, default=15000,
+                    help="the cluster's cluster-node-timeout (Redis's default 15000: the "
+                    "failover then outlasts every heartbeat's TTL)")
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args()
     if args.quick:
         args.duration, args.clients, args.redis_down_s = 18.0, 6, 3.0
+        args.node_timeout_ms = 2000 if args.redis_cluster else args.node_timeout_ms
+    if args.redis_cluster:  # the failover's length, as the schedule spaces the faults
+        args.redis_down_s = args.node_timeout_ms / 1000 + 2.0
     if args.duration < 15 or args.clients < 1 or args.redis_down_s <= 0:
         ap.error("--duration must be at least 15 s, --clients and --redis-down-s positive")
-    if args.redis_down_s > 0.25 * args.duration:
-        ap.error("--redis-down-s must fit before the next fault (a quarter of --duration)")
+    if args.redis_down_s > 0.3 * args.duration:
+        ap.error("Redis's fault must end before the next fault (30% of --duration later): "
+                 "a longer --duration, or a shorter --redis-down-s or --node-timeout-ms")
     res = asyncio.run(run(args))
     report(res)
     if args.json:

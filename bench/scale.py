@@ -74,34 +74,60 @@ COUNTS = AT_LEAST_ONE.list_parser(int)  # --workers 16,128
 
 
 @contextlib.contextmanager
-def redis_cluster(masters: int = 3) -> object:
-    """``masters`` cluster-enabled redis-servers joined into one cluster; yields their ports.
-    Stopped by PID on exit."""
+def redis_cluster(masters: int = 3, replicas: int = 0, extra: Sequence[str] = ()) -> object:
+    """``masters`` cluster-enabled redis-servers, each with ``replicas`` replicas (synced
+    before this yields), joined into one cluster; yields every node's port. ``extra``: more
+    redis-server arguments (``--cluster-node-timeout``). Stopped by PID on exit."""
     cli = shutil.which("redis-cli") or str(Path(find_redis_server()).with_name("redis-cli"))
     with tempfile.TemporaryDirectory() as tmp:
-        ports = [_PORTS.take_cluster() for _ in range(masters)]
+        ports = [_PORTS.take_cluster() for _ in range(masters * (1 + replicas))]
         procs = [subprocess.Popen(
             [find_redis_server(), "--port", str(p), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--protected-mode", "no", "--cluster-enabled", "yes",
-             "--cluster-config-file", f"nodes-{p}.conf", "--dir", tmp],
+             "--cluster-config-file", f"nodes-{p}.conf", "--dir", tmp,
+             "--repl-diskless-sync-delay", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
         try:
             for p in ports:
                 _wait_ping(p)
             subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                            "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                            "--cluster-replicas", str(replicas), "--cluster-yes"], check=True,
                            capture_output=True, timeout=60)
-            rc = redis.RedisCluster(host="127.0.0.1", port=ports[0])
-            deadline = time.monotonic() + 20
-            while rc.cluster_info().get("cluster_state") != "ok":
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the redis cluster never reached state ok")
-                time.sleep(0.05)
-            rc.close()
+            wait_cluster_ok(ports[0])
+            _wait_replicas_synced(ports)
             yield ports
         finally:
             for proc in procs:
                 _stop(proc)
+
+
+def wait_cluster_ok(port: int, timeout_s: float = 30.0) -> None:
+    """Until the node at ``port`` says the cluster's state is ok (every slot served)."""
+    rc = redis.Redis(port=port)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while rc.cluster("INFO").get("cluster_state") != "ok":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the redis cluster never reached state ok")
+            time.sleep(0.05)
+    finally:
+        rc.close()
+
+
+def _wait_replicas_synced(ports: list[int], timeout_s: float = 20.0) -> None:
+    """Until every replica has finished its first sync: one that has not refuses to fail
+    over (its data counts as infinitely old)."""
+    deadline = time.monotonic() + timeout_s
+    for p in ports:
+        rc = redis.Redis(port=p)
+        while True:
+            info = rc.info("replication")
+            if info.get("role") != "slave" or info.get("master_link_status") == "up":
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica {p} never finished its first sync")
+            time.sleep(0.05)
+        rc.close()
 
 
 def _wait_ping(port: int) -> None:

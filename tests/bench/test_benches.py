@@ -102,21 +102,23 @@ CASES = {
     "fuzz.py": (["--requests", "400", "--seed", "3"],
                 ["processes died:            0 ", "bad (INTERNAL/UNKNOWN/5xx): 0 ",
                  "hung past deadline:        0 ", "afterwards:  grpc ok, http ok"]),
-    # The bounded chaos run (~30 s): Redis killed, an agent killed mid-stream, one stopped
-    # 5 s, a router restarted, Redis flushed, a duplicate worker id, all under load. It
-    # exits 1 when an invariant fails: a failure
-    # other than a stream past its first token on the killed agent, a request hung past its
-    # deadline, a fault after which routing never turned cache-aware again, a request left
-    # waiting on the stopped agent for its whole stop, a mirror diverging from the snapshots.
     # A host tier behind each worker, seen weighted, as GPU hits, not at all, and no tier.
     "tiers.py": (["--quick", "--loads", "0.8"],
                  ["load 0.80", "weighted", "ignore", "mean/gpu"]),
+    # The bounded chaos run (~40 s): Redis killed, an agent killed mid-stream, one stopped
+    # 5 s, a router restarted, Redis flushed, a duplicate worker id, a snapshot key lost, an
+    # agent's credential misused, all under load. It exits 1 when an invariant fails: a
+    # failure other than a stream past its first token on the killed agent, a request hung
+    # past its deadline, a fault after which routing never turned cache-aware again, a
+    # request left waiting on the stopped agent for its whole stop, a mirror diverging from
+    # the snapshots, a command of the misused credential not refused, a forged epoch kept or
+    # a worker missing from a router's registry meanwhile.
     "chaos.py": (["--quick"],
                  ["  unallowed:            0 ", "hung past deadline:     0",
                   "stop, 0 requests left to the hang",
                   "mirror divergence after healing: router-0 0, router-1 0 ",
                   "processes died:         0 ", "duplicate worker id:    refused",
-                  "invariants: ok"]),
+                  "agent credential:       contained", "invariants: ok"]),
 }
 
 
@@ -135,6 +137,18 @@ def test_the_bench_runs_to_its_table(script: str, chat: Path,
                          capture_output=True, text=True, timeout=240, cwd=BENCH.parent)
     assert run.returncode == 0, run.stderr[-2000:] or run.stdout[-2000:]
     for text in expected:
+        assert text in run.stdout, (text, run.stdout[-2000:])
+
+
+def test_chaos_on_a_redis_cluster_runs_to_its_table() -> None:
+    """The same faults on a Redis Cluster of 3 masters and 3 replicas, the first the model's
+    slot master SIGKILLed (its replica promoted; a 2 s node timeout keeps it bounded), with
+    the same invariants."""
+    run = subprocess.run([sys.executable, str(BENCH / "chaos.py"), "--quick",
+                          "--redis-cluster"], capture_output=True, text=True, timeout=240,
+                         cwd=BENCH.parent)
+    assert run.returncode == 0, run.stderr[-2000:] or run.stdout[-2000:]
+    for text in [*CASES["chaos.py"][1], "a Redis Cluster of 3+3", "replica promoted after"]:
         assert text in run.stdout, (text, run.stdout[-2000:])
 
 
