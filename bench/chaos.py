@@ -457,8 +457,8 @@ async def mirror_view(http: aiohttp.ClientSession, port: int) -> dict[str, Any]:
 
 def healings(view: dict[str, Any]) -> int:
     """Snapshot reloads a router made to heal: gaps and unannounced epochs in the feed, and
-    caches held under another epoch than the heartbeat's."""
-    return int(view.get("gaps", 0)) + int(view.get("epoch_mismatches", 0))
+    caches held apart from their heartbeat (another epoch or feed chain)."""
+    return int(view.get("gaps", 0)) + sum(view.get("heartbeat_mismatches", {}).values())
 
 
 async def misuse_credential(cl: Cluster, f: Fault, rel: Any, wait_s: float = 10.0) -> str:

@@ -17,10 +17,12 @@ key                                type    content
 ``kvr:{M}:low:<worker>``           set     those of its snapshot's keys held only in a lower
                                            tier (CPU offload, HiCache); absent: none. TTL as
                                            the snapshot's
-``kvr:{M}:meta:<worker>``          hash    ``epoch``, ``seq`` of the last event in the snapshot;
+``kvr:{M}:meta:<worker>``          hash    ``epoch``, ``seq`` of the last event in the snapshot,
+                                           ``h`` the feed chain at it (FeedEvent.chained);
                                            TTL as the snapshot's
 ``kvr:{M}:hb:<worker>``            string  heartbeat JSON (address, load, block size,
-                                           tokenizer and vocabulary size); has TTL. It is the
+                                           tokenizer and vocabulary size, the feed's seq and
+                                           chain as its agent last wrote); has TTL. It is the
                                            worker's registration: routers find workers by
                                            SCAN over these keys
 ``kvr:{M}:decisions``              stream  routers' shared decisions (``--share-decisions``):
@@ -33,7 +35,10 @@ Feed semantics: per worker, ``seq`` counts 1, 2, 3... within an ``epoch``. A new
 with ``op=clear, seq=1`` (a fresh, empty cache) or ``op=resync, seq=1`` (the snapshot was
 rewritten whole: reload it). Snapshot, lower-tier set and meta are updated in the same
 transaction as the feed entry, so a snapshot read with its meta is always consistent with some
-feed position.
+feed position. Each entry extends the worker's feed chain (:meth:`FeedEvent.chained`), which
+its agent writes into its meta and heartbeat in that transaction: any agent may append to the
+feed, but only this one writes these, so a router can tell its entries from entries forged in
+its name.
 
 Ownership: an agent writes its own snapshot, lower-tier set, meta and heartbeat and appends to
 the feed, the one key agents share; its keys expire on their own once it stops writing, so
@@ -42,6 +47,7 @@ nothing needs pruning. A router writes nothing but the decisions stream.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -224,6 +230,7 @@ class FeedError(RecordError):
 
 
 INT64_MAX = (1 << 63) - 1
+CHAIN_MAX = (1 << 64) - 1  # a feed chain: 64 bits (FeedEvent.chained)
 MAX_EPOCH_CHARS = 200
 MAX_HEARTBEAT_BYTES = 64 * 1024
 MAX_TTL_S = 3600.0
@@ -239,6 +246,7 @@ HEARTBEAT_INT_MAX = {
     "free_blocks": 1 << 40, "capacity_blocks": 1 << 40,
     "pending_prefill_tokens": 1 << 48, "max_batched_tokens": 1 << 32,
     "max_prefill_chunk": 1 << 32, "block_size": 1 << 16, "vocab_size": 1 << 32,
+    "feed_seq": INT64_MAX, "feed_chain": CHAIN_MAX,
 }
 HEARTBEAT_RATE_MAX = 1e12  # arrival_rate (requests/s) and prefill_rate (tokens/s)
 # The float fields and their bounds (a second per token is far beyond any real tier).
@@ -253,6 +261,18 @@ class FeedEvent:
     seq: int
     op: Op
     keys: tuple[int, ...] = ()
+
+    def chained(self, prev: int) -> int:
+        """The worker's feed chain after this entry, ``prev`` the chain before it (0 before
+        an epoch's first entry): 64 bits of BLAKE2b over ``prev``, seq, op and keys. The
+        agent writes it into its meta and heartbeat with each entry; a router that applied
+        an entry the agent never wrote (another agent's, in this worker's name) holds
+        another chain from there on (kvroute.router.mirror.heartbeats)."""
+        h = hashlib.blake2b(prev.to_bytes(8, "big"), digest_size=8)
+        h.update(self.seq.to_bytes(8, "big"))
+        h.update(self.op.value.encode())
+        h.update(pack_keys(self.keys))
+        return int.from_bytes(h.digest(), "big")
 
     def to_fields(self) -> dict[str, bytes | str | int]:
         return {
@@ -308,6 +328,10 @@ class Heartbeat:
     # IP and vLLM port), host:port; "": not reported (kvroute epp then uses the agent's host
     # and --epp-target-port). See check_endpoint.
     engine_endpoint: str = ""
+    # The feed's seq and chain (FeedEvent.chained) as its agent had last written them in
+    # ``epoch``; 0: not reported (an older agent).
+    feed_seq: int = 0
+    feed_chain: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -397,21 +421,23 @@ def _check_strings(hb: Heartbeat) -> None:
                           "values", "bad_type")
 
 
-def parse_meta(meta: Mapping[bytes, bytes]) -> tuple[str, int]:
-    """(epoch, seq) of a worker's snapshot meta; RecordError says what is wrong. (The
-    snapshot's members are checked, one 8-byte key each, where the index decodes them:
-    ``PrefixIndex.replace_worker_packed``.)"""
+def parse_meta(meta: Mapping[bytes, bytes]) -> tuple[str, int, int]:
+    """(epoch, seq, chain) of a worker's snapshot meta (chain 0: not written, an older
+    agent); RecordError says what is wrong. (The snapshot's members are checked, one 8-byte
+    key each, where the index decodes them: ``PrefixIndex.replace_worker_packed``.)"""
     try:
         epoch = meta[b"epoch"].decode()
         seq = int(meta[b"seq"])
+        chain = int(meta.get(b"h", b"0"))
     except KeyError as exc:
         raise RecordError(f"snapshot meta lacks {exc}", "missing_field") from exc
     except ValueError as exc:  # also bad UTF-8
         raise RecordError(f"snapshot meta is malformed: {exc}", "bad_type") from exc
-    if not 0 <= seq <= INT64_MAX or not 0 < len(epoch) <= MAX_EPOCH_CHARS:
-        raise RecordError(f"snapshot meta has seq {_number(seq)} or an epoch of {len(epoch)} "
-                          "characters out of range", "out_of_range")
-    return epoch, seq
+    if (not 0 <= seq <= INT64_MAX or not 0 < len(epoch) <= MAX_EPOCH_CHARS
+            or not 0 <= chain <= CHAIN_MAX):
+        raise RecordError(f"snapshot meta has seq {_number(seq)}, chain {_number(chain)} or "
+                          f"an epoch of {len(epoch)} characters out of range", "out_of_range")
+    return epoch, seq, chain
 
 
 # -- access control ---------------------------------------------------------------------------

@@ -195,7 +195,7 @@ class RouterApp:
         async def read() -> object:
             st = self.mirror.stats
             return {"available": self.mirror.available, "events_applied": st.events_applied,
-                    "gaps": st.gaps, "epoch_mismatches": st.epoch_mismatches,
+                    "gaps": st.gaps, "heartbeat_mismatches": dict(st.heartbeat_mismatches),
                     "snapshot_loads": st.snapshot_loads,
                     "bootstraps": st.bootstraps, "lag_s": st.lag_s,
                     "entries": self.mirror.index.entries(),

@@ -161,10 +161,6 @@ class _MirrorCollector(Collector):
             ("kvroute_router_snapshot_loads", "Per-worker snapshot loads", st.snapshot_loads),
             ("kvroute_router_feed_gaps", "Gaps or unannounced epochs healed from snapshots",
              st.gaps),
-            ("kvroute_router_epoch_mismatches", "Workers whose cache this mirror held under "
-             "another epoch than their heartbeat's at two scans running, healed from their "
-             "snapshots (a lost resync entry, or a feed entry written in their name)",
-             st.epoch_mismatches),
             ("kvroute_router_feed_malformed", "Malformed feed entries, snapshots, heartbeats",
              st.malformed),
             ("kvroute_router_bootstraps", "Full bootstraps from Redis", st.bootstraps),
@@ -185,6 +181,16 @@ class _MirrorCollector(Collector):
             outcomes.add_metric(["kept"], lost.kept_total)
             outcomes.add_metric(["dropped"], lost.dropped_total)
             yield outcomes
+        apart = CounterMetricFamily(
+            "kvroute_router_heartbeat_mismatches",
+            "Workers whose cache this mirror held apart from their heartbeat, healed from "
+            "their snapshots: another feed chain at the heartbeat's seq (what=chain), or at "
+            "two scans running another epoch (epoch) or entries past the heartbeat's seq "
+            "(seq): a lost feed entry, or one another agent wrote in their name",
+            labels=["what"])
+        for what in ("chain", "epoch", "seq"):
+            apart.add_metric([what], st.heartbeat_mismatches[what])
+        yield apart
         rejected = CounterMetricFamily(
             "kvroute_router_records_rejected",
             "Redis records the mirror refused, by kind (heartbeat, feed, snapshot, member: a "

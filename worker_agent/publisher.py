@@ -105,6 +105,7 @@ class CachePublisher:
         self._reported: bool | None = None  # the Redis state last logged (None: not yet)
         self.epoch = new_epoch()
         self.seq = 0
+        self.chain = 0  # the feed chain at self.seq (FeedEvent.chained)
         self._size = 0  # members our writes left in the snapshot set (SADD/SREM replies)
         # Held across each write and each heartbeat with its check: a check then compares
         # Redis with a size that counts every write Redis has applied.
@@ -240,15 +241,17 @@ class CachePublisher:
             pipe = self._r.pipeline(transaction=True)
             pipe.hget(k.meta(self._worker), "epoch")
             pipe.scard(k.snapshot(self._worker))
-            self._beat_in(pipe, self.epoch, hb)
+            self._beat_in(pipe, self.epoch, self.seq, self.chain, hb)
             epoch, size, *_ = await pipe.execute()
             if expected is not None:
                 self._check_state(expected, epoch, size)
 
-    def _beat_in(self, pipe: Any, epoch: str, hb: Heartbeat | None = None) -> None:
-        """Add the heartbeat (under ``epoch``; our registration) and our state's new TTL to
-        ``pipe``, a transaction that writes this worker's record (after the
-        snapshot's writes: a key a DEL recreated needs its TTL again): after Redis lost
+    def _beat_in(self, pipe: Any, epoch: str, seq: int, chain: int,
+                 hb: Heartbeat | None = None) -> None:
+        """Add the heartbeat (under ``epoch``, the feed at ``seq`` and ``chain``; our
+        registration) and our state's new TTL to ``pipe``, a transaction that writes this
+        worker's record (after the snapshot's writes: a key a DEL recreated needs its TTL
+        again): after Redis lost
         them, the first write brings back the record and the heartbeat together, so
         routers keep the worker on its agent's health check no longer than that
         (router/lost.py). No heartbeat while the engine cannot serve."""
@@ -260,7 +263,8 @@ class CachePublisher:
         hb = hb or self._heartbeat()
         if hb is None:
             return
-        pipe.set(k.heartbeat(self._worker), replace(hb, epoch=epoch).to_json(), px=self._ttl_ms)
+        hb = replace(hb, epoch=epoch, feed_seq=seq, feed_chain=chain)
+        pipe.set(k.heartbeat(self._worker), hb.to_json(), px=self._ttl_ms)
 
     def _check_state(self, expected: tuple[str, int], epoch: bytes | None, size: int) -> None:
         """Redis's copy of our state against what we wrote: a missing or other epoch, or a
@@ -300,15 +304,16 @@ class CachePublisher:
         pipe.scard(k.snapshot(self._worker))
         expected = (self.epoch, self._size)
         writes: list[str] = []  # the command of each reply after those two
-        seq = self.seq
+        seq, chain = self.seq, self.chain
         for op, keys in entries:
             seq += 1
             ev = FeedEvent(self._worker, self.epoch, seq, op, tuple(keys))
+            chain = ev.chained(chain)
             pipe.xadd(k.feed, ev.to_fields(), maxlen=self._maxlen, approximate=True)
             writes.append("xadd")
             writes.extend(self._write_op(pipe, op, keys))
-        pipe.hset(k.meta(self._worker), mapping={"epoch": self.epoch, "seq": seq})
-        self._beat_in(pipe, self.epoch)  # its replies come after the ones read below
+        pipe.hset(k.meta(self._worker), mapping={"epoch": self.epoch, "seq": seq, "h": chain})
+        self._beat_in(pipe, self.epoch, seq, chain)  # its replies come after those read below
         epoch, size, *replies = await pipe.execute()
         for command, n in zip(writes, replies, strict=False):  # the HSET's reply is last
             if command == "sadd":
@@ -322,7 +327,7 @@ class CachePublisher:
         # Success: only now do the events leave the buffer.
         for _ in batch:
             self._pending.popleft()
-        self.seq = seq
+        self.seq, self.chain = seq, chain
         self.stats.events_published += len(batch)
         self.stats.entries_written += len(entries)
         self.stats.pending = len(self._pending)
@@ -377,16 +382,17 @@ class CachePublisher:
                 chunk = members[i : i + _SADD_CHUNK]
                 pipe.sadd(key, *(pack_keys((x,)) for x in chunk))
         self._tiered = self._tiered or bool(lower)
-        pipe.hset(k.meta(self._worker), mapping={"epoch": epoch, "seq": 1})
-        self._beat_in(pipe, epoch)
         ev = FeedEvent(self._worker, epoch, 1, op)
+        chain = ev.chained(0)
+        pipe.hset(k.meta(self._worker), mapping={"epoch": epoch, "seq": 1, "h": chain})
+        self._beat_in(pipe, epoch, 1, chain)
         pipe.xadd(k.feed, ev.to_fields(), maxlen=self._maxlen, approximate=True)
         try:
             await pipe.execute()
         except REDIS_ERRORS:
             self._needs_resync = True
             raise
-        self.epoch, self.seq = epoch, 1
+        self.epoch, self.seq, self.chain = epoch, 1, chain
         self._size = len(set(keys))
         self._synced = True
         self.stats.resyncs += 1

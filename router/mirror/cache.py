@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import base64
 import logging
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from kvroute.core.index import PrefixIndex
 from kvroute.core.redis_schema import FeedEvent, Op, RecordError, pack_keys, parse_meta
@@ -20,10 +21,35 @@ from kvroute.router.mirror.stats import MirrorStats, Rejects
 log = logging.getLogger("kvroute.router.mirror")
 
 
+# Feed positions whose chain a mirror keeps per worker: a heartbeat's (seq, chain) is checked
+# when its seq is among them. Agents beat every second; this covers far more entries than a
+# worker writes in one.
+RECENT_CHAINS = 256
+
+
 @dataclass
 class FeedPosition:
+    """The last feed entry applied (its epoch and seq) and the chain at the most recent
+    ones (seq -> FeedEvent.chained, consecutive seqs ending at ``seq``)."""
+
     epoch: str
     seq: int
+    chain: int = 0
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=RECENT_CHAINS))
+
+    def __post_init__(self) -> None:
+        self.recent.append((self.seq, self.chain))
+
+    def advance(self, ev: FeedEvent) -> None:
+        """``ev``, the next entry, applied."""
+        self.seq, self.chain = ev.seq, ev.chained(self.chain)
+        self.recent.append((self.seq, self.chain))
+
+    def chain_at(self, seq: int) -> int | None:
+        """The chain after entry ``seq``; None when it is not among the recent ones."""
+        if not self.recent or not self.recent[0][0] <= seq <= self.seq:
+            return None
+        return self.recent[seq - self.recent[0][0]][1]
 
 
 class MirroredCache:
@@ -61,7 +87,7 @@ class MirroredCache:
         try:
             # The meta checked here; the members decoded (and checked) by the index in C,
             # not into an int object per key first: a bootstrap reads millions.
-            epoch, seq = parse_meta(meta)
+            epoch, seq, chain = parse_meta(meta)
             try:
                 self.index.replace_worker_packed(worker, members, lower)
             except ValueError as exc:  # a member not one 8-byte key: no change made
@@ -70,7 +96,7 @@ class MirroredCache:
             self._reject("snapshot", exc.reason, worker, exc)
             self.remove(worker)
             return
-        self.positions[worker] = FeedPosition(epoch, seq)
+        self.positions[worker] = FeedPosition(epoch, seq, chain)
 
     def apply(self, ev: FeedEvent) -> bool:
         """Apply one feed event; False when the worker's snapshot must be read instead."""
@@ -78,7 +104,7 @@ class MirroredCache:
         if pos is None or pos.epoch != ev.epoch:
             if ev.seq == 1 and ev.op is Op.CLEAR:
                 self.index.clear_worker(ev.worker)
-                self.positions[ev.worker] = FeedPosition(ev.epoch, 1)
+                self.positions[ev.worker] = FeedPosition(ev.epoch, 1, ev.chained(0))
                 self._stats.events_applied += 1
                 return True
             if ev.op is not Op.RESYNC:
@@ -99,7 +125,7 @@ class MirroredCache:
             self.index.clear_worker(ev.worker)
         else:  # RESYNC within an epoch is not something agents send; be safe
             return False
-        pos.seq = ev.seq
+        pos.advance(ev)
         self._stats.events_applied += 1
         return True
 

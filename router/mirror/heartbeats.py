@@ -55,8 +55,9 @@ class HeartbeatScan(MirrorTask):
         # worker -> (its heartbeat as last read, parsed): an unchanged record is not parsed
         # again at the next scan (agents beat every second, routers scan twice as often).
         self._beat_cache: dict[str, tuple[bytes, Heartbeat]] = {}
-        # worker -> its heartbeat's epoch, where the last scan found its cache under another.
-        self._epoch_off: dict[str, str] = {}
+        # worker -> (what, its heartbeat's epoch or seq) where the last scan found its cache
+        # apart from its heartbeat in a way that needs a second look (_heal).
+        self._suspect: dict[str, tuple[str, object]] = {}
 
     def reset(self) -> None:
         """Before a bootstrap: Redis may have restarted empty, and then shows no heartbeats
@@ -103,34 +104,55 @@ class HeartbeatScan(MirrorTask):
             kept = await self._lost.keep(self._registry, missing)
         expired = self._registry.expire_missing(beats.keys() | kept, expire=expire)
         self._joined(added, beats)
-        await self._heal_epochs(beats)
+        await self._heal(beats)
         loaded = await self._load_new(beats, set(expired)) if load else []
         await self._forget(expired, self._unlisted_twice(members))
         if added or expired or any(self._cache.holds(w) for w in loaded):
             self._on_change()
         return members
 
-    async def _heal_epochs(self, beats: dict[str, Heartbeat]) -> None:
-        """Read again the snapshot of each worker whose cache is held under another epoch
-        than its heartbeat names, at two scans running with the same heartbeat epoch (one
-        can fall between an agent's resync and the feed's applying its entry). The agent
-        writes its heartbeat's epoch in the same transaction as its snapshot's, so they
-        differ only when the feed lost the resync entry or carried a new epoch in the
-        worker's name that its agent never wrote (a forged ``clear``: docs/security.md)."""
+    async def _heal(self, beats: dict[str, Heartbeat]) -> None:
+        """Read again the snapshot of each worker whose cache the mirror holds apart from
+        what its heartbeat says. Only its own agent writes that, in the same transaction as
+        every snapshot, meta and feed entry of its own; any agent may append to the feed.
+
+        * ``chain``: another feed chain at the heartbeat's seq (:meth:`FeedEvent.chained`):
+          an entry was applied that the agent never wrote, or one of its own was lost.
+        * ``epoch``: another epoch, at two scans running with the same heartbeat epoch (one
+          can fall between an agent's resync and the feed's applying its entry): the feed
+          lost the new epoch's entry, or carried one the agent never wrote (a ``clear``).
+        * ``seq``: entries applied past the heartbeat's seq, at two scans running with the
+          same heartbeat (one can fall between its read and an entry written after it):
+          entries the agent never wrote (docs/security.md)."""
         positions = self._cache.positions
-        off = {w: hb.epoch for w, hb in beats.items()
-               if (pos := positions.get(w)) is not None and pos.epoch != hb.epoch}
-        due = [w for w, epoch in off.items() if self._epoch_off.get(w) == epoch]
-        self._epoch_off = {w: e for w, e in off.items() if w not in due}
+        suspect: dict[str, tuple[str, object]] = {}
+        chain_off: list[str] = []
+        for w, hb in beats.items():
+            pos = positions.get(w)
+            if pos is None:
+                continue
+            if pos.epoch != hb.epoch:
+                suspect[w] = ("epoch", hb.epoch)
+            elif hb.feed_chain:  # 0: an agent that reports no chain
+                held = pos.chain_at(hb.feed_seq)
+                if held is not None and held != hb.feed_chain:
+                    chain_off.append(w)
+                elif pos.seq > hb.feed_seq:
+                    suspect[w] = ("seq", hb.feed_seq)
+        due = {w: what for w, (what, _) in suspect.items() if self._suspect.get(w) == suspect[w]}
+        self._suspect = {w: s for w, s in suspect.items() if w not in due}
+        due.update(dict.fromkeys(chain_off, "chain"))
         if not due:
             return
-        self._stats.epoch_mismatches += len(due)
-        for w in due:
-            log.warning("worker's cache is held under another epoch than its heartbeat's; "
-                        "reloading its snapshot", extra={"kv": {
-                            "worker": w, "held": positions[w].epoch, "heartbeat": off[w]}})
+        for w, what in due.items():
+            self._stats.heartbeat_mismatches[what] += 1
+            log.warning(f"worker's cache is held apart from its heartbeat ({what}); reloading "
+                        "its snapshot", extra={"kv": {
+                            "worker": w, "held_epoch": positions[w].epoch,
+                            "held_seq": positions[w].seq, "heartbeat_epoch": beats[w].epoch,
+                            "heartbeat_seq": beats[w].feed_seq}})
         async with self._lock:
-            await self._snapshots.load_many(due)
+            await self._snapshots.load_many(list(due))
 
     async def _read_beats(self, members: list[str]) -> tuple[dict[str, Heartbeat], list[str]]:
         """Every member's valid heartbeat, read, parsed and given to the registry a part at

@@ -29,7 +29,8 @@ class MirrorStats:
     snapshot_loads: int = 0
     snapshot_smembers: int = 0  # of them read by SMEMBERS: DUMP's payload another encoding
     gaps: int = 0
-    epoch_mismatches: int = 0  # caches held under another epoch than the heartbeat's
+    # Caches held apart from their heartbeat, healed: by feed "chain", "epoch" or "seq".
+    heartbeat_mismatches: Counter[str] = field(default_factory=Counter)
     malformed: int = 0
     bootstraps: int = 0
     # Records refused, by (kind, reason): redis_schema's RECORD_KINDS and REJECT_REASONS.

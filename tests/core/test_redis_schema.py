@@ -158,10 +158,15 @@ def test_feed_and_snapshot_numbers_are_bounded() -> None:
         assert err.value.reason == reason
     with pytest.raises(FeedError, match="bad worker") as err:
         FeedEvent.from_fields({**ok, b"s": b"1", b"w": b"two words"})
-    assert parse_meta({b"epoch": b"e", b"seq": b"3"}) == ("e", 3)
+    assert parse_meta({b"epoch": b"e", b"seq": b"3"}) == ("e", 3, 0)  # an older agent's
+    assert parse_meta({b"epoch": b"e", b"seq": b"3", b"h": b"%d" % ((1 << 64) - 1)}) == (
+        "e", 3, (1 << 64) - 1)
     for meta, reason in (({b"seq": b"1"}, "missing_field"),
                          ({b"epoch": b"\xff", b"seq": b"1"}, "bad_type"),
-                         ({b"epoch": b"e", b"seq": str(1 << 64).encode()}, "out_of_range")):
+                         ({b"epoch": b"e", b"seq": str(1 << 64).encode()}, "out_of_range"),
+                         ({b"epoch": b"e", b"seq": b"1", b"h": b"%d" % (1 << 64)},
+                          "out_of_range"),
+                         ({b"epoch": b"e", b"seq": b"1", b"h": b"x"}, "bad_type")):
         with pytest.raises(RecordError) as err:
             parse_meta(meta)
         assert err.value.reason == reason
@@ -233,3 +238,24 @@ def test_a_dump_of_64_bit_length_is_read() -> None:
     assert dumped_keys(bytes([2, 0x80]) + (2).to_bytes(4, "big") + body + footer) == \
         pack_keys((3, 4))
     assert dumped_keys(bytes([2, 0x80]) + (3).to_bytes(4, "big") + body + footer) is None
+
+
+def test_the_feed_chain_depends_on_every_part_of_every_entry() -> None:
+    """An agent and a router computing a worker's chain from the same entries agree; any
+    other entry on the way (seq, op or keys) gives another chain from there on."""
+    first = FeedEvent("w", "e", 1, Op.CLEAR)
+    entries = [FeedEvent("w", "e", 2, Op.STORE, (5, 6)), FeedEvent("w", "e", 3, Op.EVICT, (5,))]
+    chain = first.chained(0)
+    for ev in entries:
+        chain = ev.chained(chain)
+    assert 0 <= chain < 1 << 64
+    again = first.chained(0)
+    for ev in entries:
+        again = ev.chained(again)
+    assert again == chain
+    base = entries[0].chained(first.chained(0))
+    others = {FeedEvent("w", "e", 2, Op.STORE, (5, 7)).chained(first.chained(0)),
+              FeedEvent("w", "e", 2, Op.LOWER, (5, 6)).chained(first.chained(0)),
+              FeedEvent("w", "e", 2, Op.STORE, (5, 6)).chained(first.chained(0) ^ 1),
+              FeedEvent("w", "e", 3, Op.STORE, (5, 6)).chained(first.chained(0))}
+    assert base not in others and len(others) == 4

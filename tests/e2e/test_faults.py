@@ -201,6 +201,54 @@ async def test_a_dead_agents_state_expires_and_the_router_forgets_it(redis_serve
         r.close()
 
 
+async def test_feed_entries_forged_in_a_workers_name_are_undone(redis_server) -> None:
+    """Another agent appends entries in w's name at w's next seq, claiming blocks w never
+    held (any agent may append to the feed). While w is idle, the mirror holds entries past
+    the seq of w's heartbeat, which only w writes: at the second scan it reads w's snapshot
+    again. When w writes that seq itself, the router skips w's entry as a duplicate, and
+    the chain in w's heartbeat differs from the mirror's: at once, the same. Either way the
+    mirror is back to w's own blocks."""
+    from kvroute.core.cache_events import CacheEvent
+    from kvroute.core.redis_conn import connect
+    from kvroute.core.redis_schema import FeedEvent, Heartbeat, Op, RedisKeys
+    from kvroute.router.mirror import IndexMirror
+    from kvroute.router.registry import WorkerRegistry
+    from kvroute.worker_agent.publisher import CachePublisher
+
+    keys = RedisKeys("default")
+    r = redis_server.client()
+    box: list[CachePublisher] = []
+    pub = CachePublisher(connect(redis_server.url), keys, "w", lambda: [1, 2, 3],
+                         lambda: Heartbeat("w", "127.0.0.1:1", box[0].epoch, ttl_s=5.0),
+                         heartbeat_s=0.1, heartbeat_ttl_s=5.0)
+    box.append(pub)
+    m = IndexMirror(connect(redis_server.url, block_timeout_s=0.05), keys,
+                    WorkerRegistry({}, 16), poll_interval_s=0.3, retry_s=0.1)
+    task = asyncio.create_task(m.run())
+    apart = m.stats.heartbeat_mismatches
+    try:
+        await pub.start()
+        await wait_for(lambda: m.index.keys_of("w") == {1, 2, 3}, what="w indexed")
+
+        def forge(key: int) -> None:
+            ev = FeedEvent("w", pub.epoch, pub.seq + 1, Op.STORE, (key,))
+            r.xadd(keys.feed, ev.to_fields())
+
+        forge(111)  # w idle: entries past its heartbeat's seq
+        await wait_for(lambda: apart["seq"] == 1 and m.index.keys_of("w") == {1, 2, 3}, 5,
+                       "the forged entry undone while w is idle")
+        forge(222)
+        await wait_for(lambda: 222 in m.index.keys_of("w"), 5, "the second forgery applied")
+        pub.on_event(CacheEvent(Op.STORE, (333,)))  # w's own entry of that seq
+        await wait_for(lambda: apart["chain"] == 1 and m.index.keys_of("w") == {1, 2, 3, 333},
+                       5, "the forged entry undone by w's chain")
+        assert apart["seq"] == 1 and apart["epoch"] == 0
+    finally:
+        await pub.stop()
+        await m.stop(task)
+        r.close()
+
+
 async def test_a_worker_publishing_blocks_it_does_not_hold_is_demoted(cluster) -> None:
     """The liar's agent publishes store events for prefixes its engine never computed (what
     a buggy adapter or a forged feed entry does): the router sends those prompts there,

@@ -449,8 +449,8 @@ async def test_a_new_epoch_forged_in_a_workers_name_is_undone_by_its_heartbeat(
     publish(c, FeedEvent("w", "e1", 1, Op.RESYNC), snapshot={1, 2, 3})
     await wait_for(lambda: mirror.index.keys_of("w") == {1, 2, 3}, what="w indexed")
     c.xadd(KEYS.feed, FeedEvent("w", "forged", 1, Op.CLEAR).to_fields())
-    await wait_for(lambda: mirror.stats.epoch_mismatches == 1
+    await wait_for(lambda: mirror.stats.heartbeat_mismatches["epoch"] == 1
                    and mirror.index.keys_of("w") == {1, 2, 3}, 5, "the forged epoch undone")
     assert mirror.cache.positions["w"].epoch == "e1"
     await asyncio.sleep(0.3)  # several scans: nothing more to heal
-    assert mirror.stats.epoch_mismatches == 1
+    assert mirror.stats.heartbeat_mismatches["epoch"] == 1
