@@ -261,7 +261,8 @@ class CachePublisher:
         if self._tiered:
             pipe.pexpire(k.lower(self._worker), self._state_ttl_ms)
         hb = hb or self._heartbeat()
-        if hb is None:
+        if hb is None:  # deleted with this write: no heartbeat names a seq behind the feed
+            pipe.delete(k.heartbeat(self._worker))
             return
         hb = replace(hb, epoch=epoch, feed_seq=seq, feed_chain=chain)
         pipe.set(k.heartbeat(self._worker), hb.to_json(), px=self._ttl_ms)
