@@ -1,11 +1,15 @@
 """Scanning workers' heartbeats: who joins the registry, who leaves it and the index.
 
-A scan finds the model's workers by their heartbeat keys (SCAN: each agent registers by its
-own key, which expires on its own, so no agent edits a shared list) and reads every heartbeat:
-a new worker joins the registry and its snapshot is read; a worker whose heartbeat expired
-leaves the registry and the index (unless its agent still answers: router/lost.py). It only
-reads Redis. It runs beside the feed, in parts (:data:`SCAN_CHUNK` heartbeats each), and
-changes the cache only holding the mirror's lock.
+Each agent registers by its own heartbeat key, which expires on its own, so no agent edits a
+shared list. A scan reads the heartbeat of every worker it knows: those a SCAN of the
+heartbeat keys found (at the bootstrap, and then every :data:`FULL_SCAN_MIN_S` or more:
+SCAN examines every key of the node, which on a Redis shared with millions of other keys
+takes a second), those the feed named (a new agent's first entry and heartbeat are one
+write), and those with a heartbeat within :data:`KNOWN_FOR_S`. A new worker joins the
+registry and its snapshot is read; a worker whose heartbeat expired leaves the registry and
+the index (unless its agent still answers: router/lost.py). It only reads Redis. It runs
+beside the feed, in parts (:data:`SCAN_CHUNK` heartbeats each), and changes the cache only
+holding the mirror's lock.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import contextlib
 import logging
 import time
 
-from kvroute.core.redis_schema import Heartbeat, RecordError, heartbeat_workers
+from kvroute.core.redis_schema import STATE_TTL_S, Heartbeat, RecordError, heartbeat_workers
 from kvroute.router.lost import LostWorkers
 from kvroute.router.mirror.parts import MirrorParts, MirrorTask
 from kvroute.router.mirror.snapshots import LOAD_CONCURRENCY
@@ -31,6 +35,13 @@ SCAN_CHUNK = 100
 # Keys one SCAN call examines: the model's keys are ~4 a worker, so 1,000 workers take a few
 # calls (per primary, on a Redis Cluster).
 SCAN_COUNT = 2000
+# The least seconds between two SCANs of the heartbeat keys, and how many times its last
+# duration they are apart at least: Redis spends at most 1/FULL_SCAN_COST of its time on them.
+FULL_SCAN_MIN_S = 1.0
+FULL_SCAN_COST = 20.0
+# How long a worker is looked for after its last heartbeat without a SCAN finding it: an agent
+# stopped or cut off from Redis that long has lost its state too (STATE_TTL_S).
+KNOWN_FOR_S = STATE_TTL_S
 # How long before a live worker whose snapshot held no readable state (none written yet, or
 # malformed) is read again: at every scan, a malformed one would be logged and counted twice
 # a second.
@@ -58,6 +69,9 @@ class HeartbeatScan(MirrorTask):
         # worker -> (what, its heartbeat's epoch or seq) where the last scan found its cache
         # apart from its heartbeat in a way that needs a second look (_heal).
         self._suspect: dict[str, tuple[str, object]] = {}
+        self._known: dict[str, float] = {}  # worker -> when last found or beating (monotonic)
+        self._full_scan_due = 0.0
+        self.full_scans = 0
 
     def reset(self) -> None:
         """Before a bootstrap: Redis may have restarted empty, and then shows no heartbeats
@@ -65,10 +79,24 @@ class HeartbeatScan(MirrorTask):
         snapshot is read afresh."""
         self._expire_from = time.monotonic() + self._registry.max_ttl_s() + self._poll_s
         self._snapshot_due.clear()
+        self._full_scan_due = 0.0
 
     async def _members(self) -> list[str]:
-        """The workers whose heartbeat keys a SCAN finds (the registry); a key that names
-        no valid worker is rejected, counted once while it stays."""
+        """The workers whose heartbeats this scan reads: found by the last SCAN (one is due:
+        run it) or beating within :data:`KNOWN_FOR_S`, and those the feed named."""
+        now = time.monotonic()
+        if now >= self._full_scan_due:
+            for w in await self._scan_keys():
+                self._known[w] = now
+            took = time.monotonic() - now
+            self._full_scan_due = now + max(FULL_SCAN_MIN_S, FULL_SCAN_COST * took)
+        for w in [w for w, t in self._known.items() if now - t > KNOWN_FOR_S]:
+            del self._known[w]
+        return list(dict.fromkeys([*self._known, *self._cache.positions]))
+
+    async def _scan_keys(self) -> list[str]:
+        """The workers whose heartbeat keys a SCAN finds; a key that names no valid worker
+        is rejected, counted once while it stays."""
         k = self._keys
         names, bad = heartbeat_workers(k, [key async for key in self._r.scan_iter(
             match=k.heartbeat_match, count=SCAN_COUNT)])
@@ -76,6 +104,7 @@ class HeartbeatScan(MirrorTask):
             if m not in self._bad_members:
                 self._reject("member", "bad_name", repr(m)[:80], exc)
         self._bad_members = set(bad)
+        self.full_scans += 1
         return names
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -92,11 +121,14 @@ class HeartbeatScan(MirrorTask):
 
     async def scan(self, load: bool = True) -> list[str]:
         """One scan of every worker's heartbeat (``load`` False: no snapshot is read; the
-        bootstrap reads them all after it). Returns the members it read."""
+        bootstrap reads them all after it). Returns the workers it found beating, in the
+        order it read them."""
         members = await self._members()
         self._registry.revive_due()
         beats, added = await self._read_beats(members)
-        expire = time.monotonic() >= self._expire_from
+        now = time.monotonic()
+        self._known.update(dict.fromkeys(beats, now))
+        expire = now >= self._expire_from
         kept: set[str] = set()
         if expire and self._lost is not None:
             missing = [i.worker_id for i in self._registry.all()
@@ -106,10 +138,10 @@ class HeartbeatScan(MirrorTask):
         self._joined(added, beats)
         await self._heal(beats)
         loaded = await self._load_new(beats, set(expired)) if load else []
-        await self._forget(expired, self._unlisted_twice(members))
+        await self._forget(expired, self._unlisted_twice(list(beats)))
         if added or expired or any(self._cache.holds(w) for w in loaded):
             self._on_change()
-        return members
+        return list(beats)
 
     async def _heal(self, beats: dict[str, Heartbeat]) -> None:
         """Read again the snapshot of each worker whose cache the mirror holds apart from
@@ -207,12 +239,13 @@ class HeartbeatScan(MirrorTask):
             loaded += group
         return loaded
 
-    def _unlisted_twice(self, members: list[str]) -> list[str]:
-        """Workers the cache holds that neither this scan's members nor the last one's
-        include: their heartbeats are gone (dead, never registered). Twice, because a
-        worker's first feed entry and its heartbeat are one write, which may fall between
-        this scan's SCAN and the feed's applying that entry."""
-        listed = set(members)
+    def _unlisted_twice(self, beating: list[str]) -> list[str]:
+        """Workers the cache holds that neither this scan nor the last one found beating:
+        their heartbeats are gone (dead, never registered, or named only by a feed entry
+        another agent wrote). Twice, because a worker's first feed entry and its heartbeat
+        are one write, which may fall between this scan's read of heartbeats and the feed's
+        applying that entry."""
+        listed = set(beating)
         unlisted = {w for w in self._cache.positions if w not in listed}
         twice, self._unlisted = unlisted & self._unlisted, unlisted
         return sorted(twice)

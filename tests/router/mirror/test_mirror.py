@@ -43,8 +43,10 @@ def read_keys(members: list[bytes] | bytes) -> set[int]:
 
 
 def beat(client, worker: str, block_size: int = 16, epoch: str = "e1") -> None:
-    hb = Heartbeat(worker, "127.0.0.1:1", epoch, block_size=block_size, ttl_s=1.0)
-    client.set(KEYS.heartbeat(worker), hb.to_json(), px=1000)
+    """A heartbeat as an agent writes it (3 s TTL), once. A worker that only beats, with no
+    feed entry, is found by the mirror's next SCAN of heartbeat keys (1 s apart here)."""
+    hb = Heartbeat(worker, "127.0.0.1:1", epoch, block_size=block_size, ttl_s=3.0)
+    client.set(KEYS.heartbeat(worker), hb.to_json(), px=3000)
 
 
 @pytest.fixture
@@ -152,8 +154,8 @@ async def test_expired_heartbeat_removes_worker_and_blocks(redis_server, mirror)
     publish(c, FeedEvent("w", "e1", 2, Op.STORE, (1, 2)))
     await wait_for(lambda: mirror.index.count("w") == 2 and "w" in mirror.registry.loads,
                    what="indexed and registered")
-    # No more heartbeats: the key's TTL (1 s) runs out.
-    await wait_for(lambda: "w" not in mirror.registry.loads, 5, "expiry")
+    # No more heartbeats: the key's TTL (3 s) runs out.
+    await wait_for(lambda: "w" not in mirror.registry.loads, 10, "expiry")
     assert mirror.index.count("w") == 0
 
 
@@ -172,7 +174,7 @@ async def test_the_bootstrapped_index_adds_nothing_per_block_to_a_full_collectio
         await asyncio.wait_for(m.ready.wait(), 5)
         assert m.index.count("a") == 2000 and m.index.count("b") == 3999  # bootstrap loaded
         for w in ("a", "b"):
-            beat(c, w)  # 1 s TTL: keep both alive through the test
+            beat(c, w)  # keep both alive through the test
         publish(c, FeedEvent("a", "e1", 2, Op.STORE, tuple(range(5000, 6000))))
         publish(c, FeedEvent("a", "e1", 3, Op.EVICT, tuple(range(500))))
         publish(c, FeedEvent("b", "e2", 1, Op.RESYNC), snapshot=set(range(7000, 9000)))
@@ -454,3 +456,29 @@ async def test_a_new_epoch_forged_in_a_workers_name_is_undone_by_its_heartbeat(
     assert mirror.cache.positions["w"].epoch == "e1"
     await asyncio.sleep(0.3)  # several scans: nothing more to heal
     assert mirror.stats.heartbeat_mismatches["epoch"] == 1
+
+
+async def test_the_registry_scan_is_spaced_and_the_feed_names_new_workers(
+        redis_server, mirror) -> None:
+    """A SCAN of heartbeat keys examines every key of the node (a second on a Redis shared
+    with a million other keys), so the mirror runs it at the bootstrap and then at least a
+    second (and 20 of its durations) apart, not at each heartbeat scan (0.05 s here). A new
+    agent's first feed entry and heartbeat are one write: the feed names it, and it joins
+    without a SCAN. A worker that only beats is found by the next SCAN."""
+    import time
+
+    from kvroute.router.mirror.heartbeats import FULL_SCAN_MIN_S
+
+    c = redis_server.client()
+    scans = mirror.heartbeats
+    first = scans.full_scans
+    await asyncio.sleep(2.5)
+    assert 1 <= scans.full_scans - first <= 2.5 / FULL_SCAN_MIN_S + 1
+    scans._full_scan_due = time.monotonic() + 3600  # no SCAN from here
+    publish(c, FeedEvent("new", "e1", 1, Op.RESYNC), snapshot={9})
+    await wait_for(lambda: "new" in mirror.registry.loads, 5, "a worker named by the feed")
+    beat(c, "quiet")
+    await asyncio.sleep(0.5)
+    assert "quiet" not in mirror.registry.loads  # beating, but named by no feed entry
+    scans._full_scan_due = 0.0
+    await wait_for(lambda: "quiet" in mirror.registry.loads, 5, "found by the next SCAN")
