@@ -102,6 +102,9 @@ CASES = {
     "fuzz.py": (["--requests", "400", "--seed", "3"],
                 ["processes died:            0 ", "bad (INTERNAL/UNKNOWN/5xx): 0 ",
                  "hung past deadline:        0 ", "afterwards:  grpc ok, http ok"]),
+    # Finding the registry's workers: SCAN against the heartbeat MGETs, by the keys beside.
+    "registry_scan.py": (["--workers", "50", "--foreign", "0,2000", "--repeats", "1"],
+                         ["SCAN/MGETs", "SCANs apart s", "     2,000  "]),
     # A host tier behind each worker, seen weighted, as GPU hits, not at all, and no tier.
     "tiers.py": (["--quick", "--loads", "0.8"],
                  ["load 0.80", "weighted", "ignore", "mean/gpu"]),
