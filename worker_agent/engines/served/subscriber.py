@@ -21,6 +21,8 @@ Every batch is applied exactly once, in seq order, or the view is reset:
   is rejected as ``out_of_order``.
 * **Idle:** after ``probe_s`` without live frames the replay socket is asked for anything
   from ``next`` on, which heals a lost *last* batch (no later frame would reveal that gap).
+  A batch found there counts as lost only if it does not arrive live within 50 ms: vLLM
+  buffers a batch as it publishes it, so a probe can race the frame on its way.
 * **Malformed** frames (wrong frame count, seq width, topic, msgpack, layout) are rejected
   with a logged reason and counted; they never change the seq state.
 """
@@ -51,6 +53,7 @@ from kvroute.worker_agent.engines.served.wire import (
 log = logging.getLogger("kvroute.agent.vllm")
 
 _DRAIN = 256  # live frames handled per loop turn before yielding to other tasks
+_IN_FLIGHT_MS = 50  # how long a probe waits for a batch the replay holds to arrive live
 _digest = xxhash.xxh3_64_intdigest
 
 # (seq, digest of the payload, decoded batch)
@@ -322,8 +325,10 @@ class EventSubscriber:
             self._apply(seq, digest, batch)
 
     async def _probe_tail(self) -> None:
-        assert self._next is not None
+        assert self._next is not None and self._sub is not None
         got = await self._replay_from(self._next)
+        if got and await self._sub.poll(_IN_FLIGHT_MS, zmq.POLLIN):
+            return  # vLLM stores a batch as it sends it: the live frame was on its way
         if got and got[0][0] == self._next:
             self.stats.gaps_healed += 1
             kv = {"from": self._next, "replayed": len(got)}
