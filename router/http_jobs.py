@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvroute.core.tokenizer import Tokenizer
 from kvroute.router.api_error import ApiError
 from kvroute.router.openai_schema import STOP_CAPTURE, ChatRequest, CompletionRequest
-from kvroute.router.refusal import RefusedError
+from kvroute.router.refusal import RefusedError, UnavailableError
 from kvroute.router.tool_calls import ToolCall, ToolFormat, ToolStream, split
 from kvroute.v1 import common_pb2, program_pb2
 
@@ -289,8 +289,8 @@ async def collect(service: Generator, job: Job) -> None:
         async for _ in run(service, job):
             pass
     except RefusedError as exc:
-        if not exc.midstream:
-            raise
+        if not (exc.midstream and isinstance(exc, UnavailableError)):
+            raise  # not a worker's failure mid-stream: another run fails alike
         log.warning("worker failed mid-generation of a non-streaming request; nothing "
                     "reached the client, so it runs again", extra={"kv": {
                         "request": job.served.request_id, "worker": job.served.worker,

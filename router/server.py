@@ -383,18 +383,24 @@ class RouterService(router_pb2_grpc.RouterServicer):
         and the error returned for the next-best's turn."""
         failure, w = a.failure, a.worker
         assert failure is not None and a.stay is not None
-        if a.stay.started:
+        started = a.stay.started
+        if failure.code() in _REQUEST_CAUSED:
+            # The request's own doing, before or after its first tokens: any worker would
+            # do the same, so none is tried or marked down.
+            if not started:
+                self._life.withdraw(a.stay)
+            self._m.requests.labels(api, "Generate", "rejected").inc()
+            assert isinstance(failure, grpc.aio.AioRpcError)
+            raise UnsupportedError(failure.code(), f"worker {w}: {failure.details()}",
+                                   refused_field(failure), midstream=started,
+                                   sent=a.tokens_out if started else 0)
+        if started:
             # Tokens already reached the client: a retry would repeat them.
             self._m.requests.labels(api, "Generate", "failed_midstream").inc()
             raise UnavailableError(f"worker {w} failed mid-stream after {a.tokens_out} "
                                    f"tokens were sent (retrying repeats them): "
                                    f"{failure.details()}", midstream=True, sent=a.tokens_out)
-        self._life.withdraw(a.stay)  # refused or failed before its prefill
-        if failure.code() in _REQUEST_CAUSED:
-            self._m.requests.labels(api, "Generate", "rejected").inc()
-            assert isinstance(failure, grpc.aio.AioRpcError)
-            raise UnsupportedError(failure.code(), f"worker {w}: {failure.details()}",
-                                   refused_field(failure))
+        self._life.withdraw(a.stay)  # failed before its prefill
         if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None \
                 and time.monotonic() >= deadline - 0.05:
             # The client's own deadline (the call's), not the worker's fault.

@@ -208,13 +208,38 @@ async def test_constraints_and_stop_strings_on_the_real_vocabulary(stack: Stack)
     assert (c.message.content, c.finish_reason) == (plain[:at], "stop")
 
 
+async def test_a_constraint_vllm_fails_is_the_requests_fault_not_the_workers(
+        stack: Stack) -> None:
+    """Constrained text that spells an added token (Qwen2.5's ``</tool_call>``): vLLM's
+    llguidance forces that token, then rejects it, and vLLM fails the request with a 500
+    while healthy. The client gets a 400 naming the cause, and no worker is marked down
+    (before, each worker in turn was, and the client got a 503)."""
+    oa = client(stack)
+    await settled(stack)
+    assert set(stack.router.registry.loads) == set(WORKERS)
+    for _ in range(2):
+        try:
+            await oa.chat.completions.create(
+                model=SERVED_MODEL, messages=[{"role": "user", "content": "Call it."}],
+                temperature=0, max_tokens=20,
+                extra_body={"structured_outputs": {"choice": ["ab</tool_call>x"]}})
+            raise AssertionError("vLLM served a constraint its llguidance rejects")
+        except openai.BadRequestError as exc:
+            assert "constraint is the likely cause" in str(exc) and "</tool_call>" in str(exc)
+        assert set(stack.router.registry.loads) == set(WORKERS)  # none marked down
+    ok = await oa.chat.completions.create(
+        model=SERVED_MODEL, messages=[{"role": "user", "content": "Pick one."}],
+        temperature=0, max_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["<tool_call>", "none"]}})
+    assert ok.choices[0].message.content in {"<tool_call>", "none"}
+
+
 async def test_tool_calls_in_qwens_format_and_forced_on_the_real_vocabulary(stack: Stack
                                                                             ) -> None:
     """Qwen2.5's template writes calls as Hermes does, so the router reads them; a forced
     call is generated under the tool's schema on the real vocabulary, through both APIs.
-    (The random model never writes a call of its own, and making it write one with a choice
-    constraint holding ``<tool_call>`` kills vLLM 0.32's engine: llguidance rejects the
-    added token its own mask allowed.)"""
+    (The random model never writes a call of its own, and a constraint that forces the
+    whole ``<tool_call>`` fails in vLLM: see the test above.)"""
     import anthropic
 
     oa = client(stack)

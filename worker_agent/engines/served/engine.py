@@ -18,6 +18,9 @@ What the router can believe, and for how long (the recovery contract):
 * Server unreachable (``/metrics`` silent for ``down_after_s``): every block is withdrawn at
   once and :meth:`EventedEngine.healthy` is False, so the agent stops heartbeating until the
   server answers again.
+* A constrained request the server fails while its ``/health`` still answers 200 is the
+  request's doing (another worker's engine would fail it the same way): it is refused as
+  FAILED_PRECONDITION, and no router marks this worker down for it.
 """
 
 from __future__ import annotations
@@ -30,11 +33,17 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import httpx
 from prometheus_client.core import Metric
 
 from kvroute.core.cache_events import CacheEvent, CacheListener
 from kvroute.core.load import EngineLoad, PrefillMode
-from kvroute.worker_agent.engines.base import EngineError, EngineRequest, TokenChunk
+from kvroute.worker_agent.engines.base import (
+    EngineError,
+    EngineRequest,
+    RequestRefusedError,
+    TokenChunk,
+)
 from kvroute.worker_agent.engines.served.blockmap import BlockMap
 from kvroute.worker_agent.engines.served.metrics import adapter_families
 from kvroute.worker_agent.engines.served.poller import MetricsPoller, ServerMetrics
@@ -253,8 +262,28 @@ class EventedEngine(BatchSink):
         try:
             async for chunk in self._chunks(request, constraint, predicted, state):
                 yield chunk
+        except RequestRefusedError:
+            raise
+        except EngineError as exc:
+            if constraint is None or not await self._answers_health():
+                raise
+            raise RequestRefusedError(
+                f"{self.product} failed this constrained request and still answers /health, "
+                f"so the constraint is the likely cause and any worker would fail it alike "
+                f"({exc}). A known case: constrained text that spells one of the model's "
+                f"added tokens, such as Qwen's </tool_call>, which the engine's llguidance "
+                f"forces as that token and then rejects", "FAILED_PRECONDITION") from exc
         finally:
             del self._inflight[rid]
+
+    async def _answers_health(self) -> bool:
+        """Whether the server's ``GET /health`` answers 200 now (its engine is alive)."""
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                return (await http.get(self.config.url.rstrip("/") + "/health")
+                        ).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     async def _chunks(self, request: EngineRequest, constraint: Constraint | None,
                       predicted: int, state: _Inflight) -> AsyncIterator[TokenChunk]:
