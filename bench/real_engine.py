@@ -10,6 +10,12 @@ path reads the other's cache. Reported, direct vs through kvroute and their rati
 first token p50/p99, inter-token latency p50/p99 (gaps between content chunks) and decode
 tokens/s (completion tokens after the first over the time from first to last).
 
+Where kvroute's time to first token goes (means over the measured requests): the router's and
+the agent's own TTFT histograms split the client's into the HTTP front (parse, chat render,
+tokenize, SSE), the router's hop (decision and the gRPC call both ways) and the agent with
+vLLM's ``/v1/completions`` by token ids; the direct path's vLLM renders and tokenizes the chat
+itself.
+
     python bench/real_engine.py [--requests 40] [--words 120] [--max-tokens 32] [--quick]
 """
 
@@ -26,7 +32,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.demo.procs import Children, scratch_redis, wait_serving, wait_until
 from kvroute.demo.vllm_cpu import BLOCK_SIZE, SERVED_MODEL, VllmCpu, VllmServer, core_for
@@ -69,18 +77,41 @@ async def one(client: openai.AsyncOpenAI, messages: list[dict[str, str]], max_to
         into.rates.append((completion - 1) / (stamps[-1] - stamps[0]))
 
 
+@dataclass
+class Kvroute:
+    """The front's base URL and the ``/metrics`` URLs of the router and the agent."""
+
+    base: str
+    router_metrics: str
+    agent_metrics: str
+
+    async def ttft_sums(self) -> tuple[float, float, float, float]:
+        """(router's TTFT sum, its count, agent's sum, its count) so far."""
+        out: list[float] = []
+        async with httpx.AsyncClient(timeout=5) as http:
+            for url, name in ((self.router_metrics, "kvroute_router_ttft_seconds"),
+                              (self.agent_metrics, "kvroute_agent_ttft_seconds")):
+                text = (await http.get(url)).text
+                got = {s.name: s.value for f in text_string_to_metric_families(text)
+                       if f.name == name for s in f.samples}
+                out += [got[name + "_sum"], got[name + "_count"]]
+        return out[0], out[1], out[2], out[3]
+
+
 async def start_kvroute(children: Children, server: VllmServer, redis_url: str,
-                        model_dir: Path) -> str:
-    """An agent beside ``server`` and a router with the HTTP front; the front's base URL."""
+                        model_dir: Path) -> Kvroute:
+    """An agent beside ``server`` and a router with the HTTP front."""
     py = [sys.executable, "-m", "kvroute"]
-    agent_port, router_port, http_port = (children.free_port() for _ in range(3))
+    agent_port, router_port, http_port, router_m, agent_m = (
+        children.free_port() for _ in range(5))
     agent = children.spawn("agent", [*py, "agent", *server.agent_args(), "--model",
                                      SERVED_MODEL, "--worker-id", "v0", "--redis", redis_url,
-                                     "--port", str(agent_port)])
+                                     "--port", str(agent_port), "--metrics-port", str(agent_m)])
     router = children.spawn("router", [*py, "router", "--redis", redis_url, "--port",
                                        str(router_port), "--http-port", str(http_port),
                                        "--model", f"{SERVED_MODEL}={model_dir}",
-                                       "--block-size", str(BLOCK_SIZE)])
+                                       "--block-size", str(BLOCK_SIZE),
+                                       "--metrics-port", str(router_m)])
     await wait_serving(f"127.0.0.1:{agent_port}", agent, 120)
     await wait_serving(f"127.0.0.1:{router_port}", router, 120)
     base = f"http://127.0.0.1:{http_port}/v1"
@@ -94,7 +125,8 @@ async def start_kvroute(children: Children, server: VllmServer, redis_url: str,
         except openai.APIError:
             return False
     await wait_until(routable, "the router to serve a chat", [agent, router], 60)
-    return base
+    return Kvroute(base, f"http://127.0.0.1:{router_m}/metrics",
+                   f"http://127.0.0.1:{agent_m}/metrics")
 
 
 def row(name: str, direct: float, routed: float, unit: str, scale: float = 1.0) -> str:
@@ -115,17 +147,17 @@ async def run(args: argparse.Namespace) -> None:
         server.start()
         await server.ready()
         async with scratch_redis() as redis_url:
-            routed_url = await start_kvroute(children, server, redis_url, model_dir)
-            await measure(args, server.url + "/v1", routed_url)
+            kv = await start_kvroute(children, server, redis_url, model_dir)
+            await measure(args, server.url + "/v1", kv)
     finally:
         children.stop_all()
         server.stop()
 
 
-async def measure(args: argparse.Namespace, direct_url: str, routed_url: str) -> None:
+async def measure(args: argparse.Namespace, direct_url: str, kv: Kvroute) -> None:
     rng = random.Random(args.seed)
     paths = {"direct": openai.AsyncOpenAI(base_url=direct_url, api_key="-", max_retries=0),
-             "kvroute": openai.AsyncOpenAI(base_url=routed_url, api_key="-", max_retries=0)}
+             "kvroute": openai.AsyncOpenAI(base_url=kv.base, api_key="-", max_retries=0)}
     samples = {name: Sample() for name in paths}
 
     def chat(i: int, name: str) -> list[dict[str, str]]:
@@ -136,6 +168,7 @@ async def measure(args: argparse.Namespace, direct_url: str, routed_url: str) ->
     for i in range(args.warmup):  # compile paths and first-request costs off the record
         for name, client in paths.items():
             await one(client, chat(-1 - i, name), args.max_tokens, Sample())
+    before = await kv.ttft_sums()
     t0 = time.monotonic()
     for i in range(args.requests):
         order = list(paths) if i % 2 == 0 else list(reversed(paths))
@@ -143,6 +176,7 @@ async def measure(args: argparse.Namespace, direct_url: str, routed_url: str) ->
             await one(paths[name], chat(i, name), args.max_tokens, samples[name])
         if (i + 1) % 10 == 0:
             print(f"  {i + 1}/{args.requests} pairs, {time.monotonic() - t0:.0f} s", flush=True)
+    after = await kv.ttft_sums()
     d, r = samples["direct"], samples["kvroute"]
     print(f"\n{args.requests} chats each way, ~{args.words} words, {args.max_tokens} tokens, "
           "streaming, one at a time")
@@ -153,6 +187,7 @@ async def measure(args: argparse.Namespace, direct_url: str, routed_url: str) ->
     print(row("inter-token latency p99", pct(d.gaps, 99), pct(r.gaps, 99), "ms", 1e3))
     added = (pct(r.ttft, 50) - pct(d.ttft, 50)) * 1e3
     print(f"\nkvroute adds {added:+.2f} ms to TTFT p50 (aim: <= 2 ms)")
+    breakdown(d, r, before, after)
     if not (d.rates and r.rates):
         print("decode tokens/s: no reply streamed two chunks apart (raise --max-tokens)")
         return
@@ -161,6 +196,22 @@ async def measure(args: argparse.Namespace, direct_url: str, routed_url: str) ->
     print(f"decode rate {rk / rd:.3f}x direct (aim: >= 0.97x); kvroute's hops cost "
           f"{(1 / rk - 1 / rd) * 1e3:.2f} ms per streamed token at most: an engine slower "
           "than that per token hides them (vLLM may also send several tokens per chunk)")
+
+
+def breakdown(d: Sample, r: Sample, before: tuple[float, ...], after: tuple[float, ...]
+              ) -> None:
+    """Where kvroute's TTFT goes, in means (ms), from the router's and agent's histograms."""
+    rsum, rn, asum, an = (b - a for a, b in zip(before, after, strict=True))
+    if not (rn and an):
+        return
+    client, router, agent = statistics.fmean(r.ttft) * 1e3, rsum / rn * 1e3, asum / an * 1e3
+    print("where kvroute's TTFT goes (means, ms):")
+    for name, ms in (("HTTP front (parse, render, tokenize, SSE)", client - router),
+                     ("router hop (decide, gRPC both ways)", router - agent),
+                     ("agent + vLLM /v1/completions by ids", agent),
+                     ("all, at the client", client),
+                     ("direct: vLLM /v1/chat/completions", statistics.fmean(d.ttft) * 1e3)):
+        print(f"  {name:<44} {ms:>7.2f}")
 
 
 def parse() -> argparse.Namespace:

@@ -7,12 +7,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("kvroute.agent.metrics_poll")
+
+
+def families(text: str, names: Collection[str]) -> Iterator[Metric]:
+    """The metric families ``names`` of ``text`` (Prometheus exposition), parsed from their
+    sample lines only. A server exposes hundreds of lines (vLLM ~650, 57 KB, on a CPU
+    build) that the pure-Python parser takes ~10 ms to read whole, on the agent's event
+    loop at every poll; the few read here take well under 1 ms. ValueError for a named
+    metric's malformed line."""
+    heads = tuple(name + end for name in names for end in ("{", " "))
+    kept = [line for line in text.splitlines() if line.startswith(heads)]
+    return text_string_to_metric_families("\n".join(kept) + "\n") if kept else iter(())
 
 
 @dataclass(frozen=True, slots=True)

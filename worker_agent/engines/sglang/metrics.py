@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvroute.worker_agent.engines.served.poller import ServerMetrics
+from kvroute.worker_agent.engines.served.poller import ServerMetrics, families
 
 _NAMES = {"sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting",
           "sglang:token_usage": "usage", "sglang:max_total_num_tokens": "tokens"}
@@ -31,7 +29,7 @@ def parse_metrics(text: str, block_size: int, dp_rank: int = -1) -> ServerMetric
     if the text is not Prometheus exposition format."""
     only = str(dp_rank) if dp_rank >= 0 else None
     groups: dict[str, dict[str, float]] = defaultdict(dict)
-    for fam in text_string_to_metric_families(text):
+    for fam in families(text, _NAMES):
         what = _NAMES.get(fam.name)
         if what is None:
             continue

@@ -10,11 +10,11 @@ Read (summed over the ``engine`` label, i.e. data-parallel engines behind one se
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvroute.worker_agent.engines.served.poller import ServerMetrics
+from kvroute.worker_agent.engines.served.poller import ServerMetrics, families
 
 _USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_READ = ("vllm:num_requests_running", "vllm:num_requests_waiting", *_USAGE,
+         "vllm:cache_config_info")
 
 
 def parse_metrics(text: str) -> ServerMetrics:
@@ -22,7 +22,7 @@ def parse_metrics(text: str) -> ServerMetrics:
     running = waiting = 0
     usage: dict[str, list[float]] = {}
     blocks: dict[str, int] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in families(text, _READ):
         name = fam.name
         if name == "vllm:num_requests_running":
             running += int(sum(s.value for s in fam.samples))

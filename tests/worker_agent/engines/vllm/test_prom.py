@@ -48,3 +48,13 @@ def test_current_and_old_metric_names() -> None:
 def test_not_prometheus_text_is_an_error() -> None:
     with pytest.raises(ValueError):
         parse_metrics("vllm:num_requests_running{ 3\n")
+
+
+def test_only_the_metrics_read_are_parsed() -> None:
+    # The other families' lines are not parsed at all (a whole vLLM /metrics costs ~10 ms
+    # of the agent's event loop to parse), so even a malformed one does not matter; a
+    # longer name that begins with a read one is not taken for it.
+    other = ("vllm:prompt_tokens_total{engine=\"0\" 12\n"
+             "vllm:num_requests_running_total{engine=\"0\"} 99.0\n"
+             "vllm:num_requests_waiting_by_reason{engine=\"0\"} 7.0\n")
+    assert parse_metrics(CURRENT + other) == ServerMetrics(5, 4, 0.375, 2000)
