@@ -136,6 +136,10 @@ async def test_a_host_tier_is_published_beside_the_snapshot(redis_server) -> Non
     await pub.start()
     client = redis_server.client()
     try:
+        # The feed is replayed below from the agent's first entry, which declares its epoch
+        # (with the engine still empty, a CLEAR): blocks stored before that entry is
+        # written would go in a RESYNC's snapshot instead, not in the feed.
+        await wait_for(lambda: [e.op for e in feed(client)] == [Op.CLEAR], what="the epoch")
         for i in range(8):  # 8 x 20 blocks through 64 GPU + 48 host blocks: both evict
             await run(engine, 320, i)
         await wait_for(lambda: pub.stats.pending == 0 and snapshot(client)
