@@ -91,6 +91,10 @@ class VllmSettings(Section):
     render_check_s: float = opt(300.0, "vllm engine: seconds between checks that vLLM renders "
                                 "a probe chat to the ids the model's tokenizer gives",
                                 POSITIVE)
+    mask_plugin: bool = opt(False, "vllm engine: vLLM runs kvroute's mask plugin "
+                            "(--logits-processors kvroute_vllm_mask:KvrouteMask, "
+                            "docs/engines.md), so a program continues any constrained region "
+                            "there (without it: regular constraints only)")
 
 
 @dataclass(frozen=True)

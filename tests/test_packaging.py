@@ -34,6 +34,8 @@ def test_the_wheel_holds_the_c_builds_the_stubs_and_the_command(wheel: Path) -> 
                  "program_pb2.py"):
         assert f"kvroute/v1/{stub}" in names
     assert "kvroute/simulations/replay.py" in names  # kvroute replay / gen
+    # kvroute's mask plugin, which vLLM loads from its own environment (docs/engines.md)
+    assert "kvroute/worker_agent/engines/vllm/plugin/kvroute_vllm_mask.py" in names
     # kvroute epp's Envoy ext_proc stubs, under kvroute.envoy_api (scripts/envoy_stubs.py)
     assert "kvroute/envoy_api/envoy/service/ext_proc/v3/external_processor_pb2_grpc.py" in names
     assert "kvroute/envoy_api/validate/validate_pb2.pyi" in names

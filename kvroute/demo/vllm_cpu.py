@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import httpx
@@ -130,6 +131,12 @@ class VllmCpu:
                   "building the tiny model")
 
 
+def mask_plugin_dir() -> Path:
+    """The folder of kvroute's mask plugin for vLLM (``MASK_PLUGIN`` of the vllm engine),
+    found as package data."""
+    return Path(str(resources.files("kvroute.worker_agent.engines.vllm") / "plugin"))
+
+
 @dataclass
 class VllmServer:
     """One vLLM OpenAI server (its own process group: API server, engine core, worker) serving
@@ -164,6 +171,8 @@ class VllmServer:
                 # with whitespace forever.
                 "--structured-outputs-config",
                 json.dumps({"backend": "guidance", "disable_any_whitespace": True}),
+                # kvroute's masks inside vLLM (MASK_PLUGIN's folder is on its PYTHONPATH)
+                "--logits-processors", "kvroute_vllm_mask:KvrouteMask",
                 "--kv-events-config", json.dumps(events)]
 
     def agent_args(self) -> list[str]:
@@ -171,14 +180,15 @@ class VllmServer:
         return ["--engine", "vllm", "--block-size", str(BLOCK_SIZE), "--vllm-url", self.url,
                 "--vllm-events", f"tcp://127.0.0.1:{self.events_port}",
                 "--vllm-replay", f"tcp://127.0.0.1:{self.replay_port}",
-                "--vllm-model", SERVED_MODEL, "--model-source", str(self.cpu.model_dir)]
+                "--vllm-model", SERVED_MODEL, "--model-source", str(self.cpu.model_dir),
+                "--vllm-mask-plugin"]
 
     def start(self) -> None:
         # Dev mode serves POST /reset_prefix_cache (reset_cache); loopback only.
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": self.cpus,
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(mask_plugin_dir())}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
             # A group of its own (kill() signals vLLM's engine and worker too), in the

@@ -43,6 +43,7 @@ from kvroute.worker_agent.controller.grammars import MaskBuffer
 from kvroute.worker_agent.controller.program import ConstraintSpec, Gen, ProgramError
 from kvroute.worker_agent.controller.unsupported import UnsupportedError
 from kvroute.worker_agent.controller.vocab import Vocab
+from kvroute.worker_agent.engines.base import GrammarState
 
 FF_SPLIT_MIN = 2
 """Forced tokens worth ending an engine request for (one forced token is just decoded)."""
@@ -156,13 +157,19 @@ def rest_of_region(b: Branch, vocab: Vocab, rests: Rests, max_len: int) -> str |
                            f"gen.continue_constraint: branch {b.id}: {exc}") from None
 
 
-def region_constraint(b: Branch, g: Gen, vocab: Vocab, rests: Rests,
-                      max_len: int) -> tuple[str, str | tuple[str, ...]] | None:
+def region_constraint(b: Branch, g: Gen, vocab: Vocab, rests: Rests, max_len: int,
+                      from_state: bool = False
+                      ) -> tuple[str, str | tuple[str, ...] | GrammarState] | None:
     """What a grammar engine's request for gen ``g`` on ``b`` (a region open) carries as
-    ``(kind, source)``: ``g``'s own constraint, or for a continued region the regex of its
-    rest; None when the continued region is complete (nothing to ask for)."""
+    ``(kind, source)``: ``g``'s own constraint; for a continued region, its grammar and
+    tokens so far when the engine continues grammars (``from_state``), else the regex of
+    its rest; None when the continued region is complete (nothing to ask for)."""
     if g.constraint is not None:
         return g.constraint.kind, g.constraint.source
+    if from_state:
+        if b.matcher is not None and b.sync_matcher() and b.matcher.is_stopped():
+            return None  # nothing but the end is left
+        return "state", GrammarState(b.region_grammar, tuple(b.tokens[b.region_start:]))
     rest = rest_of_region(b, vocab, rests, max_len)
     return None if rest is None else ("regex", rest)
 

@@ -383,7 +383,8 @@ class Run:
         if b.matcher is not None and self.rt.grammar_engine:
             assert vocab is not None
             constraint = region_constraint(b, g, vocab, self.prep.rests,
-                                           self.rt.limits.max_grammar_bytes)
+                                           self.rt.limits.max_grammar_bytes,
+                                           from_state=self.rt.continues_grammars)
             if constraint is None:
                 s.reason = "grammar"  # the region is complete: nothing to ask for
                 return

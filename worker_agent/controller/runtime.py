@@ -13,7 +13,8 @@ on it; only their content is meaningless). vllm takes a grammar per request inst
 (``GRAMMAR_ENGINES``: structured outputs) and enforces it; a program that continues a
 constrained region there needs every constraint regular (regex, choices, a JSON schema
 without recursion: ``json_regex``), and is refused with UNIMPLEMENTED otherwise
-(``constrained``). Fork children a placement moves run on other agents (``overflow``), over
+(``constrained``), unless vLLM runs kvroute's mask plugin, which continues any grammar from
+the region's tokens. Fork children a placement moves run on other agents (``overflow``), over
 ``channels``.
 """
 
@@ -96,6 +97,12 @@ class ProgramRuntime:
         return self.engine_kind in GRAMMAR_ENGINES
 
     @property
+    def continues_grammars(self) -> bool:
+        """The grammar engine takes a constraint continued from a state (``GrammarState``:
+        vLLM with kvroute's mask plugin), so any constrained region continues there."""
+        return bool(getattr(self.engine, "continues_grammars", False))
+
+    @property
     def logits_tap(self) -> LogitsTap | None:
         """The engine's logits by request (None: the engine has no logits)."""
         return self._tap
@@ -151,7 +158,8 @@ class ProgramRuntime:
         # (Schema -> regex conversion: CPU work, off the loop.)
         rests = await asyncio.to_thread(
             continuation_rests, plan.constraints, kind, self.limits.max_grammar_bytes,
-            json_flexible) if plan.continues_constraint and kind not in MASK_ENGINES else {}
+            json_flexible) if plan.continues_constraint and kind not in MASK_ENGINES \
+            and not self.continues_grammars else {}
         vocab = await self.vocab() if (plan.constraints or plan.needs_text
                                        or kind in VOCAB_ENGINES) else None
         if vocab is None and (plan.constraints or plan.needs_text):

@@ -21,6 +21,16 @@ entries past the vocabulary are ignored); None means no constraint at this step.
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarState:
+    """A constraint continued from a state: llguidance's ``grammar`` after the region's
+    tokens so far (``prefix``, at the end of the prompt). Only an engine that continues
+    grammars takes it (vLLM with kvroute's mask plugin)."""
+
+    grammar: str
+    prefix: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     request_id: str
     token_ids: Sequence[int]

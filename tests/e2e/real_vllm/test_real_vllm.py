@@ -311,6 +311,56 @@ async def test_program_fork_backtrack_fast_forward_and_constraints(stack: Stack)
     assert tok.decode(list(b.token_ids)) == "Colour: " + b.variables["colour"].text
 
 
+async def test_a_lark_region_continues_inside_vllm_through_the_mask_plugin(stack: Stack
+                                                                          ) -> None:
+    """vLLM starts every grammar from its beginning, and a Lark grammar has no regex for
+    its rest: a region continued after a backtrack inside it needs kvroute's mask plugin,
+    which holds vLLM to the grammar from the region's tokens so far."""
+    tok = chat_tokenizer(stack)
+    prompt = tok.apply([{"role": "user", "content": "Three numbers in brackets."}])
+    triple = P.Constraint(lark='start: "[" NUM "," NUM "," NUM "]"\nNUM: /[0-9]{1,3}/')
+    steps = [ff("Numbers: "), gen(4, constraint=triple, temperature=1.0),  # left open
+             back(2), gen(40, continue_constraint=True, temperature=1.0)]
+    for seed in (1, 2, 3):
+        req = common_pb2.GenerateRequest(
+            model=SERVED_MODEL, token_ids=prompt, program=P.ControllerProgram(steps=steps),
+            sampling=common_pb2.SamplingParams(seed=seed))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.router.port}") as ch:
+            resps = [r async for r in router_pb2_grpc.RouterStub(ch).Generate(req)]
+        (res,) = results(resps).values()
+        text = tok.decode(list(res.token_ids))
+        assert text.startswith("Numbers: ")
+        assert re.fullmatch(r"\[\d{1,3},\d{1,3},\d{1,3}\]", text.removeprefix("Numbers: ")), text
+
+
+async def test_the_mask_plugin_in_vllm_continues_a_grammar_and_refuses_bad_arguments(
+        stack: Stack) -> None:
+    """The plugin's own contract, asked of vLLM directly: the grammar from the prefix's
+    state, then end-of-sequence; a prefix the grammar refuses ends the request at once;
+    malformed arguments are a 400; vLLM stays healthy."""
+    tok = chat_tokenizer(stack)
+    url = next(iter(stack.vllms.servers.values())).url
+    lark = 'start: "[" NUM "," NUM "," NUM "]"\nNUM: /[0-9]{1,3}/'
+    pre = tok.encode("[12,", False)
+    body = {"model": SERVED_MODEL, "prompt": tok.encode("Numbers: ", False) + pre,
+            "max_tokens": 30, "temperature": 1.0, "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        async def ask(**xargs: Any) -> httpx.Response:
+            return await http.post("/v1/completions", json={**body, "vllm_xargs": xargs})
+
+        for seed in (1, 2):
+            body["seed"] = seed
+            (c,) = (await ask(kvroute_grammar=lark, kvroute_prefix=pre)).json()["choices"]
+            assert re.fullmatch(r"\d{1,3},\d{1,3}\]", c["text"]) and c["finish_reason"] == "stop"
+        (c,) = (await ask(kvroute_grammar=lark, kvroute_prefix=tok.encode("x", False))
+                ).json()["choices"]
+        assert c["text"] == "" and c["finish_reason"] == "stop"
+        bad = await ask(kvroute_grammar="start: (((")
+        assert bad.status_code == 400 and "kvroute_grammar" in bad.json()["error"]["message"]
+        assert (await ask(kvroute_prefix=[1, 2])).status_code == 400
+        assert (await http.get("/health")).status_code == 200
+
+
 async def test_a_killed_vllm_leaves_the_router_and_rejoins_after_restart(stack: Stack) -> None:
     oa, tok = client(stack), chat_tokenizer(stack)
     messages = [{"role": "system", "content": f"Before the crash. {SYSTEM}"},

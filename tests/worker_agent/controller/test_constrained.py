@@ -31,6 +31,7 @@ from kvroute.worker_agent.controller.program import (
     constraint_spec,
 )
 from kvroute.worker_agent.controller.vocab import Vocab, make_vocab
+from kvroute.worker_agent.engines.base import GrammarState
 
 PROMPT = [1, 2, 3]
 REGEX = "a[bc]xyz"
@@ -147,6 +148,24 @@ async def test_the_rest_of_a_region_is_what_completes_it(vocab: Vocab) -> None:
     assert rest_of_region(b, vocab, rests, 500) is None
     assert region_constraint(b, Gen(max_tokens=4, continue_constraint=True), vocab, rests,
                              500) is None
+
+
+async def test_a_continued_region_goes_as_its_grammar_and_tokens_to_the_mask_plugin(
+        vocab: Vocab) -> None:
+    # An engine that continues grammars (vLLM with kvroute's mask plugin) is sent the
+    # region's grammar and its tokens so far: a context-free constraint continues too.
+    s = spec(lark='start: "(" "a"+ ")"')
+    b = await opened(vocab, s)
+    b.tokens += list(b"(aa")
+    got = region_constraint(b, Gen(max_tokens=4, continue_constraint=True), vocab, {}, 500,
+                            from_state=True)
+    assert got == ("state", GrammarState(s.grammar, tuple(b"(aa")))
+    # The gen's own constraint still goes as itself; a complete region asks for nothing.
+    assert region_constraint(b, Gen(max_tokens=4, constraint=s), vocab, {}, 500,
+                             from_state=True) == ("lark", s.source)
+    b.tokens += list(b")")
+    assert region_constraint(b, Gen(max_tokens=4, continue_constraint=True), vocab, {}, 500,
+                             from_state=True) is None
 
 
 @pytest.mark.parametrize(("kind", "text", "max_len", "code", "why"), [

@@ -41,6 +41,7 @@ from kvroute.core.load import EngineLoad, PrefillMode
 from kvroute.worker_agent.engines.base import (
     EngineError,
     EngineRequest,
+    GrammarState,
     RequestRefusedError,
     TokenChunk,
 )
@@ -57,9 +58,10 @@ from kvroute.worker_agent.engines.served.wire import Batch
 
 _FINISH = {"length": "length", "stop": "stop"}
 
-Constraint = tuple[str, str | Sequence[str]]
+Constraint = tuple[str, str | Sequence[str] | GrammarState]
 """``(kind, source)`` of a controller program's constrained gen: json_schema, regex, lark or
-choices."""
+choices with the client's source, or ``state`` with a :class:`GrammarState` (an engine that
+continues grammars: vLLM with the mask plugin)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ view is incomplete, reuses) a block again, the router **under-reports** that blo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvroute.worker_agent.engines.vllm.engine import VllmConfig, VllmEngine
@@ -35,7 +36,12 @@ from kvroute.worker_agent.vocabulary import AgentVocabulary, load_vocabulary
 if TYPE_CHECKING:
     from kvroute.core.config import AgentConfig
 
-__all__ = ["SUPPORTED", "VllmConfig", "VllmEngine", "from_agent_config"]
+__all__ = ["MASK_PLUGIN", "SUPPORTED", "VllmConfig", "VllmEngine", "from_agent_config"]
+
+MASK_PLUGIN = Path(__file__).resolve().parent / "plugin" / "kvroute_vllm_mask.py"
+"""kvroute's logits processor for vLLM (standalone: vLLM loads it from its own environment,
+with this file's folder on ``PYTHONPATH`` and ``--logits-processors
+kvroute_vllm_mask:KvrouteMask``); the agent then runs with ``--vllm-mask-plugin``."""
 
 
 def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary | None = None) -> VllmEngine:
@@ -61,4 +67,5 @@ def from_agent_config(cfg: AgentConfig, vocab: AgentVocabulary | None = None) ->
         metrics_interval_s=min(1.0, max(0.05, cfg.worker.heartbeat_s / 2)),
         model_source=cfg.model.source,
         render_check_s=cfg.vllm.render_check_s,
+        mask_plugin=cfg.vllm.mask_plugin,
     ), chat=vocab.chat)

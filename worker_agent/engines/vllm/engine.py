@@ -38,6 +38,9 @@ class VllmConfig(EventedConfig):
     of a probe chat is checked against the router's (:mod:`.render_check`)."""
     render_check_s: float = 300.0
     """Seconds between those checks."""
+    mask_plugin: bool = False
+    """vLLM runs kvroute's mask plugin (``plugin/kvroute_vllm_mask.py``): a continued
+    constrained region goes as its grammar and tokens so far (:class:`GrammarState`)."""
     report_reused: str = "auto"
     """Ask vLLM to re-report reused prefix blocks (``kv_cache_report_mode=full``): ``auto``
     while the cache view is incomplete (started late or reset), ``always`` or ``never``."""
@@ -67,6 +70,11 @@ class VllmEngine(EventedEngine):
             chat = chat or ChatTokenizer.load(config.model_source, name=config.model)
             self.render_check = RenderCheck(config.url, self.served_model, chat,
                                             config.render_check_s)
+
+    @property
+    def continues_grammars(self) -> bool:
+        """Whether a constraint may be a :class:`GrammarState` (the mask plugin runs)."""
+        return self.config.mask_plugin
 
     @property
     def vllm_version(self) -> str | None:

@@ -5,7 +5,9 @@ Request (checked against ``CompletionRequest`` of both ends of :data:`.versions.
     {"model": M, "prompt": [token ids], "max_tokens": n, "temperature": t, "stream": true,
      "stream_options": {"include_usage": true}, "return_token_ids": true,
      "seed": s (if set), "stop_token_ids": [...] (if any), "cache_salt": salt (if any),
-     "vllm_xargs": {"kv_cache_report_mode": "full"} (when asked to re-report reused blocks),
+     "vllm_xargs": {"kv_cache_report_mode": "full"} (when asked to re-report reused blocks;
+                    "kvroute_grammar", "kvroute_prefix": a continued constraint, for the mask
+                    plugin),
      "structured_outputs": {"json"|"regex"|"grammar"|"choice": ...} (a constrained gen; vLLM
      < 0.11: "guided_json"|"guided_regex"|"guided_grammar"|"guided_choice": ...)}
 
@@ -43,7 +45,12 @@ from typing import Any
 import httpx
 
 from kvroute.core.blocks import split_adapter_salt
-from kvroute.worker_agent.engines.base import EngineError, EngineRequest, RequestRefusedError
+from kvroute.worker_agent.engines.base import (
+    EngineError,
+    EngineRequest,
+    GrammarState,
+    RequestRefusedError,
+)
 from kvroute.worker_agent.engines.served.stream import Chunk, error_text, json_object, sse_data
 from kvroute.worker_agent.engines.vllm.versions import StructuredDialect, guided_fields
 
@@ -56,6 +63,10 @@ _REQUEST_CAUSED = {400: "INVALID_ARGUMENT", 413: "RESOURCE_EXHAUSTED",
 
 _STRUCTURED_KEYS = {"json_schema": "json", "regex": "regex", "lark": "grammar",
                     "choices": "choice"}
+
+
+PLUGIN_GRAMMAR, PLUGIN_PREFIX = "kvroute_grammar", "kvroute_prefix"
+"""The ``vllm_xargs`` kvroute's mask plugin reads (plugin/kvroute_vllm_mask.py)."""
 
 
 def structured_outputs(kind: str, source: str | Sequence[str]) -> dict[str, Any]:
@@ -94,10 +105,11 @@ class CompletionsClient:
              top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop_token_ids: frozenset[int] = frozenset(), cache_salt: str = "",
              report_reused: bool = False, structured: dict[str, Any] | None = None,
-             logprobs: bool = False) -> dict[str, Any]:
+             state: GrammarState | None = None, logprobs: bool = False) -> dict[str, Any]:
         """``cache_salt``: the request's; a LoRA adapter's salt (core/blocks.py
         ``adapter_salt``, from a router's ``--lora``) asks vLLM for that adapter as the
-        model, with the caller's own salt."""
+        model, with the caller's own salt. ``state``: a grammar continued from a state, for
+        the mask plugin."""
         adapter, cache_salt = split_adapter_salt(cache_salt)
         b: dict[str, Any] = {
             "model": adapter or self.model, "prompt": token_ids, "max_tokens": max_tokens,
@@ -121,8 +133,14 @@ class CompletionsClient:
             b["stop_token_ids"] = sorted(stop_token_ids)
         if cache_salt:
             b["cache_salt"] = cache_salt
+        xargs: dict[str, Any] = {}
         if report_reused:
-            b["vllm_xargs"] = {"kv_cache_report_mode": "full"}
+            xargs["kv_cache_report_mode"] = "full"
+        if state is not None:
+            xargs[PLUGIN_GRAMMAR] = state.grammar
+            xargs[PLUGIN_PREFIX] = list(state.prefix)
+        if xargs:
+            b["vllm_xargs"] = xargs
         if structured:
             if self.dialect is StructuredDialect.GUIDED:
                 b.update(guided_fields(structured))
@@ -147,16 +165,23 @@ class CompletionsClient:
         return version
 
     async def stream(self, request_id: str, request: EngineRequest, *,
-                     constraint: tuple[str, str | Sequence[str]] | None = None,
+                     constraint: tuple[str, str | Sequence[str] | GrammarState] | None = None,
                      report_reused: bool = False) -> AsyncIterator[Chunk]:
         """Chunks of one completion; see the module doc."""
-        structured = structured_outputs(*constraint) if constraint is not None else None
+        structured, state = None, None
+        if constraint is not None:
+            kind, source = constraint
+            if isinstance(source, GrammarState):
+                state = source  # for the mask plugin
+            else:
+                structured = structured_outputs(kind, source)
         for attempt in range(2):
             body = self.body(
                 list(request.token_ids), request.max_tokens, temperature=request.temperature,
                 top_p=request.top_p, top_k=request.top_k, seed=request.seed,
                 stop_token_ids=request.stop_token_ids, cache_salt=request.cache_salt,
-                report_reused=report_reused, structured=structured, logprobs=request.logprobs)
+                report_reused=report_reused, structured=structured, state=state,
+                logprobs=request.logprobs)
             try:
                 async for chunk in self._stream_once(request_id, body, first_try=attempt == 0):
                     yield chunk
