@@ -5,9 +5,11 @@ frame) losing a batch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -142,14 +144,23 @@ def stored(i: int) -> bytes:
         [i + 1], i if i else None, TOKS[i * B:(i + 1) * B], B, None)]))
 
 
-async def test_old_layout_stream_gap_healed_by_replay_without_topic(tmp_path: Path) -> None:
-    pub = OldPublisher(tmp_path, b"kv")
-    eng, _ = engine(tmp_path, topic="kv")
-
+@contextlib.asynccontextmanager
+async def old_stream(tmp: Path) -> AsyncIterator[tuple[OldPublisher, VllmEngine]]:
+    """An old-layout publisher and an engine subscribed to it (topic ``kv``)."""
+    pub = OldPublisher(tmp, b"kv")
+    eng, _ = engine(tmp, topic="kv")
     await eng.start()
     try:
         await asyncio.wait_for(eng.events.ready.wait(), 5)
         await asyncio.sleep(0.1)  # let the subscription reach the PUB socket
+        yield pub, eng
+    finally:
+        await eng.stop()
+        pub.close()
+
+
+async def test_old_layout_stream_gap_healed_by_replay_without_topic(tmp_path: Path) -> None:
+    async with old_stream(tmp_path) as (pub, eng):
         pub.publish(stored(0))
         pub.publish(stored(1), lose=True)
         pub.publish(stored(2))
@@ -157,21 +168,13 @@ async def test_old_layout_stream_gap_healed_by_replay_without_topic(tmp_path: Pa
         assert sorted(eng.cached_keys()) == sorted(keys(TOKS))
         st = eng.events.stats
         assert st.gaps_healed == 1 and st.resets == 0 and not st.rejected
-    finally:
-        await eng.stop()
-        pub.close()
 
 
 async def test_a_batch_the_replay_returns_before_it_arrives_live_is_no_gap(
         tmp_path: Path, caplog) -> None:
     # vLLM buffers a batch as it publishes it: an idle probe can find a batch whose live
     # frame is still on its way. Neither a healed gap nor a silent stream.
-    pub = OldPublisher(tmp_path, b"kv")
-    eng, _ = engine(tmp_path, topic="kv")
-    await eng.start()
-    try:
-        await asyncio.wait_for(eng.events.ready.wait(), 5)
-        await asyncio.sleep(0.1)  # let the subscription reach the PUB socket
+    async with old_stream(tmp_path) as (pub, eng):
         for i in range(2):
             pub.publish(stored(i), late=True)  # live 10 ms after the probe's replay
             await wait_for(lambda n=i + 1: len(eng.cached_keys()) == n, what="the late batch")
@@ -180,9 +183,6 @@ async def test_a_batch_the_replay_returns_before_it_arrives_live_is_no_gap(
         assert st.gaps_healed == 0 and st.silent_recoveries == 0 and st.replayed_batches == 0
         assert not [r for r in caplog.records if r.name == "kvroute.agent.vllm"
                     and r.levelname == "WARNING"]
-    finally:
-        await eng.stop()
-        pub.close()
 
 
 async def test_a_publisher_that_connects_instead_of_binding_is_loud(kv_events, tmp_path: Path,
