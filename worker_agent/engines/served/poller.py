@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("kvroute.agent.metrics_poll")
 
+_SAMPLE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*[{ ]")
+
 
 def families(text: str, names: Collection[str]) -> Iterator[Metric]:
     """The metric families ``names`` of ``text`` (Prometheus exposition), parsed from their
@@ -24,8 +27,15 @@ def families(text: str, names: Collection[str]) -> Iterator[Metric]:
     loop at every poll; the few read here take well under 1 ms. ValueError for a named
     metric's malformed line."""
     heads = tuple(name + end for name in names for end in ("{", " "))
-    kept = [line for line in text.splitlines() if line.startswith(heads)]
-    return text_string_to_metric_families("\n".join(kept) + "\n") if kept else iter(())
+    lines = text.splitlines()
+    kept = [line for line in lines if line.startswith(heads)]
+    if not kept:
+        # Still say so when the text is no exposition at all (a wrong URL's HTML page).
+        first = next((line for line in lines if line.strip()), "")
+        if first and not (first.startswith("#") or _SAMPLE.match(first)):
+            raise ValueError(f"not Prometheus exposition text: {first[:80]!r}")
+        return iter(())
+    return text_string_to_metric_families("\n".join(kept) + "\n")
 
 
 @dataclass(frozen=True, slots=True)

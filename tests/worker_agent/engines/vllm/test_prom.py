@@ -48,6 +48,8 @@ def test_current_and_old_metric_names() -> None:
 def test_not_prometheus_text_is_an_error() -> None:
     with pytest.raises(ValueError):
         parse_metrics("vllm:num_requests_running{ 3\n")
+    with pytest.raises(ValueError, match="not Prometheus"):  # a wrong URL's page
+        parse_metrics("<!DOCTYPE html>\n<html><body>Not Found</body></html>\n")
 
 
 def test_only_the_metrics_read_are_parsed() -> None:
