@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvroute.core.settings import ENV_PREFIX, flag
@@ -52,6 +53,15 @@ def refuse_port(setting: str, host: str, port: int, why: str) -> SystemExit:
                       f"{address(host, port)} {why}")
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class PortPool:
     """Hands out free 127.0.0.1 ports, never the same one twice.
@@ -74,14 +84,20 @@ class PortPool:
 
     def take_cluster(self) -> int:
         """A free port whose Redis Cluster bus port (port + 10000) is valid and free too."""
+        return self._take_with((10000,), "no free port pair for a cluster node")
+
+    def take_span(self, n: int) -> int:
+        """A free port p with p+1 .. p+n-1 free too, all remembered as handed out: for a
+        server that offsets its ports (SGLang's data-parallel ranks: port + rank)."""
+        return self._take_with(range(1, n), f"no {n} free ports in a row")
+
+    def _take_with(self, offsets: Sequence[int], fail: str) -> int:
+        """A port from :meth:`take` whose ports at ``offsets`` are valid, not handed out and
+        bindable now; those are remembered as handed out too."""
         for _ in range(1000):
             p = self.take()
-            if p + 10000 > 65535:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p + 10000))
-                except OSError:
-                    continue
-            return p
-        raise RuntimeError("no free port pair for a cluster node")
+            others = [p + k for k in offsets]
+            if all(q <= 65535 and q not in self._taken and _bindable(q) for q in others):
+                self._taken.update(others)
+                return p
+        raise RuntimeError(fail)

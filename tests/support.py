@@ -45,6 +45,11 @@ def free_port() -> int:
     return _PORTS.take()
 
 
+def free_port_span(n: int = 4) -> int:
+    """A free port p with p+1 .. p+n-1 free too (a server that adds a rank to its ports)."""
+    return _PORTS.take_span(n)
+
+
 def free_cluster_port() -> int:
     """A free port whose Redis Cluster bus port (port + 10000) is free too."""
     return _PORTS.take_cluster()

@@ -72,3 +72,14 @@ def test_why_a_port_cannot_be_bound_is_said() -> None:
     assert why_unbindable("192.0.2.1", port) == "is not an address of this host"
     assert why_unbindable("no-such-host.invalid", port).startswith("cannot be resolved")
     assert address("::1", 5) == "[::1]:5" and address("127.0.0.1", 5) == "127.0.0.1:5"
+
+
+def test_a_span_is_free_and_never_handed_out_again() -> None:
+    pool = PortPool()
+    first = pool.take_span(4)
+    span = set(range(first, first + 4))
+    for port in span:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    later = {pool.take() for _ in range(300)} | {pool.take_span(4) for _ in range(20)}
+    assert not later & span

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from kvroute.worker_agent.engines.vllm.versions import SUPPORTED
-from tests.support import free_port, stop_process
+from tests.support import free_port, free_port_span, stop_process
 from tests.worker_agent.engines.vllm.vllm_release import Release, read_release
 from tests.worker_agent.engines.vllm.vllm_wire import load_kv_events, vllm_sources
 from tests.worker_agent.engines.wheels import REPO
@@ -65,10 +65,11 @@ class FakeServerProc:
     args: list[str] = field(default_factory=list)
     release: Any = None
     """What the release's code declares (a vLLM ``Release``), for tests to read."""
+    # A fake SGLang with data-parallel ranks serves rank r on these ports + r (up to 4).
     http_port: int = field(default_factory=free_port)
-    events_port: int = field(default_factory=free_port)
-    upstream_port: int = field(default_factory=free_port)
-    replay_port: int = field(default_factory=free_port)
+    events_port: int = field(default_factory=free_port_span)
+    upstream_port: int = field(default_factory=free_port_span)
+    replay_port: int = field(default_factory=free_port_span)
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
 
