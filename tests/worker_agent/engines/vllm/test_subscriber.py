@@ -123,8 +123,7 @@ class OldPublisher:
                 late = [(seq, buf) for seq, buf in self.buffer
                         if seq in self.late and seq >= start_seq]
                 self.late = [seq for seq in self.late if seq < start_seq]
-            for seq, buf in late:
-                time.sleep(0.01)
+            for seq, buf in late:  # on the wire just after the replay's answer
                 self.pub.send_multipart((self.topic, encode_seq(seq), buf))
 
     def close(self) -> None:
@@ -176,7 +175,7 @@ async def test_a_batch_the_replay_returns_before_it_arrives_live_is_no_gap(
     # frame is still on its way. Neither a healed gap nor a silent stream.
     async with old_stream(tmp_path) as (pub, eng):
         for i in range(2):
-            pub.publish(stored(i), late=True)  # live 10 ms after the probe's replay
+            pub.publish(stored(i), late=True)  # live just after the probe's replay
             await wait_for(lambda n=i + 1: len(eng.cached_keys()) == n, what="the late batch")
         st = eng.events.stats
         assert st.frames == 2 and st.batches == 2 and st.duplicates == 0
