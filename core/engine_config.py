@@ -89,12 +89,13 @@ class VllmSettings(Section):
                                       "most tokens of one prefill per iteration; 0: none), "
                                       "reported to routers", NON_NEGATIVE)
     render_check_s: float = opt(300.0, "vllm engine: seconds between checks that vLLM renders "
-                                "a probe chat to the ids the model's tokenizer gives",
+                                "a probe chat to the ids the model's tokenizer gives, and "
+                                "(with --vllm-mask-plugin) that it runs kvroute's mask plugin",
                                 POSITIVE)
     mask_plugin: bool = opt(False, "vllm engine: vLLM runs kvroute's mask plugin "
                             "(--logits-processors kvroute_vllm_mask:KvrouteMask, "
                             "docs/engines.md), so a program continues any constrained region "
-                            "there (without it: regular constraints only)")
+                            "there once vLLM says it runs (else: regular constraints only)")
 
 
 @dataclass(frozen=True)

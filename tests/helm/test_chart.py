@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +271,32 @@ def test_a_long_prefill_threshold_goes_to_vllm_and_its_agent(helm: Path) -> None
     argv, _ = agent_argv(sts)
     # The agent reports it: routers count only the chunks a request would join.
     assert build_parser().parse_args(argv).vllm_long_prefill_threshold == 2048
+
+
+def test_the_mask_plugin_is_copied_into_the_pod_loaded_by_vllm_and_told_to_the_agent(
+        rendered: dict[str, str], tmp_path: Path) -> None:
+    sts = manifests(rendered, "everything").one("StatefulSet", "-worker")
+    spec = pod_spec(sts)
+    (init,) = spec["initContainers"]
+    vllm = container(sts, "vllm")
+    mount = {v["name"]: v["mountPath"] for v in init["volumeMounts"]}["kvroute-vllm-plugin"]
+    assert {v["name"]: v for v in vllm["volumeMounts"]}["kvroute-vllm-plugin"] == {
+        "name": "kvroute-vllm-plugin", "mountPath": mount, "readOnly": True}
+    assert "emptyDir" in {v["name"]: v for v in spec["volumes"]}["kvroute-vllm-plugin"]
+    assert env_of(vllm)["PYTHONPATH"] == mount
+    module, cls = flag(vllm["args"], "--logits-processors").split(":")
+    assert build_parser().parse_args(agent_argv(sts)[0]).vllm_mask_plugin is True
+    # The init container's own command, run here against this checkout's package, writes
+    # the module vLLM is told to import, with the class it names.
+    argv = [a.replace(mount, str(tmp_path)) for a in init["command"]]
+    assert argv[0] == "python"
+    subprocess.run([sys.executable, *argv[1:]], check=True, timeout=60)
+    assert f"class {cls}(" in (tmp_path / f"{module}.py").read_text()
+    # Off by default (the default image's vLLM predates the interfaces it implements).
+    plain = manifests(rendered, "defaults").one("StatefulSet", "-worker")
+    assert "initContainers" not in pod_spec(plain)
+    assert "--logits-processors" not in container(plain, "vllm")["args"]
+    assert "--vllm-mask-plugin" not in container(plain, "agent")["args"]
 
 
 def test_a_lower_tiers_rate_goes_to_the_agent(helm: Path) -> None:

@@ -316,6 +316,10 @@ async def test_a_lark_region_continues_inside_vllm_through_the_mask_plugin(stack
     """vLLM starts every grammar from its beginning, and a Lark grammar has no regex for
     its rest: a region continued after a backtrack inside it needs kvroute's mask plugin,
     which holds vLLM to the grammar from the region's tokens so far."""
+    # Each agent asked its vLLM whether the plugin runs (the plugin refuses the probe).
+    checks = [a.engine.plugin_check for a in stack.agents.values()]
+    await wait_for(lambda: all(c is not None and c.state == 1 for c in checks), 20,
+                   "both agents saw the plugin run")
     tok = chat_tokenizer(stack)
     prompt = tok.apply([{"role": "user", "content": "Three numbers in brackets."}])
     triple = P.Constraint(lark='start: "[" NUM "," NUM "," NUM "]"\nNUM: /[0-9]{1,3}/')

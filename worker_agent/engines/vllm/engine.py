@@ -12,6 +12,7 @@ from prometheus_client.core import Metric
 from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.worker_agent.engines.served.engine import EventedConfig, EventedEngine
 from kvroute.worker_agent.engines.vllm.openai import CompletionsClient
+from kvroute.worker_agent.engines.vllm.plugin_check import PluginCheck
 from kvroute.worker_agent.engines.vllm.prom import parse_metrics
 from kvroute.worker_agent.engines.vllm.render_check import RenderCheck
 from kvroute.worker_agent.engines.vllm.versions import (
@@ -70,11 +71,17 @@ class VllmEngine(EventedEngine):
             chat = chat or ChatTokenizer.load(config.model_source, name=config.model)
             self.render_check = RenderCheck(config.url, self.served_model, chat,
                                             config.render_check_s)
+        self.plugin_check: PluginCheck | None = None
+        """With ``mask_plugin``: whether vLLM does run it (:mod:`.plugin_check`)."""
+        if config.mask_plugin:
+            self.plugin_check = PluginCheck(config.url, self.served_model,
+                                            config.render_check_s)
 
     @property
     def continues_grammars(self) -> bool:
-        """Whether a constraint may be a :class:`GrammarState` (the mask plugin runs)."""
-        return self.config.mask_plugin
+        """Whether a constraint may be a :class:`GrammarState`: the mask plugin was named
+        and vLLM said it runs."""
+        return self.plugin_check is not None and self.plugin_check.runs
 
     @property
     def vllm_version(self) -> str | None:
@@ -100,15 +107,19 @@ class VllmEngine(EventedEngine):
         mode = self.config.report_reused
         return mode == "always" or (mode == "auto" and not self.events.stats.complete)
 
+    def _checks(self) -> list[tuple[str, RenderCheck | PluginCheck]]:
+        found = [("vllm-render-check", self.render_check),
+                 ("vllm-mask-plugin-check", self.plugin_check)]
+        return [(name, check) for name, check in found if check is not None]
+
     def _background(self) -> list[tuple[str, Callable[[], Any]]]:
-        check = self.render_check
-        return [] if check is None else [("vllm-render-check", check.run)]
+        return [(name, check.run) for name, check in self._checks()]
 
     async def _close_extra(self) -> None:
-        if self.render_check is not None:
-            await self.render_check.aclose()
+        for _, check in self._checks():
+            await check.aclose()
 
     def metric_families(self) -> Iterator[Metric]:
         yield from super().metric_families()
-        if self.render_check is not None:
-            yield from self.render_check.metric_families()
+        for _, check in self._checks():
+            yield from check.metric_families()

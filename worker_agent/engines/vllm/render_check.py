@@ -19,7 +19,6 @@ beside ``kvroute_agent_chat_template_checks_total{outcome}``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ from typing import Any
 
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvroute.worker_agent.engines.vllm.checks import CheckError, every
 
 log = logging.getLogger("kvroute.agent.vllm.render")
 
@@ -53,13 +54,6 @@ PROBES: tuple[Probe, ...] = (
 """The conversations compared: several turns (earlier assistant turns are where templates
 differ most: some drop reasoning, some add stop tokens), a non-ASCII character, and tools
 (which a router must render, not drop)."""
-
-RETRY_S = 10.0
-"""How soon a check that got no answer (vLLM not up yet, an error) is tried again."""
-
-
-class RenderCheckError(Exception):
-    """vLLM's answer could not be compared (unreachable, an error, a malformed body)."""
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -103,11 +97,11 @@ class RenderCheck:
         try:
             resp = await self._http.post("/tokenize", json=body)
         except httpx.HTTPError as exc:
-            raise RenderCheckError(f"POST {self.url}/tokenize: {type(exc).__name__}: "
-                                   f"{exc}") from None
+            raise CheckError(f"POST {self.url}/tokenize: {type(exc).__name__}: "
+                             f"{exc}") from None
         if resp.status_code != 200:
-            raise RenderCheckError(f"POST {self.url}/tokenize: HTTP {resp.status_code}: "
-                                   f"{resp.text[:300]}")
+            raise CheckError(f"POST {self.url}/tokenize: HTTP {resp.status_code}: "
+                             f"{resp.text[:300]}")
         try:
             body = resp.json()
         except ValueError:
@@ -115,13 +109,13 @@ class RenderCheck:
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not (isinstance(tokens, list)
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
-            raise RenderCheckError(f"POST {self.url}/tokenize: no list of token ids in "
-                                   f"{resp.text[:300]!r}")
+            raise CheckError(f"POST {self.url}/tokenize: no list of token ids in "
+                             f"{resp.text[:300]!r}")
         return tokens
 
     async def check(self) -> bool:
         """One check of every probe: True if vLLM's ids equal the router's. Raises
-        RenderCheckError (counted) when vLLM's answer cannot be had or read."""
+        CheckError (counted) when vLLM's answer cannot be had or read."""
         try:
             for probe in PROBES:
                 ours = self._chat.apply(probe.messages, tools=probe.tools,
@@ -143,7 +137,7 @@ class RenderCheck:
                             "vllm_ids_there": list(theirs[at:at + 8]),
                             "served_model": self.served_model}})
                     return False
-        except RenderCheckError:
+        except CheckError:
             self._outcome("error")
             raise
         self._outcome("match")
@@ -158,19 +152,8 @@ class RenderCheck:
 
     async def run(self) -> None:
         """Check at start and every ``interval_s``; sooner again after an error."""
-        while True:
-            try:
-                await self.check()
-                wait = self.interval_s
-            except RenderCheckError as exc:
-                log.warning("chat template check: no answer from vLLM yet; retrying",
-                            extra={"kv": {"error": str(exc), "retry_s": RETRY_S}})
-                wait = min(RETRY_S, self.interval_s)
-            except Exception:  # a template that fails to render: say so, keep checking
-                self._outcome("error")
-                log.exception("chat template check failed")
-                wait = self.interval_s
-            await asyncio.sleep(wait)
+        await every(self.check, self.interval_s, "chat template check", log,
+                    on_error=lambda: self._outcome("error"))
 
     def metric_families(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(

@@ -559,14 +559,24 @@ async def handle(fake: FakeVllm, r: asyncio.StreamReader, w: asyncio.StreamWrite
 
 
 async def _completions(fake: FakeVllm, body: dict[str, Any], w: asyncio.StreamWriter) -> None:
-    if not body.get("stream"):
-        await _respond(w, 400, b'{"error": {"message": "this fake only streams"}}')
-        return
     if not isinstance(body.get("prompt"), list) or not body["prompt"]:
         await _respond(w, 400, json.dumps({"error": {"message": "prompt must be token ids",
                                                      "type": "BadRequestError"}}).encode())
         return
-    await stream_sse(w, lambda write: fake.generate(body, write))
+    if body.get("stream"):
+        await stream_sse(w, lambda write: fake.generate(body, write))
+        return
+    chunks: list[dict[str, Any]] = []
+
+    async def keep(obj: dict[str, Any]) -> None:
+        chunks.append(obj)
+
+    await fake.generate(body, keep)  # one answer of the stream's chunks, as vLLM's
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    await _respond(w, 200, json.dumps({
+        "id": chunks[0]["id"], "object": "text_completion", "model": body.get("model"),
+        "choices": [{"index": 0, "text": "".join(c["text"] for c in choices),
+                     "finish_reason": choices[-1]["finish_reason"]}]}).encode())
 
 
 async def stream_sse(w: asyncio.StreamWriter, produce: Any) -> None:
