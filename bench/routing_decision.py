@@ -11,7 +11,7 @@ container, every block hashed in Python, each worker's key set walked until its 
 then the same policy in Python.
 
     python bench/routing_decision.py [--entries 1000000] [--iters 300] [--workers 16,128]
-        [--hot 0.25] [--prompts 1024,8192,32768]
+        [--hot 0.25] [--prompts 1024,8192,32768] [--pending 4000]
 
 Each query prompt's prefix is cached on 1-4 random workers; with ``--hot F``, on a share F
 of the workers instead (a hot system prompt, as bench/scale.py's probes are held by ~25% of
@@ -81,12 +81,14 @@ def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.
     return index, naive, names
 
 
-def registry(names: list[str], queued: int, rng: random.Random) -> WorkerRegistry:
-    """Heartbeats of a running cluster, with 0..``2 * queued`` requests queued per worker."""
+def registry(names: list[str], queued: int, rng: random.Random, pending: int
+             ) -> WorkerRegistry:
+    """Heartbeats of a running cluster, with 0..``2 * queued`` requests queued per worker
+    and 0..``pending`` prompt tokens still to prefill."""
     reg = WorkerRegistry({}, BLOCK)
     reg.apply_heartbeats({w: Heartbeat(w, f"127.0.0.1:{i}", "e", load=EngineLoad(
                               running=rng.randint(0, 8), queued=rng.randint(0, 2 * queued),
-                              pending_prefill_tokens=rng.randint(0, 4000)))
+                              pending_prefill_tokens=rng.randint(0, pending)))
                           for i, w in enumerate(names)})
     return reg
 
@@ -190,6 +192,10 @@ def main() -> None:
                     help="share of the workers caching each query prompt's prefix (0: 1-4)")
     ap.add_argument("--prompts", type=COUNTS, default=[1024, 8192, 32768],
                     help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--pending", type=int, default=4000,
+                    help="most prompt tokens left to prefill per worker (0: a quiet "
+                         "cluster, whose workers differ only in their running sequences "
+                         "and whose rankings hold long runs of equal costs)")
     args = ap.parse_args()
     print(f"{'prompt':>7} {'workers':>7} {'queued':>6} | {'kvroute p50':>11} {'p99':>8} |"
           f" {'baseline p50':>12} {'p99':>8} | {'p99 ratio':>9} | p50 of: ids  hash  walk"
@@ -211,7 +217,7 @@ def main() -> None:
         hasher = BlockHasher(BLOCK, MODEL, native=False)  # the baseline is all Python
         policy = Kvroute()
         for n, queued in itertools.product(lengths, (0, 2)):
-            reg = registry(names, queued, rng)
+            reg = registry(names, queued, rng, args.pending)
             reqs = [received(p) for p in prompts[n]]
             # Same answers from both, or the comparison means nothing.
             for r in reqs[:5]:

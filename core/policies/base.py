@@ -8,6 +8,7 @@ no caller probes it for attributes.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, count, islice
@@ -71,13 +72,32 @@ class Ranking(Sequence[Scored]):
 
     A router reads one or two entries per request (the choice, and the next-best for a
     retry), so building a Scored for each of 128 workers would be most of the ranking's
-    cost."""
+    cost. Runs of equal costs are put in :func:`tie_break` order when first read, for the
+    same reason: over 1,000 workers a ranking can hold a hundred such runs, hashing most of
+    the workers, and a router reads the first. What is read is the same either way."""
 
-    __slots__ = ("_costs", "_order")
+    __slots__ = ("_affinity", "_costs", "_ends", "_order", "_starts")
 
-    def __init__(self, order: list[str], costs: list[float]) -> None:
+    def __init__(self, order: list[str], costs: list[float], affinity: int = 0,
+                 starts: list[int] | None = None, ends: list[int] | None = None) -> None:
+        """``starts``, ``ends``: the slices ``[starts[k], ends[k])`` of ``order`` holding
+        equal costs, ascending, still to be put in ``affinity``'s rendezvous order."""
         self._order = order
         self._costs = costs
+        self._affinity = affinity
+        self._starts = starts if starts is not None else []
+        self._ends = ends if ends is not None else []
+
+    def _settle(self, i: int) -> None:
+        """Put the run holding position ``i`` (if any is left) in rendezvous order."""
+        k = bisect_right(self._starts, i) - 1
+        if k >= 0 and i < self._ends[k]:
+            a, b = self._starts.pop(k), self._ends.pop(k)
+            self._order[a:b] = rendezvous_order(self._affinity, self._order[a:b])
+
+    def _settle_all(self) -> None:
+        while self._starts:
+            self._settle(self._starts[0])
 
     def __len__(self) -> int:
         return len(self._order)
@@ -90,10 +110,14 @@ class Ranking(Sequence[Scored]):
 
     def __getitem__(self, i: int | slice) -> Scored | list[Scored]:
         if isinstance(i, slice):
+            self._settle_all()
             return list(map(Scored, self._order[i], self._costs[i]))
+        if self._starts:
+            self._settle(i if i >= 0 else i + len(self._order))
         return Scored(self._order[i], self._costs[i])
 
     def __iter__(self) -> Iterator[Scored]:
+        self._settle_all()
         return map(Scored, self._order, self._costs)
 
 
@@ -156,28 +180,28 @@ def rank_by_cost(query: RouteQuery, costs: Mapping[str, float]) -> Ranking:
 
 
 def ranking_of(query: RouteQuery, order: list[str], vals: list[float],
-               tied: list[int] | None = None) -> Ranking:
+               runs: tuple[list[int], list[int]] | None = None) -> Ranking:
     """``order`` (workers sorted by their ``vals``, stably) with each run of equal costs put
-    in :func:`tie_break` order: :func:`rank_by_cost` once sorted. ``tied``, when the caller
-    found them: every position whose cost equals the next one's, ascending."""
-    if tied is None and len(set(vals)) != len(vals):  # cheaper than finding no ties
-        tied = list(compress(count(), map(eq, vals, islice(vals, 1, None))))
-    if tied:
-        aff = query.affinity
-        for i, j in _runs(tied):
-            order[i:j] = rendezvous_order(aff, order[i:j])
-    return Ranking(order, vals)
+    in :func:`tie_break` order: :func:`rank_by_cost` once sorted. ``runs``, when the caller
+    found them: the starts and ends of the runs of equal costs, ascending."""
+    if runs is None:
+        runs = ([], [])
+        if len(set(vals)) != len(vals):  # cheaper than finding no ties
+            _runs(list(compress(count(), map(eq, vals, islice(vals, 1, None)))), *runs)
+    return Ranking(order, vals, query.affinity, *runs)
 
 
-def _runs(tied: list[int]) -> Iterator[tuple[int, int]]:
-    """The slices ``[i, j)`` of equal costs, given (ascending) every position ``i`` whose cost
-    equals the next one's."""
+def _runs(tied: list[int], starts: list[int], ends: list[int]) -> None:
+    """Append to ``starts`` and ``ends`` the slices ``[i, j)`` of equal costs, given
+    (ascending) every position ``i`` whose cost equals the next one's."""
     if not tied:
         return  # the set saw a NaN object twice: NaN equals nothing, so no tie
     start = prev = tied[0]
     for i in islice(tied, 1, None):
         if i != prev + 1:
-            yield start, prev + 2
+            starts.append(start)
+            ends.append(prev + 2)
             start = i
         prev = i
-    yield start, prev + 2
+    starts.append(start)
+    ends.append(prev + 2)

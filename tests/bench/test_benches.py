@@ -70,6 +70,9 @@ CASES = {
                        ["jitter  ", " 50%  ", " 80%  ", "as replayed: 2 cells",
                         "all three won consistently: ", "| aims: ",
                         "against the aims: ", " of 2 cells met; missed on mean TTFT "]),
+    # Two policies of one run against each other, cell by cell (the scored run's folder).
+    "policy_vs.py": (["{scored.parent}", "{scored.parent}", "--new-focus", "llmd"],
+                     ["cell  ", "jitter  ", "2 cells: mean TTFT ", "hit ratio "]),
     "program_overflow.py": (["--fanout", "4", "--loads", "0.8", "--max-batch", "32",
                              "--workers", "4"], ["0.80"]),
     "campaign.py": (["{chat}.campaign", *TINY_CAMPAIGN, "--policies", "kvroute,llmd", "--",
@@ -134,8 +137,9 @@ def test_every_bench_is_covered() -> None:
 def test_the_bench_runs_to_its_table(script: str, chat: Path,
                                      request: pytest.FixtureRequest) -> None:
     args, expected = CASES[script]
-    # Only score_cells.py reads a --json file: the replays that write it run for it alone.
-    scored = request.getfixturevalue("scored") if script == "score_cells.py" else ""
+    # Only these read --json files: the replays that write one run for them alone.
+    reads = script in ("score_cells.py", "policy_vs.py")
+    scored = request.getfixturevalue("scored") if reads else ""
     run = subprocess.run([sys.executable, str(BENCH / script),
                           *(a.format(chat=chat, scored=scored) for a in args)],
                          capture_output=True, text=True, timeout=240, cwd=BENCH.parent)

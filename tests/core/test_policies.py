@@ -4,6 +4,8 @@ whatever its terms (its formula term by term: test_policy_kvroute.py)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute.core.load import WorkerLoad
 from kvroute.core.policies import (
@@ -14,6 +16,7 @@ from kvroute.core.policies import (
     RouteQuery,
     make_policy,
 )
+from kvroute.core.policies.base import rank_by_cost, tie_break
 
 
 def q(matched: dict[str, int], loads: dict[str, WorkerLoad], prompt: int = 1024,
@@ -53,6 +56,25 @@ def test_ties_follow_affinity_stably() -> None:
     assert len(first) > 4  # different prefixes spread over workers
     same = {Kvroute().rank(q({}, loads, affinity=99))[0].worker for _ in range(5)}
     assert len(same) == 1  # the same prefix sticks
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(0, 2**64 - 1),
+       st.lists(st.integers(-40, 39), max_size=6))
+def test_a_ranking_reads_its_ties_in_rendezvous_order_whatever_is_read_first(
+        costs: list[int], affinity: int, reads: list[int]) -> None:
+    """Runs of equal costs are ordered when first read; any order of reads gives the list
+    of ordering them all at once: costs ascending, ties by the rendezvous hash."""
+    loads = {f"w{i:02d}": IDLE for i in range(len(costs))}
+    query = RouteQuery(1024, 16, {}, loads, affinity)
+    ranking = rank_by_cost(query, {w: float(c) for w, c in zip(loads, costs, strict=True)})
+    for i in reads:
+        if -len(costs) <= i < len(costs):
+            ranking[i]
+    got = [(s.cost, s.worker) for s in ranking]
+    want = sorted(((float(c), w) for w, c in zip(loads, costs, strict=True)),
+                  key=lambda cw: (cw[0], tie_break(affinity, cw[1])))
+    assert got == want
 
 
 def test_round_robin_cycles_and_ranks_everyone() -> None:

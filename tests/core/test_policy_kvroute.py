@@ -329,6 +329,21 @@ def test_the_columns_rank_as_the_loop(loads: list[WorkerLoad], matches: list[int
     assert [s.cost for s in columns] == pytest.approx([s.cost for s in loop], rel=1e-12)
 
 
+def test_the_columns_break_long_runs_of_ties_as_the_loop() -> None:
+    """A quiet cluster: its workers differ only in their running sequences, so most of the
+    ranking is runs of equal costs, each in the request's rendezvous order."""
+    table = LoadTable()
+    for i in range(3 * COLUMNS_FROM):
+        table[f"w{i:03d}"] = WorkerLoad(running=i % 4)
+    matched = {"w007": 10, "w100": 10, "w150": 20}
+    for affinity in range(6):
+        query = q(matched, table, 4096, affinity=affinity)
+        loop = Kvroute().rank(q(matched, dict(table), 4096, affinity=affinity))
+        columns = Kvroute().rank_columns(query, table)
+        assert columns[5].worker == loop[5].worker  # read alone first: its run only
+        assert [s.worker for s in columns] == [s.worker for s in loop]
+
+
 def test_the_routers_rankings_over_many_workers_take_the_columns() -> None:
     many = LoadTable()
     for i in range(COLUMNS_FROM):
