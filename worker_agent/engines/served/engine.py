@@ -200,6 +200,9 @@ class EventedEngine(BatchSink):
     async def _close_extra(self) -> None:
         return None
 
+    def _on_liveness(self, alive: bool) -> None:
+        """Told when the server starts or stops answering (:meth:`healthy` changes)."""
+
     # -- Engine protocol ---------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -377,6 +380,7 @@ class EventedEngine(BatchSink):
         if alive == self._alive:
             return
         self._alive = alive
+        self._on_liveness(alive)
         if alive:
             self.log.info(f"{self.product} answers; serving",
                           extra={"kv": {"url": self.config.url}})

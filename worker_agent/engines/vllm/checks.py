@@ -4,6 +4,7 @@ rendering (:mod:`.render_check`) and kvroute's mask plugin (:mod:`.plugin_check`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -17,11 +18,14 @@ class CheckError(Exception):
 
 
 async def every(check: Callable[[], Awaitable[object]], interval_s: float, name: str,
-                log: logging.Logger, on_error: Callable[[], None] = lambda: None) -> None:
+                log: logging.Logger, on_error: Callable[[], None] = lambda: None,
+                wake: asyncio.Event | None = None) -> None:
     """Run ``check`` at start and every ``interval_s``, within :data:`RETRY_S` again after
-    a :class:`CheckError`; any other exception is logged with its traceback (and counted by
-    ``on_error``), and the checks go on."""
+    a :class:`CheckError`, and at once when ``wake`` is set; any other exception is logged
+    with its traceback (and counted by ``on_error``), and the checks go on."""
     while True:
+        if wake is not None:
+            wake.clear()
         try:
             await check()
             wait = interval_s
@@ -33,4 +37,8 @@ async def every(check: Callable[[], Awaitable[object]], interval_s: float, name:
             on_error()
             log.exception("%s failed", name)
             wait = interval_s
-        await asyncio.sleep(wait)
+        if wake is None:
+            await asyncio.sleep(wait)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), wait)

@@ -115,6 +115,10 @@ class VllmEngine(EventedEngine):
     def _background(self) -> list[tuple[str, Callable[[], Any]]]:
         return [(name, check.run) for name, check in self._checks()]
 
+    def _on_liveness(self, alive: bool) -> None:
+        if self.plugin_check is not None:
+            self.plugin_check.on_liveness(alive)
+
     async def _close_extra(self) -> None:
         for _, check in self._checks():
             await check.aclose()

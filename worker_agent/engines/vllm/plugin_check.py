@@ -7,11 +7,14 @@ and every ``--vllm-render-check-s``, for one token with a ``kvroute_prefix`` and
 the plugin refuses that at admission (HTTP 400 naming ``kvroute_prefix``); a vLLM without it
 answers. Until vLLM has said the plugin runs, and whenever it says it does not, the agent
 continues regions as vLLM's own structured outputs (regular constraints only), and logs the
-latter at ERROR; ``kvroute_agent_vllm_mask_plugin`` is 1, 0 or -1 (not known yet).
+latter at ERROR; ``kvroute_agent_vllm_mask_plugin`` is 1, 0 or -1 (not known yet). A vLLM
+that stopped answering may come back with other flags: the answer is forgotten then, and
+asked again as soon as vLLM answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 
@@ -38,6 +41,15 @@ class PluginCheck:
         self.state = -1
         """1: the plugin runs; 0: vLLM took the probe without it; -1: no answer yet."""
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        self._again = asyncio.Event()
+
+    def on_liveness(self, alive: bool) -> None:
+        """vLLM stopped answering (what it runs is unknown until it answers again) or
+        answers again (ask at once)."""
+        if alive:
+            self._again.set()
+        else:
+            self.state = -1
 
     @property
     def runs(self) -> bool:
@@ -78,7 +90,7 @@ class PluginCheck:
         self.state = state
 
     async def run(self) -> None:
-        await every(self.check, self.interval_s, "mask plugin check", log)
+        await every(self.check, self.interval_s, "mask plugin check", log, wake=self._again)
 
     def metric_families(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
