@@ -81,7 +81,7 @@ def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.
     return index, naive, names
 
 
-def registry(names: list[str], queued: int, rng: random.Random, pending: int
+def registry(names: list[str], queued: int, rng: random.Random, pending: int = 4000
              ) -> WorkerRegistry:
     """Heartbeats of a running cluster, with 0..``2 * queued`` requests queued per worker
     and 0..``pending`` prompt tokens still to prefill."""
