@@ -22,10 +22,11 @@ import httpx
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvroute.worker_agent.engines.vllm.checks import CheckError, every
+from kvroute.worker_agent.engines.vllm.openai import PLUGIN_PREFIX
 
 log = logging.getLogger("kvroute.agent.vllm.plugin")
 
-PROBE_ARG = "kvroute_prefix"
+PROBE_ARG = PLUGIN_PREFIX
 """The argument the probe sends alone, which only the plugin refuses."""
 
 

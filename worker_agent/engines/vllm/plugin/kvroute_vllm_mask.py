@@ -34,6 +34,7 @@ Malformed arguments are refused at the API server (HTTP 400) by ``validate_param
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import llguidance
@@ -136,7 +137,7 @@ class Matcher:
             self._m.consume_tokens(tokens)
         self.fed += len(tokens)
 
-    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] = ()) -> None:  # type: ignore[assignment]
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
         """Row ``row`` of ``bitmask``: the tokens allowed after the committed ones and
         ``drafts`` (speculative tokens not yet accepted, consumed and rolled back here). A
         draft the grammar refuses leaves the row as it is: the row before rejects it."""
@@ -193,6 +194,9 @@ class SlotMasks:
         self._ll = ll
         self._n_vocab = n_vocab
         self._slots: dict[int, Matcher] = {}
+        # One (pinned, on a GPU) bitmask for every step, grown for speculative rows.
+        self._bitmask = llguidance.torch.allocate_token_bitmask(req_states.max_num_reqs,
+                                                                n_vocab)
 
     def add(self, slot: int, params: SamplingParams) -> bool:
         found = grammar_of(params)
@@ -204,13 +208,17 @@ class SlotMasks:
 
     def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
         slots = self._slots
-        if not slots or not any(int(s) in slots for s in ctx.idx_mapping_np):
+        ours = [int(s) for s in ctx.idx_mapping_np if int(s) in slots]
+        if not ours:
             return logits
-        self._feed_committed([int(s) for s in ctx.idx_mapping_np if int(s) in slots])
+        self._feed_committed(ours)
         rows = ctx.expanded_idx_mapping.tolist()
         local = ctx.expanded_local_pos.tolist()
         inputs = ctx.input_ids.tolist() if len(rows) > len(ctx.idx_mapping_np) else None
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self._n_vocab)
+        if len(rows) > self._bitmask.shape[0]:
+            self._bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self._n_vocab)
+        bitmask = self._bitmask[:len(rows)]
+        bitmask.fill_(-1)  # rows of other requests: everything allowed
         for row, slot in enumerate(rows):
             matcher = slots.get(slot)
             if matcher is not None:
