@@ -52,6 +52,8 @@ CASES = {
     "gc_pause.py": (["--entries", "20000", "--workers", "8", "--repeats", "1", "--iters", "50"],
                     ["full-collection pause, baseline/kvroute"]),
     "agent_events.py": (["--batches", "200"], ["agent ingest + publish to Redis"]),
+    "engine_client.py": (["--requests", "20", "--tokens", "4"],
+                         ["ServerHttp (aiohttp)", "ratio to the baseline"]),
     "bootstrap.py": (["--workers", "20", "--blocks", "500", "--repeats", "1"],
                      ["bootstrap / reads only:", "SMEMBERS reads:", "Redis CPU per DUMP:",
                       "Redis CPU per SMEMBERS:"]),

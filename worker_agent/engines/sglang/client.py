@@ -34,6 +34,7 @@ connection, and SGLang aborts the request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -41,11 +42,14 @@ import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import httpx
-
 from kvroute.core.blocks import split_adapter_salt
 from kvroute.worker_agent.engines.base import EngineError, EngineRequest, RequestRefusedError
-from kvroute.worker_agent.engines.served.stream import Chunk, error_text, json_object, sse_data
+from kvroute.worker_agent.engines.served.stream import (
+    Chunk,
+    ServerHttp,
+    error_text,
+    json_object,
+)
 from kvroute.worker_agent.engines.sglang.versions import Features
 
 log = logging.getLogger("kvroute.agent.sglang")
@@ -77,10 +81,9 @@ class GenerateClient:
         self.version_tried = ""  # the last info path asked
         self._warned_lora = False
         self._ids = itertools.count()
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._http = ServerHttp(base_url, "SGLang", _REQUEST_CAUSED,
+                                connect_timeout_s=connect_timeout_s,
+                                read_timeout_s=read_timeout_s)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -126,23 +129,24 @@ class GenerateClient:
         """SGLang's ``/server_info`` (``/get_server_info`` before 0.5.12): its server
         arguments, scheduler facts and ``version``. None while it does not answer;
         EngineError when it answers neither path."""
+        status, text = 0, ""
         for path in ("/server_info", "/get_server_info"):
             self.version_tried = path
-            try:
-                resp = await self._http.get(path, timeout=5.0)
-            except httpx.HTTPError:
+            got = await self._http.get(path)
+            if got is None:
                 return None
-            if resp.status_code == 404:
+            status, text = got
+            if status == 404:
                 continue
             try:
-                info = resp.json() if resp.status_code == 200 else None
+                info = json.loads(text) if status == 200 else None
             except json.JSONDecodeError:
                 info = None
             if isinstance(info, dict) and isinstance(info.get("version"), str):
                 return info
             break
-        raise EngineError(f"SGLang GET {self.version_tried} answered HTTP {resp.status_code}: "
-                          f"{resp.text[:200]!r}, not its server info")
+        raise EngineError(f"SGLang GET {self.version_tried} answered HTTP {status}: "
+                          f"{text[:200]!r}, not its server info")
 
     async def stream(self, request_id: str, request: EngineRequest, *,
                      constraint: tuple[str, str | Sequence[str]] | None = None,
@@ -154,26 +158,18 @@ class GenerateClient:
         body = self.body(rid, request, constraint)
         seen = 0
         finished = False
-        try:
-            async with self._http.stream("POST", "/generate", json=body) as resp:
-                if resp.status_code >= 400:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    message = f"SGLang HTTP {resp.status_code}: {error_text(text)}"
-                    if resp.status_code in _REQUEST_CAUSED:
-                        raise RequestRefusedError(message, _REQUEST_CAUSED[resp.status_code])
-                    raise EngineError(message)
-                async for data in sse_data(resp):
-                    if data == "[DONE]":
-                        break
-                    chunk, meta, seen = _parse(data, seen)
-                    yield chunk
-                    if chunk.finish_reason is not None:
-                        finished = True
-                        cached = meta.get("cached_tokens")
-                        yield Chunk((), None, cached if isinstance(cached, int) else None,
-                                    meta.get("prompt_tokens"), usage=True)
-        except httpx.HTTPError as exc:
-            raise EngineError(f"SGLang request failed: {type(exc).__name__}: {exc}") from exc
+        # aclosing: leaving early (an error, the caller gone) closes the connection now.
+        async with contextlib.aclosing(self._http.events("/generate", body)) as events:
+            async for data in events:
+                if data == "[DONE]":
+                    break
+                chunk, meta, seen = _parse(data, seen)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    finished = True
+                    cached = meta.get("cached_tokens")
+                    yield Chunk((), None, cached if isinstance(cached, int) else None,
+                                meta.get("prompt_tokens"), usage=True)
         if not finished:
             raise EngineError("SGLang stream ended without a finish reason")
 

@@ -38,20 +38,18 @@ Request (checked against ``CompletionRequest`` of both ends of :data:`.versions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
-
-import httpx
 
 from kvroute.core.blocks import split_adapter_salt
 from kvroute.worker_agent.engines.base import (
     EngineError,
     EngineRequest,
     GrammarState,
-    RequestRefusedError,
 )
-from kvroute.worker_agent.engines.served.stream import Chunk, error_text, json_object, sse_data
+from kvroute.worker_agent.engines.served.stream import Chunk, ServerHttp, json_object
 from kvroute.worker_agent.engines.vllm.versions import StructuredDialect, guided_fields
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -92,11 +90,9 @@ class CompletionsClient:
         self.model = model
         self.token_mode = "token_ids"  # or "logprobs" (older vLLM)
         self.dialect = StructuredDialect.STRUCTURED_OUTPUTS  # set from /version by the engine
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        )
+        self._http = ServerHttp(base_url, "vllm", _REQUEST_CAUSED,
+                                connect_timeout_s=connect_timeout_s,
+                                read_timeout_s=read_timeout_s)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -151,17 +147,17 @@ class CompletionsClient:
     async def server_version(self) -> str | None:
         """``version`` from vLLM's ``GET /version``; None when the server does not answer
         (not up yet); EngineError when it answers something else (not a vLLM server?)."""
-        try:
-            resp = await self._http.get("/version", timeout=5.0)
-        except httpx.HTTPError:
+        got = await self._http.get("/version")
+        if got is None:
             return None
+        status, text = got
         try:
-            version = resp.json().get("version") if resp.status_code == 200 else None
+            version = json.loads(text).get("version") if status == 200 else None
         except (json.JSONDecodeError, AttributeError):
             version = None
         if not isinstance(version, str):
-            raise EngineError(f"vllm GET /version answered HTTP {resp.status_code}: "
-                              f"{resp.text[:200]!r}, not {{\"version\": ...}}")
+            raise EngineError(f"vllm GET /version answered HTTP {status}: "
+                              f"{text[:200]!r}, not {{\"version\": ...}}")
         return version
 
     async def stream(self, request_id: str, request: EngineRequest, *,
@@ -192,29 +188,20 @@ class CompletionsClient:
 
     async def _stream_once(self, request_id: str, body: dict[str, Any], *, first_try: bool
                            ) -> AsyncIterator[Chunk]:
-        headers = {"X-Request-Id": request_id, "Accept": "text/event-stream"}
         yielded = False
         finished = False
-        try:
-            async with self._http.stream("POST", "/v1/completions", json=body,
-                                         headers=headers) as resp:
-                if resp.status_code >= 400:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    message = f"vllm HTTP {resp.status_code}: {error_text(text)}"
-                    if resp.status_code in _REQUEST_CAUSED:  # e.g. longer than the context
-                        raise RequestRefusedError(message, _REQUEST_CAUSED[resp.status_code])
-                    raise EngineError(message)
-                async for data in sse_data(resp):
-                    if data == "[DONE]":
-                        break
-                    chunk = self._parse(data, probe=first_try and not yielded)
-                    if chunk is None:
-                        continue
-                    finished = finished or chunk.finish_reason is not None
-                    yielded = True
-                    yield chunk
-        except httpx.HTTPError as exc:
-            raise EngineError(f"vllm request failed: {type(exc).__name__}: {exc}") from exc
+        # aclosing: leaving early (an error, the caller gone) closes the connection now.
+        async with contextlib.aclosing(self._http.events(
+                "/v1/completions", body, {"X-Request-Id": request_id})) as events:
+            async for data in events:
+                if data == "[DONE]":
+                    break
+                chunk = self._parse(data, probe=first_try and not yielded)
+                if chunk is None:
+                    continue
+                finished = finished or chunk.finish_reason is not None
+                yielded = True
+                yield chunk
         if not finished:
             raise EngineError("vllm stream ended without a finish reason")
 
