@@ -33,6 +33,7 @@ from kvroute.router.http_jobs import (
     run,
 )
 from kvroute.router.refusal import RefusedError
+from kvroute.router.sse import EventStream
 from kvroute.router.tool_calls import ToolCall
 
 MESSAGES_PATH = "/v1/messages"
@@ -82,43 +83,43 @@ class _Blocks:
     """A stream's content blocks as events: a text block opened at its first text, each
     tool call a block of its own."""
 
-    def __init__(self, resp: web.StreamResponse) -> None:
-        self._resp = resp
+    def __init__(self, out: EventStream) -> None:
+        self._out = out
         self._count = 0
         self._text_open = False
 
-    async def text(self, text: str) -> None:
+    def text(self, text: str) -> None:
         if not text:
             return
         if not self._text_open:
-            await self._start({"type": "text", "text": ""})
+            self._start({"type": "text", "text": ""})
             self._text_open = True
-        await self._resp.write(_event("content_block_delta", {
+        self._out.add(_event("content_block_delta", {
             "index": self._count - 1, "delta": {"type": "text_delta", "text": text}}))
 
-    async def end(self, text: str, calls: Sequence[ToolCall]) -> None:
+    def end(self, text: str, calls: Sequence[ToolCall]) -> None:
         """The last text and the calls; an empty text block when there is nothing else
         (as the message object has)."""
-        await self.text(text)
+        self.text(text)
         if not self._count and not calls:
-            await self._start({"type": "text", "text": ""})
+            self._start({"type": "text", "text": ""})
             self._text_open = True
         if self._text_open:
-            await self._stop()
+            self._stop()
         for t in calls:
-            await self._start({**tool_use(t), "input": {}})
-            await self._resp.write(_event("content_block_delta", {
+            self._start({**tool_use(t), "input": {}})
+            self._out.add(_event("content_block_delta", {
                 "index": self._count - 1,
                 "delta": {"type": "input_json_delta", "partial_json": t.arguments}}))
-            await self._stop()
+            self._stop()
 
-    async def _start(self, block: dict[str, Any]) -> None:
-        await self._resp.write(_event("content_block_start",
-                                      {"index": self._count, "content_block": block}))
+    def _start(self, block: dict[str, Any]) -> None:
+        self._out.add(_event("content_block_start",
+                             {"index": self._count, "content_block": block}))
         self._count += 1
 
-    async def _stop(self) -> None:
-        await self._resp.write(_event("content_block_stop", {"index": self._count - 1}))
+    def _stop(self) -> None:
+        self._out.add(_event("content_block_stop", {"index": self._count - 1}))
         self._text_open = False
 
 
@@ -170,39 +171,37 @@ class MessagesApi:
         """Anthropic's event sequence: the text block, then a block per tool call; the
         usage in ``message_start`` holds the prompt's (the cache known at the first token),
         ``message_delta`` the output's."""
-        resp: web.StreamResponse | None = None
-        blocks: _Blocks | None = None
+        out = EventStream()
+        blocks = _Blocks(out)
         try:
             async with contextlib.aclosing(run(self._front.ready(), job)) as events:
                 async for kind, c in events:
                     if kind == "start":
-                        resp = web.StreamResponse(headers={
-                            "content-type": "text/event-stream", "cache-control": "no-cache",
-                            **self._headers(job)})
-                        await resp.prepare(request)
-                        await resp.write(_event("message_start",
-                                                {"message": message(req, job, [], None)}))
-                        await resp.write(_event("ping", {}))
-                        blocks = _Blocks(resp)
+                        await out.open(request, self._headers(job))
+                        out.add(_event("message_start",
+                                       {"message": message(req, job, [], None)}))
+                        out.add(_event("ping", {}))
+                        if not job.text_with_start:
+                            await out.flush()
                         continue
-                    assert c is not None and resp is not None and blocks is not None
+                    assert c is not None
                     if kind == "delta":
-                        await blocks.text(reply_delta(c, job.model))
+                        blocks.text(reply_delta(c, job.model))
+                        await out.flush()
                         continue
                     text, calls = reply_end(c, job.model)
-                    await blocks.end(text, calls)
-                    await resp.write(_event("message_delta", {
+                    blocks.end(text, calls)
+                    out.add(_event("message_delta", {
                         "delta": {"stop_reason": stop_reason(c, calls),
                                   "stop_sequence": (c.stop_hit or None) if not calls else None},
                         "usage": {"output_tokens": job.served.completion_tokens}}))
-                    await resp.write(_event("message_stop", {}))
+                    out.add(_event("message_stop", {}))
         except RefusedError as exc:
             err = self._front.refusal(exc, req)
-            if resp is None:
+            if out.resp is None:
                 raise err from None
             # Text was sent: the failure is the stream's last event.
-            await resp.write(_event("error", {"error": error_body(err)["error"]}))
-            return resp
-        assert resp is not None
-        await resp.write_eof()
-        return resp
+            out.add(_event("error", {"error": error_body(err)["error"]}))
+            await out.flush()
+            return out.resp
+        return await out.end()

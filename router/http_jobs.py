@@ -102,6 +102,12 @@ class Job:
     incremental: bool
     model: FrontModel
 
+    @property
+    def text_with_start(self) -> bool:
+        """Whether the first response's text (if any) comes with its start, as a plain
+        request's does: a front may send its opening events with that text."""
+        return self.incremental and not self.program
+
     def restart(self) -> None:
         """Forget what an attempt produced, to run the request again."""
         self.served = Served(self.served.request_id, self.served.prompt_tokens)

@@ -32,6 +32,7 @@ from kvroute.router.http_jobs import (
 )
 from kvroute.router.openai_schema import ChatRequest, CompletionRequest, Generation
 from kvroute.router.refusal import RefusedError
+from kvroute.router.sse import EventStream
 from kvroute.router.tool_calls import ToolCall
 
 
@@ -158,7 +159,8 @@ class OpenAIApi:
                 async with contextlib.aclosing(run(self._front.ready(), job)) as events:
                     async for kind, c in events:
                         if kind == "start":
-                            await sse.start(job, self._front.headers([job]))
+                            await sse.start(job, self._front.headers([job]),
+                                            hold=job.text_with_start)
                         elif kind == "delta":
                             assert c is not None
                             await sse.text(c, reply_delta(c, job.model))
@@ -168,7 +170,7 @@ class OpenAIApi:
                             await sse.end(c, *reply_end(c, job.model), lp)
             except RefusedError as exc:
                 err = refusal_error(exc, param, g.program_params)
-                if sse.resp is None and n == 0:
+                if sse.out.resp is None and n == 0:
                     raise err from None
                 return await sse.fail(err)  # tokens were sent: the stream's last event
         return await sse.close(self._usage(jobs) if g.include_usage else None)
@@ -182,23 +184,15 @@ class _Chunks:
         self._base = {"id": ("chatcmpl-" if chat else "cmpl-") + rid,
                       "object": "chat.completion.chunk" if chat else "text_completion",
                       "created": int(time.time()), "model": g.model}
-        self.resp: web.StreamResponse | None = None
+        self.out = EventStream()
 
-    async def _open(self, headers: dict[str, str]) -> web.StreamResponse:
-        if self.resp is None:
-            self.resp = web.StreamResponse(headers={
-                "content-type": "text/event-stream", "cache-control": "no-cache", **headers})
-            await self.resp.prepare(self._request)
-        return self.resp
-
-    async def _send(self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None,
-                    raw: dict[str, Any] | None = None) -> None:
-        assert self.resp is not None
+    def _add(self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None,
+             raw: dict[str, Any] | None = None) -> None:
         if raw is None:
             raw = {**self._base, "choices": [choice] if choice is not None else []}
             if self._g.include_usage:
                 raw["usage"] = usage
-        await self.resp.write(b"data: " + json.dumps(raw).encode() + b"\n\n")
+        self.out.add(b"data: " + json.dumps(raw).encode() + b"\n\n")
 
     def _chunk(self, c: Choice, text: str, finish: str | None, first: bool = False,
                lp: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -208,42 +202,46 @@ class _Chunks:
             else ({"content": text} if text else {})
         return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
-    async def start(self, job: Job, headers: dict[str, str]) -> None:
+    async def start(self, job: Job, headers: dict[str, str], *, hold: bool) -> None:
         """A job's first response: the stream opens (at the first job), each chat choice's
-        role goes."""
-        await self._open(headers)
+        role goes (``hold``: with the next write)."""
+        await self.out.open(self._request, headers)
         if self._chat:
             for ch in job.choices:
-                await self._send(self._chunk(ch, "", None, first=True))
+                self._add(self._chunk(ch, "", None, first=True))
+        if not hold:
+            await self.out.flush()
 
     async def text(self, c: Choice, text: str) -> None:
         if text:
-            await self._send(self._chunk(c, text, None))
+            self._add(self._chunk(c, text, None))
+        await self.out.flush()
 
     async def end(self, c: Choice, text: str, calls: Sequence[ToolCall],
                   lp: dict[str, Any] | None) -> None:
         """A choice's end: its last text (and log-probabilities), its tool calls, its
         finish reason."""
         if text or lp:
-            await self._send(self._chunk(c, text, None, lp=lp))
+            self._add(self._chunk(c, text, None, lp=lp))
         if calls:
-            await self._send({"index": c.index, "delta": {"tool_calls": [
+            self._add({"index": c.index, "delta": {"tool_calls": [
                 {"index": k, **tool_call(t)} for k, t in enumerate(calls)]},
                 "logprobs": None, "finish_reason": None})
-        await self._send(self._chunk(c, "", finish(c, calls)))
+        self._add(self._chunk(c, "", finish(c, calls)))
+        await self.out.flush()
 
     async def fail(self, err: ApiError) -> web.StreamResponse:
         """The error as the stream's last event (vLLM's way), then [DONE]."""
-        resp = await self._open({})
-        await self._send(None, raw=err.body())
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        await self.out.open(self._request, {})
+        self._add(None, raw=err.body())
+        self.out.add(b"data: [DONE]\n\n")
+        await self.out.flush()
+        assert self.out.resp is not None
+        return self.out.resp
 
     async def close(self, usage: dict[str, Any] | None) -> web.StreamResponse:
         """The usage chunk (with include_usage), then [DONE]."""
-        assert self.resp is not None
         if usage is not None:
-            await self._send(None, usage=usage)
-        await self.resp.write(b"data: [DONE]\n\n")
-        await self.resp.write_eof()
-        return self.resp
+            self._add(None, usage=usage)
+        self.out.add(b"data: [DONE]\n\n")
+        return await self.out.end()

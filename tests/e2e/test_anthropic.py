@@ -16,6 +16,7 @@ from kvroute.core.chat_tokenizer import ChatTokenizer
 from kvroute.demo.openai_model import write_byte_model
 from kvroute.router.auth import hash_key
 from kvroute.router.openai_schema import parse_chat
+from tests.e2e.test_openai import record_writes
 from tests.support import free_port, wait_for
 
 anthropic = pytest.importorskip("anthropic")
@@ -106,6 +107,20 @@ async def test_a_message_and_its_stream_give_the_same_text_and_turn_two_reads_th
         messages=[*messages, {"role": "assistant", "content": block.text},
                   {"role": "user", "content": "and then?"}])
     assert turn2.usage.cache_read_input_tokens >= len(prompt) // 16 * 16 - 16
+
+
+async def test_a_streams_opening_events_go_in_one_write_with_the_first_token(
+        cluster, model_dir, monkeypatch) -> None:
+    r = await start(cluster, model_dir)
+    writes = record_writes(monkeypatch)
+    async with client(r).messages.stream(
+            model=MODEL, max_tokens=6,
+            messages=[{"role": "user", "content": "hi"}]) as stream:
+        async for _ in stream:
+            pass
+    first = [e.split("\n")[0].removeprefix("event: ")
+             for e in writes[0].decode().split("\n\n") if e]
+    assert first == ["message_start", "ping", "content_block_start", "content_block_delta"]
 
 
 async def test_tools_render_as_the_chat_does_and_stop_sequences_stop(cluster, model_dir

@@ -542,6 +542,34 @@ async def test_an_sse_stream_read_line_by_line_and_with_curl(cluster, model_dir)
         [e if e == "[DONE]" else e["choices"] for e in events]  # greedy: the same stream
 
 
+def record_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write of a streamed HTTP response, in order (the stream of one request)."""
+    writes: list[bytes] = []
+    real = aiohttp.web.StreamResponse.write
+
+    async def write(self: aiohttp.web.StreamResponse, data: bytes) -> None:
+        writes.append(bytes(data))
+        await real(self, data)
+    monkeypatch.setattr(aiohttp.web.StreamResponse, "write", write)
+    return writes
+
+
+async def test_a_streams_first_token_goes_in_one_write_with_its_role(cluster, model_dir,
+                                                                      monkeypatch) -> None:
+    """One wake of the client for the first token, not one per chunk."""
+    r = await start(cluster, model_dir, {"a": TINY})
+    writes = record_writes(monkeypatch)
+    stream = await client(r).chat.completions.create(
+        model=MODEL, stream=True, max_tokens=6, temperature=0,
+        messages=[{"role": "user", "content": "hello"}])  # its first token is a character
+    chunks = [c async for c in stream]
+    first = [json.loads(e[len("data: "):]) for e in writes[0].decode().split("\n\n") if e]
+    assert [e["choices"][0]["delta"] for e in first] == [
+        {"role": "assistant", "content": ""},
+        {"content": chunks[1].choices[0].delta.content}], first
+    assert chunks[1].choices[0].delta.content  # the first token's text
+
+
 async def test_a_client_that_disconnects_mid_stream_frees_the_engine(cluster,
                                                                    model_dir) -> None:
     a = await cluster.agent("a", **{**SIM, "time_scale": 1.0,
