@@ -16,7 +16,8 @@ heartbeat counts it running after its first token).
 Invariants:
 
 * Publishing never blocks or fails a request: entries are queued and written by one
-  background task, pipelined; a Redis that is down drops them (``stats.dropped``).
+  background task, pipelined, :data:`LINGER_S` after the first of a batch; a Redis that is
+  down drops them (``stats.dropped``).
 * Every applied sent entry is undone exactly once: by its done entry, by its max age
   (``max_age_s``: a router that died sends no done entry, and leaves no phantom load longer),
   or by :meth:`reset` (the mirror bootstraps again).
@@ -48,6 +49,11 @@ STREAM_MAXLEN = 5000
 """Approximate length the decisions stream is trimmed to (XADD MAXLEN ~)."""
 MAX_QUEUED = 10000
 """Most entries waiting to be written; beyond it new ones are dropped (Redis is down)."""
+LINGER_S = 0.005
+"""How long a queued entry waits for those after it before the batch is written. A request's
+entries then go while its engine prefills, not on the hop to its agent and the relay of its
+first token, which the write (and our own entry read back) would delay on a shared core;
+other routers see a decision ~5 ms later, against a heartbeat's hundreds of ms."""
 MAX_KEYS = 65536
 """Most block keys one sent entry may carry (a 1M-token prompt at 16 tokens a block)."""
 _MAX_TOKENS = 1 << 40
@@ -126,6 +132,7 @@ class SharedDecisions:
             self._writer = asyncio.get_running_loop().create_task(self._write())
 
     async def _write(self) -> None:
+        await asyncio.sleep(LINGER_S)
         while self._queue:
             batch, self._queue = self._queue, []
             try:
