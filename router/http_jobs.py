@@ -67,6 +67,10 @@ class Choice:
     finish_reason: str | None = None
     sent: str = ""
     """The text streamed so far (a UTF-8 character split across tokens waits for its end)."""
+    window: tuple[int, int] | None = (0, 0)
+    """Incremental decoding (:func:`unsent_text`): the tokens ``[lo, hi)`` already streamed
+    that the next ones are decoded after, as their context. None once the tokens were
+    replaced (a program's results): its text is then decoded whole."""
     cut_text: str | None = None
     """The agent's text before a stop string (:data:`STOP_CAPTURE`): when the stop begins
     inside a token, the ids leave that token out but this keeps its text before the stop."""
@@ -177,8 +181,26 @@ def choice_text(c: Choice, m: FrontModel) -> str:
 
 
 def unsent_text(c: Choice, m: FrontModel) -> str:
-    """The text of ``c``'s tokens not streamed yet, short of a trailing partial
-    character."""
+    """The text of ``c``'s tokens not streamed yet, short of a trailing partial character.
+
+    Tokens that only grew are decoded incrementally, as vLLM's detokenizer does: the new
+    ones after the ones streamed last time (their context: a tokenizer may write a token
+    differently after others, such as a word's leading space), not the whole output again,
+    which would cost each token time in proportion to the output so far."""
+    if c.window is not None and c.cut_text is None:
+        lo, hi = c.window
+        ids = c.token_ids
+        if len(ids) == hi:
+            return ""
+        before, text = decode(ids[lo:hi], m), decode(ids[lo:], m)
+        if text.endswith("\ufffd") and c.finish_reason is None:
+            return ""  # a character not complete yet: decoded with the tokens that end it
+        if text.startswith(before):
+            new = text[len(before):]
+            c.window = (hi, len(ids))
+            c.sent += new
+            return new
+        c.window = None  # the new tokens rewrote earlier text: whole from now on
     text = choice_text(c, m)
     if text.endswith("\ufffd") and c.finish_reason is None:
         return ""
@@ -255,7 +277,7 @@ def _take_program(job: Job, resp: common_pb2.GenerateResponse,
         c = job.choice_of(r.branch_id)
         if c is None or not r.selected:
             continue
-        c.token_ids = list(r.token_ids)
+        c.token_ids, c.window = list(r.token_ids), None
         if STOP_CAPTURE in r.variables:
             c.cut_text = r.variables[STOP_CAPTURE].text
         c.logprobs = list(r.token_logprobs)
