@@ -20,6 +20,12 @@ setup(
             optional=True,
         ),
         Extension(
+            "kvroute.core._costs",  # the kvroute policy's sums over load columns (columns.py)
+            sources=["core/_native/costs.c"],
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
             "kvroute.core._wire",  # a request's token ids off the wire (wire.py)
             sources=["core/_native/wire.c"],
             extra_compile_args=["-O3"],

@@ -14,6 +14,7 @@ import numpy as np
 from kvroute.core.load import ARRIVAL_TAU_S, WorkerLoad
 from kvroute.core.load_table import Column, LoadTable
 from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost, ranking_of
+from kvroute.core.policies.columns import queued_waits, worker_costs
 from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.settings import Range
 
@@ -285,13 +286,7 @@ class Kvroute:
         sums pairwise, Python in order)."""
         names, rows, d = loads.columns()
         p, bs = query.prompt_tokens, query.block_size
-        attn = self.attn
-        pending, budget = d[Column.PENDING], d[Column.BUDGET]
-        queued = pending + attn * d[Column.CONTEXT]
-        # elapsed: half the first iteration, a budget's worth of a longer queue
-        part = np.ones(len(names))
-        np.divide(budget, pending, out=part, where=(budget > 0) & (budget < pending))
-        queued = np.where(pending > 0, queued - 0.5 * queued * part, queued)
+        queued = queued_waits(d, self.attn)
         n_workers = len(names)
         arrivals, prefill, waiting = d[Column.ARRIVAL_RATE:Column.WAITING + 1].sum(axis=1)
         rho = utilisation(prefill * self.unit_s / n_workers, waiting / n_workers,
@@ -308,20 +303,8 @@ class Kvroute:
             blocks = matched.values()
         if at:
             c[at] = np.minimum(np.fromiter(blocks, float, len(at)) * bs, p)
-        top = c.max()
-        n = p - c
-        own = n * (1.0 + attn * (c + n / 2.0))
-        first = queued + own
-        busy = d[Column.BUSY]
-        iterations = np.ones(n_workers)
-        np.divide(first, budget, out=iterations, where=budget != 0)
-        iterations = np.where(budget != 0, 1.0 + iterations, 1.0)
-        cost = np.where(busy > 0, first + self.decode * busy * iterations, first)
-        cost = cost + (own * k * wait_avg + own * k * (own / 2.0))
-        capacity = d[Column.CAPACITY]
-        evicted = n - np.maximum((capacity - d[Column.CACHED]) * bs, 0.0)
-        pressure = (c < top) & (capacity > 0) & (evicted > 0)
-        cost = np.where(pressure, cost + self.reuse * np.minimum(top - c, evicted), cost)
+        cost = worker_costs(queued, d, c, p=p, bs=bs, attn=self.attn, decode=self.decode,
+                            k=k, wait_avg=wait_avg, reuse=self.reuse, top=c.max())
         for w in query.lower_blocks:
             if (i := rows.get(w)) is not None:
                 cost[i] += self.load(query, w)

@@ -1,0 +1,53 @@
+"""The kvroute policy's sums over load columns (core/policies/columns.py): the C kernel
+gives numpy's floats, bit for bit, and refuses arrays it cannot read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.core.load import WorkerLoad
+from kvroute.core.load_table import LoadTable
+from kvroute.core.policies import columns
+from kvroute.core.policies.columns import queued_waits, worker_costs
+from tests.core.test_policy_kvroute import loads_st
+
+pytestmark = pytest.mark.skipif(not columns.NATIVE, reason="the C kernel was not built "
+                                "(no compiler at install): numpy alone ranks")
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads=st.lists(loads_st, min_size=1, max_size=70),
+       cached=st.lists(st.integers(0, 12_000), min_size=70, max_size=70),
+       prompt=st.integers(1, 12_000), attn=st.sampled_from([0.0, 1e-5, 3e-4]),
+       decode=st.floats(0, 50), k=st.floats(0, 5), reuse=st.sampled_from([0.0, 0.5, 1.0]))
+def test_the_kernel_gives_numpys_floats(loads: list[WorkerLoad], cached: list[int],
+                                        prompt: int, attn: float, decode: float, k: float,
+                                        reuse: float) -> None:
+    table = LoadTable()
+    for i, ld in enumerate(loads):
+        table[f"w{i}"] = ld
+    _, _, d = table.columns()
+    waits = queued_waits(d, attn, native=True)
+    assert waits.tobytes() == queued_waits(d, attn, native=False).tobytes()
+    c = np.minimum(np.array(cached[:len(loads)], dtype=float), prompt)
+    args = dict(p=prompt, bs=16, attn=attn, decode=decode, k=k,
+                wait_avg=float(waits.sum() / len(loads)), reuse=reuse, top=float(c.max()))
+    assert worker_costs(waits, d, c, native=True, **args).tobytes() == \
+        worker_costs(waits, d, c, native=False, **args).tobytes()
+
+
+def test_arrays_it_cannot_read_are_refused() -> None:
+    from kvroute.core import _costs
+
+    ok, out = np.ones(4), np.empty(4)
+    with pytest.raises(TypeError, match="float64"):
+        _costs.queued(ok, np.ones(4, dtype=np.float32), ok, 0.0, out)
+    with pytest.raises(ValueError, match="one length"):
+        _costs.queued(ok, np.ones(5), ok, 0.0, out)
+    with pytest.raises(ValueError):  # read-only: not written
+        _costs.queued(ok, ok, ok, 0.0, np.frombuffer(bytes(32)))
+    with pytest.raises(ValueError):  # not contiguous
+        _costs.queued(ok, ok, np.ones(8)[::2], 0.0, out)
