@@ -29,7 +29,7 @@ def test_the_wheel_holds_the_c_builds_the_stubs_and_the_command(wheel: Path) -> 
                                  f"{sys.version_info.minor}-")
     names = zipfile.ZipFile(wheel).namelist()
     built = {re.sub(r"\..*", "", Path(n).name) for n in names if n.endswith(".so")}
-    assert built == {"_chainhash", "_holders", "_wire"}
+    assert built == {"_chainhash", "_holders", "_wire", "_costs"}
     for stub in ("common_pb2.py", "router_pb2_grpc.py", "worker_agent_pb2_grpc.py",
                  "program_pb2.py"):
         assert f"kvroute/v1/{stub}" in names
@@ -64,7 +64,7 @@ print(json.dumps({"mods": len(mods), "files": files, "native": native_builds()})
     assert got["mods"] > 60
     # Every module came from the wheel, not from the source tree.
     assert all(f.startswith(str(site)) for f in got["files"] if f), got["files"][:3]
-    assert got["native"] == {"chainhash": True, "holders": True, "wire": True}
+    assert got["native"] == {"chainhash": True, "holders": True, "wire": True, "costs": True}
     for command in ("router", "epp", "agent", "replay"):
         run = subprocess.run([sys.executable, "-m", "kvroute", command, "--help"], env=env,
                              cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -452,7 +452,8 @@ async def test_the_router_says_which_c_builds_run(cluster, caplog, monkeypatch) 
     caplog.set_level(logging.INFO, "kvroute.router")
     await cluster.router()
     serving = [r for r in caplog.records if r.getMessage() == "router serving"]
-    assert serving[-1].kv["native"] == {"chainhash": True, "holders": True, "wire": True}
+    assert serving[-1].kv["native"] == {"chainhash": True, "holders": True, "wire": True,
+                                        "costs": True}
     assert not [r for r in caplog.records if "C builds missing" in r.getMessage()]
     monkeypatch.setattr(holders, "NATIVE_AVAILABLE", False)  # as a build without a compiler
     await cluster.router()
