@@ -101,6 +101,23 @@ def later_arrivals(loads: Mapping[str, WorkerLoad], waits: Sequence[float], unit
     return sum(ld.arrival_rate for ld in lds) / n * unit_s / (1.0 - rho), sum(waits) / n
 
 
+def cached_columns(query: RouteQuery, rows: Mapping[str, int], n: int) -> np.ndarray:
+    """Each worker's :meth:`~RouteQuery.cached_tokens` of the prompt, by its row of the load
+    columns (a match of a worker with no row is left out: not a candidate)."""
+    c = np.zeros(n)
+    matched = query.matched_blocks
+    at = list(map(rows.get, matched))
+    if None in at:
+        kept = [(i, m) for i, m in zip(at, matched.values(), strict=True) if i is not None]
+        at, blocks = [i for i, _ in kept], [m for _, m in kept]
+    else:
+        blocks = matched.values()
+    if at:
+        c[at] = np.minimum(np.fromiter(blocks, float, len(at)) * query.block_size,
+                           query.prompt_tokens)
+    return c
+
+
 def drain_delay(own: float, k: float, wait: float) -> float:
     """What a prefill of ``own`` units costs the ``k * wait`` requests arriving before the
     queue ahead of it drains (:func:`later_arrivals`): each waits all of it."""
@@ -126,9 +143,11 @@ def cache_pressure(n: float, duplicate: float, ld: WorkerLoad, block_size: int,
 
 
 def longest_cached(query: RouteQuery) -> int:
-    """The tokens of the prompt's longest prefix cached on any candidate worker."""
-    return max((query.cached_tokens(w) for w in query.matched_blocks if w in query.loads),
-               default=0)
+    """The tokens of the prompt's longest prefix cached on any candidate worker: the
+    :meth:`~RouteQuery.cached_tokens` of the most blocks matched."""
+    loads = query.loads
+    most = max((m for w, m in query.matched_blocks.items() if w in loads), default=0)
+    return min(most * query.block_size, query.prompt_tokens)
 
 
 @dataclass(slots=True)
@@ -288,21 +307,8 @@ class Kvroute:
         p, bs = query.prompt_tokens, query.block_size
         queued = queued_waits(d, self.attn)
         n_workers = len(names)
-        arrivals, prefill, waiting = d[Column.ARRIVAL_RATE:Column.WAITING + 1].sum(axis=1)
-        rho = utilisation(prefill * self.unit_s / n_workers, waiting / n_workers,
-                          self.most_busy)
-        k = self.delay * (arrivals / n_workers * self.unit_s / (1.0 - rho))
-        wait_avg = queued.sum() / n_workers
-        c = np.zeros(n_workers)
-        matched = query.matched_blocks
-        at = list(map(rows.get, matched))
-        if None in at:  # a match of a worker with no load: not a candidate
-            kept = [(i, m) for i, m in zip(at, matched.values(), strict=True) if i is not None]
-            at, blocks = [i for i, _ in kept], [m for _, m in kept]
-        else:
-            blocks = matched.values()
-        if at:
-            c[at] = np.minimum(np.fromiter(blocks, float, len(at)) * bs, p)
+        k, wait_avg = self._later_columns(d, queued)
+        c = cached_columns(query, rows, n_workers)
         cost = worker_costs(queued, d, c, p=p, bs=bs, attn=self.attn, decode=self.decode,
                             k=k, wait_avg=wait_avg, reuse=self.reuse, top=c.max())
         for w in query.lower_blocks:
@@ -346,6 +352,14 @@ class Kvroute:
         k, wait = later_arrivals(loads, waits, self.unit_s, self.most_busy)
         return self.delay * k, wait
 
+    def _later_columns(self, d: np.ndarray, queued: np.ndarray) -> tuple[float, float]:
+        """:meth:`_later` over load columns ``d``, ``queued`` each worker's wait."""
+        n = len(queued)
+        arrivals, prefill, waiting = d[Column.ARRIVAL_RATE:Column.WAITING + 1].sum(axis=1)
+        rho = utilisation(prefill * self.unit_s / n, waiting / n, self.most_busy)
+        return (self.delay * (arrivals / n * self.unit_s / (1.0 - rho)),
+                float(queued.sum() / n))
+
     def replica(self, query: RouteQuery, worker: str) -> tuple[str, int] | None:
         """Where to copy the prompt's longest cached prefix in the background, and its
         tokens, when the request goes to a holder ``h`` of it and a second copy saves the
@@ -371,13 +385,31 @@ class Kvroute:
         copy = own_prefill(top, 0, attn)
         if rate * ARRIVAL_TAU_S * wait_h <= copy:
             return None  # even an idle worker free of cost would not pay: skip the scan
-        lacking = [(queued_wait(ld, attn), w) for w, ld in loads.items()
-                   if query.cached_tokens(w) < top]
-        if not lacking:
+        if len(loads) >= COLUMNS_FROM and isinstance(loads, LoadTable):
+            shortest = self._shortest_lacking(query, loads, top)
+        else:
+            lacking = [(queued_wait(ld, attn), w) for w, ld in loads.items()
+                       if query.cached_tokens(w) < top]
+            shortest = (*min(lacking), self.later(query)) if lacking else None
+        if shortest is None:
             return None  # every worker holds it
-        wait_m, target = min(lacking)  # ties: by name, the same on every router
+        wait_m, target, (k, wait) = shortest  # ties: by name, the same on every router
         if wait_m >= wait_h:
             return None
-        k, wait = self.later(query)
         cost = copy + drain_delay(copy, k, wait) + extension_delay(copy, k)
         return (target, top) if rate * ARRIVAL_TAU_S * (wait_h - wait_m) > cost else None
+
+    def _shortest_lacking(self, query: RouteQuery, loads: LoadTable, top: int
+                          ) -> tuple[float, str, tuple[float, float]] | None:
+        """Over ``loads``' columns: the shortest wait among the workers caching fewer than
+        ``top`` of the prompt's tokens, that worker (ties: the first name), and
+        :meth:`later`; None when every worker caches them."""
+        names, rows, d = loads.columns()
+        queued = queued_waits(d, self.attn)
+        lacking = cached_columns(query, rows, len(names)) < top
+        if not lacking.any():
+            return None
+        waits = np.where(lacking, queued, np.inf)
+        wait_m = waits.min()
+        target = min(names[np.flatnonzero(waits == wait_m)].tolist())
+        return float(wait_m), target, self._later_columns(d, queued)

@@ -4,7 +4,7 @@ term-by-term formula on random loads."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvroute.core.index import PrefixIndex
@@ -351,3 +351,31 @@ def test_the_routers_rankings_over_many_workers_take_the_columns() -> None:
     assert Kvroute().rank(q({}, many))[0].worker == "w0"
     assert [s.worker for s in Kvroute().rank(q({}, many))] == \
         [s.worker for s in Kvroute().rank_columns(q({}, many), many)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=st.lists(loads_st, min_size=COLUMNS_FROM, max_size=COLUMNS_FROM + 20),
+       matches=st.lists(st.integers(0, 400), min_size=COLUMNS_FROM + 20,
+                        max_size=COLUMNS_FROM + 20),
+       prompt=st.integers(1, 8_000), rate=st.sampled_from([0.5, 5.0, 50.0]),
+       delay=st.sampled_from([0.0, 1.0]), holder=st.integers(0, COLUMNS_FROM - 1),
+       idle=st.integers(0, COLUMNS_FROM + 19))
+def test_the_columns_place_a_replica_as_the_loop(loads: list[WorkerLoad], matches: list[int],
+                                                 prompt: int, rate: float, delay: float,
+                                                 holder: int, idle: int) -> None:
+    """Over many workers, ``replica`` reads the load columns: the same copy as the loop's
+    (an idle twin of the shortest wait makes ties by name matter)."""
+    table = LoadTable()
+    for i, ld in enumerate(loads):
+        table[f"w{i:03d}"] = ld
+    if idle < len(loads):
+        table[f"w{idle:03d}"] = table["w000"] = WorkerLoad()
+    matched = {w: m for w, m in zip(table, matches, strict=False) if m}
+    matched[f"w{holder:03d}"] = max(matches) or 1
+    pol = Kvroute(delay=delay)
+    columns = pol.replica(RouteQuery(prompt, BS, matched, table, 1, prefix_rate=rate),
+                          f"w{holder:03d}")
+    loop = pol.replica(RouteQuery(prompt, BS, matched, dict(table), 1, prefix_rate=rate),
+                       f"w{holder:03d}")
+    event("copy" if loop else "none")
+    assert columns == loop
