@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
@@ -56,34 +57,32 @@ async def serve(port: int, tokens: int) -> None:
     await asyncio.Event().wait()
 
 
-Stream = Callable[[dict[str, object]], Awaitable[tuple[float, float]]]
+Events = Callable[[dict[str, object]], AsyncIterator[str]]
 
 
-def ours(http: ServerHttp) -> Stream:
-    async def one(body: dict[str, object]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        first = 0.0
-        async for data in http.events("/v1/completions", body):
+def ours(http: ServerHttp) -> Events:
+    return lambda body: http.events("/v1/completions", body)
+
+
+def baseline(http: httpx.AsyncClient) -> Events:
+    async def events(body: dict[str, object]) -> AsyncIterator[str]:
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            async for data in sse_data(resp.aiter_bytes()):
+                yield data
+    return events
+
+
+async def timed(events: Events, body: dict[str, object]) -> tuple[float, float]:
+    """(the first event's arrival, the whole stream's), in seconds."""
+    t0 = time.perf_counter()
+    first = 0.0
+    async with contextlib.aclosing(events(body)) as stream:
+        async for data in stream:
             if not first:
                 first = time.perf_counter() - t0
             if data == "[DONE]":
                 break
-        return first, time.perf_counter() - t0
-    return one
-
-
-def baseline(http: httpx.AsyncClient) -> Stream:
-    async def one(body: dict[str, object]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        first = 0.0
-        async with http.stream("POST", "/v1/completions", json=body) as resp:
-            async for data in sse_data(resp.aiter_bytes()):
-                if not first:
-                    first = time.perf_counter() - t0
-                if data == "[DONE]":
-                    break
-        return first, time.perf_counter() - t0
-    return one
+    return first, time.perf_counter() - t0
 
 
 async def measure(args: argparse.Namespace, url: str) -> None:
@@ -96,13 +95,13 @@ async def measure(args: argparse.Namespace, url: str) -> None:
     try:
         for one in clients.values():  # connections and first-call costs off the record
             for _ in range(20):
-                await one(body)
+                await timed(one, body)
         rounds = 10
         for _ in range(rounds):
             for name, one in clients.items():
                 c0 = time.process_time()
                 for _ in range(args.requests // rounds):
-                    times[name].append(await one(body))
+                    times[name].append(await timed(one, body))
                 cpu[name] += time.process_time() - c0
     finally:
         await aio.aclose()
