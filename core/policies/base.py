@@ -9,7 +9,7 @@ no caller probes it for attributes.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, count, islice
 from operator import eq
@@ -67,6 +67,11 @@ class Scored(NamedTuple):
     cost: float
 
 
+Sorted = tuple[list[str], list[float], list[int], list[int]]
+"""A ranking's workers sorted by cost, their costs, and the starts and ends of its runs of
+equal costs (:class:`Ranking`'s arguments)."""
+
+
 class Ranking(Sequence[Scored]):
     """Workers best first, with their costs; :class:`Scored` items are made on access.
 
@@ -76,17 +81,29 @@ class Ranking(Sequence[Scored]):
     same reason: over 1,000 workers a ranking can hold a hundred such runs, hashing most of
     the workers, and a router reads the first. What is read is the same either way."""
 
-    __slots__ = ("_affinity", "_costs", "_ends", "_order", "_starts")
+    __slots__ = ("_affinity", "_costs", "_ends", "_order", "_rest", "_size", "_starts")
 
     def __init__(self, order: list[str], costs: list[float], affinity: int = 0,
-                 starts: list[int] | None = None, ends: list[int] | None = None) -> None:
+                 starts: list[int] | None = None, ends: list[int] | None = None, *,
+                 rest: Callable[[], Sorted] | None = None, size: int = 0) -> None:
         """``starts``, ``ends``: the slices ``[starts[k], ends[k])`` of ``order`` holding
-        equal costs, ascending, still to be put in ``affinity``'s rendezvous order."""
+        equal costs, ascending, still to be put in ``affinity``'s rendezvous order.
+        ``rest``: ``order`` is only the ranking's head, every worker costing no more than its
+        last (so no run of equal costs goes past it), of ``size`` workers in all; ``rest()``
+        gives the whole, sorted the same way, when a caller reads past the head."""
         self._order = order
         self._costs = costs
         self._affinity = affinity
         self._starts = starts if starts is not None else []
         self._ends = ends if ends is not None else []
+        self._rest = rest
+        self._size = size if rest is not None else len(order)
+
+    def _complete(self) -> None:
+        """Sort the rest, once: the head's runs come again and settle as they did."""
+        if self._rest is not None:
+            self._order, self._costs, self._starts, self._ends = self._rest()
+            self._rest = None
 
     def _settle(self, i: int) -> None:
         """Put the run holding position ``i`` (if any is left) in rendezvous order."""
@@ -96,11 +113,12 @@ class Ranking(Sequence[Scored]):
             self._order[a:b] = rendezvous_order(self._affinity, self._order[a:b])
 
     def _settle_all(self) -> None:
+        self._complete()
         while self._starts:
             self._settle(self._starts[0])
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._size
 
     @overload
     def __getitem__(self, i: int) -> Scored: ...
@@ -112,8 +130,14 @@ class Ranking(Sequence[Scored]):
         if isinstance(i, slice):
             self._settle_all()
             return list(map(Scored, self._order[i], self._costs[i]))
+        if i < 0:
+            i += self._size
+            if i < 0:
+                raise IndexError("ranking index out of range")
+        if i >= len(self._order):
+            self._complete()
         if self._starts:
-            self._settle(i if i >= 0 else i + len(self._order))
+            self._settle(i)
         return Scored(self._order[i], self._costs[i])
 
     def __iter__(self) -> Iterator[Scored]:
@@ -189,6 +213,7 @@ def ranking_of(query: RouteQuery, order: list[str], vals: list[float],
         if len(set(vals)) != len(vals):  # cheaper than finding no ties
             _runs(list(compress(count(), map(eq, vals, islice(vals, 1, None)))), *runs)
     return Ranking(order, vals, query.affinity, *runs)
+
 
 
 def _runs(tied: list[int], starts: list[int], ends: list[int]) -> None:

@@ -3,15 +3,19 @@ columns (:meth:`~kvroute.core.policies.kvroute.Kvroute.rank_columns`): numpy exp
 or the C kernel ``core/_native/costs.c`` where it was built, which does the same operations
 in the same order in one pass over the workers (the same floats, bit for bit). Over 1,000
 workers the numpy expressions are some thirty array operations, each paying numpy's call
-overhead; the kernel is one loop.
+overhead; the kernel is one loop. Also here: each worker's cached tokens by row, and a
+ranking's sort with its runs of equal costs.
 
-Both take each row of ``d`` (``d[Column.X][i]`` is worker ``i``'s X) as float64."""
+The sums take each row of ``d`` (``d[Column.X][i]`` is worker ``i``'s X) as float64."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
 from kvroute.core.load_table import Column
+from kvroute.core.policies.base import RouteQuery, Sorted
 
 try:
     from kvroute.core import _costs as _native
@@ -60,3 +64,34 @@ def worker_costs(queued: np.ndarray, d: np.ndarray, c: np.ndarray, *, p: float, 
     evicted = n - np.maximum((capacity - cached) * bs, 0.0)
     pressure = (c < top) & (capacity > 0) & (evicted > 0)
     return np.where(pressure, cost + reuse * np.minimum(top - c, evicted), cost)
+
+
+def cached_columns(query: RouteQuery, rows: Mapping[str, int], n: int) -> np.ndarray:
+    """Each worker's :meth:`~RouteQuery.cached_tokens` of the prompt, by its row of the load
+    columns (a match of a worker with no row is left out: not a candidate)."""
+    c = np.zeros(n)
+    matched = query.matched_blocks
+    at = list(map(rows.get, matched))
+    if None in at:
+        kept = [(i, m) for i, m in zip(at, matched.values(), strict=True) if i is not None]
+        at, blocks = [i for i, _ in kept], [m for _, m in kept]
+    else:
+        blocks = matched.values()
+    if at:
+        c[at] = np.minimum(np.fromiter(blocks, float, len(at)) * query.block_size,
+                           query.prompt_tokens)
+    return c
+
+
+def sorted_costs(names: np.ndarray, cost: np.ndarray, idx: np.ndarray) -> Sorted:
+    """The workers at ``idx`` (sorted by ``cost``, stably), their costs and their runs of
+    equal costs, found with numpy (on a quiet cluster most workers tie)."""
+    ranked = cost[idx]
+    tied = np.flatnonzero(ranked[1:] == ranked[:-1])
+    starts: list[int] = []
+    ends: list[int] = []
+    if tied.size:
+        breaks = np.flatnonzero(np.diff(tied) != 1)
+        starts = tied[np.concatenate(([0], breaks + 1))].tolist()
+        ends = (tied[np.concatenate((breaks, [tied.size - 1]))] + 2).tolist()
+    return names[idx].tolist(), ranked.tolist(), starts, ends

@@ -13,8 +13,19 @@ import numpy as np
 
 from kvroute.core.load import ARRIVAL_TAU_S, WorkerLoad
 from kvroute.core.load_table import Column, LoadTable
-from kvroute.core.policies.base import RouteQuery, Scored, rank_by_cost, ranking_of
-from kvroute.core.policies.columns import queued_waits, worker_costs
+from kvroute.core.policies.base import (
+    Ranking,
+    RouteQuery,
+    Scored,
+    Sorted,
+    rank_by_cost,
+)
+from kvroute.core.policies.columns import (
+    cached_columns,
+    queued_waits,
+    sorted_costs,
+    worker_costs,
+)
 from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.settings import Range
 
@@ -22,6 +33,9 @@ _MODEL = CostModel()
 # From this many workers a ranking reads a LoadTable's columns with numpy: below it, numpy's
 # fixed cost per array operation is more than the Python loop over the workers.
 COLUMNS_FROM = 64
+HEAD = 8
+"""Over the load columns, the workers a ranking sorts at once: every one costing no more than
+the ``HEAD``-th cheapest (the rest is sorted if a caller reads past them)."""
 
 
 def param(default: float, range_: Range, meaning: str) -> float:
@@ -99,23 +113,6 @@ def later_arrivals(loads: Mapping[str, WorkerLoad], waits: Sequence[float], unit
     rho = utilisation(sum(ld.prefill_rate for ld in lds) * unit_s / n,
                       sum(ld.waiting for ld in lds) / n, most)
     return sum(ld.arrival_rate for ld in lds) / n * unit_s / (1.0 - rho), sum(waits) / n
-
-
-def cached_columns(query: RouteQuery, rows: Mapping[str, int], n: int) -> np.ndarray:
-    """Each worker's :meth:`~RouteQuery.cached_tokens` of the prompt, by its row of the load
-    columns (a match of a worker with no row is left out: not a candidate)."""
-    c = np.zeros(n)
-    matched = query.matched_blocks
-    at = list(map(rows.get, matched))
-    if None in at:
-        kept = [(i, m) for i, m in zip(at, matched.values(), strict=True) if i is not None]
-        at, blocks = [i for i, _ in kept], [m for _, m in kept]
-    else:
-        blocks = matched.values()
-    if at:
-        c[at] = np.minimum(np.fromiter(blocks, float, len(at)) * query.block_size,
-                           query.prompt_tokens)
-    return c
 
 
 def drain_delay(own: float, k: float, wait: float) -> float:
@@ -314,18 +311,19 @@ class Kvroute:
         for w in query.lower_blocks:
             if (i := rows.get(w)) is not None:
                 cost[i] += self.load(query, w)
-        # Equal costs go in rendezvous order after, so any sort would do: numpy's stable
-        # one is the fastest on float64 (half quicksort's time over 1,000 workers).
-        idx = np.argsort(cost, kind="stable")
-        ranked = cost[idx]
-        # The runs of equal costs, found here: on a quiet cluster most workers tie.
-        tied = np.flatnonzero(ranked[1:] == ranked[:-1])
-        runs: tuple[list[int], list[int]] = ([], [])
-        if tied.size:
-            breaks = np.flatnonzero(np.diff(tied) != 1)
-            runs = (tied[np.concatenate(([0], breaks + 1))].tolist(),
-                    (tied[np.concatenate((breaks, [tied.size - 1]))] + 2).tolist())
-        return ranking_of(query, names[idx].tolist(), ranked.tolist(), runs)
+        # A router reads the choice and perhaps a retry's: the head is sorted now, the rest
+        # when a caller reads past it.
+        head = np.flatnonzero(cost <= np.partition(cost, HEAD - 1)[HEAD - 1]) \
+            if len(cost) > 4 * HEAD else None
+        def whole() -> Sorted:
+            return sorted_costs(names, cost, np.argsort(cost, kind="stable"))
+        if head is None or len(head) * 2 > len(cost):
+            order, vals, starts, ends = whole()
+            return Ranking(order, vals, query.affinity, starts, ends)
+        # Indices ascending, sorted stably: the full stable sort's first len(head).
+        order, vals, starts, ends = sorted_costs(
+            names, cost, head[np.argsort(cost[head], kind="stable")])
+        return Ranking(order, vals, query.affinity, starts, ends, rest=whole, size=len(cost))
 
     def load(self, query: RouteQuery, worker: str) -> float:
         """``load_w``: loading the prompt's blocks ``worker`` holds only in a lower tier

@@ -14,6 +14,7 @@ from kvroute.core.policies import REGISTRY, Kvroute, RouteQuery, make_policy
 from kvroute.core.policies.cost_model import CostModel
 from kvroute.core.policies.kvroute import (
     COLUMNS_FROM,
+    HEAD,
     cache_pressure,
     decode_delay,
     elapsed,
@@ -379,3 +380,35 @@ def test_the_columns_place_a_replica_as_the_loop(loads: list[WorkerLoad], matche
                        f"w{holder:03d}")
     event("copy" if loop else "none")
     assert columns == loop
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.integers(0, 6), min_size=4 * HEAD + 1, max_size=120),
+       reads=st.lists(st.integers(-120, 119), max_size=6), affinity=st.integers(0, 2**64 - 1))
+def test_a_ranking_read_in_any_order_is_the_whole_sort(costs: list[int], reads: list[int],
+                                                       affinity: int) -> None:
+    """Over the load columns only the cheapest workers are sorted at once (every one costing
+    no more than the HEAD-th, so a run of ties is never cut): read in any order, by index,
+    past the head or back from the end, the ranking is the one of the whole sort."""
+    table = LoadTable()
+    for i, pending in enumerate(costs):
+        table[f"w{i:03d}"] = WorkerLoad(pending_prefill_tokens=1000 * pending)
+    query = q({}, table, 512, affinity=affinity)
+    whole = list(Kvroute().rank(q({}, dict(table), 512, affinity=affinity)))
+    ranking = Kvroute().rank_columns(query, table)
+    assert len(ranking) == len(costs)
+    for i in reads:
+        if -len(costs) <= i < len(costs):
+            assert ranking[i] == whole[i]
+    assert list(ranking) == whole
+
+
+def test_a_ranking_refuses_an_index_past_either_end() -> None:
+    table = LoadTable()
+    for i in range(4 * HEAD + 8):
+        table[f"w{i:03d}"] = WorkerLoad(pending_prefill_tokens=10 * i)
+    ranking = Kvroute().rank_columns(q({}, table, 512), table)
+    assert ranking[-len(table)].worker == "w000"
+    for i in (len(table), -len(table) - 1):
+        with pytest.raises(IndexError):
+            ranking[i]
