@@ -317,9 +317,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         return routed, [e for _, e in rest[: self._cfg.epp.fallbacks]]
 
     def _ranked(self, d: Decision, subset: Iterable[str] | None) -> list[tuple[str, str]]:
-        """(worker, endpoint) best first, of the workers still live (and in ``subset``)."""
+        """(worker, endpoint) best first, of the workers still live (and in ``subset``):
+        the choice and its fallbacks, no more (a ranking sorts only as far as it is
+        read)."""
         allowed = set(subset) if subset is not None else None
-        out = []
+        out: list[tuple[str, str]] = []
         for s in d.ranked:
             info = self._app.registry.get(s.worker)
             if info is None or s.worker not in self._app.registry.loads:
@@ -327,6 +329,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             e = engine_endpoint(info, self._cfg.epp.target_port)
             if allowed is None or e in allowed:
                 out.append((s.worker, e))
+                if len(out) > self._cfg.epp.fallbacks:
+                    break
         return out
 
     def _any_pod(self, subset: Iterable[str] | None) -> str | ApiError:

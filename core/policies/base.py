@@ -141,8 +141,19 @@ class Ranking(Sequence[Scored]):
         return Scored(self._order[i], self._costs[i])
 
     def __iter__(self) -> Iterator[Scored]:
+        if self._rest is not None:
+            return self._head_first()
         self._settle_all()
         return map(Scored, self._order, self._costs)
+
+    def _head_first(self) -> Iterator[Scored]:
+        """The head read as it is, the rest sorted only if the caller reads on."""
+        i = 0
+        while self._rest is not None and i < len(self._order):
+            yield self[i]
+            i += 1
+        self._settle_all()
+        yield from map(Scored, self._order[i:], self._costs[i:])
 
 
 class Policy(Protocol):

@@ -3,6 +3,8 @@ term-by-term formula on random loads."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -412,3 +414,15 @@ def test_a_ranking_refuses_an_index_past_either_end() -> None:
     for i in (len(table), -len(table) - 1):
         with pytest.raises(IndexError):
             ranking[i]
+
+
+def test_iterating_a_ranking_sorts_the_rest_only_when_read_past_the_head() -> None:
+    table = LoadTable()
+    for i in range(8 * HEAD):
+        table[f"w{i:03d}"] = WorkerLoad(pending_prefill_tokens=10 * (i % 16))
+    ranking = Kvroute().rank_columns(q({}, table, 512), table)
+    whole = list(Kvroute().rank(q({}, dict(table), 512)))
+    assert next(iter(ranking)) == whole[0]
+    assert ranking._rest is not None  # the router's retry loop stops here
+    assert list(itertools.islice(ranking, 3 * HEAD)) == whole[:3 * HEAD]
+    assert ranking._rest is None and list(ranking) == whole
