@@ -226,7 +226,6 @@ def ranking_of(query: RouteQuery, order: list[str], vals: list[float],
     return Ranking(order, vals, query.affinity, *runs)
 
 
-
 def _runs(tied: list[int], starts: list[int], ends: list[int]) -> None:
     """Append to ``starts`` and ``ends`` the slices ``[i, j)`` of equal costs, given
     (ascending) every position ``i`` whose cost equals the next one's."""

@@ -311,19 +311,22 @@ class Kvroute:
         for w in query.lower_blocks:
             if (i := rows.get(w)) is not None:
                 cost[i] += self.load(query, w)
-        # A router reads the choice and perhaps a retry's: the head is sorted now, the rest
-        # when a caller reads past it.
-        head = np.flatnonzero(cost <= np.partition(cost, HEAD - 1)[HEAD - 1]) \
-            if len(cost) > 4 * HEAD else None
+
         def whole() -> Sorted:
             return sorted_costs(names, cost, np.argsort(cost, kind="stable"))
-        if head is None or len(head) * 2 > len(cost):
-            order, vals, starts, ends = whole()
-            return Ranking(order, vals, query.affinity, starts, ends)
-        # Indices ascending, sorted stably: the full stable sort's first len(head).
-        order, vals, starts, ends = sorted_costs(
-            names, cost, head[np.argsort(cost[head], kind="stable")])
-        return Ranking(order, vals, query.affinity, starts, ends, rest=whole, size=len(cost))
+
+        # A router reads the choice and perhaps a retry's: the head is sorted now, the rest
+        # when a caller reads past it (unless ties make the head most of the ranking).
+        if len(cost) > 4 * HEAD:
+            head = np.flatnonzero(cost <= np.partition(cost, HEAD - 1)[HEAD - 1])
+            if len(head) * 2 <= len(cost):
+                # Indices ascending, sorted stably: the full stable sort's first len(head).
+                order, vals, starts, ends = sorted_costs(
+                    names, cost, head[np.argsort(cost[head], kind="stable")])
+                return Ranking(order, vals, query.affinity, starts, ends, rest=whole,
+                               size=len(cost))
+        order, vals, starts, ends = whole()
+        return Ranking(order, vals, query.affinity, starts, ends)
 
     def load(self, query: RouteQuery, worker: str) -> float:
         """``load_w``: loading the prompt's blocks ``worker`` holds only in a lower tier

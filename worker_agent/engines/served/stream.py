@@ -57,31 +57,33 @@ async def sse_data(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
     buf: list[str] = []
     partial: list[bytes] = []
     async for piece in pieces:
-        if b"\n" not in piece:
-            partial.append(piece)
-            continue
         partial.append(piece)
+        if b"\n" not in piece:
+            continue
         *lines, rest = b"".join(partial).split(b"\n")
         partial = [rest] if rest else []
         for raw in lines:
-            line = raw.decode("utf-8", "replace").removesuffix("\r")
-            if not line:
-                if buf:
-                    yield "\n".join(buf)
-                    buf = []
-                continue
-            if line.startswith(":"):
-                continue  # comment / keep-alive
-            name, _, value = line.partition(":")
-            if name == "data":
-                buf.append(value[1:] if value.startswith(" ") else value)
+            if (data := _sse_line(raw, buf)) is not None:
+                yield data
     if partial:
-        tail = b"".join(partial).decode("utf-8", "replace").removesuffix("\r")
-        name, _, value = tail.partition(":")
-        if name == "data":
-            buf.append(value[1:] if value.startswith(" ") else value)
+        _sse_line(b"".join(partial), buf)
     if buf:
         yield "\n".join(buf)
+
+
+def _sse_line(raw: bytes, buf: list[str]) -> str | None:
+    """One line of an event stream: a ``data`` field's value into ``buf``; at the blank
+    line that ends an event, its data (``buf`` emptied). Comments and other fields are
+    skipped."""
+    line = raw.decode("utf-8", "replace").removesuffix("\r")
+    if not line:
+        data = "\n".join(buf) if buf else None
+        buf.clear()
+        return data
+    name, _, value = line.partition(":")
+    if name == "data":
+        buf.append(value.removeprefix(" "))
+    return None
 
 
 class ServerHttp:
