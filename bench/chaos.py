@@ -49,10 +49,12 @@ Figures (each an invariant; the exit code is 1 if one fails):
     python bench/chaos.py [--duration 60] [--clients 12] [--seed 1] [--quick] [--json OUT]
                           [--router-flags '--connect-timeout-s 20']  # (that one fails)
 
-A client retries on the other router only an UNAVAILABLE with nothing sent (no response,
-no ``kvroute-output-sent`` trailer): the router down (``router down``), or a router that
-refused it because every worker it tried failed first (``refused: ...``, listed: each is a
-request the cluster could not place on its own). Every other failure is final.
+A client retries on the other router only an UNAVAILABLE or a CANCELLED it did not cause,
+with nothing sent (no response, no ``kvroute-output-sent`` trailer): the router down
+(``router down``), a call caught in a router's stop (``router stopping``, see
+docs/failure.md), or a router that refused it because every worker it tried failed first
+(``refused: ...``, listed: each is a request the cluster could not place on its own). Every
+other failure is final.
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ PREFIX = 256  # tokens of each hot prefix (16 blocks)
 # sent to it later than this before it wakes may be served by it.
 CONNECT_TIMEOUT_S = WorkerSettings().connect_timeout_s
 DOCS = 12
+# Failures a client may retry when nothing was sent. This client never cancels a call, so a
+# CANCELLED is the server's: a call that reached the router in the instant its server
+# stopped, before any handler took it (gRPC core grpc/grpc#41785; UNAVAILABLE once fixed).
+SAFE_TO_RETRY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 # gRPC's own words when the router itself is gone (its messages start otherwise).
 ROUTER_DOWN = re.compile(r"^(failed to connect|socket closed|broken pipe|connection reset|"
                          r"goaway|.*server shutdown)", re.I)
@@ -249,14 +255,16 @@ async def one_request(stubs: list[Any], start_router: int, req: common_pb2.Gener
             trailer = dict(exc.trailing_metadata() or ())
             with contextlib.suppress(ValueError):
                 out.output_sent = int(trailer.get(OUTPUT_SENT, 0))
-            # UNAVAILABLE with nothing sent (no response, no output-sent trailer) is safe to
-            # retry, the trailer's point: the router down, or one refusing it (every worker
-            # it tried failed first). Either is retried once on the other router, and told
-            # apart in the report.
-            if (exc.code() == grpc.StatusCode.UNAVAILABLE and not got
+            # Nothing sent (no response, no output-sent trailer) is safe to retry, the
+            # trailer's point: the router down, or one refusing it (every worker it tried
+            # failed first), or a call caught in the router's stop. Each is retried once on
+            # the other router, and told apart in the report.
+            if (exc.code() in SAFE_TO_RETRY and not got
                     and OUTPUT_SENT not in trailer and attempt + 1 < ROUTERS):
-                out.failovers.append("router down" if ROUTER_DOWN.match(out.details)
-                                     else f"refused: {out.details[:70]}")
+                out.failovers.append(
+                    "router down" if ROUTER_DOWN.match(out.details)
+                    else "router stopping" if exc.code() == grpc.StatusCode.CANCELLED
+                    else f"refused: {out.details[:70]}")
                 r = (r + 1) % ROUTERS
                 continue
         break
