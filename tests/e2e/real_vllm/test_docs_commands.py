@@ -34,7 +34,7 @@ def documented() -> tuple[list[str], list[str]]:
 
 def test_the_documented_vllm_and_agent_commands_are_the_suites() -> None:
     server, agent = documented()
-    ours = VllmServer(VllmCpu(Path("/cache")), 8000, 5557, 5558, Path("/tmp/log"))
+    ours = VllmServer(VllmCpu(root=Path("/cache")), 8000, 5557, 5558, Path("/tmp/log"))
     theirs, mine = flags(server), flags(ours.argv())
     assert set(theirs) == set(mine) - TEST_ONLY
     events = json.loads(theirs["--kv-events-config"] or "")
