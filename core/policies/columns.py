@@ -71,15 +71,16 @@ def cached_columns(query: RouteQuery, rows: Mapping[str, int], n: int) -> np.nda
     columns (a match of a worker with no row is left out: not a candidate)."""
     c = np.zeros(n)
     matched = query.matched_blocks
-    at = list(map(rows.get, matched))
-    if None in at:
-        kept = [(i, m) for i, m in zip(at, matched.values(), strict=True) if i is not None]
-        at, blocks = [i for i, _ in kept], [m for _, m in kept]
-    else:
-        blocks = matched.values()
-    if at:
-        c[at] = np.minimum(np.fromiter(blocks, float, len(at)) * query.block_size,
-                           query.prompt_tokens)
+    if not matched:
+        return c
+    try:  # the rows in one C loop: every match has one, as the router's rank_request leaves it
+        at = np.fromiter(map(rows.__getitem__, matched), np.intp, len(matched))
+        blocks = np.fromiter(matched.values(), float, len(matched))
+    except KeyError:
+        kept = [(rows[w], m) for w, m in matched.items() if w in rows]
+        at = np.fromiter((i for i, _ in kept), np.intp, len(kept))
+        blocks = np.fromiter((m for _, m in kept), float, len(kept))
+    c[at] = np.minimum(blocks * query.block_size, query.prompt_tokens)
     return c
 
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kvroute.core.load import WorkerLoad
 from kvroute.core.load_table import LoadTable
 from kvroute.core.policies import columns
-from kvroute.core.policies.columns import queued_waits, worker_costs
+from kvroute.core.policies.base import RouteQuery
+from kvroute.core.policies.columns import cached_columns, queued_waits, worker_costs
 from tests.core.test_policy_kvroute import loads_st
 
 pytestmark = pytest.mark.skipif(not columns.NATIVE, reason="the C kernel was not built "
@@ -51,3 +52,20 @@ def test_arrays_it_cannot_read_are_refused() -> None:
         _costs.queued(ok, ok, ok, 0.0, np.frombuffer(bytes(32)))
     with pytest.raises(ValueError):  # not contiguous
         _costs.queued(ok, ok, np.ones(8)[::2], 0.0, out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from([f"w{i}" for i in range(12)]),
+                       st.integers(1, 40), max_size=12),
+       st.integers(1, 9), st.integers(1, 600))
+def test_cached_columns_are_each_rows_cached_tokens(matched: dict[str, int], rows_kept: int,
+                                                    prompt: int) -> None:
+    """By row, each worker's ``cached_tokens`` (capped at the prompt); a match of a worker
+    with no row (not a candidate) is left out, wherever it stands in the match."""
+    rows = {f"w{i}": rows_kept - 1 - i for i in range(rows_kept)}  # rows out of name order
+    query = RouteQuery(prompt, 16, matched, {})
+    got = cached_columns(query, rows, rows_kept)
+    want = np.zeros(rows_kept)
+    for w, i in rows.items():
+        want[i] = query.cached_tokens(w)
+    assert got.tolist() == want.tolist()
