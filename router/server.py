@@ -307,14 +307,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _candidates(self, d: Decision, waited: bool) -> Iterator[tuple[str, str]]:
         """(worker, address) to try, best first: the chosen one and the next-best once.
-        A worker gone, or marked down while this request waited (its producer's), is
+        A worker gone, or marked down since the decision (while this request waited for
+        its producer, or while its first attempt waited on a worker that then failed), is
         skipped and does not use up the retry."""
         sent = 0
         for cand in d.ranked:
             if sent >= _MAX_ATTEMPTS:
                 return
             info = self._registry.get(cand.worker)
-            if info is None or (waited and cand.worker not in self._registry.loads):
+            if info is None or ((waited or sent) and cand.worker not in self._registry.loads):
                 continue
             if sent:
                 self._m.retries.inc()

@@ -117,6 +117,39 @@ async def test_a_candidate_gone_since_the_decision_does_not_use_up_the_retry(clu
         hung.proc.send_signal(signal.SIGCONT)
 
 
+async def test_a_next_best_marked_down_meanwhile_does_not_use_up_the_retry(cluster) -> None:
+    """While the first attempt waits on a hung worker, the next-best is marked down (as
+    another request's failure would): the retry skips it for the one after (before: the
+    retry went to the worker the router had just marked down)."""
+    import dataclasses
+
+    from kvroute.core.policies.base import Scored
+
+    with agents(cluster.redis.url, "hung", "downed", "well",
+                extra=["--heartbeat-s", "1", "--heartbeat-ttl-s", "30"]) as (hung, _, _):
+        router = await cluster.router(policy="round_robin", predict_ttl_s=0)
+        await wait_for(lambda: {"hung", "downed", "well"} <= set(router.registry.loads), 20,
+                       "the agents registered")
+        for i in range(3):  # channels to all are open: the hang is not at connect
+            await call(router.port, plain(prompt(40, i)), timeout=10)
+        service = router.service
+        decide = service.decide_request
+
+        def hung_then_downed_then_well(*args, **kw):
+            tokens, d = decide(*args, **kw)
+            order = [Scored("hung", 0.0), Scored("downed", 1.0), Scored("well", 2.0)]
+            # Marked down after the decision, before the retry.
+            asyncio.get_running_loop().call_later(
+                0.2, router.registry.mark_down, "downed", 30.0, "another request failed")
+            return tokens, dataclasses.replace(d, ranked=order)
+
+        service.decide_request = hung_then_downed_then_well
+        hung.proc.send_signal(signal.SIGSTOP)
+        out = await call(router.port, plain(prompt(40, 5)), timeout=8)
+        assert out[-1].worker_id == "well"
+        hung.proc.send_signal(signal.SIGCONT)
+
+
 async def test_with_only_a_hung_worker_the_client_hears_before_its_deadline(cluster) -> None:
     with agents(cluster.redis.url, "only", extra=["--heartbeat-s", "1", "--heartbeat-ttl-s",
                                                   "30"]) as (only,):
