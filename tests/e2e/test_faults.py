@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
+from kvroute.router.app import RouterApp
 from kvroute.router.refusal import OUTPUT_SENT
 from kvroute.v1 import common_pb2, router_pb2_grpc
 from tests.support import AgentProc, LoadLoop, generate, wait_for
@@ -86,68 +87,61 @@ async def test_a_hung_worker_is_left_for_the_next_best_before_the_deadline(clust
         hung.proc.send_signal(signal.SIGCONT)
 
 
-async def test_a_candidate_gone_since_the_decision_does_not_use_up_the_retry(cluster) -> None:
-    """The ranking names a worker that has left the registry (here put first by hand: it
-    happens when one leaves between decision and send), then a hung one, then a well one.
-    The gone one is skipped without counting as an attempt, so the hung one's failure still
-    leaves the retry for the well one (before: the retry was spent, UNAVAILABLE)."""
+async def served_over_ranking(cluster, order: list[str], workers: list[str],
+                              after_decision: Callable[[RouterApp], None] | None = None) -> str:
+    """The worker that serves a request the router ranks as ``order`` (names given by hand:
+    ``workers`` run, "hung" among them SIGSTOPped after warming up), ``after_decision``
+    called with the router as each decision is made."""
     import dataclasses
 
     from kvroute.core.policies.base import Scored
 
-    with agents(cluster.redis.url, "hung", "well", extra=["--heartbeat-s", "1",
-                                                          "--heartbeat-ttl-s", "30"]) as (hung, _):
+    with agents(cluster.redis.url, *workers,
+                extra=["--heartbeat-s", "1", "--heartbeat-ttl-s", "30"]) as procs:
         router = await cluster.router(policy="round_robin", predict_ttl_s=0)
-        await wait_for(lambda: {"hung", "well"} <= set(router.registry.loads), 20,
-                       "both agents registered")
-        for i in range(2):  # channels to both are open: the hang is not at connect
+        await wait_for(lambda: set(workers) <= set(router.registry.loads), 20,
+                       "the agents registered")
+        for i in range(len(workers)):  # channels to all are open: the hang is not at connect
             await call(router.port, plain(prompt(40, i)), timeout=10)
         service = router.service
         decide = service.decide_request
 
-        def gone_then_hung_then_well(*args, **kw):
+        def ranked_by_hand(*args, **kw):
             tokens, d = decide(*args, **kw)
-            order = [Scored("gone", 0.0), Scored("hung", 1.0), Scored("well", 2.0)]
-            return tokens, dataclasses.replace(d, ranked=order)
+            if after_decision is not None:
+                after_decision(router)
+            ranked = [Scored(w, float(i)) for i, w in enumerate(order)]
+            return tokens, dataclasses.replace(d, ranked=ranked)
 
-        service.decide_request = gone_then_hung_then_well
+        service.decide_request = ranked_by_hand
+        hung = procs[workers.index("hung")]
         hung.proc.send_signal(signal.SIGSTOP)
-        out = await call(router.port, plain(prompt(40, 5)), timeout=8)
-        assert out[-1].worker_id == "well"
-        hung.proc.send_signal(signal.SIGCONT)
+        try:
+            out = await call(router.port, plain(prompt(40, 5)), timeout=8)
+        finally:
+            hung.proc.send_signal(signal.SIGCONT)
+        return out[-1].worker_id
+
+
+async def test_a_candidate_gone_since_the_decision_does_not_use_up_the_retry(cluster) -> None:
+    """The ranking names a worker that has left the registry (it happens when one leaves
+    between decision and send), then a hung one, then a well one. The gone one is skipped
+    without counting as an attempt, so the hung one's failure still leaves the retry for the
+    well one (before: the retry was spent, UNAVAILABLE)."""
+    assert await served_over_ranking(cluster, ["gone", "hung", "well"],
+                                     ["hung", "well"]) == "well"
 
 
 async def test_a_next_best_marked_down_meanwhile_does_not_use_up_the_retry(cluster) -> None:
     """While the first attempt waits on a hung worker, the next-best is marked down (as
     another request's failure would): the retry skips it for the one after (before: the
     retry went to the worker the router had just marked down)."""
-    import dataclasses
+    def mark_down_soon(router: RouterApp) -> None:  # after the decision, before the retry
+        asyncio.get_running_loop().call_later(
+            0.2, router.registry.mark_down, "downed", 30.0, "another request failed")
 
-    from kvroute.core.policies.base import Scored
-
-    with agents(cluster.redis.url, "hung", "downed", "well",
-                extra=["--heartbeat-s", "1", "--heartbeat-ttl-s", "30"]) as (hung, _, _):
-        router = await cluster.router(policy="round_robin", predict_ttl_s=0)
-        await wait_for(lambda: {"hung", "downed", "well"} <= set(router.registry.loads), 20,
-                       "the agents registered")
-        for i in range(3):  # channels to all are open: the hang is not at connect
-            await call(router.port, plain(prompt(40, i)), timeout=10)
-        service = router.service
-        decide = service.decide_request
-
-        def hung_then_downed_then_well(*args, **kw):
-            tokens, d = decide(*args, **kw)
-            order = [Scored("hung", 0.0), Scored("downed", 1.0), Scored("well", 2.0)]
-            # Marked down after the decision, before the retry.
-            asyncio.get_running_loop().call_later(
-                0.2, router.registry.mark_down, "downed", 30.0, "another request failed")
-            return tokens, dataclasses.replace(d, ranked=order)
-
-        service.decide_request = hung_then_downed_then_well
-        hung.proc.send_signal(signal.SIGSTOP)
-        out = await call(router.port, plain(prompt(40, 5)), timeout=8)
-        assert out[-1].worker_id == "well"
-        hung.proc.send_signal(signal.SIGCONT)
+    assert await served_over_ranking(cluster, ["hung", "downed", "well"],
+                                     ["hung", "downed", "well"], mark_down_soon) == "well"
 
 
 async def test_with_only_a_hung_worker_the_client_hears_before_its_deadline(cluster) -> None:
