@@ -208,6 +208,7 @@ def test_bad_keys_and_slots_are_refused_before_any_change() -> None:
     assert not isinstance(m, DictHolders), "the C holder map was not built; see setup.py"
     m.add([1], 0)
     for bad, err in (([2, -1], OverflowError), ([2, 1 << 64], OverflowError),
+                     ([2, -(1 << 64)], OverflowError), ([2, 1 << 100], OverflowError),
                      ([2, "3"], TypeError), ([2, 1.0], TypeError)):
         with pytest.raises(err):
             m.add(bad, 0)
