@@ -58,11 +58,13 @@ COUNTS = AT_LEAST_ONE.list_parser(int)  # --workers 16,128
 
 
 def build(workers: int, entries: int, prompts: Sequence[list[int]], rng: random.Random,
-          hot: float = 0.0) -> tuple[PrefixIndex, dict[str, set[int]], list[str]]:
+          hot: float = 0.0, index: PrefixIndex | None = None
+          ) -> tuple[PrefixIndex, dict[str, set[int]], list[str]]:
     """An index of ``entries`` (block, worker) pairs: background chains, plus each query
     prompt's prefix cached (to a random depth) on 1-4 random workers, or with ``hot`` on
-    that share of them (at least one): how many workers a decision scores as matched."""
-    index = PrefixIndex()
+    that share of them (at least one): how many workers a decision scores as matched.
+    Filled into ``index`` if given (it must be empty)."""
+    index = PrefixIndex() if index is None else index
     naive: dict[str, set[int]] = {f"w{i}": set() for i in range(workers)}
     names = list(naive)
     hasher = BlockHasher(BLOCK, MODEL)

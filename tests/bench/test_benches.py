@@ -47,6 +47,10 @@ CASES = {
     "routing_decision.py": (["--entries", "20000", "--iters", "20"],
                             ["p99 ratio", "(dict map)  policy  replica",
                              "  8192     128    0-4 |"]),
+    # The same build against itself: both load and decide alike.
+    "holders_ab.py": (["a={holders}", "b={holders}", "--workers", "16", "--entries", "20000",
+                       "--iters", "20", "--reps", "1"],
+                      ["16 workers, ", "rep 1: a: p50 ", " | b/a: p50 "]),
     "router_rpc.py": (["--workers", "8", "--entries", "5000", "--iters", "20", "--agents", "2"],
                       ["added p50", "Generate, 1 token, 2 sim agents"]),
     "gc_pause.py": (["--entries", "20000", "--workers", "8", "--repeats", "1", "--iters", "50"],
@@ -131,6 +135,15 @@ CASES = {
 }
 
 
+def native_holders() -> str:
+    """The path of the C holder map's build (the test skips without one)."""
+    try:
+        from kvroute.core import _holders
+    except ImportError:  # pragma: no cover - depends on the build
+        pytest.skip("the C holder map is not built")
+    return str(_holders.__file__)
+
+
 def test_every_bench_is_covered() -> None:
     assert {p.name for p in BENCH.glob("*.py")} == set(CASES)
 
@@ -142,8 +155,10 @@ def test_the_bench_runs_to_its_table(script: str, chat: Path,
     # Only these read --json files: the replays that write one run for them alone.
     reads = script in ("score_cells.py", "policy_vs.py")
     scored = request.getfixturevalue("scored") if reads else ""
+    holders = native_holders() if script == "holders_ab.py" else ""
     run = subprocess.run([sys.executable, str(BENCH / script),
-                          *(a.format(chat=chat, scored=scored) for a in args)],
+                          *(a.format(chat=chat, scored=scored, holders=holders)
+                            for a in args)],
                          capture_output=True, text=True, timeout=240, cwd=BENCH.parent)
     assert run.returncode == 0, run.stderr[-2000:] or run.stdout[-2000:]
     for text in expected:
