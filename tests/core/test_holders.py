@@ -56,6 +56,23 @@ def test_walk_gives_each_slots_leading_run(native: bool) -> None:
     assert make_holders(native).walk([1, 2]) == {}  # never written
 
 
+def test_walk_over_many_keys_ends_each_run_where_it_ends(native: bool) -> None:
+    # The C walk reads a listed prompt's keys in chunks (64): runs ending on either side
+    # of a chunk's edge, or past the last one, must each end where they end.
+    keys = list(range(1000, 1200))
+    m = make_holders(native)
+    depths = {0: 1, 1: 63, 2: 64, 3: 65, 4: 128, 5: 129, 6: 199, 7: 200, 200: 130}
+    for slot, depth in depths.items():
+        m.add(keys[:depth], slot)
+    m.add(keys[66:], 8)  # no run: it lacks the first key
+    m.add([*keys[:10], *keys[11:]], 9)  # a hole at 10
+    want = {**depths, 9: 10}
+    assert m.walk(keys) == want
+    assert m.walk(iter(keys)) == want  # one at a time: the same
+    assert m.walk([*keys, 5, 6]) == want  # keys nobody holds past every run
+    assert m.walk(keys[:64]) == {s: min(d, 64) for s, d in want.items()}
+
+
 def test_walk_stops_consuming_at_the_first_key_nobody_left_holds(native: bool) -> None:
     m = make_holders(native)
     m.add([1, 2], 0)
