@@ -8,8 +8,9 @@ On a shared VM the same build's decision swings by up to 2x from one run to the 
 two builds timed in separate runs cannot be told apart by a few percent. Here each build
 gets an index of its own (``routing_decision.build``: 8k-token prompts, each held by a
 ``--hot`` share of the workers), and the decisions alternate between them, so both see the
-same machine (and each goes first in half the pairs). Prints p50/p90/p99 of each build per repetition and B's ratio to A (below 1:
-B is faster). To time a former commit's build against this one:
+same machine (each goes first in half the pairs: the second finds the request's bytes in
+cache). Prints p50/p90/p99 of each build per repetition and B's ratio to A (below 1: B is
+faster). To time a former commit's build against this one:
 
     git worktree add /tmp/former REV && (cd /tmp/former && python setup.py -q build_ext --inplace)
     python bench/holders_ab.py former=/tmp/former/core/_holders.*.so \\
@@ -81,8 +82,6 @@ def main() -> None:
     for rep in range(args.reps):
         times: dict[str, list[float]] = {label: [] for label in indexes}
         for i in range(args.iters):
-            # Which build goes first alternates: the second finds the request's own
-            # bytes, ids and keys in cache.
             for label, index in list(indexes.items())[::1 if i % 2 else -1]:
                 t0 = time.perf_counter_ns()
                 kvroute_decide(reqs[i % len(reqs)], decider, index, reg)
