@@ -37,6 +37,11 @@ RUN pip install --no-cache-dir --no-index --find-links /wheels "kvroute[kubernet
     && rm -rf /wheels \
     && python -c "from kvroute.core.native import native_builds as n; b = n(); assert all(b.values()), b"
 RUN groupadd --gid 10001 kvroute && useradd --uid 10001 --gid 10001 --no-create-home kvroute
+# malloc's heap on transparent huge pages (where the node's THP mode is madvise or always):
+# the prefix index's per-key holder lists and masks live there, and a routing walk reads
+# one per block at random; with 4 KiB pages those reads also miss the TLB (a 1,000-worker
+# decision: p50 -5%, p99 -18%, six runs each alternated on 2026-12-07; docs/scaling.md).
+ENV GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 USER 10001:10001
 # router gRPC, metrics; agent gRPC, metrics (the chart's defaults)
 EXPOSE 50051 9100 50061 9101
