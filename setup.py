@@ -15,8 +15,11 @@ setup(
         ),
         Extension(
             "kvroute.core._holders",  # the prefix index's key -> holders map (holders.py)
-            sources=["core/_native/holders.c"],
-            extra_compile_args=["-O3"],
+            sources=["core/_native/holders.c", "core/_native/holder_table.c",
+                     "core/_native/holder_walk.c"],
+            depends=["core/_native/holders.h"],
+            # Only PyInit__holders is exported: the parts' shared functions stay private.
+            extra_compile_args=["-O3", "-fvisibility=hidden"],
             optional=True,
         ),
         Extension(

@@ -7,7 +7,7 @@ Two backends with one interface (:class:`HolderMap`), chosen by ``make_holders``
   open-addressing table of 32-byte entries, each a key with its first holders inline, more
   in a heap list, many in two bitmasks: memory proportional to (key, holder) pairs, not to
   keys x workers, and nothing the cyclic collector traverses. Per-slot counts of real keys
-  are kept in C. See ``core/_native/holders.c`` for its invariants.
+  are kept in C. See ``core/_native/holders.h`` for its invariants.
 * :class:`DictHolders` (pure Python): the reference the C map is tested against.
 
 Both keep the invariants the index relies on: a key with no holder is deleted, so ``len``
