@@ -26,7 +26,7 @@ whose router is down, or refuses with nothing sent, sends it to the other one
 Not done: dropping 1% of feed events. No real way exists without a hook in the agent's
 publisher (test-only logic in production code): routers read the feed as it is written, so
 deleting entries from Redis races them. A seq gap's healing is tested on its own
-(tests/router/test_mirror.py::test_a_gap_reloads_the_snapshot); here the Redis loss (the
+(tests/router/mirror/test_mirror.py::test_a_gap_reloads_the_snapshot); here the Redis loss (the
 agents rewrite their snapshots under new epochs) and the router restart (a bootstrap)
 exercise the mirror's healing paths.
 

@@ -17,7 +17,7 @@ Contract (version 1), shared by every agent and router:
 
   so a key names a block *and its whole prefix*: equal keys mean equal prefixes.
 * Keys are unsigned 64-bit integers; on the wire (Redis) they are 8 bytes big-endian
-  (see :mod:`kvroute.core.feed`).
+  (see :func:`kvroute.core.redis_schema.pack_keys`).
 
 Test vectors are in ``tests/core/test_blocks.py`` and ``docs/block-keys.md``.
 """
