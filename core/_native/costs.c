@@ -9,6 +9,12 @@
  *       reuse, top)
  *   out[i] = score_w of worker i but for the lower tier's load term (docs/policy.md).
  *
+ * cached(matched, rows, out, block_size, prompt_tokens)
+ *   out[rows[w]] = min(blocks * block_size, prompt_tokens) for each (w, blocks) of the dict
+ *   matched whose w is a key of the dict rows (the others: not candidates, left out).
+ * kth(values, k) -> the k-th smallest of values (0-based, k < HEAD_MAX), as
+ *   numpy.partition(values, k)[k] gives it for values with no NaN.
+ *
  * Every array: float64, contiguous, one value per worker, all of the same length.
  */
 #define PY_SSIZE_T_CLEAN
@@ -110,11 +116,82 @@ static PyObject *costs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *cached(PyObject *self, PyObject *args) {
+    PyObject *matched, *rows, *a[1];
+    double bs_, p;
+    if (!PyArg_ParseTuple(args, "O!O!Odd", &PyDict_Type, &matched, &PyDict_Type, &rows, &a[0],
+                          &bs_, &p))
+        return NULL;
+    Buffers bs = {.held = 0};
+    Py_ssize_t n = take(&bs, a, 1, 1);
+    if (n < 0) return NULL;
+    double *out = bs.b[0].buf;
+    Py_ssize_t pos = 0;
+    PyObject *w, *blocks;
+    while (PyDict_Next(matched, &pos, &w, &blocks)) {
+        PyObject *row = PyDict_GetItemWithError(rows, w);
+        if (row == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            continue; /* no row: not a candidate */
+        }
+        Py_ssize_t i = PyLong_AsSsize_t(row);
+        double b = PyFloat_AsDouble(blocks);
+        if ((i == -1 || b == -1.0) && PyErr_Occurred()) goto fail;
+        if (i < 0 || i >= n) {
+            PyErr_Format(PyExc_IndexError, "row %zd of %zd", i, n);
+            goto fail;
+        }
+        double v = b * bs_;
+        out[i] = p < v ? p : v; /* numpy.minimum(v, p) for values with no NaN */
+    }
+    release(&bs);
+    Py_RETURN_NONE;
+fail:
+    release(&bs);
+    return NULL;
+}
+
+#define HEAD_MAX 64
+
+static PyObject *kth(PyObject *self, PyObject *args) {
+    PyObject *a[1];
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "On", &a[0], &k)) return NULL;
+    Buffers bs = {.held = 0};
+    Py_ssize_t n = take(&bs, a, 1, 0);
+    if (n < 0) return NULL;
+    if (k < 0 || k >= n || k >= HEAD_MAX) {
+        release(&bs);
+        PyErr_Format(PyExc_ValueError, "k=%zd out of range for %zd values (at most %d)", k, n,
+                     HEAD_MAX - 1);
+        return NULL;
+    }
+    /* the k + 1 smallest so far, ascending: one pass, an insertion only for a value below
+     * the largest kept (over 1,000 workers, a few dozen) */
+    const double *v = bs.b[0].buf;
+    double low[HEAD_MAX];
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double x = v[i];
+        if (kept == k + 1 && !(x < low[k])) continue;
+        Py_ssize_t j = kept == k + 1 ? k : kept++;
+        while (j > 0 && low[j - 1] > x) {
+            low[j] = low[j - 1];
+            j--;
+        }
+        low[j] = x;
+    }
+    release(&bs);
+    return PyFloat_FromDouble(low[k]);
+}
+
 static PyMethodDef methods[] = {
     {"queued", queued, METH_VARARGS, "queued(pending, budget, context, attn, out)"},
     {"costs", costs, METH_VARARGS,
      "costs(queued, budget, busy, capacity, cached, c, out, p, bs, attn, decode, k, "
      "wait_avg, reuse, top)"},
+    {"cached", cached, METH_VARARGS, "cached(matched, rows, out, block_size, prompt_tokens)"},
+    {"kth", kth, METH_VARARGS, "kth(values, k) -> the k-th smallest (0-based)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,6 +22,7 @@ from kvroute.core.policies.base import (
 )
 from kvroute.core.policies.columns import (
     cached_columns,
+    kth_smallest,
     queued_waits,
     sorted_costs,
     worker_costs,
@@ -318,7 +319,7 @@ class Kvroute:
         # A router reads the choice and perhaps a retry's: the head is sorted now, the rest
         # when a caller reads past it (unless ties make the head most of the ranking).
         if len(cost) > 4 * HEAD:
-            head = np.flatnonzero(cost <= np.partition(cost, HEAD - 1)[HEAD - 1])
+            head = np.flatnonzero(cost <= kth_smallest(cost, HEAD - 1))
             if len(head) * 2 <= len(cost):
                 # Indices ascending, sorted stably: the full stable sort's first len(head).
                 order, vals, starts, ends = sorted_costs(

@@ -12,7 +12,12 @@ from kvroute.core.load import WorkerLoad
 from kvroute.core.load_table import LoadTable
 from kvroute.core.policies import columns
 from kvroute.core.policies.base import RouteQuery
-from kvroute.core.policies.columns import cached_columns, queued_waits, worker_costs
+from kvroute.core.policies.columns import (
+    cached_columns,
+    kth_smallest,
+    queued_waits,
+    worker_costs,
+)
 from tests.core.test_policy_kvroute import loads_st
 
 pytestmark = pytest.mark.skipif(not columns.NATIVE, reason="the C kernel was not built "
@@ -64,8 +69,33 @@ def test_cached_columns_are_each_rows_cached_tokens(matched: dict[str, int], row
     with no row (not a candidate) is left out, wherever it stands in the match."""
     rows = {f"w{i}": rows_kept - 1 - i for i in range(rows_kept)}  # rows out of name order
     query = RouteQuery(prompt, 16, matched, {})
-    got = cached_columns(query, rows, rows_kept)
     want = np.zeros(rows_kept)
     for w, i in rows.items():
         want[i] = query.cached_tokens(w)
-    assert got.tolist() == want.tolist()
+    for native in (True, False):
+        assert cached_columns(query, rows, rows_kept, native).tolist() == want.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.5, 7.0, 1e9, float("inf")]) | st.floats(0, 1e6),
+                min_size=1, max_size=200), st.integers(0, 63))
+def test_the_kth_smallest_is_numpys(values: list[float], k: int) -> None:
+    """Ties, infinities and every k the ranking's head uses: as ``np.partition``."""
+    arr = np.array(values)
+    k = k % len(values)
+    assert kth_smallest(arr, k, native=True) == kth_smallest(arr, k, native=False)
+
+
+def test_bad_kernel_arguments_are_refused() -> None:
+    from kvroute.core import _costs
+
+    with pytest.raises(ValueError, match="out of range"):
+        _costs.kth(np.ones(4), 4)
+    with pytest.raises(ValueError, match="out of range"):
+        _costs.kth(np.ones(100), 64)
+    with pytest.raises(TypeError):
+        _costs.cached([("w0", 1)], {"w0": 0}, np.zeros(1), 16.0, 9.0)
+    with pytest.raises(IndexError, match="row 5 of 2"):
+        _costs.cached({"w0": 1}, {"w0": 5}, np.zeros(2), 16.0, 9.0)
+    with pytest.raises(TypeError):
+        _costs.cached({"w0": "x"}, {"w0": 0}, np.zeros(2), 16.0, 9.0)
