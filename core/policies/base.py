@@ -117,6 +117,18 @@ class Ranking(Sequence[Scored]):
         while self._starts:
             self._settle(self._starts[0])
 
+    def _settle_to(self, s: slice) -> None:
+        """Settle what slice ``s`` reads: a forward slice ending in the head (a Route
+        response's best few) leaves the rest unsorted, its later runs unhashed."""
+        _, stop, step = s.indices(self._size)
+        if step < 0:
+            self._settle_all()
+            return
+        if stop > len(self._order):
+            self._complete()
+        while self._starts and self._starts[0] < stop:
+            self._settle(self._starts[0])
+
     def __len__(self) -> int:
         return self._size
 
@@ -128,7 +140,7 @@ class Ranking(Sequence[Scored]):
 
     def __getitem__(self, i: int | slice) -> Scored | list[Scored]:
         if isinstance(i, slice):
-            self._settle_all()
+            self._settle_to(i)
             return list(map(Scored, self._order[i], self._costs[i]))
         if i < 0:
             i += self._size

@@ -386,12 +386,14 @@ def test_the_columns_place_a_replica_as_the_loop(loads: list[WorkerLoad], matche
 
 @settings(max_examples=200, deadline=None)
 @given(costs=st.lists(st.integers(0, 6), min_size=4 * HEAD + 1, max_size=120),
-       reads=st.lists(st.integers(-120, 119), max_size=6), affinity=st.integers(0, 2**64 - 1))
-def test_a_ranking_read_in_any_order_is_the_whole_sort(costs: list[int], reads: list[int],
+       reads=st.lists(st.integers(-120, 119) | st.slices(130), max_size=6),
+       affinity=st.integers(0, 2**64 - 1))
+def test_a_ranking_read_in_any_order_is_the_whole_sort(costs: list[int],
+                                                       reads: list[int | slice],
                                                        affinity: int) -> None:
     """Over the load columns only the cheapest workers are sorted at once (every one costing
-    no more than the HEAD-th, so a run of ties is never cut): read in any order, by index,
-    past the head or back from the end, the ranking is the one of the whole sort."""
+    no more than the HEAD-th, so a run of ties is never cut): read in any order, by index or
+    slice, past the head or back from the end, the ranking is the one of the whole sort."""
     table = LoadTable()
     for i, pending in enumerate(costs):
         table[f"w{i:03d}"] = WorkerLoad(pending_prefill_tokens=1000 * pending)
@@ -400,7 +402,7 @@ def test_a_ranking_read_in_any_order_is_the_whole_sort(costs: list[int], reads: 
     ranking = Kvroute().rank_columns(query, table)
     assert len(ranking) == len(costs)
     for i in reads:
-        if -len(costs) <= i < len(costs):
+        if isinstance(i, slice) or -len(costs) <= i < len(costs):
             assert ranking[i] == whole[i]
     assert list(ranking) == whole
 
@@ -426,3 +428,16 @@ def test_iterating_a_ranking_sorts_the_rest_only_when_read_past_the_head() -> No
     assert ranking._rest is not None  # the router's retry loop stops here
     assert list(itertools.islice(ranking, 3 * HEAD)) == whole[:3 * HEAD]
     assert ranking._rest is None and list(ranking) == whole
+
+
+def test_a_slice_of_the_head_leaves_the_rest_unsorted() -> None:
+    """A Route response lists the best few (``--route-candidates``): slicing them must not
+    sort and tie-break all the workers (over 1,000 workers that was most of a Route)."""
+    table = LoadTable()
+    for i in range(8 * HEAD):
+        table[f"w{i:03d}"] = WorkerLoad(pending_prefill_tokens=10 * (i % 16))
+    ranking = Kvroute().rank_columns(q({}, table, 512), table)
+    whole = list(Kvroute().rank(q({}, dict(table), 512)))
+    assert ranking[:4] == whole[:4]
+    assert ranking._rest is not None
+    assert ranking[2:HEAD * 3:2] == whole[2:HEAD * 3:2] and ranking._rest is None
