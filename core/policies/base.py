@@ -113,17 +113,11 @@ class Ranking(Sequence[Scored]):
             self._order[a:b] = rendezvous_order(self._affinity, self._order[a:b])
 
     def _settle_all(self) -> None:
-        self._complete()
-        while self._starts:
-            self._settle(self._starts[0])
+        self._settle_to(self._size)
 
-    def _settle_to(self, s: slice) -> None:
-        """Settle what slice ``s`` reads: a forward slice ending in the head (a Route
-        response's best few) leaves the rest unsorted, its later runs unhashed."""
-        _, stop, step = s.indices(self._size)
-        if step < 0:
-            self._settle_all()
-            return
+    def _settle_to(self, stop: int) -> None:
+        """Settle positions ``[0, stop)``: a read ending in the head (a Route response's best
+        few) leaves the rest unsorted, its later runs unhashed."""
         if stop > len(self._order):
             self._complete()
         while self._starts and self._starts[0] < stop:
@@ -140,8 +134,10 @@ class Ranking(Sequence[Scored]):
 
     def __getitem__(self, i: int | slice) -> Scored | list[Scored]:
         if isinstance(i, slice):
-            self._settle_to(i)
-            return list(map(Scored, self._order[i], self._costs[i]))
+            # Positions in the whole ranking: the head alone is shorter.
+            at = range(*i.indices(self._size))
+            self._settle_to(max(at, default=-1) + 1)
+            return [Scored(self._order[k], self._costs[k]) for k in at]
         if i < 0:
             i += self._size
             if i < 0:

@@ -441,3 +441,13 @@ def test_a_slice_of_the_head_leaves_the_rest_unsorted() -> None:
     assert ranking[:4] == whole[:4]
     assert ranking._rest is not None
     assert ranking[2:HEAD * 3:2] == whole[2:HEAD * 3:2] and ranking._rest is None
+
+
+def test_a_slice_counted_from_the_end_reads_the_whole_ranking_not_the_head() -> None:
+    table = LoadTable()
+    for i in range(100):  # 40 tie at the least cost: the head is 40 of the 100
+        table[f"w{i:03d}"] = WorkerLoad(pending_prefill_tokens=0 if i < 40 else 10 * i)
+    whole = list(Kvroute().rank(q({}, dict(table), 512)))
+    for s in (slice(None, -70), slice(-75, -65), slice(35, 5, -3)):
+        ranking = Kvroute().rank_columns(q({}, table, 512), table)
+        assert ranking[s] == whole[s]
